@@ -1,0 +1,26 @@
+# Targets explain themselves: `make help`.
+GO ?= go
+STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
+FUZZTIME ?= 5s
+PKGS := ./...
+
+.PHONY: help test lint unit bench fuzz run
+
+help: ## list the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+test: lint unit bench fuzz ## the whole suite, as CI runs it: lint, race tests, benchmarks once, short fuzzing
+
+lint: ## gofmt, go vet and staticcheck must be clean
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
+	$(GO) vet $(PKGS)
+	$(STATICCHECK) $(PKGS)
+
+unit: ## every test with the race detector
+	$(GO) test -race -count=1 -timeout 15m $(PKGS)
+
+bench: ## every benchmark once, so they keep compiling and running
+	$(GO) test -run '^$$' -bench . -benchtime 1x -benchmem -count=1 $(PKGS)
+
+fuzz: ## each fuzz target for FUZZTIME
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeResponse$$' -fuzztime $(FUZZTIME) ./cache/

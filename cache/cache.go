@@ -1,0 +1,138 @@
+// Package cache persists idempotency records: one record per stored key, first pending (a lease
+// held by the request that runs) and then completed (the response to replay).
+//
+// [Store] is the contract. [Memory] is the embedded single-replica implementation and [Redis] the
+// shared one; both pass the same conformance suite in package storetest.
+package cache
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// Errors returned by every Store. Other errors (a store that cannot be reached, a deadline) are
+// returned wrapped with the operation that failed.
+var (
+	// ErrLeaseLost means the caller no longer owns the record it tried to renew, complete or
+	// release: its lease expired, or another request took the key after that. Nothing was changed.
+	ErrLeaseLost = errors.New("cache: lease lost: it expired or another owner took the key")
+	// ErrCorrupt means a stored record could not be decoded: an unknown encoding version, or bytes
+	// that do not follow it.
+	ErrCorrupt = errors.New("cache: stored record cannot be decoded")
+	// ErrClosed means the store was closed.
+	ErrClosed = errors.New("cache: store closed")
+)
+
+// Store holds idempotency records. Implementations are safe for concurrent use by any number of
+// goroutines and, for shared stores, by any number of processes.
+//
+// Every method bounds its own work with a deadline, and also honours the deadline and
+// cancellation of ctx. A method that returns an error other than ErrLeaseLost may or may not have
+// taken effect (the store could have applied it before the connection broke); every method is
+// safe to retry with the same arguments.
+type Store interface {
+	// Acquire claims key in one atomic step and one store round trip.
+	//
+	// If no live record exists for key, Acquire creates a pending one: a lease of c.LockTTL owned
+	// by a fresh random token, carrying c.Fingerprint and c.TTL (the lifetime the completed record
+	// will get). It returns the Lease and a nil Record.
+	//
+	// Otherwise it changes nothing and returns the existing Record (pending with its fingerprint,
+	// or completed with its fingerprint and response) and a zero Lease. Of any number of
+	// concurrent Acquire calls for one free key, exactly one gets the Lease.
+	Acquire(ctx context.Context, key string, c Claim) (Lease, *Record, error)
+
+	// Renew extends a pending lease to d from now. It returns ErrLeaseLost if the lease expired,
+	// was taken by another owner or was already completed or released.
+	Renew(ctx context.Context, l Lease, d time.Duration) error
+
+	// Complete turns the caller's pending record into a completed one holding resp, which lives
+	// for the TTL given to Acquire from now on. It returns ErrLeaseLost, and writes nothing, if the
+	// caller no longer owns a pending record for the key. Completing again with the same lease
+	// after a success is a no-op that succeeds, so a retry after a lost reply is safe.
+	Complete(ctx context.Context, l Lease, resp Response) error
+
+	// Release deletes the caller's pending record so that the key is free at once. It returns
+	// ErrLeaseLost, and deletes nothing, if the caller no longer owns a pending record for the key;
+	// a completed record is never released.
+	Release(ctx context.Context, l Lease) error
+
+	// Ping reports whether the store answers.
+	Ping(ctx context.Context) error
+
+	// Close releases the store's resources. Calls after Close return ErrClosed or a wrapped
+	// connection error.
+	Close() error
+}
+
+// Claim describes the record Acquire creates for a new key.
+type Claim struct {
+	// Fingerprint identifies the request's payload. It may be empty.
+	Fingerprint []byte
+	// LockTTL is the lease: how long the pending record lives unless renewed. Must be positive.
+	LockTTL time.Duration
+	// TTL is how long the completed record will live once Complete is called. Must be positive.
+	TTL time.Duration
+}
+
+// Lease proves ownership of a pending record. Its zero value owns nothing.
+type Lease struct {
+	key   string
+	token string
+}
+
+// Key returns the stored key the lease is for, or "" for the zero Lease.
+func (l Lease) Key() string { return l.key }
+
+// Held reports whether l came from a successful Acquire.
+func (l Lease) Held() bool { return l.token != "" }
+
+// State is the life-cycle stage of a record.
+type State uint8
+
+// The two states of a record.
+const (
+	// Pending records are leases of requests that are still running.
+	Pending State = 1
+	// Completed records hold a response to replay.
+	Completed State = 2
+)
+
+func (s State) String() string {
+	switch s {
+	case Pending:
+		return "pending"
+	case Completed:
+		return "completed"
+	}
+	return "unknown"
+}
+
+// Record is a record that already existed when Acquire was called.
+type Record struct {
+	State       State
+	Fingerprint []byte
+	// Response is set when State is Completed.
+	Response Response
+}
+
+// Response is a completed upstream response.
+type Response struct {
+	// Status is the HTTP status code.
+	Status int
+	// Headers are the response headers to replay, in order; a repeated header is several entries
+	// with the same name.
+	Headers []Header
+	// Body is the response body. It is empty when BodyOmitted is set.
+	Body []byte
+	// BodyOmitted marks a response whose body was too large to keep: the request ran and
+	// completed, but it cannot be replayed.
+	BodyOmitted bool
+}
+
+// Header is one header field. Value holds the raw bytes, which need not be UTF-8.
+type Header struct {
+	Name  string
+	Value []byte
+}

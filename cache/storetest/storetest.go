@@ -1,0 +1,399 @@
+// Package storetest is the conformance suite every [cache.Store] must pass, in the manner of
+// testing/fstest: an implementation's tests call Run with a constructor for fresh stores.
+package storetest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+)
+
+// Harness is a fresh, empty store under test and the means to move its time.
+type Harness struct {
+	Store cache.Store
+	// Advance moves the store's clock forward by d: a fake clock's Advance, miniredis'
+	// FastForward, or a sleep for a store on real time.
+	Advance func(d time.Duration)
+	// Outage, when set, makes the store's server unreachable and returns a function that brings
+	// it back. Only real servers set it.
+	Outage func() (restore func())
+}
+
+// Durations are long enough that a store on real time (a real Redis, where Advance sleeps) keeps
+// its margins on a loaded machine, and short enough to keep the suite quick.
+const (
+	lockTTL = 300 * time.Millisecond
+	ttl     = 1500 * time.Millisecond
+)
+
+func claim(fp string) cache.Claim {
+	return cache.Claim{Fingerprint: []byte(fp), LockTTL: lockTTL, TTL: ttl}
+}
+
+// Run runs the conformance suite. newHarness is called once per case.
+func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
+	cases := []struct {
+		name string
+		f    func(t *testing.T, h Harness)
+	}{
+		{"AcquireCreatesPending", testAcquireCreatesPending},
+		{"ConcurrentAcquireOneOwner", testConcurrentAcquireOneOwner},
+		{"LeaseExpiryFreesKey", testLeaseExpiryFreesKey},
+		{"RenewKeepsLease", testRenewKeepsLease},
+		{"NonOwnerChangesNothing", testNonOwnerChangesNothing},
+		{"ExpiredOwnerChangesNothing", testExpiredOwnerChangesNothing},
+		{"ReleaseFreesKey", testReleaseFreesKey},
+		{"CompleteIsFinal", testCompleteIsFinal},
+		{"CompletedExpiresAfterTTL", testCompletedExpiresAfterTTL},
+		{"RoundTripExact", testRoundTripExact},
+		{"LargeBody", testLargeBody},
+		{"BodyOmitted", testBodyOmitted},
+		{"KeysAreIndependent", testKeysAreIndependent},
+		{"ZeroLease", testZeroLease},
+		{"InvalidArguments", testInvalidArguments},
+		{"CancelledContext", testCancelledContext},
+		{"Outage", testOutage},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t)
+			t.Cleanup(func() { _ = h.Store.Close() })
+			c.f(t, h)
+		})
+	}
+}
+
+func acquire(t *testing.T, s cache.Store, key string, c cache.Claim) (cache.Lease, *cache.Record) {
+	t.Helper()
+	l, rec, err := s.Acquire(t.Context(), key, c)
+	require.NoError(t, err)
+	require.True(t, l.Held() != (rec != nil), "Acquire must return either a lease or a record")
+	return l, rec
+}
+
+func mustOwn(t *testing.T, s cache.Store, key string, c cache.Claim) cache.Lease {
+	t.Helper()
+	l, rec := acquire(t, s, key, c)
+	require.Nil(t, rec, "key %q should be free", key)
+	require.True(t, l.Held())
+	require.Equal(t, key, l.Key())
+	return l
+}
+
+func mustFind(t *testing.T, s cache.Store, key string) *cache.Record {
+	t.Helper()
+	l, rec := acquire(t, s, key, claim("probe"))
+	require.False(t, l.Held(), "key %q should be taken", key)
+	require.NotNil(t, rec)
+	return rec
+}
+
+func testAcquireCreatesPending(t *testing.T, h Harness) {
+	s := h.Store
+	mustOwn(t, s, "k", claim("fp-1"))
+	rec := mustFind(t, s, "k")
+	require.Equal(t, cache.Pending, rec.State)
+	require.Equal(t, []byte("fp-1"), rec.Fingerprint)
+}
+
+func testConcurrentAcquireOneOwner(t *testing.T, h Harness) {
+	const n = 64
+	s := h.Store
+	var (
+		start   = make(chan struct{})
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		owners  []string
+		records []*cache.Record
+		errs    []error
+	)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			fp := fmt.Sprintf("fp-%d", i)
+			<-start
+			l, rec, err := s.Acquire(context.Background(), "contended", claim(fp))
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case err != nil:
+				errs = append(errs, err)
+			case l.Held():
+				owners = append(owners, fp)
+			default:
+				records = append(records, rec)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	require.Empty(t, errs)
+	require.Len(t, owners, 1, "exactly one of %d concurrent Acquire calls must own the key", n)
+	require.Len(t, records, n-1)
+	for _, rec := range records {
+		require.Equal(t, cache.Pending, rec.State)
+		require.Equal(t, owners[0], string(rec.Fingerprint), "others must see the owner's fingerprint")
+	}
+}
+
+func testLeaseExpiryFreesKey(t *testing.T, h Harness) {
+	s := h.Store
+	mustOwn(t, s, "k", claim("a"))
+	h.Advance(lockTTL / 3)
+	require.Equal(t, cache.Pending, mustFind(t, s, "k").State)
+	h.Advance(lockTTL)
+	mustOwn(t, s, "k", claim("b"))
+	require.Equal(t, []byte("b"), mustFind(t, s, "k").Fingerprint)
+}
+
+func testRenewKeepsLease(t *testing.T, h Harness) {
+	s := h.Store
+	l := mustOwn(t, s, "k", claim("a"))
+	for range 3 {
+		h.Advance(lockTTL * 2 / 3)
+		require.NoError(t, s.Renew(t.Context(), l, lockTTL*2))
+	}
+	// 2×lockTTL has passed since Acquire: without renewals the key would be free.
+	rec := mustFind(t, s, "k")
+	require.Equal(t, cache.Pending, rec.State)
+	require.Equal(t, []byte("a"), rec.Fingerprint)
+	require.NoError(t, s.Complete(t.Context(), l, cache.Response{Status: 201}))
+	require.Equal(t, cache.Completed, mustFind(t, s, "k").State)
+}
+
+func testNonOwnerChangesNothing(t *testing.T, h Harness) {
+	s := h.Store
+	stale := mustOwn(t, s, "k", claim("a"))
+	h.Advance(lockTTL * 3 / 2)
+	owner := mustOwn(t, s, "k", claim("b"))
+
+	require.ErrorIs(t, s.Renew(t.Context(), stale, lockTTL), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Complete(t.Context(), stale, cache.Response{Status: 200, Body: []byte("stale")}), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Release(t.Context(), stale), cache.ErrLeaseLost)
+
+	rec := mustFind(t, s, "k")
+	require.Equal(t, cache.Pending, rec.State)
+	require.Equal(t, []byte("b"), rec.Fingerprint)
+
+	require.NoError(t, s.Complete(t.Context(), owner, cache.Response{Status: 200, Body: []byte("owner")}))
+	require.ErrorIs(t, s.Complete(t.Context(), stale, cache.Response{Status: 200, Body: []byte("stale")}), cache.ErrLeaseLost)
+	rec = mustFind(t, s, "k")
+	require.Equal(t, cache.Completed, rec.State)
+	require.Equal(t, []byte("owner"), rec.Response.Body)
+}
+
+func testExpiredOwnerChangesNothing(t *testing.T, h Harness) {
+	s := h.Store
+	l := mustOwn(t, s, "k", claim("a"))
+	h.Advance(lockTTL * 3 / 2)
+	require.ErrorIs(t, s.Renew(t.Context(), l, lockTTL), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Complete(t.Context(), l, cache.Response{Status: 200}), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Release(t.Context(), l), cache.ErrLeaseLost)
+	// Nothing was written: the key is free.
+	mustOwn(t, s, "k", claim("b"))
+}
+
+func testReleaseFreesKey(t *testing.T, h Harness) {
+	s := h.Store
+	l := mustOwn(t, s, "k", claim("a"))
+	require.NoError(t, s.Release(t.Context(), l))
+	require.ErrorIs(t, s.Release(t.Context(), l), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Complete(t.Context(), l, cache.Response{Status: 200}), cache.ErrLeaseLost)
+	l2 := mustOwn(t, s, "k", claim("b"))
+	require.ErrorIs(t, s.Release(t.Context(), l), cache.ErrLeaseLost, "an old lease must not release a new owner's record")
+	require.Equal(t, []byte("b"), mustFind(t, s, "k").Fingerprint)
+	require.NoError(t, s.Release(t.Context(), l2))
+}
+
+func testCompleteIsFinal(t *testing.T, h Harness) {
+	s := h.Store
+	l := mustOwn(t, s, "k", claim("a"))
+	resp := cache.Response{Status: 201, Headers: []cache.Header{{Name: "content-type", Value: []byte("application/json")}}, Body: []byte(`{"id":1}`)}
+	require.NoError(t, s.Complete(t.Context(), l, resp))
+	require.NoError(t, s.Complete(t.Context(), l, resp), "completing again with the same lease must succeed")
+	require.ErrorIs(t, s.Renew(t.Context(), l, lockTTL), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Release(t.Context(), l), cache.ErrLeaseLost, "a completed record is never released")
+	rec := mustFind(t, s, "k")
+	require.Equal(t, cache.Completed, rec.State)
+	require.Equal(t, []byte("a"), rec.Fingerprint)
+	requireResponse(t, resp, rec.Response)
+}
+
+func testCompletedExpiresAfterTTL(t *testing.T, h Harness) {
+	s := h.Store
+	l := mustOwn(t, s, "k", claim("a"))
+	require.NoError(t, s.Complete(t.Context(), l, cache.Response{Status: 200}))
+	h.Advance(lockTTL * 2)
+	require.Equal(t, cache.Completed, mustFind(t, s, "k").State, "a completed record lives its TTL, not the lease")
+	h.Advance(ttl - lockTTL*2 + lockTTL)
+	mustOwn(t, s, "k", claim("b"))
+}
+
+func testRoundTripExact(t *testing.T, h Harness) {
+	s := h.Store
+	body := make([]byte, 512)
+	for i := range body {
+		body[i] = byte(i)
+	}
+	resp := cache.Response{
+		Status: 299,
+		Headers: []cache.Header{
+			{Name: "set-cookie", Value: []byte("a=1; Path=/")},
+			{Name: "content-type", Value: []byte("application/octet-stream")},
+			{Name: "set-cookie", Value: []byte("b=2")},
+			{Name: "x-empty", Value: nil},
+			{Name: "set-cookie", Value: []byte("c=3")},
+			{Name: "x-latin1", Value: []byte{'c', 'a', 'f', 0xe9}},
+		},
+		Body: body,
+	}
+	fp := []byte{0, 1, 2, 0xff, 0xfe, 0}
+	l := mustOwn(t, s, "k", cache.Claim{Fingerprint: fp, LockTTL: lockTTL, TTL: ttl})
+	require.NoError(t, s.Complete(t.Context(), l, resp))
+	rec := mustFind(t, s, "k")
+	require.Equal(t, fp, rec.Fingerprint)
+	requireResponse(t, resp, rec.Response)
+}
+
+func testLargeBody(t *testing.T, h Harness) {
+	s := h.Store
+	body := bytes.Repeat([]byte{0xde, 0xad, 0xbe, 0xef}, 1<<18) // 1 MiB
+	l := mustOwn(t, s, "k", claim("a"))
+	require.NoError(t, s.Complete(t.Context(), l, cache.Response{Status: 200, Body: body}))
+	rec := mustFind(t, s, "k")
+	require.Equal(t, 200, rec.Response.Status)
+	require.True(t, bytes.Equal(body, rec.Response.Body), "1 MiB body must round-trip exactly")
+}
+
+func testBodyOmitted(t *testing.T, h Harness) {
+	s := h.Store
+	l := mustOwn(t, s, "k", claim("a"))
+	require.NoError(t, s.Complete(t.Context(), l, cache.Response{
+		Status:      200,
+		Headers:     []cache.Header{{Name: "content-type", Value: []byte("text/plain")}},
+		Body:        []byte("dropped"),
+		BodyOmitted: true,
+	}))
+	rec := mustFind(t, s, "k")
+	require.Equal(t, cache.Completed, rec.State)
+	require.True(t, rec.Response.BodyOmitted)
+	require.Empty(t, rec.Response.Body)
+	require.Equal(t, 200, rec.Response.Status)
+}
+
+func testKeysAreIndependent(t *testing.T, h Harness) {
+	s := h.Store
+	la := mustOwn(t, s, "scope-a:k", claim("a"))
+	lb := mustOwn(t, s, "scope-b:k", claim("b"))
+	require.NoError(t, s.Complete(t.Context(), la, cache.Response{Status: 200, Body: []byte("a")}))
+	require.ErrorIs(t, s.Complete(t.Context(), cache.Lease{}, cache.Response{Status: 200}), cache.ErrLeaseLost)
+	require.Equal(t, cache.Pending, mustFind(t, s, "scope-b:k").State)
+	require.NoError(t, s.Release(t.Context(), lb))
+	require.Equal(t, []byte("a"), mustFind(t, s, "scope-a:k").Response.Body)
+	mustOwn(t, s, "scope-b:k", claim("b2"))
+}
+
+func testZeroLease(t *testing.T, h Harness) {
+	s := h.Store
+	mustOwn(t, s, "k", claim("a"))
+	var zero cache.Lease
+	require.False(t, zero.Held())
+	require.ErrorIs(t, s.Renew(t.Context(), zero, lockTTL), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Complete(t.Context(), zero, cache.Response{Status: 200}), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Release(t.Context(), zero), cache.ErrLeaseLost)
+	require.Equal(t, cache.Pending, mustFind(t, s, "k").State)
+}
+
+func testInvalidArguments(t *testing.T, h Harness) {
+	s := h.Store
+	_, _, err := s.Acquire(t.Context(), "k", cache.Claim{LockTTL: 0, TTL: ttl})
+	require.Error(t, err)
+	_, _, err = s.Acquire(t.Context(), "k", cache.Claim{LockTTL: lockTTL, TTL: 0})
+	require.Error(t, err)
+	l := mustOwn(t, s, "k", claim("a"))
+	require.Error(t, s.Renew(t.Context(), l, 0))
+	require.NotErrorIs(t, s.Renew(t.Context(), l, 0), cache.ErrLeaseLost)
+}
+
+func testCancelledContext(t *testing.T, h Harness) {
+	s := h.Store
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	_, _, err := s.Acquire(ctx, "k", claim("a"))
+	require.Error(t, err)
+	require.NotErrorIs(t, err, cache.ErrLeaseLost)
+	require.Error(t, s.Ping(ctx))
+	// The cancelled call created nothing.
+	mustOwn(t, s, "k", claim("b"))
+}
+
+func testOutage(t *testing.T, h Harness) {
+	if h.Outage == nil {
+		t.Skip("this store has no server to stop")
+	}
+	s := h.Store
+	l := mustOwn(t, s, "k", cache.Claim{Fingerprint: []byte("a"), LockTTL: time.Minute, TTL: time.Minute})
+	require.NoError(t, s.Ping(t.Context()))
+
+	restore := h.Outage()
+	calls := map[string]func(ctx context.Context) error{
+		"ping": s.Ping,
+		"acquire": func(ctx context.Context) error {
+			_, _, err := s.Acquire(ctx, "other", claim("x"))
+			return err
+		},
+		"renew":    func(ctx context.Context) error { return s.Renew(ctx, l, time.Minute) },
+		"complete": func(ctx context.Context) error { return s.Complete(ctx, l, cache.Response{Status: 200}) },
+		"release":  func(ctx context.Context) error { return s.Release(ctx, l) },
+	}
+	for name, call := range calls {
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		start := time.Now()
+		err := call(ctx)
+		cancel()
+		require.Error(t, err, "%s must fail while the server is down", name)
+		require.NotErrorIs(t, err, cache.ErrLeaseLost, "%s: an outage is not a lost lease", name)
+		require.Less(t, time.Since(start), 2*time.Second, "%s must fail within its deadline, not hang", name)
+	}
+	restore()
+
+	// The same store recovers by itself.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := s.Ping(t.Context())
+		if err == nil {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "store did not recover: %v", err)
+		time.Sleep(50 * time.Millisecond)
+	}
+	l2, rec, err := s.Acquire(t.Context(), "after-outage", claim("y"))
+	require.NoError(t, err)
+	require.Nil(t, rec)
+	require.NoError(t, s.Complete(t.Context(), l2, cache.Response{Status: 200}))
+	if err := s.Complete(t.Context(), l, cache.Response{Status: 200}); err != nil && !errors.Is(err, cache.ErrLeaseLost) {
+		require.NoError(t, err, "the first lease is either still held or lost with the server's data")
+	}
+}
+
+// requireResponse compares responses, treating nil and empty byte slices alike.
+func requireResponse(t *testing.T, want, got cache.Response) {
+	t.Helper()
+	require.Equal(t, want.Status, got.Status)
+	require.Equal(t, want.BodyOmitted, got.BodyOmitted)
+	require.True(t, bytes.Equal(want.Body, got.Body), "body differs: want %q, got %q", want.Body, got.Body)
+	require.Len(t, got.Headers, len(want.Headers))
+	for i := range want.Headers {
+		require.Equal(t, want.Headers[i].Name, got.Headers[i].Name, "header %d", i)
+		require.True(t, bytes.Equal(want.Headers[i].Value, got.Headers[i].Value), "header %d %s: want %q, got %q", i, want.Headers[i].Name, want.Headers[i].Value, got.Headers[i].Value)
+	}
+}
