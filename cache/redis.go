@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 )
 
 // DefaultRedisTimeout bounds each Redis call when RedisOptions.Timeout is zero.
@@ -139,6 +140,12 @@ func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
 	}
 	// Deadlines come from each call's context, which Redis methods always bound.
 	base.ContextTimeoutEnabled = true
+	// Every call is bounded far below go-redis' dial retry interval, so retries would only log.
+	base.DialerRetries = 1
+	// Redis before 7.2 knows neither CLIENT SETINFO nor CLIENT MAINT_NOTIFICATIONS, and neither
+	// is needed: skip them on connect.
+	base.DisableIdentity = true
+	base.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
 	if opts.PoolSize > 0 {
 		base.PoolSize = opts.PoolSize
 	}
@@ -148,12 +155,15 @@ func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
 			return nil, fmt.Errorf("cache: redis: Cluster has only database 0, the url selects %d", base.DB)
 		}
 		return redis.NewClusterClient(&redis.ClusterOptions{
-			Addrs:                 opts.ClusterAddrs,
-			Username:              base.Username,
-			Password:              base.Password,
-			TLSConfig:             base.TLSConfig,
-			ContextTimeoutEnabled: true,
-			PoolSize:              base.PoolSize,
+			Addrs:                    opts.ClusterAddrs,
+			Username:                 base.Username,
+			Password:                 base.Password,
+			TLSConfig:                base.TLSConfig,
+			ContextTimeoutEnabled:    true,
+			PoolSize:                 base.PoolSize,
+			DialerRetries:            base.DialerRetries,
+			DisableIdentity:          true,
+			MaintNotificationsConfig: base.MaintNotificationsConfig,
 		}), nil
 	case len(opts.SentinelAddrs) > 0:
 		master := opts.SentinelMaster
@@ -169,6 +179,8 @@ func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
 			TLSConfig:             base.TLSConfig,
 			ContextTimeoutEnabled: true,
 			PoolSize:              base.PoolSize,
+			DialerRetries:         base.DialerRetries,
+			DisableIdentity:       true,
 		}), nil
 	default:
 		return redis.NewClient(base), nil
