@@ -41,6 +41,10 @@ type Store interface {
 	// Otherwise it changes nothing and returns the existing Record (pending with its fingerprint,
 	// or completed with its fingerprint and response) and a zero Lease. Of any number of
 	// concurrent Acquire calls for one free key, exactly one gets the Lease.
+	//
+	// When Acquire fails, the caller holds nothing. If the failure came after the store may have
+	// created the record (a deadline while waiting for the reply), the store removes it in the
+	// background, best effort; otherwise it expires after LockTTL.
 	Acquire(ctx context.Context, key string, c Claim) (Lease, *Record, error)
 
 	// Renew extends a pending lease to d from now. It returns ErrLeaseLost if the lease expired,
@@ -70,9 +74,9 @@ type Store interface {
 type Claim struct {
 	// Fingerprint identifies the request's payload. It may be empty.
 	Fingerprint []byte
-	// LockTTL is the lease: how long the pending record lives unless renewed. Must be positive.
+	// LockTTL is the lease: how long the pending record lives unless renewed. At least 1ms.
 	LockTTL time.Duration
-	// TTL is how long the completed record will live once Complete is called. Must be positive.
+	// TTL is how long the completed record will live once Complete is called. At least 1ms.
 	TTL time.Duration
 }
 

@@ -198,6 +198,11 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	res, err := acquireScript.Run(ctx, r.client, []string{key},
 		token, c.Fingerprint, c.TTL.Milliseconds(), c.LockTTL.Milliseconds(), recordVersion).Slice()
 	if err != nil {
+		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+			// The script may have run and only its reply been lost: free what it may have
+			// created rather than block the key for a whole lease.
+			go r.releaseOrphan(Lease{key: key, token: token})
+		}
 		return Lease{}, nil, redisError("acquire", err)
 	}
 	if len(res) == 0 {
@@ -282,6 +287,14 @@ func (r *Redis) owned(ctx context.Context, op string, s *redis.Script, l Lease, 
 		return ErrLeaseLost
 	}
 	return nil
+}
+
+// releaseOrphan releases a lease whose Acquire failed after it may have been sent. The release is
+// owner-checked, so it deletes nothing if the script never ran.
+func (r *Redis) releaseOrphan(l Lease) {
+	ctx, cancel := context.WithTimeout(context.Background(), max(r.timeout, time.Second))
+	defer cancel()
+	_ = r.owned(ctx, "release", releaseScript, l)
 }
 
 // Ping implements [Store.Ping]. For Cluster it pings every known master.

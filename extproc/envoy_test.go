@@ -1,0 +1,409 @@
+package extproc_test
+
+import (
+	"context"
+	"net"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/test/bufconn"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
+)
+
+// This file drives the server the way Envoy does, message by message over a real gRPC stream
+// (bufconn), with BUFFERED request and response bodies (reference §3).
+
+type harness struct {
+	t        *testing.T
+	client   extprocv3.ExternalProcessorClient
+	server   *extproc.Server
+	store    cache.Store
+	registry *prometheus.Registry
+	clock    *clock.Fake
+	logs     *syncBuffer
+
+	policy       *policy.Policy
+	storeAdvance func(time.Duration)
+
+	mu       sync.Mutex
+	executed map[string]int // upstream executions by idempotency-key header value
+}
+
+type harnessOptions struct {
+	policy string // YAML
+	store  cache.Store
+	// advance moves the store's time when it does not run on the harness clock.
+	advance func(time.Duration)
+	clock   *clock.Fake
+}
+
+func newHarness(t *testing.T, o harnessOptions) *harness {
+	t.Helper()
+	p, err := policy.Parse([]byte(o.policy))
+	require.NoError(t, err)
+	if o.clock == nil {
+		o.clock = clock.NewFake(time.Unix(1_700_000_000, 0))
+	}
+	if o.store == nil {
+		m, err := cache.NewMemory(cache.MemoryOptions{Clock: o.clock})
+		require.NoError(t, err)
+		o.store = m
+	}
+	reg := prometheus.NewRegistry()
+	metrics, err := extproc.NewMetrics(reg)
+	require.NoError(t, err)
+	logs := &syncBuffer{}
+	logger := zerolog.New(logs).Level(zerolog.DebugLevel)
+	srv, err := extproc.NewServer(extproc.Options{Store: o.store, Policy: p, Logger: &logger, Metrics: metrics, Clock: o.clock})
+	require.NoError(t, err)
+
+	lis := bufconn.Listen(4 << 20)
+	gs := grpc.NewServer()
+	extprocv3.RegisterExternalProcessorServer(gs, srv)
+	go func() { _ = gs.Serve(lis) }()
+	conn, err := grpc.NewClient("passthrough:///bufconn",
+		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
+		grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = conn.Close()
+		gs.Stop()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		require.NoError(t, srv.Wait(ctx), "stream handlers must return")
+		_ = o.store.Close()
+	})
+	return &harness{
+		t: t, client: extprocv3.NewExternalProcessorClient(conn), server: srv, store: o.store,
+		registry: reg, clock: o.clock, logs: logs, executed: map[string]int{},
+		policy: p, storeAdvance: o.advance,
+	}
+}
+
+// advance moves time forward for the server and the store.
+func (h *harness) advance(d time.Duration) {
+	h.clock.Advance(d)
+	if h.storeAdvance != nil {
+		h.storeAdvance(d)
+	}
+}
+
+// record returns the record stored for a POST to /v1/payments with key and no scope headers,
+// or nil when there is none. Probing a free key claims and releases it at once.
+func (h *harness) record(t *testing.T, key string) *cache.Record {
+	t.Helper()
+	k := extproc.StoredKey(h.policy, "/v1/payments", key)
+	l, rec, err := h.store.Acquire(t.Context(), k, cache.Claim{LockTTL: time.Second, TTL: time.Second})
+	require.NoError(t, err)
+	if l.Held() {
+		require.NoError(t, h.store.Release(t.Context(), l))
+		return nil
+	}
+	return rec
+}
+
+func (h *harness) requireStoreEmpty(t *testing.T, key string) {
+	t.Helper()
+	require.Nil(t, h.record(t, key), "no record may be left for %q", key)
+}
+
+// waitIdle waits until every stream handler has returned.
+func (h *harness) waitIdle(t *testing.T) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	require.NoError(t, h.server.Wait(ctx))
+}
+
+// counter returns the value of the series of a counter or gauge with the given label pairs.
+func (h *harness) counter(name string, labels ...string) float64 {
+	h.t.Helper()
+	families, err := h.registry.Gather()
+	require.NoError(h.t, err)
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+	metrics:
+		for _, m := range f.GetMetric() {
+			got := map[string]string{}
+			for _, l := range m.GetLabel() {
+				got[l.GetName()] = l.GetValue()
+			}
+			for i := 0; i+1 < len(labels); i += 2 {
+				if got[labels[i]] != labels[i+1] {
+					continue metrics
+				}
+			}
+			if m.GetCounter() != nil {
+				return m.GetCounter().GetValue()
+			}
+			return m.GetGauge().GetValue()
+		}
+	}
+	return 0
+}
+
+// stream is one ext_proc stream, as Envoy opens one per HTTP request.
+type stream struct {
+	t      *testing.T
+	s      extprocv3.ExternalProcessor_ProcessClient
+	cancel context.CancelFunc
+}
+
+func (h *harness) open() *stream {
+	ctx, cancel := context.WithCancel(h.t.Context())
+	s, err := h.client.Process(ctx)
+	require.NoError(h.t, err)
+	st := &stream{t: h.t, s: s, cancel: cancel}
+	h.t.Cleanup(st.end)
+	return st
+}
+
+// send sends one message and waits for its answer, as Envoy does in lock-step.
+func (s *stream) send(m *extprocv3.ProcessingRequest) *extprocv3.ProcessingResponse {
+	s.t.Helper()
+	require.NoError(s.t, s.s.Send(m))
+	resp, err := s.s.Recv()
+	require.NoError(s.t, err)
+	return resp
+}
+
+// end closes the stream the way Envoy does: half-close, then reset (reference §6).
+func (s *stream) end() {
+	_ = s.s.CloseSend()
+	s.cancel()
+}
+
+// request is an HTTP request as the client sends it.
+type request struct {
+	method  string
+	path    string
+	headers []string // name, value pairs
+	body    []byte
+}
+
+func post(path, key string, body string, extra ...string) request {
+	h := append([]string{}, extra...)
+	if key != "" {
+		h = append(h, "idempotency-key", key)
+	}
+	return request{method: "POST", path: path, headers: h, body: []byte(body)}
+}
+
+// upstream is the response the upstream gives when it runs.
+type upstream struct {
+	status  int
+	headers []string
+	body    []byte
+	details string // response.code_details; "" means via_upstream
+}
+
+var created = upstream{
+	status:  201,
+	headers: []string{"content-type", "application/json", "set-cookie", "a=1", "set-cookie", "b=2", "content-length", "13", "date", "Mon, 30 Nov 2026 00:00:00 GMT", "connection", "keep-alive", "x-envoy-upstream-service-time", "3"},
+	body:    []byte(`{"id":"tx_1"}`),
+}
+
+// result is what the HTTP client receives.
+type result struct {
+	status   int
+	headers  []string // name, value pairs in order
+	body     []byte
+	executed bool // whether the upstream ran
+	final    *extprocv3.ProcessingResponse
+}
+
+func (r result) header(name string) []string {
+	var vs []string
+	for i := 0; i < len(r.headers); i += 2 {
+		if r.headers[i] == name {
+			vs = append(vs, r.headers[i+1])
+		}
+	}
+	return vs
+}
+
+func requestHeaders(r request) *extprocv3.ProcessingRequest {
+	hs := []*corev3.HeaderValue{
+		{Key: ":method", RawValue: []byte(r.method)},
+		{Key: ":path", RawValue: []byte(r.path)},
+		{Key: ":authority", RawValue: []byte("api.example.com")},
+		{Key: ":scheme", RawValue: []byte("https")},
+		{Key: "x-request-id", RawValue: []byte("req-" + strconv.Itoa(len(r.body)))},
+	}
+	for i := 0; i < len(r.headers); i += 2 {
+		hs = append(hs, &corev3.HeaderValue{Key: r.headers[i], RawValue: []byte(r.headers[i+1])})
+	}
+	return &extprocv3.ProcessingRequest{
+		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
+			Headers:     &corev3.HeaderMap{Headers: hs},
+			EndOfStream: len(r.body) == 0,
+		}},
+		ProtocolConfig: &extprocv3.ProtocolConfiguration{
+			RequestBodyMode:  filterextproc.ProcessingMode_BUFFERED,
+			ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED,
+		},
+	}
+}
+
+func requestBody(b []byte) *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: b, EndOfStream: true}}}
+}
+
+func responseHeaders(u upstream) *extprocv3.ProcessingRequest {
+	hs := []*corev3.HeaderValue{{Key: ":status", RawValue: []byte(strconv.Itoa(u.status))}}
+	for i := 0; i < len(u.headers); i += 2 {
+		hs = append(hs, &corev3.HeaderValue{Key: u.headers[i], RawValue: []byte(u.headers[i+1])})
+	}
+	details := u.details
+	if details == "" {
+		details = "via_upstream"
+	}
+	attrs, err := structpb.NewStruct(map[string]any{"response.code_details": details})
+	if err != nil {
+		panic(err)
+	}
+	return &extprocv3.ProcessingRequest{
+		Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+			Headers:     &corev3.HeaderMap{Headers: hs},
+			EndOfStream: len(u.body) == 0,
+		}},
+		Attributes: map[string]*structpb.Struct{"envoy.filters.http.ext_proc": attrs},
+	}
+}
+
+func responseBody(b []byte, eos bool) *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: b, EndOfStream: eos}}}
+}
+
+// do runs one whole HTTP request through the server, as Envoy would, and returns what the client
+// gets. The upstream runs when the server lets the request through.
+func (h *harness) do(r request, u upstream) result {
+	h.t.Helper()
+	st := h.open()
+	defer st.end()
+	resp := st.send(requestHeaders(r))
+	if res, ok := immediateResult(resp); ok {
+		return res
+	}
+	require.NotNil(h.t, resp.GetRequestHeaders(), "request_headers must be answered with request_headers")
+	if len(r.body) > 0 {
+		if mo := resp.GetModeOverride(); mo == nil || mo.GetRequestBodyMode() != filterextproc.ProcessingMode_NONE {
+			resp = st.send(requestBody(r.body))
+			if res, ok := immediateResult(resp); ok {
+				return res
+			}
+			require.NotNil(h.t, resp.GetRequestBody(), "request_body must be answered with request_body")
+		}
+	}
+	h.mu.Lock()
+	h.executed[keyOf(r)]++
+	h.mu.Unlock()
+	res := result{status: u.status, headers: append([]string{}, u.headers...), body: u.body, executed: true}
+	if mo := resp.GetModeOverride(); mo != nil && mo.GetResponseHeaderMode() == filterextproc.ProcessingMode_SKIP {
+		return res // Envoy honours the override: no response phases.
+	}
+	resp = st.send(responseHeaders(u))
+	require.NotNil(h.t, resp.GetResponseHeaders(), "response_headers must be answered with response_headers")
+	res.headers = applyMutation(res.headers, resp.GetResponseHeaders().GetResponse().GetHeaderMutation())
+	res.final = resp
+	if mo := resp.GetModeOverride(); len(u.body) > 0 && (mo == nil || mo.GetResponseBodyMode() != filterextproc.ProcessingMode_NONE) {
+		resp = st.send(responseBody(u.body, true))
+		require.NotNil(h.t, resp.GetResponseBody(), "response_body must be answered with response_body")
+		res.final = resp
+	}
+	return res
+}
+
+func keyOf(r request) string {
+	for i := 0; i < len(r.headers); i += 2 {
+		if r.headers[i] == "idempotency-key" {
+			return r.headers[i+1]
+		}
+	}
+	return ""
+}
+
+func (h *harness) executions(key string) int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.executed[key]
+}
+
+// immediateResult turns an ImmediateResponse into what Envoy's local reply sends (reference
+// §2.6): the status, a content-type of text/plain when there is a body, then the mutations.
+func immediateResult(resp *extprocv3.ProcessingResponse) (result, bool) {
+	ir := resp.GetImmediateResponse()
+	if ir == nil {
+		return result{}, false
+	}
+	var hs []string
+	if len(ir.GetBody()) > 0 {
+		hs = []string{"content-type", "text/plain"}
+	}
+	hs = applyMutation(hs, ir.GetHeaders())
+	return result{status: int(ir.GetStatus().GetCode()), headers: hs, body: ir.GetBody(), final: resp}, true
+}
+
+// applyMutation applies a header mutation as Envoy does: removals first, then sets; raw_value
+// only; append adds, otherwise the value replaces every earlier one.
+func applyMutation(hs []string, m *extprocv3.HeaderMutation) []string {
+	out := append([]string{}, hs...)
+	for _, name := range m.GetRemoveHeaders() {
+		out = removeHeader(out, name)
+	}
+	for _, o := range m.GetSetHeaders() {
+		name, value := o.GetHeader().GetKey(), string(o.GetHeader().GetRawValue())
+		//lint:ignore SA1019 ext_proc honours only the deprecated append flag (reference §2.7)
+		if !o.GetAppend().GetValue() {
+			out = removeHeader(out, name)
+		}
+		out = append(out, name, value)
+	}
+	return out
+}
+
+func removeHeader(hs []string, name string) []string {
+	out := hs[:0:0]
+	for i := 0; i < len(hs); i += 2 {
+		if hs[i] != name {
+			out = append(out, hs[i], hs[i+1])
+		}
+	}
+	return out
+}
+
+// syncBuffer collects log output from concurrent goroutines.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf []byte
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.buf = append(b.buf, p...)
+	return len(p), nil
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return string(b.buf)
+}

@@ -1,0 +1,18 @@
+package extproc
+
+import (
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+)
+
+// StoredKey returns the store key of a request to path carrying key and the given header pairs.
+func StoredKey(p *policy.Policy, path string, key string, pairs ...string) string {
+	var h headers
+	for i := 0; i+1 < len(pairs); i += 2 {
+		h = append(h, &corev3.HeaderValue{Key: pairs[i], RawValue: []byte(pairs[i+1])})
+	}
+	r, params := p.Match(string(splitPath([]byte(path))))
+	k, _ := storeKey(r, h, params, key)
+	return k
+}

@@ -1,0 +1,351 @@
+package extproc_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
+)
+
+// testStore is a store for the server under test, and the means to move the store's time
+// beyond the harness clock (nil when the store runs on the harness clock).
+type testStore struct {
+	store   cache.Store
+	advance func(time.Duration)
+}
+
+// stores lists the stores every outcome test runs against: the memory store on the harness clock
+// (the harness default), and the real Redis of stores_redis_test.go.
+var stores = map[string]func(t *testing.T) testStore{
+	"memory": func(*testing.T) testStore { return testStore{} },
+}
+
+func forEachStore(t *testing.T, f func(t *testing.T, newStore func(t *testing.T) testStore)) {
+	for name, newStore := range stores {
+		t.Run(name, func(t *testing.T) { f(t, newStore) })
+	}
+}
+
+// problemBody decodes a problem+json body and checks its shape (SPEC §4).
+func requireProblem(t *testing.T, res result, status int, code string) {
+	t.Helper()
+	require.Equal(t, status, res.status)
+	require.Equal(t, []string{"application/problem+json"}, res.header("content-type"))
+	var p map[string]any
+	require.NoError(t, json.Unmarshal(res.body, &p), "body %q", res.body)
+	require.Equal(t, "about:blank", p["type"])
+	require.Equal(t, float64(status), p["status"])
+	require.Equal(t, code, p["code"])
+	require.NotEmpty(t, p["title"])
+	require.NotEmpty(t, p["detail"])
+	require.Len(t, p, 5)
+	require.False(t, res.executed, "the upstream must not run")
+}
+
+const replayed = "x-idempotency-replayed"
+
+// TestOutcomeTable has one case per row of SPEC §4's outcome table.
+func TestOutcomeTable(t *testing.T) {
+	forEachStore(t, func(t *testing.T, newStore func(t *testing.T) testStore) {
+		cases := []struct {
+			name   string
+			policy string
+			run    func(t *testing.T, h *harness)
+		}{
+			{"not covered", "", func(t *testing.T, h *harness) {
+				res := h.do(request{method: "GET", path: "/v1/things", headers: []string{"idempotency-key", "k1"}}, created)
+				require.True(t, res.executed)
+				require.Equal(t, created.headers, res.headers, "untouched")
+				require.Nil(t, res.final, "no response phase after the pass-through override")
+				res = h.do(request{method: "GET", path: "/v1/things", headers: []string{"idempotency-key", "k1"}}, created)
+				require.Equal(t, 2, h.executions("k1"))
+				h.requireStoreEmpty(t, "k1")
+			}},
+			{"key missing, optional", "", func(t *testing.T, h *harness) {
+				for range 2 {
+					res := h.do(post("/v1/payments", "", `{"a":1}`), created)
+					require.True(t, res.executed)
+					require.Equal(t, created.headers, res.headers, "untouched")
+				}
+				require.Equal(t, 2, h.executions(""))
+			}},
+			{"key missing, required", "defaults: {missing_key: required}", func(t *testing.T, h *harness) {
+				res := h.do(post("/v1/payments", "", `{"a":1}`), created)
+				requireProblem(t, res, 400, "missing-idempotency-key")
+				require.Equal(t, []string{"false"}, res.header(replayed))
+				require.Empty(t, res.header("retry-after"))
+				require.Equal(t, 0, h.executions(""))
+			}},
+			{"key missing, body-hash", "defaults: {missing_key: body-hash}", func(t *testing.T, h *harness) {
+				first := h.do(post("/v1/payments", "", `{"a":1}`), created)
+				require.True(t, first.executed)
+				require.Equal(t, []string{"false"}, first.header(replayed))
+				second := h.do(post("/v1/payments", "", `{"a":1}`), created)
+				require.False(t, second.executed, "the same body is the same key")
+				require.Equal(t, []string{"true"}, second.header(replayed))
+				other := h.do(post("/v1/payments", "", `{"a":2}`), created)
+				require.True(t, other.executed, "another body is another key")
+				query := h.do(post("/v1/payments?x=1", "", `{"a":1}`), created)
+				require.True(t, query.executed, "the path with its query is part of the key")
+				require.Equal(t, 3, h.executions(""))
+			}},
+			{"key invalid", "", func(t *testing.T, h *harness) {
+				for _, bad := range []string{"", " ", "has space", strings.Repeat("k", 256), "caf\xc3\xa9", `"unterminated`, `"bad\escape"`, `""`, "tab\tkey"} {
+					res := h.do(post("/v1/payments", "", `{}`, "idempotency-key", bad), created)
+					requireProblem(t, res, 400, "invalid-idempotency-key")
+					require.Equal(t, []string{"false"}, res.header(replayed))
+				}
+				res := h.do(post("/v1/payments", "a", `{}`, "x-idempotency-key", "b"), created)
+				requireProblem(t, res, 400, "invalid-idempotency-key")
+				require.Equal(t, 0, h.executions("a"))
+			}},
+			{"ttl header invalid", "", func(t *testing.T, h *harness) {
+				for _, bad := range []string{"0", "-5", "1.5", "ten", ""} {
+					res := h.do(post("/v1/payments", "k", `{}`, "x-ttl", bad), created)
+					requireProblem(t, res, 400, "invalid-ttl")
+				}
+				require.Equal(t, 0, h.executions("k"))
+				h.requireStoreEmpty(t, "k")
+			}},
+			{"new key", "", func(t *testing.T, h *harness) {
+				res := h.do(post("/v1/payments", "k", `{"amount":10}`), created)
+				require.True(t, res.executed)
+				require.Equal(t, 201, res.status)
+				require.Equal(t, []string{"false"}, res.header(replayed))
+				require.Equal(t, created.body, res.body)
+				rec := h.record(t, "k")
+				require.Equal(t, cache.Completed, rec.State)
+				require.Equal(t, 1, h.executions("k"))
+			}},
+			{"same key, first in flight", "", func(t *testing.T, h *harness) {
+				first := h.open()
+				require.NotNil(t, first.send(requestHeaders(post("/v1/payments", "k", `{"a":1}`))).GetRequestHeaders())
+				require.NotNil(t, first.send(requestBody([]byte(`{"a":1}`))).GetRequestBody())
+				res := h.do(post("/v1/payments", "k", `{"a":1}`), created)
+				requireProblem(t, res, 409, "request-in-progress")
+				require.Equal(t, []string{"1"}, res.header("retry-after"))
+				require.Equal(t, []string{"false"}, res.header(replayed))
+				require.Equal(t, cache.Pending, h.record(t, "k").State, "unchanged")
+			}},
+			{"same key, first completed: replay byte for byte", "", func(t *testing.T, h *harness) {
+				body := make([]byte, 4096)
+				for i := range body {
+					body[i] = byte(i * 7)
+				}
+				up := upstream{status: 201, body: body, headers: []string{
+					"content-type", "application/octet-stream", "set-cookie", "a=1; Path=/", "x-trace", "t1",
+					"set-cookie", "b=2", "content-length", "4096", "transfer-encoding", "chunked", "date", "x",
+					"x-envoy-upstream-service-time", "5", "keep-alive", "timeout=5", "x-idempotency-replayed", "spoofed",
+				}}
+				first := h.do(post("/v1/payments", "k", `{"a":1}`), up)
+				require.True(t, first.executed)
+				res := h.do(post("/v1/payments", "k", `{"a":1}`), created)
+				require.False(t, res.executed)
+				require.Equal(t, 201, res.status)
+				require.Equal(t, body, res.body)
+				require.Equal(t, []string{
+					"content-type", "application/octet-stream", "set-cookie", "a=1; Path=/", "x-trace", "t1",
+					"set-cookie", "b=2", "x-idempotency-replayed", "true",
+				}, res.headers, "every header in order, minus hop-by-hop, content-length, date and x-envoy-*")
+				ir := res.final.GetImmediateResponse()
+				for _, o := range ir.GetHeaders().GetSetHeaders() {
+					require.Empty(t, o.GetHeader().GetValue(), "values travel in raw_value only")
+					require.NotEqual(t, "content-length", o.GetHeader().GetKey())
+					require.False(t, strings.HasPrefix(o.GetHeader().GetKey(), ":"))
+				}
+				require.Equal(t, 1, h.executions("k"))
+			}},
+			{"same key, different fingerprint", "", func(t *testing.T, h *harness) {
+				first := h.open()
+				first.send(requestHeaders(post("/v1/payments", "k", `{"a":1}`)))
+				first.send(requestBody([]byte(`{"a":1}`)))
+				res := h.do(post("/v1/payments", "k", `{"a":2}`), created)
+				requireProblem(t, res, 422, "idempotency-key-reused")
+				require.Equal(t, []string{"false"}, res.header(replayed))
+				first.end()
+				h.waitIdle(t)
+
+				h.do(post("/v1/payments", "k2", `{"a":1}`), created)
+				for _, r := range []request{post("/v1/payments", "k2", `{"a":2}`), post("/v1/refunds", "k2", `{"a":1}`), {method: "PUT", path: "/v1/payments", headers: []string{"idempotency-key", "k2"}, body: []byte(`{"a":1}`)}} {
+					res = h.do(r, created)
+					requireProblem(t, res, 422, "idempotency-key-reused")
+				}
+				require.Equal(t, 1, h.executions("k2"))
+				require.Equal(t, cache.Completed, h.record(t, "k2").State, "unchanged")
+			}},
+			{"status not stored", "", func(t *testing.T, h *harness) {
+				failed := upstream{status: 500, headers: []string{"content-type", "text/plain"}, body: []byte("boom")}
+				res := h.do(post("/v1/payments", "k", `{}`), failed)
+				require.True(t, res.executed)
+				require.Equal(t, 500, res.status)
+				require.Equal(t, []string{"false"}, res.header(replayed))
+				require.Equal(t, extproc.NoStoreMode().String(), res.final.GetModeOverride().String(), "no body phase for a response that is not stored")
+				h.requireStoreEmpty(t, "k")
+				res = h.do(post("/v1/payments", "k", `{}`), created)
+				require.True(t, res.executed, "a retry runs again")
+				require.Equal(t, 2, h.executions("k"))
+				require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "default", "reason", "status"))
+			}},
+			{"response generated by Envoy", "", func(t *testing.T, h *harness) {
+				res := h.do(post("/v1/payments", "k", `{}`), upstream{status: 504, body: []byte("upstream request timeout"), details: "upstream_response_timeout"})
+				require.Equal(t, 504, res.status)
+				h.requireStoreEmpty(t, "k")
+				// Envoy-made responses are released even when their status would be stored.
+				res = h.do(post("/v1/payments", "k", `{}`), upstream{status: 200, details: "direct_response"})
+				h.requireStoreEmpty(t, "k")
+				require.Equal(t, 2, h.executions("k"))
+				require.Equal(t, 2.0, h.counter("idempotency_releases_total", "route", "default", "reason", "envoy_response"))
+			}},
+			{"stream ends before the response, release", "", func(t *testing.T, h *harness) {
+				s := h.open()
+				s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+				s.send(requestBody([]byte(`{}`)))
+				s.end()
+				h.waitIdle(t)
+				h.requireStoreEmpty(t, "k")
+				require.True(t, h.do(post("/v1/payments", "k", `{}`), created).executed)
+			}},
+			{"stream ends before the response, keep", "defaults: {unknown_outcome: keep, lock_ttl: 600ms}", func(t *testing.T, h *harness) {
+				s := h.open()
+				s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+				s.send(requestBody([]byte(`{}`)))
+				s.end()
+				h.waitIdle(t)
+				requireProblem(t, h.do(post("/v1/payments", "k", `{}`), created), 409, "request-in-progress")
+				h.advance(700 * time.Millisecond)
+				require.True(t, h.do(post("/v1/payments", "k", `{}`), created).executed, "the lease expires after lock_ttl")
+			}},
+			{"body larger than max_response_bytes", "defaults: {max_response_bytes: 10}", func(t *testing.T, h *harness) {
+				big := upstream{status: 200, headers: []string{"content-type", "text/plain"}, body: []byte("more than ten bytes")}
+				res := h.do(post("/v1/payments", "k", `{}`), big)
+				require.True(t, res.executed)
+				require.Equal(t, big.body, res.body, "the first request gets its response")
+				require.Equal(t, []string{"false"}, res.header(replayed))
+				rec := h.record(t, "k")
+				require.Equal(t, cache.Completed, rec.State)
+				require.True(t, rec.Response.BodyOmitted)
+				res = h.do(post("/v1/payments", "k", `{}`), big)
+				requireProblem(t, res, 409, "response-not-replayable")
+				require.Empty(t, res.header("retry-after"))
+				require.Equal(t, 1, h.executions("k"))
+			}},
+		}
+		for _, c := range cases {
+			t.Run(c.name, func(t *testing.T) {
+				ts := newStore(t)
+				h := newHarness(t, harnessOptions{policy: c.policy, store: ts.store, advance: ts.advance})
+				c.run(t, h)
+			})
+		}
+	})
+}
+
+// failingStore fails every call while broken is set; with slow set, calls block until their
+// deadline instead.
+type failingStore struct {
+	cache.Store
+	broken atomic.Bool
+	slow   bool
+	calls  atomic.Int32
+}
+
+var errDown = errors.New("store is down")
+
+func (f *failingStore) fail(ctx context.Context) error {
+	f.calls.Add(1)
+	if !f.broken.Load() {
+		return nil
+	}
+	if f.slow {
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	return errDown
+}
+
+func (f *failingStore) Acquire(ctx context.Context, key string, c cache.Claim) (cache.Lease, *cache.Record, error) {
+	if err := f.fail(ctx); err != nil {
+		return cache.Lease{}, nil, err
+	}
+	return f.Store.Acquire(ctx, key, c)
+}
+
+func (f *failingStore) Complete(ctx context.Context, l cache.Lease, r cache.Response) error {
+	if err := f.fail(ctx); err != nil {
+		return err
+	}
+	return f.Store.Complete(ctx, l, r)
+}
+
+func (f *failingStore) Release(ctx context.Context, l cache.Lease) error {
+	if err := f.fail(ctx); err != nil {
+		return err
+	}
+	return f.Store.Release(ctx, l)
+}
+
+func newFailingStore(t *testing.T, slow bool) *failingStore {
+	m, err := cache.NewMemory(cache.MemoryOptions{})
+	require.NoError(t, err)
+	f := &failingStore{Store: m, slow: slow}
+	f.broken.Store(true)
+	return f
+}
+
+func TestStoreUnavailable(t *testing.T) {
+	for _, slow := range []bool{false, true} {
+		t.Run(fmt.Sprintf("closed/slow=%v", slow), func(t *testing.T) {
+			store := newFailingStore(t, slow)
+			h := newHarness(t, harnessOptions{policy: "store_timeout: 50ms", store: store})
+			start := time.Now()
+			res := h.do(post("/v1/payments", "k", `{}`), created)
+			requireProblem(t, res, 503, "store-unavailable")
+			require.Equal(t, []string{"1"}, res.header("retry-after"))
+			require.Equal(t, []string{"false"}, res.header(replayed))
+			require.Less(t, time.Since(start), time.Second, "bounded by store_timeout")
+			h.waitIdle(t)
+			require.Equal(t, 1.0, h.counter("idempotency_requests_total", "route", "default", "outcome", "store_error"))
+
+			store.broken.Store(false)
+			require.True(t, h.do(post("/v1/payments", "k", `{}`), created).executed, "serves normally once the store is back")
+		})
+	}
+	t.Run("open", func(t *testing.T) {
+		store := newFailingStore(t, false)
+		h := newHarness(t, harnessOptions{policy: "fail_mode: open", store: store})
+		for range 2 {
+			res := h.do(post("/v1/payments", "k", `{}`), created)
+			require.True(t, res.executed)
+			require.Equal(t, created.headers, res.headers, "untouched")
+			require.Equal(t, created.body, res.body)
+		}
+		require.Equal(t, 2, h.executions("k"))
+		h.waitIdle(t)
+		require.Equal(t, 2.0, h.counter("idempotency_requests_total", "route", "default", "outcome", "store_error"))
+		require.Contains(t, h.logs.String(), `"outcome":"store_error"`)
+	})
+	t.Run("completion fails", func(t *testing.T) {
+		store := newFailingStore(t, false)
+		store.broken.Store(false)
+		h := newHarness(t, harnessOptions{store: store})
+		s := h.open()
+		s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+		s.send(requestBody([]byte(`{}`)))
+		resp := s.send(responseHeaders(created))
+		require.Equal(t, "false", string(resp.GetResponseHeaders().GetResponse().GetHeaderMutation().GetSetHeaders()[0].GetHeader().GetRawValue()))
+		store.broken.Store(true)
+		require.NotNil(t, s.send(responseBody(created.body, true)).GetResponseBody(), "the client still gets the upstream response")
+		s.end()
+		h.waitIdle(t)
+		require.Equal(t, 1.0, h.counter("idempotency_requests_total", "route", "default", "outcome", "store_error"))
+	})
+}

@@ -1,0 +1,187 @@
+// Package extproc is the Envoy external-processing server: one gRPC stream per HTTP request, and
+// on it the idempotency state machine of SPEC §3–4.
+package extproc
+
+import (
+	"context"
+	"errors"
+	"io"
+	"sync"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
+)
+
+// Options configures a Server. Store is required; the zero value of every other field gives its
+// default.
+type Options struct {
+	// Store holds the records.
+	Store cache.Store
+	// Policy decides which requests are covered and how (default policy.Default()).
+	Policy *policy.Policy
+	// Logger receives one line per covered request and every store failure (default: none).
+	Logger *zerolog.Logger
+	// Metrics are updated for every request (default: metrics on a registry of their own).
+	Metrics *Metrics
+	// Clock times lease renewals (default: the wall clock).
+	Clock clock.Clock
+}
+
+// Server implements Envoy's ExternalProcessor service. It is safe for concurrent use: each
+// stream has its own state, and streams share only the store.
+type Server struct {
+	extprocv3.UnimplementedExternalProcessorServer
+
+	store   cache.Store
+	policy  *policy.Policy
+	log     zerolog.Logger
+	metrics *Metrics
+	clock   clock.Clock
+	// counters holds the metric series of each route, resolved once.
+	counters map[*policy.Route]*routeCounters
+	storeOps map[string]prometheus.Observer
+
+	streams sync.WaitGroup
+}
+
+type routeCounters struct {
+	outcomes map[Outcome]prometheus.Counter
+	releases map[string]prometheus.Counter
+}
+
+// NewServer returns a Server.
+func NewServer(opts Options) (*Server, error) {
+	if opts.Store == nil {
+		return nil, errors.New("extproc: a store is required")
+	}
+	if opts.Policy == nil {
+		opts.Policy = policy.Default()
+	}
+	if opts.Logger == nil {
+		nop := zerolog.Nop()
+		opts.Logger = &nop
+	}
+	if opts.Metrics == nil {
+		m, err := NewMetrics(prometheus.NewRegistry())
+		if err != nil {
+			return nil, err
+		}
+		opts.Metrics = m
+	}
+	if opts.Clock == nil {
+		opts.Clock = clock.Real{}
+	}
+	s := &Server{
+		store:    opts.Store,
+		policy:   opts.Policy,
+		log:      *opts.Logger,
+		metrics:  opts.Metrics,
+		clock:    opts.Clock,
+		counters: make(map[*policy.Route]*routeCounters),
+		storeOps: make(map[string]prometheus.Observer),
+	}
+	for _, r := range append([]*policy.Route{opts.Policy.Default}, opts.Policy.Routes...) {
+		rc := &routeCounters{outcomes: map[Outcome]prometheus.Counter{}, releases: map[string]prometheus.Counter{}}
+		for _, o := range Outcomes {
+			rc.outcomes[o] = s.metrics.requests.WithLabelValues(r.Name, string(o))
+		}
+		for _, reason := range []string{ReleaseStatus, ReleaseEnvoyResponse, ReleaseUnknownOutcome} {
+			rc.releases[reason] = s.metrics.releases.WithLabelValues(r.Name, reason)
+		}
+		s.counters[r] = rc
+	}
+	for _, op := range []string{"acquire", "renew", "complete", "release"} {
+		s.storeOps[op] = s.metrics.storeDuration.WithLabelValues(op)
+	}
+	return s, nil
+}
+
+// Process implements [extprocv3.ExternalProcessorServer.Process]: it answers each message of
+// one HTTP request in lock-step until Envoy ends the stream.
+func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
+	s.streams.Add(1)
+	defer s.streams.Done()
+	st := newStream(s, srv.Context())
+	defer st.finish()
+	for {
+		req, err := srv.Recv()
+		if err != nil {
+			// Envoy ends every stream with a half-close and a reset (reference §6): both are the
+			// normal end, not errors.
+			if errors.Is(err, io.EOF) || status.Code(err) == codes.Canceled || errors.Is(err, context.Canceled) {
+				return nil
+			}
+			return err
+		}
+		resp := st.handle(req)
+		if resp == nil {
+			return nil
+		}
+		if err := srv.Send(resp); err != nil {
+			return nil // Envoy is gone; finish decides what happens to the lease.
+		}
+		if resp.GetImmediateResponse() != nil {
+			// Envoy processes nothing more for this request (reference §0.4).
+			return nil
+		}
+	}
+}
+
+// Wait blocks until every stream handler has returned, and with it released or completed what
+// it held, or ctx is done.
+func (s *Server) Wait(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() {
+		s.streams.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// The store calls, each bounded by store_timeout and timed.
+
+func (s *Server) bounded(ctx context.Context, op string) (context.Context, func()) {
+	ctx, cancel := context.WithTimeout(ctx, s.policy.StoreTimeout)
+	start := time.Now()
+	return ctx, func() {
+		cancel()
+		s.storeOps[op].Observe(time.Since(start).Seconds())
+	}
+}
+
+func (s *Server) acquire(ctx context.Context, key string, c cache.Claim) (cache.Lease, *cache.Record, error) {
+	ctx, done := s.bounded(ctx, "acquire")
+	defer done()
+	return s.store.Acquire(ctx, key, c)
+}
+
+func (s *Server) renew(ctx context.Context, l cache.Lease, d time.Duration) error {
+	ctx, done := s.bounded(ctx, "renew")
+	defer done()
+	return s.store.Renew(ctx, l, d)
+}
+
+func (s *Server) complete(ctx context.Context, l cache.Lease, r cache.Response) error {
+	ctx, done := s.bounded(ctx, "complete")
+	defer done()
+	return s.store.Complete(ctx, l, r)
+}
+
+func (s *Server) release(ctx context.Context, l cache.Lease) error {
+	ctx, done := s.bounded(ctx, "release")
+	defer done()
+	return s.store.Release(ctx, l)
+}

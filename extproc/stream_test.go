@@ -1,0 +1,402 @@
+package extproc_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
+)
+
+func TestConcurrentDuplicatesRunOnce(t *testing.T) {
+	forEachStore(t, func(t *testing.T, newStore func(t *testing.T) testStore) {
+		ts := newStore(t)
+		h := newHarness(t, harnessOptions{store: ts.store, advance: ts.advance})
+		const n = 200
+		var (
+			start   = make(chan struct{})
+			wg      sync.WaitGroup
+			mu      sync.Mutex
+			results []result
+			// The winner's upstream waits until every duplicate has been answered, so that
+			// all of them find it in flight.
+			duplicatesDone = make(chan struct{})
+		)
+		req := post("/v1/payments", "same-key", `{"amount":100}`)
+		for range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				s := h.open()
+				defer s.end()
+				<-start
+				resp := s.send(requestHeaders(req))
+				require.NotNil(t, resp.GetRequestHeaders())
+				resp = s.send(requestBody(req.body))
+				if res, ok := immediateResult(resp); ok {
+					mu.Lock()
+					results = append(results, res)
+					if len(results) == n-1 {
+						close(duplicatesDone)
+					}
+					mu.Unlock()
+					return
+				}
+				h.mu.Lock()
+				h.executed["same-key"]++
+				h.mu.Unlock()
+				<-duplicatesDone
+				s.send(responseHeaders(created))
+				s.send(responseBody(created.body, true))
+			}()
+		}
+		close(start)
+		wg.Wait()
+		require.Equal(t, 1, h.executions("same-key"), "exactly one of %d concurrent duplicates reaches the upstream", n)
+		require.Len(t, results, n-1)
+		for _, res := range results {
+			requireProblem(t, res, 409, "request-in-progress")
+		}
+		for range 20 {
+			res := h.do(req, created)
+			require.False(t, res.executed)
+			require.Equal(t, []string{"true"}, res.header(replayed))
+			require.Equal(t, created.body, res.body)
+		}
+		require.Equal(t, 1, h.executions("same-key"))
+	})
+}
+
+func TestAbortAfterResponseHeadersReleases(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	s := h.open()
+	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+	s.send(requestBody([]byte(`{}`)))
+	resp := s.send(responseHeaders(created))
+	require.NotNil(t, resp.GetResponseHeaders())
+	require.Nil(t, resp.GetModeOverride(), "a response to store keeps its body phase")
+	s.end() // upstream reset mid-body, or the body was over Envoy's buffer limit (reference §8)
+	h.waitIdle(t)
+	h.requireStoreEmpty(t, "k")
+	require.True(t, h.do(post("/v1/payments", "k", `{}`), created).executed, "a retry runs again")
+	require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "default", "reason", "unknown_outcome"))
+	require.Equal(t, 0.0, h.counter("idempotency_inflight"))
+}
+
+func TestLeaseRenewedWhileRequestRuns(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: "defaults: {lock_ttl: 3s}"})
+	s := h.open()
+	s.send(requestHeaders(post("/v1/payments", "slow", `{}`)))
+	s.send(requestBody([]byte(`{}`)))
+	// The upstream takes ten lock_ttls; renewals every second keep the key.
+	for range 30 {
+		h.clock.Advance(time.Second)
+	}
+	requireProblem(t, h.do(post("/v1/payments", "slow", `{}`), created), 409, "request-in-progress")
+	s.send(responseHeaders(created))
+	s.send(responseBody(created.body, true))
+	res := h.do(post("/v1/payments", "slow", `{}`), created)
+	require.Equal(t, []string{"true"}, res.header(replayed))
+	require.Equal(t, 0, h.clock.Pending(), "renewal stops when the request completes")
+}
+
+func TestLeaseExpiresWithoutRenewal(t *testing.T) {
+	// Replica a claims a key and crashes: its clock never runs again, so it renews nothing.
+	// Replica b, on the same store, finds the key free once the lease expires.
+	storeClock := clock.NewFake(time.Unix(1_700_000_000, 0))
+	store, err := cache.NewMemory(cache.MemoryOptions{Clock: storeClock})
+	require.NoError(t, err)
+	a := newHarness(t, harnessOptions{policy: "defaults: {lock_ttl: 3s}", store: store})
+	b := newHarness(t, harnessOptions{policy: "defaults: {lock_ttl: 3s}", store: store})
+	s := a.open()
+	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+	s.send(requestBody([]byte(`{}`)))
+	requireProblem(t, b.do(post("/v1/payments", "k", `{}`), created), 409, "request-in-progress")
+	storeClock.Advance(2 * time.Second)
+	requireProblem(t, b.do(post("/v1/payments", "k", `{}`), created), 409, "request-in-progress")
+	storeClock.Advance(time.Second)
+	require.True(t, b.do(post("/v1/payments", "k", `{}`), created).executed, "the key is free after lock_ttl")
+}
+
+func TestStreamedResponseBody(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		policy   string
+		replayed bool
+	}{
+		{"fits", "", true},
+		{"larger than max_response_bytes", "defaults: {max_response_bytes: 5000}", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, harnessOptions{policy: tc.policy})
+			body := bytes.Repeat([]byte("0123456789abcdef"), 1024) // 16 KiB in 4 chunks
+			s := h.open()
+			first := requestHeaders(post("/v1/payments", "k", `{}`))
+			first.ProtocolConfig.ResponseBodyMode = filterextproc.ProcessingMode_STREAMED
+			s.send(first)
+			s.send(requestBody([]byte(`{}`)))
+			s.send(responseHeaders(upstream{status: 200, headers: []string{"content-type", "text/plain"}, body: body}))
+			for i := 0; i < 4; i++ {
+				chunk := body[i*4096 : (i+1)*4096]
+				require.NotNil(t, s.send(responseBody(chunk, false)).GetResponseBody(), "every chunk is answered")
+				requireProblem(t, h.do(post("/v1/payments", "k", `{}`), created), 409, "request-in-progress")
+			}
+			require.NotNil(t, s.send(responseBody(nil, true)).GetResponseBody(), "an empty last chunk ends the body")
+			res := h.do(post("/v1/payments", "k", `{}`), created)
+			if tc.replayed {
+				require.Equal(t, body, res.body)
+				require.Equal(t, []string{"true"}, res.header(replayed))
+			} else {
+				requireProblem(t, res, 409, "response-not-replayable")
+			}
+		})
+	}
+}
+
+func TestBufferedResponseWithTrailersIsComplete(t *testing.T) {
+	// With trailers, Envoy sends the buffered body with end_of_stream false (reference §2.4).
+	h := newHarness(t, harnessOptions{})
+	s := h.open()
+	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+	s.send(requestBody([]byte(`{}`)))
+	s.send(responseHeaders(created))
+	s.send(responseBody(created.body, false))
+	require.Equal(t, created.body, h.do(post("/v1/payments", "k", `{}`), created).body)
+}
+
+func TestReplayHeaders(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: "defaults: {exclude_response_headers: [x-trace], replay_header: idempotent-replayed}"})
+	up := upstream{status: 200, body: []byte("no type"), headers: []string{
+		"set-cookie", "a=1", "vary", "accept", "set-cookie", "b=2", "x-trace", "t", "set-cookie", "c=3",
+	}}
+	h.do(post("/v1/payments", "k", `{}`), up)
+	res := h.do(post("/v1/payments", "k", `{}`), up)
+	ir := res.final.GetImmediateResponse()
+	require.Equal(t, 200, int(ir.GetStatus().GetCode()))
+	var got []string
+	for _, o := range ir.GetHeaders().GetSetHeaders() {
+		//lint:ignore SA1019 ext_proc honours only the deprecated append flag (reference §2.7)
+		got = append(got, fmt.Sprintf("%s=%s append=%v value=%q", o.GetHeader().GetKey(), o.GetHeader().GetRawValue(), o.GetAppend().GetValue(), o.GetHeader().GetValue()))
+	}
+	require.Equal(t, []string{
+		`set-cookie=a=1 append=false value=""`,
+		`vary=accept append=false value=""`,
+		`set-cookie=b=2 append=true value=""`,
+		`set-cookie=c=3 append=true value=""`,
+		`idempotent-replayed=true append=false value=""`,
+	}, got)
+	require.Equal(t, []string{"content-type"}, ir.GetHeaders().GetRemoveHeaders(), "no content-type was sent, so Envoy's default is removed")
+	require.Equal(t, []string{"set-cookie", "a=1", "vary", "accept", "set-cookie", "b=2", "set-cookie", "c=3", "idempotent-replayed", "true"}, res.headers)
+}
+
+func TestKeysAreScoped(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: `
+routes:
+  - name: ledger
+    match: {path_regex: '^/v1/organizations/(?P<org>[^/]+)/transactions'}
+    scope_path_params: [org]
+`})
+	alice := post("/v1/payments", "shared", `{}`, "authorization", "Bearer alice")
+	bob := post("/v1/payments", "shared", `{}`, "authorization", "Bearer bob")
+	require.True(t, h.do(alice, created).executed)
+	require.True(t, h.do(bob, created).executed, "another caller's equal key is another record")
+	require.Equal(t, 2, h.executions("shared"))
+	require.False(t, h.do(alice, created).executed)
+	require.False(t, h.do(bob, created).executed)
+	anon := post("/v1/payments", "shared", `{}`)
+	require.True(t, h.do(anon, created).executed, "no authorization is a scope of its own")
+
+	o1 := post("/v1/organizations/o1/transactions", "tx", `{}`)
+	o2 := post("/v1/organizations/o2/transactions", "tx", `{}`)
+	require.True(t, h.do(o1, created).executed)
+	require.True(t, h.do(o2, created).executed, "scope_path_params separate organizations")
+	require.NotEqual(t,
+		extproc.StoredKey(h.policy, "/v1/payments", "k", "authorization", "a"),
+		extproc.StoredKey(h.policy, "/v1/payments", "k", "authorization", "b"))
+	require.True(t, strings.HasPrefix(extproc.StoredKey(h.policy, "/v1/payments", "k"), "idempotency:"))
+	require.NotContains(t, extproc.StoredKey(h.policy, "/v1/payments", "raw-secret-key"), "raw-secret-key", "raw keys never reach the store")
+}
+
+func TestKeyForms(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	require.True(t, h.do(post("/v1/payments", "", `{}`, "idempotency-key", `"abc"`), created).executed)
+	for _, same := range [][]string{
+		{"idempotency-key", "abc"},
+		{"x-idempotency-key", "abc"},
+		{"x-idempotency", ` "abc" `},
+		{"idempotency-key", "abc", "x-idempotency", `"abc"`},
+		{"idempotency-key", "abc", "idempotency-key", "abc"},
+	} {
+		res := h.do(post("/v1/payments", "", `{}`, same...), created)
+		require.False(t, res.executed, "%v is the same key", same)
+	}
+	require.True(t, h.do(post("/v1/payments", "", `{}`, "idempotency-key", `"a\"b"`), created).executed)
+	require.False(t, h.do(post("/v1/payments", "", `{}`, "idempotency-key", `a"b`), created).executed, `an escaped quote unquotes to a"b`)
+}
+
+func TestTTLHeader(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: "defaults: {ttl: 1h, max_ttl: 2h}"})
+	h.do(post("/v1/payments", "short", `{}`, "x-ttl", "60"), created)
+	h.do(post("/v1/payments", "capped", `{}`, "x-ttl", "999999999999999999999999"), created)
+	h.do(post("/v1/payments", "default", `{}`), created)
+	// A later request's TTL is ignored.
+	require.False(t, h.do(post("/v1/payments", "short", `{}`, "x-ttl", "7200"), created).executed)
+
+	h.clock.Advance(61 * time.Second)
+	require.True(t, h.do(post("/v1/payments", "short", `{}`), created).executed, "x-ttl: 60 expires after a minute")
+	require.False(t, h.do(post("/v1/payments", "default", `{}`), created).executed)
+	h.clock.Advance(time.Hour)
+	require.True(t, h.do(post("/v1/payments", "default", `{}`), created).executed, "the route's ttl")
+	require.False(t, h.do(post("/v1/payments", "capped", `{}`), created).executed)
+	h.clock.Advance(time.Hour)
+	require.True(t, h.do(post("/v1/payments", "capped", `{}`), created).executed, "capped at max_ttl")
+}
+
+func TestBodilessRequestClaimsAtHeaders(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	r := request{method: "POST", path: "/v1/ping", headers: []string{"idempotency-key", "k"}}
+	res := h.do(r, upstream{status: 204})
+	require.True(t, res.executed)
+	require.Equal(t, []string{"false"}, res.header(replayed))
+	res = h.do(r, upstream{status: 204})
+	require.False(t, res.executed)
+	require.Equal(t, 204, res.status)
+	require.Empty(t, res.body)
+}
+
+func TestMessagesOutOfOrder(t *testing.T) {
+	cases := []struct {
+		name string
+		msgs []*extprocv3.ProcessingRequest
+		want []string // the kind of each answer
+	}{
+		{"body before headers", []*extprocv3.ProcessingRequest{requestBody([]byte("x")), requestHeaders(post("/v1/payments", "k", ""))},
+			[]string{"request_body", "request_headers"}},
+		{"response without request", []*extprocv3.ProcessingRequest{responseHeaders(created), responseBody(created.body, true)},
+			[]string{"response_headers", "response_body"}},
+		{"headers twice", []*extprocv3.ProcessingRequest{requestHeaders(post("/v1/x", "", "")), requestHeaders(post("/v1/x", "", ""))},
+			[]string{"request_headers", "request_headers"}},
+		{"trailers", []*extprocv3.ProcessingRequest{
+			{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}},
+			{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{}}},
+		}, []string{"request_trailers", "response_trailers"}},
+		{"pass-through still answered if Envoy ignores the override", []*extprocv3.ProcessingRequest{
+			requestHeaders(request{method: "GET", path: "/"}), responseHeaders(created), responseBody(created.body, true),
+		}, []string{"request_headers", "response_headers", "response_body"}},
+		{"response body without headers while running", []*extprocv3.ProcessingRequest{
+			requestHeaders(post("/v1/payments", "k2", `{}`)), requestBody([]byte(`{}`)), responseBody([]byte("x"), true),
+		}, []string{"request_headers", "request_body", "response_body"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, harnessOptions{})
+			s := h.open()
+			for i, m := range c.msgs {
+				resp := s.send(m)
+				require.Equal(t, c.want[i], kind(resp), "answer %d", i)
+			}
+			s.end()
+			h.waitIdle(t)
+		})
+	}
+	t.Run("empty message ends the stream cleanly", func(t *testing.T) {
+		h := newHarness(t, harnessOptions{})
+		s := h.open()
+		require.NoError(t, s.s.Send(&extprocv3.ProcessingRequest{}))
+		_, err := s.s.Recv()
+		require.ErrorIs(t, err, io.EOF, "a clean close, which Envoy treats as 'continue without the processor'")
+	})
+}
+
+func kind(resp *extprocv3.ProcessingResponse) string {
+	switch resp.GetResponse().(type) {
+	case *extprocv3.ProcessingResponse_RequestHeaders:
+		return "request_headers"
+	case *extprocv3.ProcessingResponse_RequestBody:
+		return "request_body"
+	case *extprocv3.ProcessingResponse_ResponseHeaders:
+		return "response_headers"
+	case *extprocv3.ProcessingResponse_ResponseBody:
+		return "response_body"
+	case *extprocv3.ProcessingResponse_RequestTrailers:
+		return "request_trailers"
+	case *extprocv3.ProcessingResponse_ResponseTrailers:
+		return "response_trailers"
+	case *extprocv3.ProcessingResponse_ImmediateResponse:
+		return "immediate_response"
+	}
+	return "unknown"
+}
+
+func TestPassThroughOverride(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: `
+routes: [{name: health, match: {path_prefix: /healthz}, enabled: false}]
+`})
+	for _, r := range []request{
+		{method: "GET", path: "/v1/payments", headers: []string{"idempotency-key", "k"}},
+		post("/healthz", "k", `{}`),
+		post("/v1/payments", "", `{}`),
+	} {
+		s := h.open()
+		resp := s.send(requestHeaders(r))
+		require.NotNil(t, resp.GetRequestHeaders())
+		require.Nil(t, resp.GetRequestHeaders().GetResponse(), "no mutation")
+		require.Equal(t, extproc.PassThroughMode().String(), resp.GetModeOverride().String())
+		s.end()
+	}
+	h.waitIdle(t)
+	require.Equal(t, 2.0, h.counter("idempotency_requests_total", "route", "default", "outcome", "passthrough"))
+	require.Equal(t, 1.0, h.counter("idempotency_requests_total", "route", "health", "outcome", "passthrough"))
+}
+
+func TestStreamErrorsAreNotLogged(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	s := h.open()
+	s.send(requestHeaders(request{method: "GET", path: "/"}))
+	s.end()
+	h.waitIdle(t)
+	require.NotContains(t, h.logs.String(), `"level":"error"`)
+}
+
+func TestHeaderMapValueFallback(t *testing.T) {
+	// Envoy always sends raw_value; a client that sends value only is still understood.
+	h := newHarness(t, harnessOptions{})
+	s := h.open()
+	m := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
+		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
+			{Key: ":method", Value: "POST"}, {Key: ":path", Value: "/v1/payments"}, {Key: "idempotency-key", Value: "bad key"},
+		}},
+		EndOfStream: true,
+	}}}
+	res, ok := immediateResult(s.send(m))
+	require.True(t, ok)
+	requireProblem(t, res, 400, "invalid-idempotency-key")
+}
+
+func TestServerEndsOnTransportError(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	ctx, cancel := context.WithCancel(t.Context())
+	s, err := h.client.Process(ctx)
+	require.NoError(t, err)
+	require.NoError(t, s.Send(requestHeaders(post("/v1/payments", "k", `{}`))))
+	_, err = s.Recv()
+	require.NoError(t, err)
+	cancel()
+	_, err = s.Recv()
+	require.Equal(t, codes.Canceled, status.Code(err))
+	h.waitIdle(t)
+}
