@@ -297,17 +297,20 @@ func (r *Redis) releaseOrphan(l Lease) {
 	_ = r.owned(ctx, "release", releaseScript, l)
 }
 
-// Ping implements [Store.Ping]. For Cluster it pings every known master.
+// Ping implements [Store.Ping]. For Cluster it pings every known master and, when one does not
+// answer, reloads the slot map so that a failover is noticed without waiting for a MOVED reply.
 func (r *Redis) Ping(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, r.timeout)
 	defer cancel()
-	var err error
-	if cc, ok := r.client.(*redis.ClusterClient); ok {
-		err = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
-			return c.Ping(ctx).Err()
-		})
-	} else {
-		err = r.client.Ping(ctx).Err()
+	cc, ok := r.client.(*redis.ClusterClient)
+	if !ok {
+		return redisError("ping", r.client.Ping(ctx).Err())
+	}
+	err := cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+		return c.Ping(ctx).Err()
+	})
+	if err != nil {
+		cc.ReloadState(ctx)
 	}
 	return redisError("ping", err)
 }

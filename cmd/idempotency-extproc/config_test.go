@@ -1,0 +1,138 @@
+package main
+
+import (
+	"io"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+)
+
+func writeFile(t *testing.T, content string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "policy.yaml")
+	require.NoError(t, os.WriteFile(p, []byte(content), 0o600))
+	return p
+}
+
+func env(kv map[string]string) func(string) string {
+	return func(k string) string { return kv[k] }
+}
+
+func TestConfigDefaults(t *testing.T) {
+	c, err := loadConfig(nil, env(nil), io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, ":9002", c.grpcAddr)
+	require.Equal(t, ":9003", c.adminAddr)
+	require.Equal(t, "memory", c.store)
+	require.Equal(t, "redis://localhost:6379/0", c.redisURL)
+	require.Empty(t, c.redisClusterAddrs)
+	require.Empty(t, c.redisSentinelAddrs)
+	require.Equal(t, "mymaster", c.redisSentinelMaster)
+	require.Equal(t, int64(268435456), c.memoryMaxBytes)
+	require.Equal(t, zerolog.InfoLevel, c.logLevel)
+	require.Equal(t, "json", c.logFormat)
+	require.Equal(t, policy.Default().Default, c.policy.Default)
+}
+
+func TestConfigPrecedence(t *testing.T) {
+	file := writeFile(t, `
+store: redis
+redis_url: redis://file:6379/0
+log_level: warn
+log_format: console
+redis_cluster_addrs: [f1:7000, f2:7000]
+store_timeout: 250ms
+`)
+	cases := []struct {
+		name string
+		args []string
+		env  map[string]string
+		want func(t *testing.T, c *config)
+	}{
+		{"file beats defaults", []string{"--config", file}, nil, func(t *testing.T, c *config) {
+			require.Equal(t, "redis", c.store)
+			require.Equal(t, "redis://file:6379/0", c.redisURL)
+			require.Equal(t, zerolog.WarnLevel, c.logLevel)
+			require.Equal(t, []string{"f1:7000", "f2:7000"}, c.redisClusterAddrs)
+			require.Equal(t, 250*time.Millisecond, c.policy.StoreTimeout)
+			require.Equal(t, ":9002", c.grpcAddr, "unset in the file: the default")
+		}},
+		{"env beats the file", []string{"--config", file}, map[string]string{
+			"IDEMPOTENCY_REDIS_URL": "redis://env:6379/0", "IDEMPOTENCY_LOG_LEVEL": "debug",
+		}, func(t *testing.T, c *config) {
+			require.Equal(t, "redis://env:6379/0", c.redisURL)
+			require.Equal(t, zerolog.DebugLevel, c.logLevel)
+			require.Equal(t, "console", c.logFormat)
+		}},
+		{"flags beat env", []string{"--config", file, "--redis-url", "redis://flag:6379/0", "--log-format=json"}, map[string]string{
+			"IDEMPOTENCY_REDIS_URL": "redis://env:6379/0", "IDEMPOTENCY_LOG_FORMAT": "console",
+		}, func(t *testing.T, c *config) {
+			require.Equal(t, "redis://flag:6379/0", c.redisURL)
+			require.Equal(t, "json", c.logFormat)
+		}},
+		{"the file path from env", nil, map[string]string{"IDEMPOTENCY_CONFIG": file}, func(t *testing.T, c *config) {
+			require.Equal(t, "redis", c.store)
+		}},
+		{"the file path flag beats env", []string{"--config", file}, map[string]string{"IDEMPOTENCY_CONFIG": "/nonexistent"}, func(t *testing.T, c *config) {
+			require.Equal(t, "redis", c.store)
+		}},
+		{"lists from env and flags", []string{"--redis-sentinel-addrs", " s1:26379, s2:26379 ,"}, map[string]string{
+			"IDEMPOTENCY_REDIS_SENTINEL_MASTER": "payments",
+		}, func(t *testing.T, c *config) {
+			require.Equal(t, []string{"s1:26379", "s2:26379"}, c.redisSentinelAddrs)
+			require.Equal(t, "payments", c.redisSentinelMaster)
+		}},
+		{"unix socket", []string{"--grpc-addr", "unix:///tmp/x.sock", "--memory-max-bytes", "1024"}, nil, func(t *testing.T, c *config) {
+			require.Equal(t, "unix:///tmp/x.sock", c.grpcAddr)
+			require.Equal(t, int64(1024), c.memoryMaxBytes)
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := loadConfig(tc.args, env(tc.env), io.Discard)
+			require.NoError(t, err)
+			tc.want(t, c)
+		})
+	}
+}
+
+func TestConfigInvalid(t *testing.T) {
+	cases := []struct {
+		name string
+		args []string
+		env  map[string]string
+		file string
+		want []string
+	}{
+		{"bad flag values", []string{"--store", "mongo", "--log-level", "loud", "--memory-max-bytes", "0"}, nil, "",
+			[]string{`store (flag --store): must be memory or redis, got "mongo"`, "log-level (flag --log-level)", "memory-max-bytes (flag --memory-max-bytes)"}},
+		{"bad env value", nil, map[string]string{"IDEMPOTENCY_LOG_FORMAT": "xml"}, "",
+			[]string{`log-format (environment variable IDEMPOTENCY_LOG_FORMAT): must be json or console, got "xml"`}},
+		{"bad file setting and policy together", nil, nil, "store: disk\ndefaults: {ttl: soon}\nroutes: [{name: a, match: {path_regex: '('}}]\n",
+			[]string{"store (config file key store)", "defaults.ttl", "routes[0] (a).match.path_regex"}},
+		{"unknown file field", nil, nil, "grpc_address: :1\n", []string{"field grpc_address not found"}},
+		{"cluster and sentinel", []string{"--redis-cluster-addrs", "a:1", "--redis-sentinel-addrs", "b:2"}, nil, "", []string{"not both"}},
+		{"unknown flag", []string{"--colour"}, nil, "", []string{"flag provided but not defined: -colour"}},
+		{"stray argument", []string{"serve"}, nil, "", []string{"unexpected arguments"}},
+		{"missing file", []string{"--config", "/nonexistent/policy.yaml"}, nil, "", []string{"config file", "no such file"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			args := tc.args
+			if tc.file != "" {
+				args = append(args, "--config", writeFile(t, tc.file))
+			}
+			_, err := loadConfig(args, env(tc.env), io.Discard)
+			require.Error(t, err)
+			for _, w := range tc.want {
+				require.ErrorContains(t, err, w)
+			}
+		})
+	}
+}

@@ -1,0 +1,229 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/redis/go-redis/v9"
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
+)
+
+// drainTimeout is how long open streams may finish after SIGTERM before they are cut.
+const drainTimeout = 15 * time.Second
+
+// readinessInterval is how often the store is pinged for gRPC health; /readyz pings on demand.
+const readinessInterval = 500 * time.Millisecond
+
+// run is the whole program: it returns when ctx is done and every open stream has finished or
+// been cut, or at once with an error if the configuration is invalid or a listener cannot open.
+// args are the command-line arguments without the program name; getenv reads the environment;
+// logs and usage go to stderr.
+func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) error {
+	cfg, err := loadConfig(args, getenv, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	log := newLogger(cfg, stderr)
+	redis.SetLogger(redisLogger{log: log})
+
+	store, err := openStore(cfg)
+	if err != nil {
+		return err
+	}
+	defer store.Close()
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	metrics, err := extproc.NewMetrics(reg)
+	if err != nil {
+		return err
+	}
+	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: cfg.policy, Logger: &log, Metrics: metrics})
+	if err != nil {
+		return err
+	}
+
+	grpcLis, err := listen(cfg.grpcAddr)
+	if err != nil {
+		return fmt.Errorf("grpc-addr: %w", err)
+	}
+	defer grpcLis.Close()
+	adminLis, err := listen(cfg.adminAddr)
+	if err != nil {
+		return fmt.Errorf("admin-addr: %w", err)
+	}
+	defer adminLis.Close()
+
+	gs := grpc.NewServer(
+		// A BUFFERED body arrives in one message: the limit must exceed the largest body Envoy
+		// may send (reference §0.8, §9).
+		grpc.MaxRecvMsgSize(maxRecvMsgSize(cfg)),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+	)
+	extprocv3.RegisterExternalProcessorServer(gs, srv)
+	healthSrv := health.NewServer()
+	healthpb.RegisterHealthServer(gs, healthSrv)
+	setHealth(healthSrv, healthpb.HealthCheckResponse_NOT_SERVING)
+
+	admin := &http.Server{
+		Handler:           adminHandler(reg, store, cfg.policy.StoreTimeout),
+		ReadHeaderTimeout: 5 * time.Second,
+	}
+
+	errc := make(chan error, 2)
+	go func() { errc <- gs.Serve(grpcLis) }()
+	go func() { errc <- admin.Serve(adminLis) }()
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	defer stopWatch()
+	go watchStore(watchCtx, store, cfg.policy.StoreTimeout, healthSrv, log)
+
+	log.Info().Str("grpc_addr", addrString(grpcLis)).Str("admin_addr", adminLis.Addr().String()).
+		Str("store", cfg.store).Msg("ready")
+
+	select {
+	case <-ctx.Done():
+	case err := <-errc:
+		log.Error().Err(err).Msg("listener failed")
+		gs.Stop()
+		_ = admin.Close()
+		return err
+	}
+
+	log.Info().Dur("drain_timeout", drainTimeout).Msg("shutting down: draining open streams")
+	stopWatch()
+	healthSrv.Shutdown()
+	drained := make(chan struct{})
+	go func() {
+		gs.GracefulStop()
+		close(drained)
+	}()
+	select {
+	case <-drained:
+	case <-time.After(drainTimeout):
+		log.Warn().Msg("drain timeout: cutting the streams still open")
+		gs.Stop()
+	}
+	// Cut streams release what they hold as their handlers return.
+	waitCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := srv.Wait(waitCtx); err != nil {
+		log.Error().Err(err).Msg("stream handlers did not finish")
+	}
+	shutdownCtx, cancel2 := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel2()
+	_ = admin.Shutdown(shutdownCtx)
+	log.Info().Msg("stopped")
+	return nil
+}
+
+func newLogger(cfg *config, stderr io.Writer) zerolog.Logger {
+	var w io.Writer = stderr
+	if cfg.logFormat == "console" {
+		w = zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.RFC3339}
+	}
+	return zerolog.New(w).Level(cfg.logLevel).With().Timestamp().Logger()
+}
+
+// redisLogger sends go-redis' own messages (one per failed dial while Redis is down) to the
+// process log at debug level; the store watcher reports outages once, at error level.
+type redisLogger struct{ log zerolog.Logger }
+
+func (l redisLogger) Printf(_ context.Context, format string, v ...any) {
+	l.log.Debug().Str("component", "go-redis").Msgf(format, v...)
+}
+
+func openStore(cfg *config) (cache.Store, error) {
+	if cfg.store == "memory" {
+		return cache.NewMemory(cache.MemoryOptions{MaxBytes: cfg.memoryMaxBytes})
+	}
+	s, err := cache.OpenRedis(cache.RedisOptions{
+		URL:            cfg.redisURL,
+		ClusterAddrs:   cfg.redisClusterAddrs,
+		SentinelAddrs:  cfg.redisSentinelAddrs,
+		SentinelMaster: cfg.redisSentinelMaster,
+		Timeout:        cfg.policy.StoreTimeout,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("redis: %w", err)
+	}
+	return s, nil
+}
+
+// maxRecvMsgSize is 64 MiB, or more when the policy keeps larger responses.
+func maxRecvMsgSize(cfg *config) int {
+	return max(64<<20, 2*cfg.policy.MaxResponseBytes()+1<<20)
+}
+
+// listen opens host:port, or a Unix socket for unix:///path (replacing a stale socket file).
+func listen(addr string) (net.Listener, error) {
+	if path, ok := strings.CutPrefix(addr, "unix://"); ok {
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return nil, err
+		}
+		return net.Listen("unix", path)
+	}
+	return net.Listen("tcp", addr)
+}
+
+func addrString(l net.Listener) string {
+	if l.Addr().Network() == "unix" {
+		return "unix://" + l.Addr().String()
+	}
+	return l.Addr().String()
+}
+
+func setHealth(h *health.Server, s healthpb.HealthCheckResponse_ServingStatus) {
+	h.SetServingStatus("", s)
+	h.SetServingStatus(extprocv3.ExternalProcessor_ServiceDesc.ServiceName, s)
+}
+
+// watchStore keeps gRPC health in step with the store: SERVING while it answers a ping within
+// timeout, NOT_SERVING otherwise.
+func watchStore(ctx context.Context, store cache.Store, timeout time.Duration, h *health.Server, log zerolog.Logger) {
+	ready, known := false, false
+	t := time.NewTicker(readinessInterval)
+	defer t.Stop()
+	for {
+		pctx, cancel := context.WithTimeout(ctx, timeout)
+		err := store.Ping(pctx)
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		switch {
+		case err == nil && (!ready || !known):
+			setHealth(h, healthpb.HealthCheckResponse_SERVING)
+			log.Info().Msg("store is reachable: serving")
+		case err != nil && (ready || !known):
+			setHealth(h, healthpb.HealthCheckResponse_NOT_SERVING)
+			log.Error().Err(err).Str("op", "ping").Msg("store is unreachable: not serving")
+		}
+		ready, known = err == nil, true
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}

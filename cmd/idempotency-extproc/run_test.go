@@ -1,0 +1,258 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+)
+
+// logLines collects the process log and reports the first line with a given message.
+type logLines struct {
+	mu    sync.Mutex
+	lines []map[string]any
+	raw   strings.Builder
+	cond  *sync.Cond
+}
+
+func newLogLines() *logLines {
+	l := &logLines{}
+	l.cond = sync.NewCond(&l.mu)
+	return l
+}
+
+func (l *logLines) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.raw.Write(p)
+	for _, line := range strings.Split(strings.TrimSpace(string(p)), "\n") {
+		var m map[string]any
+		if json.Unmarshal([]byte(line), &m) == nil {
+			l.lines = append(l.lines, m)
+		}
+	}
+	l.cond.Broadcast()
+	return len(p), nil
+}
+
+func (l *logLines) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.raw.String()
+}
+
+// wait returns the first line whose message is msg, waiting up to timeout.
+func (l *logLines) wait(t *testing.T, msg string, timeout time.Duration) map[string]any {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	go func() {
+		time.Sleep(timeout)
+		l.cond.Broadcast()
+	}()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for {
+		for _, m := range l.lines {
+			if m["message"] == msg {
+				return m
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no %q log line within %v; log:\n%s", msg, timeout, l.raw.String())
+		}
+		l.cond.Wait()
+	}
+}
+
+func dial(t *testing.T, addr string) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+func bodilessPost(key string) *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
+		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
+			{Key: ":method", RawValue: []byte("POST")},
+			{Key: ":path", RawValue: []byte("/v1/payments")},
+			{Key: "idempotency-key", RawValue: []byte(key)},
+		}},
+		EndOfStream: true,
+	}}}
+}
+
+func created() *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+		Headers:     &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("201")}}},
+		EndOfStream: true,
+	}}}
+}
+
+func TestRunServesUntilCancelled(t *testing.T) {
+	logs := newLogLines()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	sock := filepath.Join(t.TempDir(), "extproc.sock")
+	go func() {
+		done <- run(ctx, []string{"--grpc-addr", "unix://" + sock, "--admin-addr", "127.0.0.1:0"}, env(nil), logs)
+	}()
+	ready := logs.wait(t, "ready", 10*time.Second)
+	require.Equal(t, "unix://"+sock, ready["grpc_addr"])
+	admin := "http://" + ready["admin_addr"].(string)
+
+	conn := dial(t, "unix://"+sock)
+	require.Eventually(t, func() bool {
+		resp, err := healthpb.NewHealthClient(conn).Check(t.Context(), &healthpb.HealthCheckRequest{})
+		return err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING
+	}, 5*time.Second, 20*time.Millisecond)
+
+	client := extprocv3.NewExternalProcessorClient(conn)
+	for i, want := range []string{"request_headers", "immediate_response"} {
+		s, err := client.Process(t.Context())
+		require.NoError(t, err)
+		require.NoError(t, s.Send(bodilessPost("k")))
+		resp, err := s.Recv()
+		require.NoError(t, err)
+		if i == 0 {
+			require.NotNil(t, resp.GetRequestHeaders(), want)
+			require.NoError(t, s.Send(created()))
+			_, err = s.Recv()
+			require.NoError(t, err)
+		} else {
+			require.Equal(t, 201, int(resp.GetImmediateResponse().GetStatus().GetCode()), want)
+		}
+		require.NoError(t, s.CloseSend())
+	}
+
+	for path, status := range map[string]int{"/healthz": 200, "/readyz": 200, "/metrics": 200, "/nothing": 404} {
+		resp, err := http.Get(admin + path)
+		require.NoError(t, err)
+		body, _ := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		require.Equal(t, status, resp.StatusCode, path)
+		if path == "/metrics" {
+			require.Contains(t, string(body), `idempotency_requests_total{outcome="executed",route="default"} 1`)
+			require.Contains(t, string(body), `idempotency_requests_total{outcome="replayed",route="default"} 1`)
+			require.Contains(t, string(body), "go_goroutines")
+			require.Contains(t, string(body), "process_cpu_seconds_total")
+		}
+	}
+
+	cancel()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("run did not return after its context was cancelled")
+	}
+	logs.wait(t, "stopped", time.Second)
+}
+
+func TestRunRejectsBadConfigBeforeListening(t *testing.T) {
+	logs := newLogLines()
+	err := run(t.Context(), []string{"--store", "nope", "--admin-addr", "127.0.0.1:0"}, env(nil), logs)
+	require.ErrorContains(t, err, "store")
+	require.NotContains(t, logs.String(), "ready")
+	require.NoError(t, run(t.Context(), []string{"--help"}, env(nil), io.Discard), "--help is not an error")
+}
+
+func TestRunReportsListenerErrors(t *testing.T) {
+	err := run(t.Context(), []string{"--grpc-addr", "256.0.0.1:1", "--admin-addr", "127.0.0.1:0"}, env(nil), io.Discard)
+	require.ErrorContains(t, err, "grpc-addr")
+}
+
+// binary is built once for the tests that run the real process.
+var binary = sync.OnceValues(func() (string, error) {
+	dir, err := os.MkdirTemp("", "idempotency-extproc-bin")
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, "idempotency-extproc")
+	out, err := exec.Command("go", "build", "-race", "-o", path, ".").CombinedOutput()
+	if err != nil {
+		return "", &buildError{out: string(out), err: err}
+	}
+	return path, nil
+})
+
+type buildError struct {
+	out string
+	err error
+}
+
+func (e *buildError) Error() string { return e.err.Error() + "\n" + e.out }
+
+func TestBinaryDrainsOnSIGTERM(t *testing.T) {
+	bin, err := binary()
+	require.NoError(t, err)
+	logs := newLogLines()
+	cmd := exec.Command(bin, "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0")
+	cmd.Stderr = logs
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	ready := logs.wait(t, "ready", 30*time.Second)
+
+	conn := dial(t, ready["grpc_addr"].(string))
+	client := extprocv3.NewExternalProcessorClient(conn)
+	s, err := client.Process(t.Context())
+	require.NoError(t, err)
+	require.NoError(t, s.Send(bodilessPost("draining")))
+	resp, err := s.Recv()
+	require.NoError(t, err)
+	require.NotNil(t, resp.GetRequestHeaders(), "the request runs under a lease")
+
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	logs.wait(t, "shutting down: draining open streams", 5*time.Second)
+
+	// New streams are refused while the open one finishes.
+	require.Error(t, tryStream(t, ready["grpc_addr"].(string)), "a draining process takes no new stream")
+
+	require.NoError(t, s.Send(created()))
+	resp, err = s.Recv()
+	require.NoError(t, err, "the open stream finishes")
+	require.NotNil(t, resp.GetResponseHeaders())
+	require.NoError(t, s.CloseSend())
+	_, err = s.Recv()
+	require.ErrorIs(t, err, io.EOF)
+
+	waitErr := make(chan error, 1)
+	go func() { waitErr <- cmd.Wait() }()
+	select {
+	case err := <-waitErr:
+		require.NoError(t, err, "exit status 0; log:\n%s", logs.String())
+	case <-time.After(20 * time.Second):
+		t.Fatalf("process did not exit; log:\n%s", logs.String())
+	}
+	logs.wait(t, "stopped", time.Second)
+	require.Contains(t, logs.String(), `"outcome":"executed"`)
+}
+
+// tryStream opens a stream on a new connection and sends one message.
+func tryStream(t *testing.T, addr string) error {
+	s, err := extprocv3.NewExternalProcessorClient(dial(t, addr)).Process(t.Context())
+	if err != nil {
+		return err
+	}
+	if err := s.Send(bodilessPost("new")); err != nil {
+		return err
+	}
+	_, err = s.Recv()
+	return err
+}
