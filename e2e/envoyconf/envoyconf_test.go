@@ -1,0 +1,557 @@
+package envoyconf
+
+import (
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
+)
+
+// storeTimeout is the processor's default store_timeout (SPEC §6).
+const storeTimeout = 100 * time.Millisecond
+
+// repoRoot walks up from the package directory to the directory holding go.mod.
+func repoRoot(t testing.TB) string {
+	t.Helper()
+	dir, err := os.Getwd()
+	require.NoError(t, err)
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return dir
+		}
+		parent := filepath.Dir(dir)
+		require.NotEqual(t, dir, parent, "no go.mod above the package directory")
+		dir = parent
+	}
+}
+
+func envoyFile(t testing.TB, name string) string {
+	return filepath.Join(repoRoot(t), "envoy", name)
+}
+
+func readEnvoyFile(t testing.TB, name string) string {
+	data, err := os.ReadFile(envoyFile(t, name))
+	require.NoError(t, err)
+	return string(data)
+}
+
+// typedConfigs returns the message inside every google.protobuf.Any of m, recursively.
+func typedConfigs(t testing.TB, m proto.Message) []proto.Message {
+	var out []proto.Message
+	walkAnys(m.ProtoReflect(), "", func(a *anypb.Any, path string) {
+		inner, err := a.UnmarshalNew()
+		require.NoError(t, err, path)
+		out = append(out, inner)
+		out = append(out, typedConfigs(t, inner)...)
+	})
+	return out
+}
+
+// checkBootstrap is the whole verdict on a standalone bootstrap: it parses, every message
+// (typed configs included) passes its validation rules, the ext_proc filter meets SPEC §5, the
+// processor cluster's circuit breakers are far above Envoy's 1024, and the buffer limits hold a
+// 1 MiB body. The shipped envoy.yaml must pass it; every broken variant must fail it.
+func checkBootstrap(t testing.TB, yamlText string) error {
+	t.Helper()
+	b, err := Parse([]byte(yamlText))
+	if err != nil {
+		return err
+	}
+	if err := Validate(b); err != nil {
+		return err
+	}
+	s, err := ProxySettings(b)
+	if err != nil {
+		return err
+	}
+	if err := CheckSpec(s.Filter, storeTimeout); err != nil {
+		return err
+	}
+	return checkLimits(s.ProcessorThresholds, s.ListenerBufferLimit, s.UpstreamBufferLimit)
+}
+
+func checkLimits(th Thresholds, listener, upstream uint32) error {
+	var problems []string
+	for name, v := range map[string]uint32{
+		"max_connections": th.MaxConnections, "max_pending_requests": th.MaxPendingRequests,
+		"max_requests": th.MaxRequests,
+	} {
+		if v <= 1024 {
+			problems = append(problems, "processor circuit breaker "+name+" is not above 1024")
+		}
+	}
+	if listener < 1<<20 {
+		problems = append(problems, "listener buffer limit below 1 MiB")
+	}
+	if upstream < 1<<20 {
+		problems = append(problems, "upstream buffer limit below 1 MiB")
+	}
+	if problems == nil {
+		return nil
+	}
+	slices.Sort(problems)
+	return &limitError{problems}
+}
+
+type limitError struct{ problems []string }
+
+func (e *limitError) Error() string { return strings.Join(e.problems, "; ") }
+
+func TestEnvoyYAMLMeetsSpec(t *testing.T) {
+	b, err := Load(envoyFile(t, "envoy.yaml"))
+	require.NoError(t, err)
+
+	require.NoError(t, b.ValidateAll(), "Bootstrap")
+	configs := typedConfigs(t, b)
+	var names []string
+	for _, c := range configs {
+		names = append(names, string(c.ProtoReflect().Descriptor().FullName()))
+		v, ok := c.(interface{ ValidateAll() error })
+		require.True(t, ok, "%T has no ValidateAll", c)
+		require.NoError(t, v.ValidateAll(), "%T", c)
+	}
+	for _, want := range []string{
+		"envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+		"envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+		"envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+		"envoy.extensions.filters.http.router.v3.Router",
+		"envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+	} {
+		require.Contains(t, names, want)
+	}
+	require.NoError(t, Validate(b))
+
+	f, err := ExtProc(b)
+	require.NoError(t, err)
+	require.NoError(t, CheckSpec(f, storeTimeout))
+
+	// Beyond CheckSpec: the shipped file spells out exactly what the README documents.
+	require.True(t, proto.Equal(&filterextproc.ProcessingMode{
+		RequestHeaderMode:   filterextproc.ProcessingMode_SEND,
+		RequestBodyMode:     filterextproc.ProcessingMode_BUFFERED,
+		RequestTrailerMode:  filterextproc.ProcessingMode_SKIP,
+		ResponseHeaderMode:  filterextproc.ProcessingMode_SEND,
+		ResponseBodyMode:    filterextproc.ProcessingMode_BUFFERED,
+		ResponseTrailerMode: filterextproc.ProcessingMode_SKIP,
+	}, f.GetProcessingMode()), "processing_mode: %v", f.GetProcessingMode())
+	require.Len(t, f.GetAllowedOverrideModes(), 2)
+	require.True(t, proto.Equal(PassThroughMode(), f.GetAllowedOverrideModes()[0]))
+	require.True(t, proto.Equal(NoStoreMode(), f.GetAllowedOverrideModes()[1]))
+	require.Equal(t, []string{"request.id"}, f.GetRequestAttributes())
+	require.ElementsMatch(t, []string{"response.code", "response.code_details", "response.flags"}, f.GetResponseAttributes())
+	require.Equal(t, 500*time.Millisecond, f.GetMessageTimeout().AsDuration())
+	require.Equal(t, filterextproc.ExternalProcessor_RETAIN, f.GetRouteCacheAction())
+	require.False(t, f.GetFailureModeAllow())
+	require.GreaterOrEqual(t, f.GetGrpcService().GetTimeout().AsDuration(), 30*time.Second,
+		"the gRPC stream must outlive the route timeout")
+
+	require.NoError(t, checkBootstrap(t, readEnvoyFile(t, "envoy.yaml")))
+}
+
+func TestEnvoyYAMLProxySettings(t *testing.T) {
+	b, err := Load(envoyFile(t, "envoy.yaml"))
+	require.NoError(t, err)
+	s, err := ProxySettings(b)
+	require.NoError(t, err)
+
+	f, err := ExtProc(b)
+	require.NoError(t, err)
+	require.True(t, proto.Equal(f, s.Filter))
+	s.Filter = nil
+	require.Equal(t, Settings{
+		FilterName:          "envoy.filters.http.ext_proc",
+		ListenerBufferLimit: 1 << 20,
+		UpstreamBufferLimit: 1 << 20,
+		RouteTimeout:        30 * time.Second,
+		DisabledPrefixes:    []string{"/healthz"},
+		ProcessorCluster:    "idempotency_extproc",
+		ProcessorThresholds: Thresholds{100000, 100000, 100000, 100000},
+		UpstreamCluster:     "upstream_app",
+	}, s)
+
+	// The processor cluster speaks HTTP/2 with keepalive pings.
+	pc := cluster(b, s.ProcessorCluster)
+	require.NotNil(t, pc)
+	po := &httpv3.HttpProtocolOptions{}
+	require.NoError(t, pc.GetTypedExtensionProtocolOptions()["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].UnmarshalTo(po))
+	ka := po.GetExplicitHttpConfig().GetHttp2ProtocolOptions().GetConnectionKeepalive()
+	require.Equal(t, 30*time.Second, ka.GetInterval().AsDuration())
+	require.Equal(t, 5*time.Second, ka.GetTimeout().AsDuration())
+}
+
+// minimal is a bootstrap that leaves everything it can at Envoy's defaults.
+const minimal = `
+static_resources:
+  listeners:
+  - name: l
+    address: { socket_address: { address: 0.0.0.0, port_value: 10000 } }
+    filter_chains:
+    - filters:
+      - name: hcm
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: s
+          route_config:
+            virtual_hosts:
+            - name: v
+              domains: ["*"]
+              routes:
+              - match: { prefix: "/" }
+                route: { cluster: app }
+          http_filters:
+          - name: my_ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service: { envoy_grpc: { cluster_name: proc } }
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: proc
+  - name: app
+`
+
+func TestProxySettingsDefaults(t *testing.T) {
+	b, err := Parse([]byte(minimal))
+	require.NoError(t, err)
+	s, err := ProxySettings(b)
+	require.NoError(t, err)
+	s.Filter = nil
+	require.Equal(t, Settings{
+		FilterName:          "my_ext_proc",
+		ListenerBufferLimit: 1 << 20,
+		UpstreamBufferLimit: 1 << 20,
+		RouteTimeout:        15 * time.Second,
+		ProcessorCluster:    "proc",
+		ProcessorThresholds: Thresholds{1024, 1024, 1024, 3},
+		UpstreamCluster:     "app",
+	}, s)
+
+	// Envoy's defaults fail the contract: no modes spelled out, no attributes, 1024 streams.
+	err = checkBootstrap(t, minimal)
+	require.Error(t, err)
+	require.ErrorContains(t, err, "request_body_mode is NONE, want BUFFERED")
+	require.ErrorContains(t, err, "allow_mode_override is false")
+	require.ErrorContains(t, err, "response.code_details")
+}
+
+func TestProxySettingsRejects(t *testing.T) {
+	for _, tc := range []struct{ name, old, new, want string }{
+		{"per-route overrides", "route: { cluster: app }",
+			"route: { cluster: app }\n                typed_per_filter_config:\n                  my_ext_proc:\n                    \"@type\": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute\n                    overrides: { failure_mode_allow: true }",
+			"overrides are not supported"},
+		{"disabled on a regex route", "routes:\n",
+			"routes:\n              - match: { safe_regex: { regex: \"^/h\" } }\n                route: { cluster: app }\n                typed_per_filter_config:\n                  my_ext_proc:\n                    \"@type\": type.googleapis.com/envoy.config.route.v3.FilterConfig\n                    disabled: true\n",
+			"disables ext_proc on a non-prefix match"},
+		{"filter disabled by default", "- name: my_ext_proc\n", "- name: my_ext_proc\n            disabled: true\n",
+			"disabled by default"},
+		{"weighted clusters", "route: { cluster: app }", "route: { weighted_clusters: { clusters: [{ name: app, weight: 1 }] } }",
+			"does not route to a single cluster"},
+		{"upstream cluster missing", "  - name: app\n", "", `upstream cluster "app" is not a static cluster`},
+		{"google_grpc", "grpc_service: { envoy_grpc: { cluster_name: proc } }",
+			"grpc_service: { google_grpc: { target_uri: \"proc:9002\", stat_prefix: p } }", "no envoy_grpc cluster_name"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b, err := Parse([]byte(mutate(t, minimal, tc.old, tc.new, 1)))
+			if err == nil {
+				_, err = ProxySettings(b)
+			}
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+
+	t.Run("RDS", func(t *testing.T) {
+		b, err := Parse([]byte(minimal))
+		require.NoError(t, err)
+		nf := b.GetStaticResources().GetListeners()[0].GetFilterChains()[0].GetFilters()[0]
+		hcm := &hcmv3.HttpConnectionManager{}
+		require.NoError(t, nf.GetTypedConfig().UnmarshalTo(hcm))
+		hcm.RouteSpecifier = &hcmv3.HttpConnectionManager_Rds{Rds: &hcmv3.Rds{RouteConfigName: "r"}}
+		a, err := anypb.New(hcm)
+		require.NoError(t, err)
+		nf.ConfigType = &listenerv3.Filter_TypedConfig{TypedConfig: a}
+		_, err = ProxySettings(b)
+		require.ErrorContains(t, err, "no inline route_config")
+	})
+}
+
+func TestParseRejects(t *testing.T) {
+	_, err := Parse(nil)
+	require.ErrorContains(t, err, "empty")
+	_, err = Parse([]byte("admin: {}\n---\nadmin: {}\n"))
+	require.ErrorContains(t, err, "more than one YAML document")
+	_, err = Parse([]byte("admin: {address: [unclosed\n"))
+	require.Error(t, err)
+	_, err = Load(filepath.Join(t.TempDir(), "missing.yaml"))
+	require.ErrorIs(t, err, os.ErrNotExist)
+}
+
+// mutate replaces old by new in text (the n-th occurrence, 1-based; 0 = every occurrence) and
+// fails the test when old is absent, so a stale mutation cannot pass silently.
+func mutate(t testing.TB, text, old, new string, n int) string {
+	t.Helper()
+	require.Contains(t, text, old, "mutation target is gone from the file")
+	if n == 0 {
+		return strings.ReplaceAll(text, old, new)
+	}
+	idx := -1
+	for i := 0; i < n; i++ {
+		next := strings.Index(text[idx+1:], old)
+		require.GreaterOrEqual(t, next, 0, "fewer than %d occurrences of %q", n, old)
+		idx += 1 + next
+	}
+	return text[:idx] + new + text[idx+len(old):]
+}
+
+// A broken envoy.yaml must fail this test.
+func TestEnvoyYAMLBrokenVariantsFail(t *testing.T) {
+	orig := readEnvoyFile(t, "envoy.yaml")
+	for _, tc := range []struct {
+		name, old, new string
+		n              int
+		want           string
+	}{
+		{"response body NONE", "response_body_mode: BUFFERED", "response_body_mode: NONE", 1,
+			"processing_mode.response_body_mode is NONE, want BUFFERED or STREAMED"},
+		{"request body STREAMED", "request_body_mode: BUFFERED", "request_body_mode: STREAMED", 1,
+			"processing_mode.request_body_mode is STREAMED, want BUFFERED"},
+		{"request headers skipped", "request_header_mode: SEND\n                request_body_mode: BUFFERED",
+			"request_header_mode: SKIP\n                request_body_mode: BUFFERED", 1,
+			"processing_mode.request_header_mode is SKIP, want SEND"},
+		{"trailers sent", "response_trailer_mode: SKIP", "response_trailer_mode: SEND", 1,
+			"processing_mode.response_trailer_mode is SEND, want SKIP"},
+		{"trailer mode left DEFAULT", "request_trailer_mode: SKIP", "request_trailer_mode: DEFAULT", 1,
+			"processing_mode.request_trailer_mode is DEFAULT, want SKIP"},
+		{"fail open", "failure_mode_allow: false", "failure_mode_allow: true", 1,
+			"failure_mode_allow is true, want false"},
+		{"no response.code_details", `"response.code", "response.code_details", "response.flags"`,
+			`"response.code", "response.flags"`, 1, `response_attributes lacks "response.code_details"`},
+		{"no mode override", "allow_mode_override: true", "allow_mode_override: false", 1,
+			"allow_mode_override is false"},
+		{"message timeout below store timeout", "message_timeout: 0.5s", "message_timeout: 0.05s", 1,
+			"message_timeout 50ms is not above store_timeout 100ms"},
+		{"message timeout equal to store timeout", "message_timeout: 0.5s", "message_timeout: 0.1s", 1,
+			"message_timeout 100ms is not above store_timeout 100ms"},
+		{"message timeout over 1h breaks validation",
+			"message_timeout: 0.5s", "message_timeout: 4000s", 1, "MessageTimeout"},
+		{"override mode with DEFAULT where SKIP is required",
+			"request_body_mode: NONE\n                request_trailer_mode: SKIP",
+			"request_body_mode: NONE\n                request_trailer_mode: DEFAULT", 1,
+			"allowed_override_modes[0] is not a SPEC §5 mode: request_trailer_mode is DEFAULT, want SKIP"},
+		{"override mode with a body", "response_header_mode: SEND\n                response_body_mode: NONE",
+			"response_header_mode: SEND\n                response_body_mode: BUFFERED", 1,
+			"allowed_override_modes[1] is not a SPEC §5 mode: response_body_mode is BUFFERED, want NONE"},
+		{"override mode missing", "response_header_mode: SEND\n                response_body_mode: NONE",
+			"response_header_mode: SKIP\n                response_body_mode: NONE", 1,
+			"allowed_override_modes lacks the no-store mode"},
+		{"unknown field", "route_cache_action: RETAIN", "route_cache_action: RETAIN\n              bogus_field: 1", 1,
+			"bogus_field"},
+		{"misspelt enum", "route_cache_action: RETAIN", "route_cache_action: KEEP", 1, "KEEP"},
+		{"bad @type", "ext_proc.v3.ExtProcPerRoute", "ext_proc.v3.ExtProcPerRoot", 1,
+			"envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoot"},
+		{"bad duration", "timeout: 30s", "timeout: 30 seconds", 1, "30 seconds"},
+		{"default circuit breakers", "max_requests: 100000", "max_requests: 1024", 1,
+			"processor circuit breaker max_requests is not above 1024"},
+		{"small listener buffer", "per_connection_buffer_limit_bytes: 1048576", "per_connection_buffer_limit_bytes: 32768", 1,
+			"listener buffer limit below 1 MiB"},
+		{"small upstream buffer", "per_connection_buffer_limit_bytes: 1048576", "per_connection_buffer_limit_bytes: 32768", 2,
+			"upstream buffer limit below 1 MiB"},
+		{"processor cluster renamed", "cluster_name: idempotency_extproc\n                # There",
+			"cluster_name: idempotency\n                # There", 1, `ext_proc cluster "idempotency" is not a static cluster`},
+		{"no catch-all route", `prefix: "/" }`, `prefix: "/api" }`, 1, `no route with prefix "/"`},
+		{"empty cluster name fails validation", "- name: upstream_app", "- name: \"\"", 1, "Name"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := checkBootstrap(t, mutate(t, orig, tc.old, tc.new, tc.n))
+			require.Error(t, err, "a broken config must fail this test")
+			t.Log(err)
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+
+	t.Run("ext_proc filter removed", func(t *testing.T) {
+		start := strings.Index(orig, "          - name: envoy.filters.http.ext_proc\n")
+		end := strings.Index(orig, "          - name: envoy.filters.http.router\n")
+		require.True(t, start > 0 && end > start, "filter blocks not found")
+		err := checkBootstrap(t, orig[:start]+orig[end:])
+		require.ErrorContains(t, err, "no ext_proc filter")
+	})
+}
+
+// ValidateAll on a Bootstrap stops at every google.protobuf.Any; Validate goes inside.
+func TestValidateEntersTypedConfigs(t *testing.T) {
+	broken := mutate(t, readEnvoyFile(t, "envoy.yaml"), "message_timeout: 0.5s", "message_timeout: 4000s", 1)
+	b, err := Parse([]byte(broken))
+	require.NoError(t, err)
+	require.NoError(t, b.ValidateAll(), "ValidateAll does not look inside typed_config")
+	err = Validate(b)
+	require.ErrorContains(t, err, "ExternalProcessor")
+	require.ErrorContains(t, err, "MessageTimeout")
+}
+
+func TestCheckSpecRules(t *testing.T) {
+	good := func() *filterextproc.ExternalProcessor {
+		b, err := Load(envoyFile(t, "envoy.yaml"))
+		require.NoError(t, err)
+		f, err := ExtProc(b)
+		require.NoError(t, err)
+		return f
+	}
+	require.ErrorContains(t, CheckSpec(nil, storeTimeout), "no ext_proc filter config")
+
+	for _, tc := range []struct {
+		name   string
+		change func(f *filterextproc.ExternalProcessor)
+		want   []string
+	}{
+		{"STREAMED responses are allowed", func(f *filterextproc.ExternalProcessor) {
+			f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_STREAMED
+		}, nil},
+		{"empty allow-list is allowed", func(f *filterextproc.ExternalProcessor) {
+			f.AllowedOverrideModes = nil
+		}, nil},
+		{"allow-list order does not matter", func(f *filterextproc.ExternalProcessor) {
+			m := f.AllowedOverrideModes
+			m[0], m[1] = m[1], m[0]
+		}, nil},
+		{"unset message_timeout is Envoy's 200ms", func(f *filterextproc.ExternalProcessor) {
+			f.MessageTimeout = nil
+		}, nil},
+		{"no processing_mode", func(f *filterextproc.ExternalProcessor) {
+			f.ProcessingMode = nil
+		}, []string{"processing_mode is not set", "request_header_mode is DEFAULT, want SEND", "request_body_mode is NONE"}},
+		{"duplicate allow-list entry", func(f *filterextproc.ExternalProcessor) {
+			f.AllowedOverrideModes = append(f.AllowedOverrideModes, PassThroughMode())
+		}, []string{"allowed_override_modes has 3 entries"}},
+		{"only one allow-list entry", func(f *filterextproc.ExternalProcessor) {
+			f.AllowedOverrideModes = f.AllowedOverrideModes[:1]
+		}, []string{"allowed_override_modes lacks the no-store mode"}},
+		{"http_service", func(f *filterextproc.ExternalProcessor) {
+			f.GrpcService = nil
+		}, []string{"grpc_service is not set"}},
+		{"observability mode", func(f *filterextproc.ExternalProcessor) {
+			f.ObservabilityMode = true
+		}, []string{"observability_mode is true"}},
+		{"immediate responses disabled", func(f *filterextproc.ExternalProcessor) {
+			f.DisableImmediateResponse = true
+		}, []string{"disable_immediate_response is true"}},
+		{"body before header response", func(f *filterextproc.ExternalProcessor) {
+			f.SendBodyWithoutWaitingForHeaderResponse = true
+		}, []string{"send_body_without_waiting_for_header_response is true"}},
+		{"every problem at once", func(f *filterextproc.ExternalProcessor) {
+			f.FailureModeAllow = true
+			f.AllowModeOverride = false
+			f.ResponseAttributes = nil
+		}, []string{"failure_mode_allow is true", "allow_mode_override is false", "response_attributes lacks"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := good()
+			tc.change(f)
+			err := CheckSpec(f, storeTimeout)
+			if tc.want == nil {
+				require.NoError(t, err)
+				return
+			}
+			require.Error(t, err)
+			for _, w := range tc.want {
+				require.ErrorContains(t, err, w)
+			}
+		})
+	}
+}
+
+func TestRewrite(t *testing.T) {
+	b, err := Load(envoyFile(t, "envoy.yaml"))
+	require.NoError(t, err)
+	before := proto.Clone(b)
+
+	js, err := Rewrite(b, Ports{
+		Listener:   18000,
+		Admin:      18001,
+		Processors: []string{"127.0.0.1:19002", "[::1]:19012", "unix:///tmp/extproc.sock"},
+		Upstream:   "localhost:18080",
+	})
+	require.NoError(t, err)
+	require.True(t, proto.Equal(before, b), "Rewrite modified its input")
+	require.True(t, strings.HasPrefix(strings.TrimSpace(string(js)), "{"), "Envoy reads .json files as JSON")
+
+	got, err := Parse(js)
+	require.NoError(t, err)
+	require.NoError(t, Validate(got))
+
+	l := got.GetStaticResources().GetListeners()[0]
+	require.Equal(t, "127.0.0.1", l.GetAddress().GetSocketAddress().GetAddress())
+	require.EqualValues(t, 18000, l.GetAddress().GetSocketAddress().GetPortValue())
+	require.Equal(t, "127.0.0.1", got.GetAdmin().GetAddress().GetSocketAddress().GetAddress())
+	require.EqualValues(t, 18001, got.GetAdmin().GetAddress().GetSocketAddress().GetPortValue())
+
+	s, err := ProxySettings(got)
+	require.NoError(t, err)
+	require.NoError(t, CheckSpec(s.Filter, storeTimeout))
+	require.Equal(t, []string{"/healthz"}, s.DisabledPrefixes)
+
+	pc, uc := cluster(got, s.ProcessorCluster), cluster(got, s.UpstreamCluster)
+	require.Equal(t, clusterv3.Cluster_STATIC, pc.GetType())
+	var procs []string
+	for _, e := range pc.GetLoadAssignment().GetEndpoints()[0].GetLbEndpoints() {
+		a := e.GetEndpoint().GetAddress()
+		if p := a.GetPipe(); p != nil {
+			procs = append(procs, "unix://"+p.GetPath())
+			continue
+		}
+		sa := a.GetSocketAddress()
+		procs = append(procs, net.JoinHostPort(sa.GetAddress(), strconv.Itoa(int(sa.GetPortValue()))))
+	}
+	require.Equal(t, []string{"127.0.0.1:19002", "[::1]:19012", "unix:///tmp/extproc.sock"}, procs)
+	require.Equal(t, s.ProcessorCluster, pc.GetLoadAssignment().GetClusterName())
+	// Everything else about the processor cluster survives: HTTP/2 and the circuit breakers.
+	require.Len(t, pc.GetTypedExtensionProtocolOptions(), 1)
+	require.Equal(t, Thresholds{100000, 100000, 100000, 100000}, s.ProcessorThresholds)
+
+	require.Equal(t, clusterv3.Cluster_STRICT_DNS, uc.GetType(), "a hostname needs DNS")
+	ua := uc.GetLoadAssignment().GetEndpoints()[0].GetLbEndpoints()[0].GetEndpoint().GetAddress().GetSocketAddress()
+	require.Equal(t, "localhost", ua.GetAddress())
+	require.EqualValues(t, 18080, ua.GetPortValue())
+	require.EqualValues(t, 1<<20, s.UpstreamBufferLimit)
+}
+
+func TestRewriteRejects(t *testing.T) {
+	b, err := Load(envoyFile(t, "envoy.yaml"))
+	require.NoError(t, err)
+	ok := Ports{Listener: 1, Admin: 2, Processors: []string{"127.0.0.1:3"}, Upstream: "127.0.0.1:4"}
+	for _, tc := range []struct {
+		name   string
+		change func(*Ports)
+		want   string
+	}{
+		{"listener port 0", func(p *Ports) { p.Listener = 0 }, "listener port 0"},
+		{"admin port too big", func(p *Ports) { p.Admin = 70000 }, "admin port 70000"},
+		{"no processors", func(p *Ports) { p.Processors = nil }, "no processor address"},
+		{"processor without port", func(p *Ports) { p.Processors = []string{"127.0.0.1"} }, "processor cluster"},
+		{"upstream bad port", func(p *Ports) { p.Upstream = "127.0.0.1:http" }, "upstream cluster"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := ok
+			tc.change(&p)
+			_, err := Rewrite(b, p)
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+	_, err = Rewrite(&bootstrapv3.Bootstrap{}, ok)
+	require.ErrorContains(t, err, "no static listener")
+}

@@ -1,0 +1,362 @@
+package envoyconf
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"time"
+
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+)
+
+// Envoy's defaults for what Settings reports when the bootstrap leaves it unset.
+const (
+	defaultBufferLimit    = 1 << 20                // per_connection_buffer_limit_bytes
+	defaultRouteTimeout   = 15 * time.Second       // RouteAction.timeout
+	defaultMaxRequests    = 1024                   // max_connections, max_pending_requests, max_requests
+	defaultMaxRetries     = 3                      // max_retries
+	defaultMessageTimeout = 200 * time.Millisecond // ExternalProcessor.message_timeout
+)
+
+// Thresholds are the DEFAULT-priority circuit breaker thresholds of a cluster, with Envoy's
+// defaults (1024, 1024, 1024, 3) filled in for unset fields.
+type Thresholds struct {
+	MaxConnections     uint32
+	MaxPendingRequests uint32
+	MaxRequests        uint32
+	MaxRetries         uint32
+}
+
+// Settings gathers what an Envoy-compatible test proxy needs from a bootstrap. Unset values carry
+// Envoy's defaults, so the proxy behaves like Envoy running the same file.
+type Settings struct {
+	// Filter is the ext_proc filter configuration.
+	Filter *filterextproc.ExternalProcessor
+	// FilterName is the ext_proc filter's name in http_filters, the key of its per-route config.
+	FilterName string
+	// ListenerBufferLimit is the listener's per_connection_buffer_limit_bytes (Envoy default
+	// 1 MiB): a BUFFERED request body above it is answered 413.
+	ListenerBufferLimit uint32
+	// UpstreamBufferLimit is the upstream cluster's per_connection_buffer_limit_bytes (default
+	// 1 MiB): a BUFFERED response body above it is answered 500.
+	UpstreamBufferLimit uint32
+	// RouteTimeout is the "/" route's timeout (Envoy default 15s; 0 means none).
+	RouteTimeout time.Duration
+	// DisabledPrefixes are the route prefixes whose typed_per_filter_config disables ext_proc,
+	// in route order, up to the "/" route (later routes never match).
+	DisabledPrefixes []string
+	// ProcessorCluster is the ext_proc envoy_grpc cluster name.
+	ProcessorCluster string
+	// ProcessorThresholds are the processor cluster's circuit breaker thresholds.
+	ProcessorThresholds Thresholds
+	// UpstreamCluster is the "/" route's cluster.
+	UpstreamCluster string
+}
+
+// ExtProc returns the ext_proc filter config of the first HTTP connection manager of the first
+// listener, or an error when there is none.
+func ExtProc(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, error) {
+	f, _, err := extProcOf(b)
+	return f, err
+}
+
+func extProcOf(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, *hcmv3.HttpFilter, error) {
+	hcm, err := firstHCM(b)
+	if err != nil {
+		return nil, nil, err
+	}
+	for _, hf := range hcm.GetHttpFilters() {
+		tc := hf.GetTypedConfig()
+		if tc == nil || !tc.MessageIs(&filterextproc.ExternalProcessor{}) {
+			continue
+		}
+		f := &filterextproc.ExternalProcessor{}
+		if err := tc.UnmarshalTo(f); err != nil {
+			return nil, nil, fmt.Errorf("http filter %q: %w", hf.GetName(), err)
+		}
+		return f, hf, nil
+	}
+	return nil, nil, errors.New("no ext_proc filter (typed_config ExternalProcessor) in the first HTTP connection manager")
+}
+
+func firstHCM(b *bootstrapv3.Bootstrap) (*hcmv3.HttpConnectionManager, error) {
+	ls := b.GetStaticResources().GetListeners()
+	if len(ls) == 0 {
+		return nil, errors.New("no static listener")
+	}
+	chains := ls[0].GetFilterChains()
+	if dc := ls[0].GetDefaultFilterChain(); dc != nil {
+		chains = append(chains[:len(chains):len(chains)], dc)
+	}
+	for _, fc := range chains {
+		for _, nf := range fc.GetFilters() {
+			tc := nf.GetTypedConfig()
+			if tc == nil || !tc.MessageIs(&hcmv3.HttpConnectionManager{}) {
+				continue
+			}
+			hcm := &hcmv3.HttpConnectionManager{}
+			if err := tc.UnmarshalTo(hcm); err != nil {
+				return nil, fmt.Errorf("listener %q: %w", ls[0].GetName(), err)
+			}
+			return hcm, nil
+		}
+	}
+	return nil, fmt.Errorf("listener %q has no http_connection_manager", ls[0].GetName())
+}
+
+// ProxySettings extracts Settings from b. It fails when the first listener's HTTP connection
+// manager has no ext_proc filter or no inline route_config, when no route matches prefix "/" with
+// a single cluster, when a referenced cluster is not a static cluster, and when the bootstrap
+// asks for something a test proxy would not honour: a filter disabled by default, ext_proc
+// disabled on a virtual host or a non-prefix route, or per-route overrides.
+func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
+	f, hf, err := extProcOf(b)
+	if err != nil {
+		return Settings{}, err
+	}
+	if hf.GetDisabled() {
+		return Settings{}, fmt.Errorf("http filter %q is disabled by default (enabled per route): not supported by the test proxy", hf.GetName())
+	}
+	filterName := hf.GetName()
+	hcm, err := firstHCM(b)
+	if err != nil {
+		return Settings{}, err
+	}
+	s := Settings{
+		Filter:              f,
+		FilterName:          filterName,
+		ListenerBufferLimit: bufferLimit(b.GetStaticResources().GetListeners()[0]),
+		ProcessorCluster:    f.GetGrpcService().GetEnvoyGrpc().GetClusterName(),
+	}
+	if s.ProcessorCluster == "" {
+		return Settings{}, errors.New("ext_proc grpc_service has no envoy_grpc cluster_name")
+	}
+	pc := cluster(b, s.ProcessorCluster)
+	if pc == nil {
+		return Settings{}, fmt.Errorf("ext_proc cluster %q is not a static cluster", s.ProcessorCluster)
+	}
+	s.ProcessorThresholds = thresholds(pc)
+
+	rc := hcm.GetRouteConfig()
+	if rc == nil {
+		return Settings{}, errors.New("http_connection_manager has no inline route_config")
+	}
+	var root *routev3.Route
+	for _, vh := range rc.GetVirtualHosts() {
+		off, err := disables(vh.GetTypedPerFilterConfig()[filterName])
+		if err != nil {
+			return Settings{}, fmt.Errorf("virtual host %q: %w", vh.GetName(), err)
+		}
+		if off {
+			return Settings{}, fmt.Errorf("virtual host %q disables ext_proc: not supported by the test proxy", vh.GetName())
+		}
+		for i, r := range vh.GetRoutes() {
+			prefix, isPrefix := r.GetMatch().GetPathSpecifier().(*routev3.RouteMatch_Prefix)
+			off, err := disables(r.GetTypedPerFilterConfig()[filterName])
+			if err != nil {
+				return Settings{}, fmt.Errorf("virtual host %q route %d: %w", vh.GetName(), i, err)
+			}
+			switch {
+			case off && !isPrefix:
+				return Settings{}, fmt.Errorf("virtual host %q route %d disables ext_proc on a non-prefix match", vh.GetName(), i)
+			case off && root == nil: // routes after the catch-all never match
+				s.DisabledPrefixes = append(s.DisabledPrefixes, prefix.Prefix)
+			}
+			if root == nil && isPrefix && prefix.Prefix == "/" {
+				root = r
+			}
+		}
+	}
+	if root == nil {
+		return Settings{}, errors.New(`no route with prefix "/"`)
+	}
+	s.UpstreamCluster = root.GetRoute().GetCluster()
+	if s.UpstreamCluster == "" {
+		return Settings{}, errors.New(`the "/" route does not route to a single cluster`)
+	}
+	s.RouteTimeout = defaultRouteTimeout
+	if t := root.GetRoute().GetTimeout(); t != nil {
+		s.RouteTimeout = t.AsDuration()
+	}
+	uc := cluster(b, s.UpstreamCluster)
+	if uc == nil {
+		return Settings{}, fmt.Errorf("upstream cluster %q is not a static cluster", s.UpstreamCluster)
+	}
+	s.UpstreamBufferLimit = bufferLimit(uc)
+	return s, nil
+}
+
+// disables reports whether a typed_per_filter_config entry turns the filter off, as
+// ExtProcPerRoute{disabled: true} or as the generic FilterConfig{disabled: true}. Per-route
+// overrides are an error: the test proxy does not implement them.
+func disables(a *anypb.Any) (bool, error) {
+	if a == nil {
+		return false, nil
+	}
+	m, err := a.UnmarshalNew()
+	if err != nil {
+		return false, err
+	}
+	switch c := m.(type) {
+	case *filterextproc.ExtProcPerRoute:
+		if c.GetOverrides() != nil {
+			return false, errors.New("ExtProcPerRoute overrides are not supported by the test proxy")
+		}
+		return c.GetDisabled(), nil
+	case *routev3.FilterConfig:
+		if c.GetDisabled() {
+			return true, nil
+		}
+		return disables(c.GetConfig())
+	}
+	return false, fmt.Errorf("unexpected per-route config %s for ext_proc", m.ProtoReflect().Descriptor().FullName())
+}
+
+func cluster(b *bootstrapv3.Bootstrap, name string) *clusterv3.Cluster {
+	for _, c := range b.GetStaticResources().GetClusters() {
+		if c.GetName() == name {
+			return c
+		}
+	}
+	return nil
+}
+
+func bufferLimit(m interface {
+	GetPerConnectionBufferLimitBytes() *wrapperspb.UInt32Value
+}) uint32 {
+	if v := m.GetPerConnectionBufferLimitBytes(); v != nil {
+		return v.GetValue()
+	}
+	return defaultBufferLimit
+}
+
+func thresholds(c *clusterv3.Cluster) Thresholds {
+	t := Thresholds{defaultMaxRequests, defaultMaxRequests, defaultMaxRequests, defaultMaxRetries}
+	for _, th := range c.GetCircuitBreakers().GetThresholds() {
+		if th.GetPriority() != corev3.RoutingPriority_DEFAULT {
+			continue
+		}
+		for dst, v := range map[*uint32]*wrapperspb.UInt32Value{
+			&t.MaxConnections:     th.GetMaxConnections(),
+			&t.MaxPendingRequests: th.GetMaxPendingRequests(),
+			&t.MaxRequests:        th.GetMaxRequests(),
+			&t.MaxRetries:         th.GetMaxRetries(),
+		} {
+			if v != nil {
+				*dst = v.GetValue()
+			}
+		}
+	}
+	return t
+}
+
+// Ports are the loopback addresses Rewrite substitutes. Listener and Admin are ports on
+// 127.0.0.1. Processors are the ext_proc server's addresses, each "host:port" or
+// "unix:///path.sock". Upstream is the upstream server's "host:port".
+type Ports struct {
+	Listener, Admin int
+	Processors      []string
+	Upstream        string
+}
+
+// Rewrite returns b as JSON (which Envoy accepts as a bootstrap) after substituting p: the only
+// listener and the admin interface bind 127.0.0.1 on the given ports, and the processor and
+// upstream clusters get p's endpoints. A cluster whose endpoints are all IP literals or Unix
+// sockets becomes STATIC, otherwise STRICT_DNS. b itself is not modified.
+func Rewrite(b *bootstrapv3.Bootstrap, p Ports) ([]byte, error) {
+	if err := checkPort("listener", p.Listener); err != nil {
+		return nil, err
+	}
+	if err := checkPort("admin", p.Admin); err != nil {
+		return nil, err
+	}
+	if len(p.Processors) == 0 {
+		return nil, errors.New("no processor address")
+	}
+	s, err := ProxySettings(b)
+	if err != nil {
+		return nil, err
+	}
+	out := proto.Clone(b).(*bootstrapv3.Bootstrap)
+	ls := out.GetStaticResources().GetListeners()
+	if len(ls) != 1 {
+		return nil, fmt.Errorf("want exactly one listener, have %d", len(ls))
+	}
+	ls[0].Address = tcpAddress("127.0.0.1", uint32(p.Listener))
+	if out.Admin == nil {
+		out.Admin = &bootstrapv3.Admin{}
+	}
+	out.Admin.Address = tcpAddress("127.0.0.1", uint32(p.Admin))
+
+	if err := setEndpoints(cluster(out, s.ProcessorCluster), p.Processors); err != nil {
+		return nil, fmt.Errorf("processor cluster %q: %w", s.ProcessorCluster, err)
+	}
+	if err := setEndpoints(cluster(out, s.UpstreamCluster), []string{p.Upstream}); err != nil {
+		return nil, fmt.Errorf("upstream cluster %q: %w", s.UpstreamCluster, err)
+	}
+	return protojson.MarshalOptions{UseProtoNames: true, Multiline: true}.Marshal(out)
+}
+
+func checkPort(what string, port int) error {
+	if port <= 0 || port > 65535 {
+		return fmt.Errorf("%s port %d out of range", what, port)
+	}
+	return nil
+}
+
+func tcpAddress(host string, port uint32) *corev3.Address {
+	return &corev3.Address{Address: &corev3.Address_SocketAddress{SocketAddress: &corev3.SocketAddress{
+		Address:       host,
+		PortSpecifier: &corev3.SocketAddress_PortValue{PortValue: port},
+	}}}
+}
+
+func setEndpoints(c *clusterv3.Cluster, addrs []string) error {
+	static := true
+	var eps []*endpointv3.LbEndpoint
+	for _, a := range addrs {
+		var addr *corev3.Address
+		if path, ok := strings.CutPrefix(a, "unix://"); ok {
+			addr = &corev3.Address{Address: &corev3.Address_Pipe{Pipe: &corev3.Pipe{Path: path}}}
+		} else {
+			host, port, err := net.SplitHostPort(a)
+			if err != nil {
+				return err
+			}
+			n, err := strconv.ParseUint(port, 10, 16)
+			if err != nil || n == 0 {
+				return fmt.Errorf("address %q: bad port", a)
+			}
+			if net.ParseIP(host) == nil {
+				static = false
+			}
+			addr = tcpAddress(host, uint32(n))
+		}
+		eps = append(eps, &endpointv3.LbEndpoint{HostIdentifier: &endpointv3.LbEndpoint_Endpoint{
+			Endpoint: &endpointv3.Endpoint{Address: addr},
+		}})
+	}
+	c.LoadAssignment = &endpointv3.ClusterLoadAssignment{
+		ClusterName: c.GetName(),
+		Endpoints:   []*endpointv3.LocalityLbEndpoints{{LbEndpoints: eps}},
+	}
+	typ := clusterv3.Cluster_STRICT_DNS
+	if static {
+		typ = clusterv3.Cluster_STATIC
+	}
+	c.ClusterDiscoveryType = &clusterv3.Cluster_Type{Type: typ}
+	return nil
+}

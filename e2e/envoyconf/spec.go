@@ -1,0 +1,185 @@
+package envoyconf
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+)
+
+// PassThroughMode returns the mode_override the processor sends at request_headers of a request
+// it passes through (SPEC §5): nothing after the request headers is sent.
+func PassThroughMode() *filterextproc.ProcessingMode {
+	return &filterextproc.ProcessingMode{
+		RequestHeaderMode:   filterextproc.ProcessingMode_SEND,
+		RequestBodyMode:     filterextproc.ProcessingMode_NONE,
+		RequestTrailerMode:  filterextproc.ProcessingMode_SKIP,
+		ResponseHeaderMode:  filterextproc.ProcessingMode_SKIP,
+		ResponseBodyMode:    filterextproc.ProcessingMode_NONE,
+		ResponseTrailerMode: filterextproc.ProcessingMode_SKIP,
+	}
+}
+
+// NoStoreMode returns the mode_override the processor sends at response_headers of a response it
+// will not store (SPEC §5): PassThroughMode with response_header_mode SEND.
+func NoStoreMode() *filterextproc.ProcessingMode {
+	m := PassThroughMode()
+	m.ResponseHeaderMode = filterextproc.ProcessingMode_SEND
+	return m
+}
+
+// CheckSpec returns every way f departs from the Envoy side of the contract (SPEC §5), joined
+// with errors.Join, or nil. Each error names the field. The rules:
+//
+//   - processing_mode spells out request_header_mode SEND, request_body_mode BUFFERED,
+//     response_header_mode SEND, response_body_mode BUFFERED or STREAMED and both trailer modes
+//     SKIP (DEFAULT is reported: the project spells every mode out);
+//   - allow_mode_override is true, and allowed_override_modes is empty or exactly PassThroughMode
+//     and NoStoreMode, every field equal (Envoy compares raw values, so DEFAULT is not SKIP);
+//   - response_attributes contains response.code_details;
+//   - failure_mode_allow is false;
+//   - message_timeout (Envoy default 200ms) is above storeTimeout;
+//   - the filter uses grpc_service, and nothing disables what the processor relies on:
+//     observability_mode, disable_immediate_response and
+//     send_body_without_waiting_for_header_response (which makes Envoy ignore mode_override)
+//     are false.
+func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) error {
+	if f == nil {
+		return errors.New("no ext_proc filter config")
+	}
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+
+	if f.GetGrpcService() == nil {
+		bad("grpc_service is not set (http_service cannot carry bodies)")
+	}
+	pm := f.GetProcessingMode()
+	if pm == nil {
+		bad("processing_mode is not set")
+		pm = &filterextproc.ProcessingMode{}
+	}
+	wantHeader := func(field string, got, want filterextproc.ProcessingMode_HeaderSendMode) {
+		if got != want {
+			bad("processing_mode.%s is %s, want %s", field, got, want)
+		}
+	}
+	wantHeader("request_header_mode", pm.GetRequestHeaderMode(), filterextproc.ProcessingMode_SEND)
+	wantHeader("response_header_mode", pm.GetResponseHeaderMode(), filterextproc.ProcessingMode_SEND)
+	wantHeader("request_trailer_mode", pm.GetRequestTrailerMode(), filterextproc.ProcessingMode_SKIP)
+	wantHeader("response_trailer_mode", pm.GetResponseTrailerMode(), filterextproc.ProcessingMode_SKIP)
+	if m := pm.GetRequestBodyMode(); m != filterextproc.ProcessingMode_BUFFERED {
+		bad("processing_mode.request_body_mode is %s, want BUFFERED", m)
+	}
+	if m := pm.GetResponseBodyMode(); m != filterextproc.ProcessingMode_BUFFERED && m != filterextproc.ProcessingMode_STREAMED {
+		bad("processing_mode.response_body_mode is %s, want BUFFERED or STREAMED", m)
+	}
+
+	if !f.GetAllowModeOverride() {
+		bad("allow_mode_override is false, want true (Envoy would ignore the processor's mode_override)")
+	}
+	if f.GetSendBodyWithoutWaitingForHeaderResponse() {
+		bad("send_body_without_waiting_for_header_response is true (Envoy would ignore mode_override)")
+	}
+	errs = append(errs, checkOverrideModes(f.GetAllowedOverrideModes())...)
+
+	if !slices.Contains(f.GetResponseAttributes(), "response.code_details") {
+		bad("response_attributes lacks %q (the processor could not tell Envoy-generated responses from upstream ones)", "response.code_details")
+	}
+	if f.GetFailureModeAllow() {
+		bad("failure_mode_allow is true, want false (requests would bypass idempotency when the processor fails)")
+	}
+	mt := defaultMessageTimeout
+	if d := f.GetMessageTimeout(); d != nil {
+		mt = d.AsDuration()
+	}
+	if mt <= storeTimeout {
+		bad("message_timeout %v is not above store_timeout %v", mt, storeTimeout)
+	}
+	if f.GetObservabilityMode() {
+		bad("observability_mode is true (Envoy ignores the processor's answers)")
+	}
+	if f.GetDisableImmediateResponse() {
+		bad("disable_immediate_response is true (replays and errors could not be sent)")
+	}
+	return errors.Join(errs...)
+}
+
+func checkOverrideModes(modes []*filterextproc.ProcessingMode) []error {
+	if len(modes) == 0 {
+		return nil
+	}
+	want := []struct {
+		name string
+		mode *filterextproc.ProcessingMode
+	}{{"pass-through", PassThroughMode()}, {"no-store", NoStoreMode()}}
+	var errs []error
+	seen := make([]bool, len(want)) // an entry equals want[j]
+	near := make([]bool, len(want)) // a broken entry is closest to want[j], already reported
+	for i, m := range modes {
+		best, bestDiff := 0, []string(nil)
+		for j, w := range want {
+			d := modeDiff(m, w.mode)
+			if len(d) == 0 {
+				seen[j] = true
+				best, bestDiff = j, nil
+				break
+			}
+			if bestDiff == nil || len(d) < len(bestDiff) {
+				best, bestDiff = j, d
+			}
+		}
+		if bestDiff != nil {
+			near[best] = true
+			errs = append(errs, fmt.Errorf("allowed_override_modes[%d] is not a SPEC §5 mode: %s (closest: the %s mode)",
+				i, strings.Join(bestDiff, ", "), want[best].name))
+		}
+	}
+	for j, w := range want {
+		if !seen[j] && !near[j] {
+			errs = append(errs, fmt.Errorf("allowed_override_modes lacks the %s mode %s", w.name, formatMode(w.mode)))
+		}
+	}
+	if len(modes) > len(want) && len(errs) == 0 {
+		errs = append(errs, fmt.Errorf("allowed_override_modes has %d entries, want exactly the two SPEC §5 modes", len(modes)))
+	}
+	return errs
+}
+
+// modeDiff lists the fields where got differs from want, as "field is X, want Y".
+func modeDiff(got, want *filterextproc.ProcessingMode) []string {
+	if proto.Equal(got, want) {
+		return nil
+	}
+	var d []string
+	h := func(field string, g, w filterextproc.ProcessingMode_HeaderSendMode) {
+		if g != w {
+			d = append(d, fmt.Sprintf("%s is %s, want %s", field, g, w))
+		}
+	}
+	b := func(field string, g, w filterextproc.ProcessingMode_BodySendMode) {
+		if g != w {
+			d = append(d, fmt.Sprintf("%s is %s, want %s", field, g, w))
+		}
+	}
+	h("request_header_mode", got.GetRequestHeaderMode(), want.GetRequestHeaderMode())
+	b("request_body_mode", got.GetRequestBodyMode(), want.GetRequestBodyMode())
+	h("request_trailer_mode", got.GetRequestTrailerMode(), want.GetRequestTrailerMode())
+	h("response_header_mode", got.GetResponseHeaderMode(), want.GetResponseHeaderMode())
+	b("response_body_mode", got.GetResponseBodyMode(), want.GetResponseBodyMode())
+	h("response_trailer_mode", got.GetResponseTrailerMode(), want.GetResponseTrailerMode())
+	if len(d) == 0 {
+		d = append(d, "fields other than the six modes are set")
+	}
+	return d
+}
+
+func formatMode(m *filterextproc.ProcessingMode) string {
+	return fmt.Sprintf("{request_header_mode: %s, request_body_mode: %s, request_trailer_mode: %s, response_header_mode: %s, response_body_mode: %s, response_trailer_mode: %s}",
+		m.GetRequestHeaderMode(), m.GetRequestBodyMode(), m.GetRequestTrailerMode(),
+		m.GetResponseHeaderMode(), m.GetResponseBodyMode(), m.GetResponseTrailerMode())
+}

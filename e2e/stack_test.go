@@ -1,0 +1,321 @@
+package e2e_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
+	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
+	"github.com/idempotency-extproc/idempotency-extproc/e2e/upstream"
+)
+
+// The end-to-end tests run the built binary behind Envoy's ext_proc filter, configured by the
+// shipped envoy/envoy.yaml: a real envoy when one is on PATH, else the Envoy-compatible proxy of
+// e2e/proxy. Clients are plain net/http.
+
+var (
+	binaryPath string
+	envoyBin   = envoyconf.LookEnvoy()
+)
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "e2e-bin")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binaryPath = filepath.Join(dir, "idempotency-extproc")
+	args := []string{"build", "-o", binaryPath}
+	if raceEnabled {
+		args = append(args, "-race")
+	}
+	build := exec.Command("go", append(args, "../cmd/idempotency-extproc")...)
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "building the binary:", err)
+		os.Exit(1)
+	}
+	if envoyBin == "" {
+		fmt.Println("e2e: real Envoy was not available (no envoy on PATH); the tests run against the Envoy-compatible proxy in e2e/proxy")
+	} else {
+		fmt.Println("e2e: running against real Envoy at", envoyBin)
+	}
+	code := m.Run()
+	_ = os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// processor is one running idempotency-extproc process.
+type processor struct {
+	t         *testing.T
+	cmd       *exec.Cmd
+	grpcAddr  string
+	adminAddr string
+	logs      *logBuffer
+	exited    chan struct{}
+	exitErr   error
+}
+
+// startProcessor runs the binary with args (listeners on free loopback ports unless args set
+// them) and waits for its ready line.
+func startProcessor(t *testing.T, args ...string) *processor {
+	t.Helper()
+	full := append([]string{"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, args...)
+	logs := &logBuffer{}
+	cmd := exec.Command(binaryPath, full...)
+	cmd.Stderr = logs
+	cmd.Stdout = logs
+	require.NoError(t, cmd.Start())
+	p := &processor{t: t, cmd: cmd, logs: logs, exited: make(chan struct{})}
+	go func() {
+		p.exitErr = cmd.Wait()
+		close(p.exited)
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-p.exited
+		if t.Failed() {
+			t.Logf("processor %s log:\n%s", p.grpcAddr, logs.String())
+		}
+	})
+	ready := p.waitLog("ready", 30*time.Second)
+	p.grpcAddr = ready["grpc_addr"].(string)
+	p.adminAddr = ready["admin_addr"].(string)
+	return p
+}
+
+// waitLog returns the first log line whose message is msg.
+func (p *processor) waitLog(msg string, timeout time.Duration) map[string]any {
+	p.t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		for _, l := range p.logs.lines() {
+			if l["message"] == msg {
+				return l
+			}
+		}
+		select {
+		case <-p.exited:
+			p.t.Fatalf("processor exited (%v) before logging %q:\n%s", p.exitErr, msg, p.logs.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			p.t.Fatalf("processor did not log %q within %v:\n%s", msg, timeout, p.logs.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// admin GETs a path of the admin listener.
+func (p *processor) admin(path string) (int, string) {
+	p.t.Helper()
+	resp, err := http.Get("http://" + p.adminAddr + path)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// logBuffer collects a process's output.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+func (b *logBuffer) lines() []map[string]any {
+	var out []map[string]any
+	for _, line := range strings.Split(b.String(), "\n") {
+		var m map[string]any
+		if json.Unmarshal([]byte(line), &m) == nil {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// stackOptions describe one deployment: processors, their store and policy, and envoy.yaml
+// with optional changes.
+type stackOptions struct {
+	replicas int      // processors, default 1
+	args     []string // extra processor flags, e.g. the store
+	policy   string   // policy file content
+	// envoy changes the shipped bootstrap for this test, on the emulator and a real Envoy alike.
+	envoy func(b *bootstrapv3.Bootstrap) error
+	// upstream overrides the upstream URL (default: a counting test upstream).
+	upstream string
+	// localReplies makes the emulator send router-generated replies to the processor, as some
+	// Envoy versions do (reference §7). A real Envoy does what its version does.
+	localReplies bool
+}
+
+type stack struct {
+	t      *testing.T
+	url    string
+	up     *upstream.Upstream
+	procs  []*processor
+	proxy  *proxy.Proxy // nil with a real Envoy
+	client *http.Client
+}
+
+func newStack(t *testing.T, o stackOptions) *stack {
+	t.Helper()
+	s := &stack{t: t, client: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}}
+	t.Cleanup(s.client.CloseIdleConnections)
+	upURL := o.upstream
+	if upURL == "" {
+		s.up = upstream.Start(t)
+		upURL = s.up.URL()
+	}
+	args := o.args
+	if o.policy != "" {
+		path := filepath.Join(t.TempDir(), "policy.yaml")
+		require.NoError(t, os.WriteFile(path, []byte(o.policy), 0o600))
+		args = append(args, "--config", path)
+	}
+	var addrs []string
+	for range max(o.replicas, 1) {
+		p := startProcessor(t, args...)
+		s.procs = append(s.procs, p)
+		addrs = append(addrs, p.grpcAddr)
+	}
+	b, err := envoyconf.Load(repoFile(t, "envoy/envoy.yaml"))
+	require.NoError(t, err)
+	if o.envoy != nil {
+		require.NoError(t, o.envoy(b))
+	}
+	if envoyBin != "" {
+		listener, admin := freePort(t), freePort(t)
+		js, err := envoyconf.Rewrite(b, envoyconf.Ports{Listener: listener, Admin: admin, Processors: addrs, Upstream: strings.TrimPrefix(upURL, "http://")})
+		require.NoError(t, err)
+		envoyconf.StartEnvoy(t, envoyBin, js, admin)
+		s.url = "http://127.0.0.1:" + strconv.Itoa(listener)
+		return s
+	}
+	settings, err := envoyconf.ProxySettings(b)
+	require.NoError(t, err)
+	s.proxy = proxy.Start(t, proxy.Config{
+		Filter:                settings.Filter,
+		Processors:            addrs,
+		Upstream:              upURL,
+		ListenerBufferLimit:   settings.ListenerBufferLimit,
+		UpstreamBufferLimit:   settings.UpstreamBufferLimit,
+		RouteTimeout:          settings.RouteTimeout,
+		DisabledPrefixes:      settings.DisabledPrefixes,
+		LocalRepliesToExtProc: o.localReplies,
+	})
+	s.url = s.proxy.URL()
+	return s
+}
+
+func repoFile(t *testing.T, rel string) string {
+	t.Helper()
+	p, err := filepath.Abs(filepath.Join("..", rel))
+	require.NoError(t, err)
+	return p
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// call is one HTTP request through the front proxy.
+type call struct {
+	method  string
+	path    string
+	key     string
+	headers map[string]string
+	body    string
+}
+
+// reply is what the client got.
+type reply struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+func (r reply) problemCode() string {
+	var p struct {
+		Code string `json:"code"`
+	}
+	_ = json.Unmarshal(r.body, &p)
+	return p.Code
+}
+
+func (s *stack) do(c call) reply {
+	s.t.Helper()
+	r, err := s.try(c)
+	require.NoError(s.t, err)
+	return r
+}
+
+func (s *stack) try(c call) (reply, error) {
+	if c.method == "" {
+		c.method = "POST"
+	}
+	if c.path == "" {
+		c.path = "/v1/payments"
+	}
+	req, err := http.NewRequest(c.method, s.url+c.path, strings.NewReader(c.body))
+	if err != nil {
+		return reply{}, err
+	}
+	if c.key != "" {
+		req.Header.Set("Idempotency-Key", c.key)
+	}
+	for k, v := range c.headers {
+		req.Header.Set(k, v)
+	}
+	resp, err := s.client.Do(req)
+	if err != nil {
+		return reply{}, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return reply{}, err
+	}
+	return reply{status: resp.StatusCode, header: resp.Header, body: b}, nil
+}
+
+// requireProblem checks a problem+json answer from the processor.
+func requireProblem(t *testing.T, r reply, status int, code string) {
+	t.Helper()
+	require.Equal(t, status, r.status, "body: %s", r.body)
+	require.Equal(t, "application/problem+json", r.header.Get("Content-Type"))
+	require.Equal(t, code, r.problemCode())
+	require.Equal(t, strconv.Itoa(len(r.body)), r.header.Get("Content-Length"), "Envoy computes content-length")
+}
