@@ -4,10 +4,10 @@ STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 FUZZTIME ?= 5s
 PKGS := ./...
 
-.PHONY: help test lint unit bench fuzz run
+.PHONY: help test lint unit bench bench-compare fuzz run
 
 help: ## list the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 test: lint unit bench fuzz ## the whole suite, as CI runs it: lint, race tests, benchmarks once, short fuzzing
 
@@ -21,6 +21,9 @@ unit: ## every test with the race detector
 
 bench: ## every benchmark once, so they keep compiling and running
 	$(GO) test -run '^$$' -bench . -benchtime 1x -benchmem -count=1 $(PKGS)
+
+bench-compare: ## the comparative benchmark of docs/performance.md (needs redis-server, redis-benchmark)
+	$(GO) run ./e2e/bench -duration 10s -rounds 5
 
 fuzz: ## each fuzz target for FUZZTIME
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeResponse$$' -fuzztime $(FUZZTIME) ./cache/

@@ -70,6 +70,14 @@ type Store interface {
 	Close() error
 }
 
+// Local is implemented by stores that keep their records in this process: their calls do no
+// I/O and return at once, so callers need not bound them with deadlines of their own.
+type Local interface {
+	Store
+	// Local marks the store as in-process.
+	Local()
+}
+
 // Claim describes the record Acquire creates for a new key.
 type Claim struct {
 	// Fingerprint identifies the request's payload. It may be empty.

@@ -3,9 +3,9 @@ package cache
 import (
 	"container/heap"
 	"context"
-	"crypto/rand"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -42,9 +42,13 @@ type MemoryOptions struct {
 type Memory struct {
 	clock    clock.Clock
 	maxBytes int64
+	// epoch is the origin of deadlines, which are nanoseconds since it (monotonic on the wall
+	// clock).
+	epoch time.Time
 
 	mu      sync.Mutex
 	closed  bool
+	tokens  uint64 // the last token handed out
 	bytes   int64
 	entries map[string]*memEntry
 	expiry  expiryHeap
@@ -52,7 +56,10 @@ type Memory struct {
 	lru memEntry
 }
 
-var _ Store = (*Memory)(nil)
+var _ Local = (*Memory)(nil)
+
+// Local implements [Local]: every call is a few map and heap operations under a mutex.
+func (m *Memory) Local() {}
 
 type memEntry struct {
 	key      string
@@ -60,10 +67,13 @@ type memEntry struct {
 	fp       []byte
 	resp     []byte // the encoded response of a completed record; never modified once set
 	ttl      time.Duration
-	deadline time.Time
-	size     int64
-	heapIdx  int
-	state    State
+	deadline int64 // when the record expires, in nanoseconds since the store's epoch
+	// heapKey orders the entry in the expiry heap. It may be earlier than deadline, never later:
+	// a deadline that moves later leaves the entry in place until it surfaces (see expire).
+	heapKey int64
+	size    int64
+	heapIdx int
+	state   State
 
 	prev, next *memEntry // lru links, set only while completed
 }
@@ -79,7 +89,7 @@ func NewMemory(opts MemoryOptions) (*Memory, error) {
 	if opts.Clock == nil {
 		opts.Clock = clock.Real{}
 	}
-	m := &Memory{clock: opts.Clock, maxBytes: opts.MaxBytes, entries: make(map[string]*memEntry)}
+	m := &Memory{clock: opts.Clock, maxBytes: opts.MaxBytes, epoch: opts.Clock.Now(), entries: make(map[string]*memEntry)}
 	m.lru.next, m.lru.prev = &m.lru, &m.lru
 	return m, nil
 }
@@ -92,13 +102,12 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	if err := ctx.Err(); err != nil {
 		return Lease{}, nil, err
 	}
-	token := rand.Text()
 	m.mu.Lock()
 	if m.closed {
 		m.mu.Unlock()
 		return Lease{}, nil, ErrClosed
 	}
-	now := m.clock.Now()
+	now := m.now()
 	m.expire(now)
 	if e := m.entries[key]; e != nil {
 		rec := Record{State: e.state, Fingerprint: e.fp}
@@ -118,14 +127,18 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 		}
 		return Lease{}, &rec, nil
 	}
+	// Tokens only need to be unique within this store, which a counter guarantees.
+	m.tokens++
+	token := strconv.FormatUint(m.tokens, 36)
 	e := &memEntry{
 		key:      key,
 		token:    token,
 		fp:       append([]byte(nil), c.Fingerprint...),
 		ttl:      c.TTL,
-		deadline: now.Add(c.LockTTL),
+		deadline: now + int64(c.LockTTL),
 		state:    Pending,
 	}
+	e.heapKey = e.deadline
 	e.size = int64(len(key)+len(token)+len(e.fp)) + entryOverhead
 	m.entries[key] = e
 	heap.Push(&m.expiry, e)
@@ -140,9 +153,8 @@ func (m *Memory) Renew(ctx context.Context, l Lease, d time.Duration) error {
 	if d < time.Millisecond {
 		return fmt.Errorf("cache: renew: lease duration must be at least 1ms, got %v", d)
 	}
-	return m.update(ctx, l, func(e *memEntry, now time.Time) {
-		e.deadline = now.Add(d)
-		heap.Fix(&m.expiry, e.heapIdx)
+	return m.update(ctx, l, func(e *memEntry, now int64) {
+		m.setDeadline(e, now+int64(d))
 	})
 }
 
@@ -152,7 +164,7 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 		resp.Body = nil
 	}
 	blob := appendResponse(make([]byte, 0, encodedResponseSize(resp)), resp)
-	err := m.update(ctx, l, func(e *memEntry, now time.Time) {
+	err := m.update(ctx, l, func(e *memEntry, now int64) {
 		size := int64(len(e.key)+len(e.token)+len(e.fp)+len(blob)) + entryOverhead
 		if size > m.maxBytes {
 			// Keep the key claimed rather than let a duplicate run again.
@@ -161,8 +173,7 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 		}
 		e.state = Completed
 		e.resp = blob
-		e.deadline = now.Add(e.ttl)
-		heap.Fix(&m.expiry, e.heapIdx)
+		m.setDeadline(e, now+int64(e.ttl))
 		m.bytes += size - e.size
 		e.size = size
 		m.touch(e)
@@ -176,7 +187,7 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 
 // Release implements [Store.Release].
 func (m *Memory) Release(ctx context.Context, l Lease) error {
-	return m.update(ctx, l, func(e *memEntry, _ time.Time) {
+	return m.update(ctx, l, func(e *memEntry, _ int64) {
 		m.remove(e)
 	})
 }
@@ -220,7 +231,7 @@ func (m *Memory) Len() int {
 }
 
 // update runs f on the live pending entry that l owns, under the lock.
-func (m *Memory) update(ctx context.Context, l Lease, f func(e *memEntry, now time.Time)) error {
+func (m *Memory) update(ctx context.Context, l Lease, f func(e *memEntry, now int64)) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -229,7 +240,7 @@ func (m *Memory) update(ctx context.Context, l Lease, f func(e *memEntry, now ti
 	if m.closed {
 		return ErrClosed
 	}
-	now := m.clock.Now()
+	now := m.now()
 	m.expire(now)
 	e := m.entries[l.key]
 	if e == nil || l.token == "" || e.token != l.token || e.state != Pending {
@@ -247,10 +258,28 @@ func (m *Memory) completedBy(l Lease) bool {
 	return e != nil && l.token != "" && e.token == l.token && e.state == Completed
 }
 
+func (m *Memory) now() int64 { return int64(m.clock.Now().Sub(m.epoch)) }
+
+// setDeadline moves e's deadline. A later deadline costs nothing now: the entry keeps its place
+// in the heap and is moved when it surfaces. Only an earlier one is moved at once.
+func (m *Memory) setDeadline(e *memEntry, deadline int64) {
+	e.deadline = deadline
+	if deadline < e.heapKey {
+		e.heapKey = deadline
+		heap.Fix(&m.expiry, e.heapIdx)
+	}
+}
+
 // expire removes every entry whose deadline has passed.
-func (m *Memory) expire(now time.Time) {
-	for len(m.expiry) > 0 && !m.expiry[0].deadline.After(now) {
-		m.remove(m.expiry[0])
+func (m *Memory) expire(now int64) {
+	for len(m.expiry) > 0 && m.expiry[0].heapKey <= now {
+		e := m.expiry[0]
+		if e.deadline > now {
+			e.heapKey = e.deadline
+			heap.Fix(&m.expiry, 0)
+			continue
+		}
+		m.remove(e)
 	}
 }
 
@@ -302,7 +331,7 @@ func checkClaim(c Claim) error {
 type expiryHeap []*memEntry
 
 func (h expiryHeap) Len() int           { return len(h) }
-func (h expiryHeap) Less(i, j int) bool { return h[i].deadline.Before(h[j].deadline) }
+func (h expiryHeap) Less(i, j int) bool { return h[i].heapKey < h[j].heapKey }
 func (h expiryHeap) Swap(i, j int) {
 	h[i], h[j] = h[j], h[i]
 	h[i].heapIdx = i

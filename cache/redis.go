@@ -15,6 +15,10 @@ import (
 // DefaultRedisTimeout bounds each Redis call when RedisOptions.Timeout is zero.
 const DefaultRedisTimeout = 100 * time.Millisecond
 
+// pipelineSlots is how many batches of calls may be in flight at once; calls beyond wait and
+// leave together (see pipeline). Two keep one batch filling while the other is on the wire.
+const pipelineSlots = 2
+
 // recordVersion is the value of the "v" field of every record hash this version writes.
 const recordVersion = "1"
 
@@ -94,11 +98,13 @@ type RedisOptions struct {
 }
 
 // Redis is a Store backed by Redis: standalone, Sentinel or Cluster. Each operation is one script
-// call on one key, so it is atomic on the server and costs one round trip. Scripts are sent by
-// SHA (EVALSHA) and loaded on first use.
+// call on one key, so it is atomic on the server and costs one round trip; under load,
+// concurrent calls share round trips in pipelined batches. Scripts are sent by SHA (EVALSHA) and
+// loaded on first use.
 type Redis struct {
 	client  redis.UniversalClient
 	timeout time.Duration
+	pipe    *pipeline
 }
 
 var _ Store = (*Redis)(nil)
@@ -120,7 +126,7 @@ func NewRedis(client redis.UniversalClient, timeout time.Duration) *Redis {
 	if timeout <= 0 {
 		timeout = DefaultRedisTimeout
 	}
-	return &Redis{client: client, timeout: timeout}
+	return &Redis{client: client, timeout: timeout, pipe: newPipeline(client, timeout, pipelineSlots)}
 }
 
 func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
@@ -192,10 +198,10 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	if err := checkClaim(c); err != nil {
 		return Lease{}, nil, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, r.timeout)
+	ctx, cancel := r.bound(ctx)
 	defer cancel()
 	token := rand.Text()
-	res, err := acquireScript.Run(ctx, r.client, []string{key},
+	res, err := r.pipe.run(ctx, acquireScript, []string{key},
 		token, c.Fingerprint, c.TTL.Milliseconds(), c.LockTTL.Milliseconds(), recordVersion).Slice()
 	if err != nil {
 		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
@@ -216,6 +222,14 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 		return Lease{}, nil, err
 	}
 	return Lease{}, rec, nil
+}
+
+// bound gives ctx the store's timeout, unless it already has an earlier deadline.
+func (r *Redis) bound(ctx context.Context) (context.Context, context.CancelFunc) {
+	if d, ok := ctx.Deadline(); ok && time.Until(d) <= r.timeout {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, r.timeout)
 }
 
 // decodeRecord decodes {v, st, fp, resp} as returned by the acquire script.
@@ -277,9 +291,9 @@ func (r *Redis) owned(ctx context.Context, op string, s *redis.Script, l Lease, 
 	if l.token == "" {
 		return ErrLeaseLost
 	}
-	ctx, cancel := context.WithTimeout(ctx, r.timeout)
+	ctx, cancel := r.bound(ctx)
 	defer cancel()
-	n, err := s.Run(ctx, r.client, []string{l.key}, append([]any{l.token}, args...)...).Int64()
+	n, err := r.pipe.run(ctx, s, []string{l.key}, append([]any{l.token}, args...)...).Int64()
 	if err != nil {
 		return redisError(op, err)
 	}
@@ -300,7 +314,7 @@ func (r *Redis) releaseOrphan(l Lease) {
 // Ping implements [Store.Ping]. For Cluster it pings every known master and, when one does not
 // answer, reloads the slot map so that a failover is noticed without waiting for a MOVED reply.
 func (r *Redis) Ping(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, r.timeout)
+	ctx, cancel := r.bound(ctx)
 	defer cancel()
 	cc, ok := r.client.(*redis.ClusterClient)
 	if !ok {
@@ -317,6 +331,7 @@ func (r *Redis) Ping(ctx context.Context) error {
 
 // Close implements [Store.Close].
 func (r *Redis) Close() error {
+	r.pipe.close()
 	err := r.client.Close()
 	if errors.Is(err, redis.ErrClosed) {
 		return nil

@@ -2,6 +2,9 @@ package cache
 
 import (
 	"context"
+	"errors"
+	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -69,4 +72,113 @@ func TestRedisAcquireWithLostReplyFreesTheKey(t *testing.T) {
 	hook.on.Store(false)
 	require.Eventually(t, func() bool { return !mr.Exists("k") }, 5*time.Second, 10*time.Millisecond,
 		"the record the failed call created must not block the key for its lease")
+}
+
+// pipelineCounter counts the commands sent alone and in pipelines; the first command it sees is
+// held until release is closed, so that calls made meanwhile must queue.
+type pipelineCounter struct {
+	single, batched, batches atomic.Int64
+	hold                     atomic.Bool
+	release                  chan struct{}
+}
+
+func (h *pipelineCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *pipelineCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if h.hold.CompareAndSwap(true, false) {
+			<-h.release
+		}
+		h.single.Add(1)
+		return next(ctx, cmd)
+	}
+}
+func (h *pipelineCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		h.batches.Add(1)
+		h.batched.Add(int64(len(cmds)))
+		return next(ctx, cmds)
+	}
+}
+
+func TestRedisPipelinesConcurrentCalls(t *testing.T) {
+	mr := miniredis.RunT(t)
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	hook := &pipelineCounter{release: make(chan struct{})}
+	client.AddHook(hook)
+	s := NewRedis(client, 5*time.Second)
+	t.Cleanup(func() { _ = s.Close() })
+	ctx := t.Context()
+
+	// Load the scripts, then flush them so that the batch finds NOSCRIPT and must reload.
+	_, _, err := s.Acquire(ctx, "warm", Claim{LockTTL: time.Hour, TTL: time.Hour})
+	require.NoError(t, err)
+	mr.FlushAll()
+	require.NoError(t, client.ScriptFlush(ctx).Err())
+
+	hook.hold.Store(true)
+	const n = 100
+	var wg sync.WaitGroup
+	leases := make([]Lease, n)
+	errs := make([]error, n)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			leases[i], _, errs[i] = s.Acquire(ctx, "k"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
+		}()
+	}
+	// Both slots are taken by held or queued calls before the first command goes out.
+	require.Eventually(t, func() bool {
+		s.pipe.mu.Lock()
+		defer s.pipe.mu.Unlock()
+		return len(s.pipe.queue) > 10
+	}, 5*time.Second, time.Millisecond)
+	close(hook.release)
+	wg.Wait()
+	for i := range n {
+		require.NoError(t, errs[i])
+		require.True(t, leases[i].Held(), "call %d", i)
+		require.NoError(t, s.Complete(ctx, leases[i], Response{Status: 200}))
+	}
+	require.Positive(t, hook.batches.Load(), "queued calls left in pipelined batches")
+	require.Greater(t, hook.batched.Load(), hook.batches.Load(), "batches carried several calls")
+	require.Len(t, mr.Keys(), n, "every call ran exactly once")
+}
+
+func TestRedisPipelineClose(t *testing.T) {
+	mr := miniredis.RunT(t)
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	hook := &pipelineCounter{release: make(chan struct{})}
+	client.AddHook(hook)
+	s := NewRedis(client, 5*time.Second)
+	hook.hold.Store(true)
+	var wg sync.WaitGroup
+	errs := make(chan error, 10)
+	for i := range 10 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, _, err := s.Acquire(t.Context(), "c"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
+			errs <- err
+		}()
+	}
+	require.Eventually(t, func() bool {
+		s.pipe.mu.Lock()
+		defer s.pipe.mu.Unlock()
+		return len(s.pipe.queue) >= 8
+	}, 5*time.Second, time.Millisecond)
+	s.pipe.close()
+	close(hook.release)
+	wg.Wait()
+	close(errs)
+	closed := 0
+	for err := range errs {
+		if errors.Is(err, ErrClosed) {
+			closed++
+		}
+	}
+	require.GreaterOrEqual(t, closed, 8, "calls still queued at Close fail with ErrClosed")
+	require.NoError(t, s.Close())
+	_, _, err := s.Acquire(t.Context(), "after", Claim{LockTTL: time.Hour, TTL: time.Hour})
+	require.Error(t, err)
 }

@@ -85,6 +85,11 @@ var (
 		"The idempotency store is unavailable; retry later.", true)
 )
 
+var problems = []*problem{
+	problemMissingKey, problemInvalidKey, problemInvalidTTL, problemInProgress, problemReused,
+	problemNotReplayable, problemStoreUnavailable,
+}
+
 // The two mode_override values of SPEC §5, every field spelled out so that Envoy's
 // allowed_override_modes comparison matches them (reference §4.3).
 var (
@@ -153,30 +158,39 @@ func problemResponse(p *problem, replayHeader string) *extprocv3.ProcessingRespo
 // (the second and later values of a repeated header with append, so that they add rather than
 // overwrite) and its body, plus the replay header.
 func replayResponse(r *cache.Response, replayHeader string) *extprocv3.ProcessingResponse {
-	set := make([]*corev3.HeaderValueOption, 0, len(r.Headers)+1)
+	n := len(r.Headers) + 1
+	// One allocation each for the options, the values and the pointers, whatever the count.
+	opts := make([]corev3.HeaderValueOption, n)
+	values := make([]corev3.HeaderValue, n)
+	set := make([]*corev3.HeaderValueOption, n)
 	hasCT := false
 	for i, h := range r.Headers {
-		o := setHeader(h.Name, h.Value)
+		values[i].Key, values[i].RawValue = h.Name, h.Value
+		opts[i].Header = &values[i]
 		for _, prev := range r.Headers[:i] {
 			if prev.Name == h.Name {
 				// ext_proc honours only the deprecated append flag (reference §2.7).
 				//lint:ignore SA1019 append_action is not implemented for ext_proc mutations
-				o.Append = appendHeader
+				opts[i].Append = appendHeader
 				break
 			}
 		}
 		hasCT = hasCT || h.Name == headerCT
-		set = append(set, o)
+		set[i] = &opts[i]
 	}
-	set = append(set, setHeader(replayHeader, valueTrue))
+	values[n-1].Key, values[n-1].RawValue = replayHeader, valueTrue
+	opts[n-1].Header = &values[n-1]
+	set[n-1] = &opts[n-1]
 	var remove []string
 	if !hasCT && len(r.Body) > 0 {
 		// Envoy gives a local reply with a body "content-type: text/plain" (reference §2.6); the
 		// original had none.
-		remove = []string{headerCT}
+		remove = removeContentType
 	}
 	return immediate(r.Status, set, remove, r.Body, "idempotency_replayed")
 }
+
+var removeContentType = []string{headerCT}
 
 func immediate(status int, set []*corev3.HeaderValueOption, remove []string, body []byte, details string) *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{
@@ -191,40 +205,41 @@ func immediate(status int, set []*corev3.HeaderValueOption, remove []string, bod
 	}
 }
 
-// common is the CommonResponse of a CONTINUE that may set the replay header.
-func common(replayHeader string) *extprocv3.CommonResponse {
-	if replayHeader == "" {
-		return nil
+// The answers that never vary are built once and shared: gRPC only reads a message it sends.
+var (
+	continueRequestHeaders = &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}},
 	}
-	return &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
-		SetHeaders: []*corev3.HeaderValueOption{setHeader(replayHeader, valueFalse)},
-	}}
-}
-
-func continueRequestHeaders(mode *filterextproc.ProcessingMode) *extprocv3.ProcessingResponse {
-	return &extprocv3.ProcessingResponse{
+	passThroughRequestHeaders = &extprocv3.ProcessingResponse{
 		Response:     &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}},
-		ModeOverride: mode,
+		ModeOverride: passThroughMode,
 	}
-}
-
-func continueRequestBody() *extprocv3.ProcessingResponse {
-	return &extprocv3.ProcessingResponse{
+	continueRequestBody = &extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{}},
 	}
-}
-
-// continueResponseHeaders continues the response, setting the replay header to false when
-// replayHeader is not empty.
-func continueResponseHeaders(replayHeader string, mode *filterextproc.ProcessingMode) *extprocv3.ProcessingResponse {
-	return &extprocv3.ProcessingResponse{
-		Response:     &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{Response: common(replayHeader)}},
-		ModeOverride: mode,
+	continueResponseHeaders = &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}},
 	}
-}
-
-func continueResponseBody() *extprocv3.ProcessingResponse {
-	return &extprocv3.ProcessingResponse{
+	continueResponseBody = &extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}},
+	}
+	continueRequestTrailers = &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}},
+	}
+	continueResponseTrailers = &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}},
+	}
+)
+
+// markResponseHeaders continues the response with the replay header set to false, and with a
+// mode_override when mode is not nil.
+func markResponseHeaders(replayHeader string, mode *filterextproc.ProcessingMode) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{
+			Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
+				SetHeaders: []*corev3.HeaderValueOption{setHeader(replayHeader, valueFalse)},
+			}},
+		}},
+		ModeOverride: mode,
 	}
 }

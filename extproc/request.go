@@ -163,23 +163,31 @@ func splitPath(p []byte) []byte {
 }
 
 // digest hashes length-prefixed fields so that no two different sequences of fields collide.
+// One digest serves every hash of a request: reset between uses, it allocates nothing more.
 type digest struct {
-	h   hash.Hash
-	buf [binary.MaxVarintLen64]byte
+	h       hash.Hash
+	scratch []byte
+	sum     [sha256.Size]byte
 }
 
-func newDigest() *digest { return &digest{h: sha256.New()} }
+func newDigest() *digest { return &digest{h: sha256.New(), scratch: make([]byte, 0, 64)} }
+
+func (d *digest) reset() { d.h.Reset() }
+
+func (d *digest) length(n int) {
+	d.scratch = binary.AppendUvarint(d.scratch[:0], uint64(n))
+	d.h.Write(d.scratch)
+}
 
 func (d *digest) field(b []byte) {
-	n := binary.PutUvarint(d.buf[:], uint64(len(b)))
-	d.h.Write(d.buf[:n])
+	d.length(len(b))
 	d.h.Write(b)
 }
 
 func (d *digest) fieldString(s string) {
-	n := binary.PutUvarint(d.buf[:], uint64(len(s)))
-	d.h.Write(d.buf[:n])
-	d.h.Write([]byte(s))
+	d.scratch = binary.AppendUvarint(d.scratch[:0], uint64(len(s)))
+	d.scratch = append(d.scratch, s...)
+	d.h.Write(d.scratch)
 }
 
 // headerValues hashes every value of name in order, preceded by their count, so that an absent
@@ -192,8 +200,7 @@ func (d *digest) headerValues(h headers, name string) {
 			count++
 		}
 	}
-	n := binary.PutUvarint(d.buf[:], uint64(count))
-	d.h.Write(d.buf[:n])
+	d.length(count)
 	for _, v := range h {
 		if v.GetKey() == name {
 			d.field(headerValue(v))
@@ -201,15 +208,16 @@ func (d *digest) headerValues(h headers, name string) {
 	}
 }
 
-func (d *digest) sum() []byte { return d.h.Sum(nil) }
+// finish returns the hash of what was written; it is valid until the next reset.
+func (d *digest) finish() []byte { return d.h.Sum(d.sum[:0]) }
 
 // fingerprint returns the SHA-256 over the route's fingerprint parts and fingerprint headers, or
 // nil when the route lists neither (which turns the mismatch check off).
-func fingerprint(r *policy.Route, method, path, body []byte, h headers) []byte {
+func (d *digest) fingerprint(r *policy.Route, method, path, body []byte, h headers) []byte {
 	if len(r.Fingerprint) == 0 && len(r.FingerprintHeaders) == 0 {
 		return nil
 	}
-	d := newDigest()
+	d.reset()
 	for _, p := range r.Fingerprint {
 		d.fieldString(string(p))
 		switch p {
@@ -224,23 +232,24 @@ func fingerprint(r *policy.Route, method, path, body []byte, h headers) []byte {
 	for _, name := range r.FingerprintHeaders {
 		d.headerValues(h, name)
 	}
-	return d.sum()
+	return append([]byte(nil), d.finish()...)
 }
 
 // bodyHashKey is the key of a request without one under missing_key: body-hash: the hex SHA-256
 // of its method, path (with query) and body.
-func bodyHashKey(method, path, body []byte) string {
-	d := newDigest()
+func (d *digest) bodyHashKey(method, path, body []byte) string {
+	d.reset()
 	d.field(method)
 	d.field(path)
 	d.field(body)
-	return hex.EncodeToString(d.sum())
+	return hex.EncodeToString(d.finish())
 }
 
 // storeKey returns key_prefix + hex SHA-256 of the scope values and the client's key, so that
-// clients whose scope differs never share a record and raw keys never reach the store.
-func storeKey(r *policy.Route, h headers, pathParams []string, key string) (stored string, short string) {
-	d := newDigest()
+// clients whose scope differs never share a record and raw keys never reach the store. short is
+// the first 12 hex digits, for logs.
+func (d *digest) storeKey(r *policy.Route, h headers, pathParams []string, key string) (stored, short string) {
+	d.reset()
 	for _, name := range r.ScopeHeaders {
 		d.headerValues(h, name)
 	}
@@ -249,10 +258,14 @@ func storeKey(r *policy.Route, h headers, pathParams []string, key string) (stor
 		d.fieldString(pathParams[i])
 	}
 	d.fieldString(key)
-	sum := d.sum()
-	var buf [2 * sha256.Size]byte
-	hex.Encode(buf[:], sum)
-	return r.KeyPrefix + string(buf[:]), string(buf[:12])
+	var b strings.Builder
+	b.Grow(len(r.KeyPrefix) + 2*sha256.Size)
+	b.WriteString(r.KeyPrefix)
+	var hexSum [2 * sha256.Size]byte
+	hex.Encode(hexSum[:], d.finish())
+	b.Write(hexSum[:])
+	stored = b.String()
+	return stored, stored[len(r.KeyPrefix) : len(r.KeyPrefix)+12]
 }
 
 // lookup returns the first value of name and whether the header is present.

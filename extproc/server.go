@@ -45,16 +45,23 @@ type Server struct {
 	log     zerolog.Logger
 	metrics *Metrics
 	clock   clock.Clock
-	// counters holds the metric series of each route, resolved once.
-	counters map[*policy.Route]*routeCounters
+	// routes holds what each route needs per request, resolved once.
+	routes   map[*policy.Route]*routeState
 	storeOps map[string]prometheus.Observer
+	// local is set for a store in this process, whose calls need no deadline.
+	local bool
 
 	streams sync.WaitGroup
 }
 
-type routeCounters struct {
+// routeState is what a route needs per request, built once: its metric series and the answers
+// that depend only on the route.
+type routeState struct {
 	outcomes map[Outcome]prometheus.Counter
 	releases map[string]prometheus.Counter
+	// stored continues a response that will be stored; notStored also turns its body phase off.
+	stored, notStored *extprocv3.ProcessingResponse
+	problems          map[*problem]*extprocv3.ProcessingResponse
 }
 
 // NewServer returns a Server.
@@ -85,19 +92,29 @@ func NewServer(opts Options) (*Server, error) {
 		log:      *opts.Logger,
 		metrics:  opts.Metrics,
 		clock:    opts.Clock,
-		counters: make(map[*policy.Route]*routeCounters),
+		routes:   make(map[*policy.Route]*routeState),
 		storeOps: make(map[string]prometheus.Observer),
 	}
 	for _, r := range append([]*policy.Route{opts.Policy.Default}, opts.Policy.Routes...) {
-		rc := &routeCounters{outcomes: map[Outcome]prometheus.Counter{}, releases: map[string]prometheus.Counter{}}
+		rs := &routeState{
+			outcomes:  map[Outcome]prometheus.Counter{},
+			releases:  map[string]prometheus.Counter{},
+			stored:    markResponseHeaders(r.ReplayHeader, nil),
+			notStored: markResponseHeaders(r.ReplayHeader, noStoreMode),
+			problems:  map[*problem]*extprocv3.ProcessingResponse{},
+		}
 		for _, o := range Outcomes {
-			rc.outcomes[o] = s.metrics.requests.WithLabelValues(r.Name, string(o))
+			rs.outcomes[o] = s.metrics.requests.WithLabelValues(r.Name, string(o))
 		}
 		for _, reason := range []string{ReleaseStatus, ReleaseEnvoyResponse, ReleaseUnknownOutcome} {
-			rc.releases[reason] = s.metrics.releases.WithLabelValues(r.Name, reason)
+			rs.releases[reason] = s.metrics.releases.WithLabelValues(r.Name, reason)
 		}
-		s.counters[r] = rc
+		for _, p := range problems {
+			rs.problems[p] = problemResponse(p, r.ReplayHeader)
+		}
+		s.routes[r] = rs
 	}
+	_, s.local = opts.Store.(cache.Local)
 	for _, op := range []string{"acquire", "renew", "complete", "release"} {
 		s.storeOps[op] = s.metrics.storeDuration.WithLabelValues(op)
 	}
@@ -151,10 +168,14 @@ func (s *Server) Wait(ctx context.Context) error {
 	}
 }
 
-// The store calls, each bounded by store_timeout and timed.
+// The store calls, each bounded by store_timeout (a store in this process needs no bound) and
+// timed.
 
 func (s *Server) bounded(ctx context.Context, op string) (context.Context, func()) {
-	ctx, cancel := context.WithTimeout(ctx, s.policy.StoreTimeout)
+	cancel := context.CancelFunc(func() {})
+	if !s.local {
+		ctx, cancel = context.WithTimeout(ctx, s.policy.StoreTimeout)
+	}
 	start := time.Now()
 	return ctx, func() {
 		cancel()

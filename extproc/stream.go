@@ -45,7 +45,6 @@ type stream struct {
 	s     *Server
 	ctx   context.Context
 	start time.Time
-	log   zerolog.Logger
 
 	phase     phase
 	outcome   Outcome
@@ -76,7 +75,23 @@ type stream struct {
 }
 
 func newStream(s *Server, ctx context.Context) *stream {
-	return &stream{s: s, ctx: ctx, start: time.Now(), log: s.log, outcome: Passthrough}
+	return &stream{s: s, ctx: ctx, start: time.Now(), outcome: Passthrough}
+}
+
+// event adds the request's identity to a log event: its request id, route and the short hash of
+// its stored key, never the key itself. It is safe on a disabled (nil) event.
+func (st *stream) event(e *zerolog.Event) *zerolog.Event {
+	if e == nil {
+		return nil
+	}
+	e = e.Str("request_id", st.requestID)
+	if st.route != nil {
+		e = e.Str("route", st.route.Name)
+	}
+	if st.keyHash != "" {
+		e = e.Str("key_hash", st.keyHash)
+	}
+	return e
 }
 
 // handle answers one message. It never panics on a message out of order: it answers CONTINUE of
@@ -95,20 +110,20 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) *extprocv3.Processing
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		return st.responseBody(r.ResponseBody)
 	case *extprocv3.ProcessingRequest_RequestTrailers:
-		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}}
+		return continueRequestTrailers
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
 		// Trailers end the response body of a STREAMED response.
 		if st.phase == phaseCapture {
 			st.complete()
 		}
-		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}}
+		return continueResponseTrailers
 	}
 	return nil
 }
 
 func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) *extprocv3.ProcessingResponse {
 	if st.phase != phaseStart {
-		return continueRequestHeaders(nil)
+		return continueRequestHeaders
 	}
 	h := headers(m.GetHeaders().GetHeaders())
 	st.headers = h
@@ -121,7 +136,6 @@ func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) *extprocv3.Processing
 	if !r.Enabled || !r.Covers(string(st.method)) {
 		return st.passThrough()
 	}
-	st.log = st.s.log.With().Str("request_id", st.requestID).Str("route", r.Name).Logger()
 	key, present, err := parseKey(h, r.KeyHeaders)
 	switch {
 	case err != nil:
@@ -150,12 +164,12 @@ func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) *extprocv3.Processing
 	}
 	// Envoy sends the buffered body only after this answer (reference §3).
 	st.phase = phaseAwaitBody
-	return continueRequestHeaders(nil)
+	return continueRequestHeaders
 }
 
 func (st *stream) requestBody(m *extprocv3.HttpBody) *extprocv3.ProcessingResponse {
 	if st.phase != phaseAwaitBody {
-		return continueRequestBody()
+		return continueRequestBody
 	}
 	// In BUFFERED mode the one body message holds the whole body, whatever end_of_stream says
 	// (reference §2.4).
@@ -166,7 +180,7 @@ func (st *stream) requestBody(m *extprocv3.HttpBody) *extprocv3.ProcessingRespon
 func (st *stream) passThrough() *extprocv3.ProcessingResponse {
 	st.phase = phasePass
 	st.outcome = Passthrough
-	return continueRequestHeaders(passThroughMode)
+	return passThroughRequestHeaders
 }
 
 // reject settles a covered request with a problem answered by the server.
@@ -174,19 +188,19 @@ func (st *stream) reject(p *problem) *extprocv3.ProcessingResponse {
 	st.covered = true
 	st.phase = phaseDone
 	st.outcome = p.outcome
-	return problemResponse(p, st.route.ReplayHeader)
+	return st.s.routes[st.route].problems[p]
 }
 
 // claim makes the one store round trip of a covered request and decides its fate: 422, 409,
 // a replay, or running it under a fresh lease.
 func (st *stream) claim(body []byte, atHeaders bool) *extprocv3.ProcessingResponse {
 	r := st.route
+	d := newDigest()
 	if st.bodyHash {
-		st.key = bodyHashKey(st.method, st.path, body)
+		st.key = d.bodyHashKey(st.method, st.path, body)
 	}
-	st.storeKey, st.keyHash = storeKey(r, st.headers, st.params, st.key)
-	st.log = st.log.With().Str("key_hash", st.keyHash).Logger()
-	fp := fingerprint(r, st.method, st.path, body, st.headers)
+	st.storeKey, st.keyHash = d.storeKey(r, st.headers, st.params, st.key)
+	fp := d.fingerprint(r, st.method, st.path, body, st.headers)
 
 	lease, rec, err := st.s.acquire(st.ctx, st.storeKey, cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.ttl})
 	if err != nil {
@@ -194,9 +208,9 @@ func (st *stream) claim(body []byte, atHeaders bool) *extprocv3.ProcessingRespon
 		if st.s.policy.FailMode == policy.FailOpen {
 			st.phase = phasePass
 			if atHeaders {
-				return continueRequestHeaders(passThroughMode)
+				return passThroughRequestHeaders
 			}
-			return continueRequestBody()
+			return continueRequestBody
 		}
 		return st.reject(problemStoreUnavailable)
 	}
@@ -220,9 +234,9 @@ func (st *stream) claim(body []byte, atHeaders bool) *extprocv3.ProcessingRespon
 	st.s.metrics.inflight.Inc()
 	st.startRenewal()
 	if atHeaders {
-		return continueRequestHeaders(nil)
+		return continueRequestHeaders
 	}
-	return continueRequestBody()
+	return continueRequestBody
 }
 
 func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*structpb.Struct) *extprocv3.ProcessingResponse {
@@ -231,11 +245,11 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 	case phaseAwaitBody:
 		// The request went upstream without its body phase: Envoy's request_body_mode is not
 		// BUFFERED, so this request could not be protected.
-		st.log.Warn().Msg("request body never reached the processor; set request_body_mode: BUFFERED")
+		st.event(st.s.log.Warn()).Msg("request body never reached the processor; set request_body_mode: BUFFERED")
 		st.phase, st.outcome, st.covered = phasePass, Passthrough, false
-		return continueResponseHeaders("", nil)
+		return continueResponseHeaders
 	default:
-		return continueResponseHeaders("", nil)
+		return continueResponseHeaders
 	}
 	r := st.route
 	h := headers(m.GetHeaders().GetHeaders())
@@ -245,25 +259,25 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 		// the request (SPEC §4).
 		st.release(ReleaseEnvoyResponse)
 		st.phase = phaseDone
-		return continueResponseHeaders(r.ReplayHeader, noStoreMode)
+		return st.s.routes[r].notStored
 	}
 	if !r.StoreStatuses.Has(st.status) {
 		st.release(ReleaseStatus)
 		st.phase = phaseDone
-		return continueResponseHeaders(r.ReplayHeader, noStoreMode)
+		return st.s.routes[r].notStored
 	}
 	st.respHeaders = replayableHeaders(h, r)
 	if m.GetEndOfStream() {
 		st.complete()
-		return continueResponseHeaders(r.ReplayHeader, nil)
+		return st.s.routes[r].stored
 	}
 	st.phase = phaseCapture
-	return continueResponseHeaders(r.ReplayHeader, nil)
+	return st.s.routes[r].stored
 }
 
 func (st *stream) responseBody(m *extprocv3.HttpBody) *extprocv3.ProcessingResponse {
 	if st.phase != phaseCapture {
-		return continueResponseBody()
+		return continueResponseBody
 	}
 	chunk := m.GetBody()
 	last := m.GetEndOfStream()
@@ -293,7 +307,7 @@ func (st *stream) responseBody(m *extprocv3.HttpBody) *extprocv3.ProcessingRespo
 		// Durability: the record is written before Envoy may pass the response on (SPEC §4).
 		st.complete()
 	}
-	return continueResponseBody()
+	return continueResponseBody
 }
 
 // complete records the response and gives up the lease.
@@ -320,8 +334,8 @@ func (st *stream) release(reason string) {
 		st.storeFailed("release", err)
 		return
 	}
-	st.s.counters[st.route].releases[reason].Inc()
-	st.log.Debug().Str("reason", reason).Msg("lease released")
+	st.s.routes[st.route].releases[reason].Inc()
+	st.event(st.s.log.Debug()).Str("reason", reason).Msg("lease released")
 }
 
 func (st *stream) dropLease() {
@@ -334,10 +348,11 @@ func (st *stream) dropLease() {
 // storeFailed logs a failed store operation and makes store_error the request's outcome.
 func (st *stream) storeFailed(op string, err error) {
 	st.outcome = StoreError
-	ev := st.log.Error()
+	ev := st.s.log.Error()
 	if errors.Is(err, cache.ErrLeaseLost) {
-		ev = st.log.Warn()
+		ev = st.s.log.Warn()
 	}
+	ev = st.event(ev)
 	ev.Str("op", op).Err(err).Msg("store operation failed")
 }
 
@@ -349,21 +364,22 @@ func (st *stream) finish() {
 		if st.route.UnknownOutcome == policy.UnknownOutcomeRelease {
 			st.release(ReleaseUnknownOutcome)
 		} else {
-			st.log.Info().Dur("lock_ttl", st.route.LockTTL).Msg("stream ended before the response; lease kept until it expires")
+			st.event(st.s.log.Info()).Dur("lock_ttl", st.route.LockTTL).Msg("stream ended before the response; lease kept until it expires")
 			st.dropLease()
 		}
 	}
 	if st.route == nil {
 		return
 	}
-	st.s.counters[st.route].outcomes[st.outcome].Inc()
+	st.s.routes[st.route].outcomes[st.outcome].Inc()
 	if !st.covered {
 		return
 	}
-	ev := st.log.Info()
+	ev := st.s.log.Info()
 	if st.outcome == StoreError {
-		ev = st.log.Warn()
+		ev = st.s.log.Warn()
 	}
+	ev = st.event(ev)
 	ev = ev.Str("outcome", string(st.outcome)).Bytes("method", st.method)
 	if st.status != 0 {
 		ev = ev.Int("status", st.status)
@@ -395,11 +411,11 @@ func (st *stream) startRenewal() {
 		err := st.s.renew(st.ctx, lease, lockTTL)
 		switch {
 		case errors.Is(err, cache.ErrLeaseLost):
-			st.log.Warn().Msg("lease lost while the request was running; its completion will not be recorded")
+			st.event(st.s.log.Warn()).Msg("lease lost while the request was running; its completion will not be recorded")
 			r.stopped = true
 			return
 		case err != nil && st.ctx.Err() == nil:
-			st.log.Warn().Str("op", "renew").Err(err).Msg("store operation failed")
+			st.event(st.s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
 		}
 		r.timer = st.s.clock.AfterFunc(interval, tick)
 	}

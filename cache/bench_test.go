@@ -1,0 +1,176 @@
+package cache_test
+
+import (
+	"bytes"
+	"fmt"
+	"runtime"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
+)
+
+// benchStores are the stores the benchmarks compare: memory and a real redis-server.
+func benchStores(b *testing.B) map[string]func(b *testing.B) cache.Store {
+	return map[string]func(b *testing.B) cache.Store{
+		"memory": func(b *testing.B) cache.Store {
+			m, err := cache.NewMemory(cache.MemoryOptions{})
+			require.NoError(b, err)
+			return m
+		},
+		"redis": func(b *testing.B) cache.Store {
+			srv := redistest.Start(b, redistest.Options{})
+			s, err := cache.OpenRedis(cache.RedisOptions{URL: srv.URL(), Timeout: time.Second, PoolSize: 64})
+			require.NoError(b, err)
+			return s
+		},
+	}
+}
+
+var benchClaim = cache.Claim{Fingerprint: bytes.Repeat([]byte{7}, 32), LockTTL: 30 * time.Second, TTL: time.Hour}
+
+var benchResponse = cache.Response{
+	Status: 201,
+	Headers: []cache.Header{
+		{Name: "content-type", Value: []byte("application/json")},
+		{Name: "set-cookie", Value: []byte("a=1")},
+		{Name: "x-request-trace", Value: []byte("0af7651916cd43dd8448eb211c80319c")},
+	},
+	Body: bytes.Repeat([]byte("x"), 1024),
+}
+
+var keySeq atomic.Int64
+
+func freshKey() string { return "idempotency:bench:" + strconv.FormatInt(keySeq.Add(1), 10) }
+
+// BenchmarkAcquire claims fresh keys: the first half of a first execution.
+func BenchmarkAcquire(b *testing.B) {
+	for name, open := range benchStores(b) {
+		b.Run(name, func(b *testing.B) {
+			s := open(b)
+			defer s.Close()
+			b.ReportAllocs()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					if _, _, err := s.Acquire(b.Context(), freshKey(), benchClaim); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+		})
+	}
+}
+
+// BenchmarkAcquireCompleted reads a completed 1 KiB record: the whole store cost of a replay.
+func BenchmarkAcquireCompleted(b *testing.B) {
+	for name, open := range benchStores(b) {
+		b.Run(name, func(b *testing.B) {
+			s := open(b)
+			defer s.Close()
+			l, _, err := s.Acquire(b.Context(), "idempotency:done", benchClaim)
+			require.NoError(b, err)
+			require.NoError(b, s.Complete(b.Context(), l, benchResponse))
+			b.ReportAllocs()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					_, rec, err := s.Acquire(b.Context(), "idempotency:done", benchClaim)
+					if err != nil || rec == nil || len(rec.Response.Body) != 1024 {
+						b.Errorf("replay read failed: %v", err)
+						return
+					}
+				}
+			})
+		})
+	}
+}
+
+// BenchmarkComplete records a 1 KiB response: the second half of a first execution.
+func BenchmarkComplete(b *testing.B) {
+	for name, open := range benchStores(b) {
+		b.Run(name, func(b *testing.B) {
+			s := open(b)
+			defer s.Close()
+			leases := make([]cache.Lease, b.N)
+			for i := range leases {
+				l, _, err := s.Acquire(b.Context(), freshKey(), benchClaim)
+				require.NoError(b, err)
+				leases[i] = l
+			}
+			var next atomic.Int64
+			b.ReportAllocs()
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					if err := s.Complete(b.Context(), leases[next.Add(1)-1], benchResponse); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+		})
+	}
+}
+
+// heapPerRecord fills a memory store with n completed records of a 1 KiB response and returns
+// the Go heap they hold, per record.
+func heapPerRecord(tb testing.TB, n int) float64 {
+	m, err := cache.NewMemory(cache.MemoryOptions{MaxBytes: 1 << 40})
+	require.NoError(tb, err)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	for i := range n {
+		l, _, err := m.Acquire(tb.Context(), fmt.Sprintf("idempotency:%064d", i), benchClaim)
+		require.NoError(tb, err)
+		require.NoError(tb, m.Complete(tb.Context(), l, benchResponse))
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	per := float64(after.HeapAlloc-before.HeapAlloc) / float64(n)
+	runtime.KeepAlive(m)
+	return per
+}
+
+// payloadBytes is what a record must hold at least: the response's body and headers.
+func payloadBytes() int {
+	n := len(benchResponse.Body)
+	for _, h := range benchResponse.Headers {
+		n += len(h.Name) + len(h.Value)
+	}
+	return n
+}
+
+// BenchmarkMemoryBytesPerRecord reports the heap a record of a 1 KiB response costs, and its
+// ratio to the payload (the target is at most 1.5).
+func BenchmarkMemoryBytesPerRecord(b *testing.B) {
+	per := heapPerRecord(b, max(b.N, 10_000))
+	b.ReportMetric(per, "heap-bytes/record")
+	b.ReportMetric(per/float64(payloadBytes()), "heap/payload")
+}
+
+// TestMemoryHeapPerRecord holds the memory store to at most 1.5 × the payload per record of a
+// 1 KiB response, measured on the Go heap, and checks that the store's own accounting (which
+// enforces --memory-max-bytes) does not undercount what the heap holds.
+func TestMemoryHeapPerRecord(t *testing.T) {
+	const n = 20_000
+	per := heapPerRecord(t, n)
+	ratio := per / float64(payloadBytes())
+	t.Logf("heap per record %.0f bytes for a %d-byte payload: %.2f×", per, payloadBytes(), ratio)
+	require.LessOrEqual(t, ratio, 1.5)
+
+	m, err := cache.NewMemory(cache.MemoryOptions{MaxBytes: 1 << 40})
+	require.NoError(t, err)
+	for i := range 1000 {
+		l, _, err := m.Acquire(t.Context(), fmt.Sprintf("idempotency:%064d", i), benchClaim)
+		require.NoError(t, err)
+		require.NoError(t, m.Complete(t.Context(), l, benchResponse))
+	}
+	accounted := float64(m.Bytes()) / 1000
+	require.GreaterOrEqual(t, accounted, per*0.9, "accounting %.0f bytes per record vs %.0f on the heap", accounted, per)
+}

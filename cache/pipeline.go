@@ -1,0 +1,149 @@
+package cache
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// maxBatch bounds the calls one pipelined batch carries.
+const maxBatch = 128
+
+// pipeline sends the script calls of concurrent requests together, so that under load many
+// calls share one write and one read on each side instead of a round trip each: that is where a
+// Redis-backed replica spends its time.
+//
+// It holds a few slots. A call that finds a free slot runs at once on the caller's goroutine,
+// taking along every call queued so far in one pipelined batch. A call that finds every slot
+// busy queues, then waits for its reply or for a free slot, in which case it runs the queue
+// itself. So nothing waits when the store is idle, no call is stranded in the queue, and no
+// goroutine is added. Each call is still one script on one key, atomic on its own: batching
+// changes nothing about what it means.
+type pipeline struct {
+	client  redis.UniversalClient
+	timeout time.Duration
+	slots   chan struct{}
+
+	mu     sync.Mutex
+	queue  []*scriptCall
+	closed bool
+}
+
+type scriptCall struct {
+	script *redis.Script
+	keys   []string
+	args   []any
+	taken  bool // out of the queue, in a batch; guarded by pipeline.mu
+	cmd    *redis.Cmd
+	done   chan struct{}
+}
+
+func newPipeline(client redis.UniversalClient, timeout time.Duration, slots int) *pipeline {
+	return &pipeline{client: client, timeout: timeout, slots: make(chan struct{}, slots)}
+}
+
+// run runs script on keys with args, alone or in a batch. It returns when the reply is in or
+// ctx is done, whichever comes first; in the second case the call may still run.
+func (p *pipeline) run(ctx context.Context, s *redis.Script, keys []string, args ...any) *redis.Cmd {
+	if err := ctx.Err(); err != nil {
+		return errorCmd(ctx, err)
+	}
+	c := &scriptCall{script: s, keys: keys, args: args, done: make(chan struct{})}
+	select {
+	case p.slots <- struct{}{}:
+		p.serve(c)
+		return c.cmd
+	default:
+	}
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return errorCmd(ctx, ErrClosed)
+	}
+	p.queue = append(p.queue, c)
+	p.mu.Unlock()
+	for {
+		p.mu.Lock()
+		queued := !c.taken
+		p.mu.Unlock()
+		slots := p.slots
+		if !queued {
+			slots = nil // another caller runs it: wait for the reply only
+		}
+		select {
+		case <-c.done:
+			return c.cmd
+		case slots <- struct{}{}:
+			// A slot freed while the call was queued: run the queue, which holds it.
+			p.serve(nil)
+		case <-ctx.Done():
+			return errorCmd(ctx, ctx.Err())
+		}
+	}
+}
+
+// serve runs own (if any) with the calls queued so far, then frees the slot the caller took.
+func (p *pipeline) serve(own *scriptCall) {
+	defer func() { <-p.slots }()
+	p.mu.Lock()
+	n := min(len(p.queue), maxBatch)
+	batch := make([]*scriptCall, 0, n+1)
+	if own != nil {
+		batch = append(batch, own)
+	}
+	for _, c := range p.queue[:n] {
+		c.taken = true
+		batch = append(batch, c)
+	}
+	p.queue = append(p.queue[:0], p.queue[n:]...)
+	p.mu.Unlock()
+	if len(batch) > 0 {
+		p.exec(batch)
+	}
+}
+
+func (p *pipeline) exec(batch []*scriptCall) {
+	ctx, cancel := context.WithTimeout(context.Background(), p.timeout)
+	defer cancel()
+	if len(batch) == 1 {
+		c := batch[0]
+		c.cmd = c.script.Run(ctx, p.client, c.keys, c.args...)
+		close(c.done)
+		return
+	}
+	pipe := p.client.Pipeline()
+	cmds := make([]*redis.Cmd, len(batch))
+	for i, c := range batch {
+		cmds[i] = pipe.EvalSha(ctx, c.script.Hash(), c.keys, c.args...)
+	}
+	_, _ = pipe.Exec(ctx)
+	for i, c := range batch {
+		if err := cmds[i].Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+			// This node has not seen the script yet (a first call, a restart, a failover):
+			// Run loads it.
+			cmds[i] = c.script.Run(ctx, p.client, c.keys, c.args...)
+		}
+		c.cmd = cmds[i]
+		close(c.done)
+	}
+}
+
+// close fails the calls still queued with ErrClosed; batches in flight finish.
+func (p *pipeline) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	for _, c := range p.queue {
+		c.cmd = errorCmd(context.Background(), ErrClosed)
+		close(c.done)
+	}
+	p.queue = nil
+}
+
+func errorCmd(ctx context.Context, err error) *redis.Cmd {
+	cmd := redis.NewCmd(ctx)
+	cmd.SetErr(err)
+	return cmd
+}

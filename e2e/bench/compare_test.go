@@ -1,0 +1,44 @@
+package main
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
+)
+
+// TestCompare runs the comparison briefly, as CI does: it asserts what is counted, never what
+// is timed. Store calls per request are exact: none for an uncovered request, two for a first
+// execution (acquire, complete), one for a replay; Redis sees one script call per store call,
+// and pipelining makes the round trips no more than that.
+func TestCompare(t *testing.T) {
+	srv := redistest.Start(t, redistest.Options{})
+	res, err := compare(t.Context(), options{duration: 300 * time.Millisecond, rounds: 1, streams: 8, redisAddr: srv.Addr()})
+	require.NoError(t, err)
+	var out bytes.Buffer
+	res.print(&out)
+	t.Log("\n" + out.String())
+
+	want := map[string]float64{workloadUncovered: 0, workloadFirst: 2, workloadReplay: 1}
+	for _, w := range workloads {
+		for _, target := range []string{targetNull, targetMemory, targetRedis} {
+			c, ok := res.find(w, target)
+			require.True(t, ok, "%s, %s", w, target)
+			require.Positive(t, c.requests)
+			require.LessOrEqual(t, c.p50, c.p99)
+			if target == targetNull {
+				continue
+			}
+			require.Equal(t, want[w], c.storeCalls, "%s, %s: store calls per request", w, target)
+			if target == targetRedis {
+				require.Equal(t, want[w], c.redisCommands, "%s: Redis script calls per request", w)
+				require.LessOrEqual(t, c.redisTrips, want[w], "%s: pipelining never adds round trips", w)
+			}
+		}
+	}
+	require.True(t, strings.Contains(out.String(), "| replay | redis store |"))
+}

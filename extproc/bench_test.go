@@ -1,0 +1,194 @@
+package extproc_test
+
+import (
+	"context"
+	"io"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+)
+
+// These benchmarks run the stream handler on an in-memory stream, without gRPC, to show what the
+// processor itself costs per request, next to a null processor that answers CONTINUE to every
+// phase on the same stream.
+
+// memStream is an ExternalProcessor_ProcessServer that plays Envoy's side in lock-step: it
+// returns the messages of one request, stopping early when the server answers with an
+// ImmediateResponse or turns later phases off.
+type memStream struct {
+	grpc.ServerStream
+	ctx  context.Context
+	msgs []*extprocv3.ProcessingRequest
+	next int
+	sent int
+}
+
+func (s *memStream) Context() context.Context { return s.ctx }
+
+func (s *memStream) Recv() (*extprocv3.ProcessingRequest, error) {
+	if s.next >= len(s.msgs) {
+		return nil, io.EOF
+	}
+	m := s.msgs[s.next]
+	s.next++
+	return m, nil
+}
+
+func (s *memStream) Send(r *extprocv3.ProcessingResponse) error {
+	s.sent++
+	if r.GetImmediateResponse() != nil {
+		s.next = len(s.msgs)
+	}
+	if mo := r.GetModeOverride(); mo != nil && mo.GetResponseHeaderMode() == filterextproc.ProcessingMode_SKIP {
+		s.next = len(s.msgs)
+	}
+	return nil
+}
+
+var _ extprocv3.ExternalProcessor_ProcessServer = (*memStream)(nil)
+
+// nullProcessor answers CONTINUE to every phase: the floor.
+type nullProcessor struct {
+	extprocv3.UnimplementedExternalProcessorServer
+}
+
+func (nullProcessor) Process(s extprocv3.ExternalProcessor_ProcessServer) error {
+	for {
+		req, err := s.Recv()
+		if err != nil {
+			return nil
+		}
+		resp := &extprocv3.ProcessingResponse{}
+		switch req.GetRequest().(type) {
+		case *extprocv3.ProcessingRequest_RequestHeaders:
+			resp.Response = &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}}
+		case *extprocv3.ProcessingRequest_RequestBody:
+			resp.Response = &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{}}
+		case *extprocv3.ProcessingRequest_ResponseHeaders:
+			resp.Response = &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}
+		case *extprocv3.ProcessingRequest_ResponseBody:
+			resp.Response = &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}
+		}
+		if err := s.Send(resp); err != nil {
+			return nil
+		}
+	}
+}
+
+var benchBody = []byte(`{"amount":100,"currency":"EUR","reference":"order-8812","customer":"c_12"}`)
+
+// benchRequest builds Envoy's messages for one request with the given key ("" for none).
+func benchRequest(method, key string) []*extprocv3.ProcessingRequest {
+	r := request{method: method, path: "/v1/payments", headers: []string{
+		"content-type", "application/json", "authorization", "Bearer 0123456789abcdef", "user-agent", "bench/1.0",
+	}, body: benchBody}
+	if key != "" {
+		r.headers = append(r.headers, "idempotency-key", key)
+	}
+	if method == "GET" {
+		r.body = nil
+	}
+	up := upstream{status: 201, headers: []string{"content-type", "application/json", "x-envoy-upstream-service-time", "2"}, body: make([]byte, 1024)}
+	msgs := []*extprocv3.ProcessingRequest{requestHeaders(r)}
+	if len(r.body) > 0 {
+		msgs = append(msgs, requestBody(r.body))
+	}
+	return append(msgs, responseHeaders(up), responseBody(up.body, true))
+}
+
+type benchTarget struct {
+	name string
+	srv  extprocv3.ExternalProcessorServer
+}
+
+func benchTargets(b *testing.B) []benchTarget {
+	mem, err := cache.NewMemory(cache.MemoryOptions{})
+	require.NoError(b, err)
+	b.Cleanup(func() { _ = mem.Close() })
+	srv, err := extproc.NewServer(extproc.Options{Store: mem, Policy: policy.Default()})
+	require.NoError(b, err)
+	return []benchTarget{{"null", nullProcessor{}}, {"memory", srv}}
+}
+
+var benchSeq atomic.Int64
+
+// BenchmarkProcess measures one request's handling per workload and target: uncovered GET,
+// first execution (four messages) and replay of a completed key.
+func BenchmarkProcess(b *testing.B) {
+	workloads := []struct {
+		name string
+		msgs func() []*extprocv3.ProcessingRequest
+	}{
+		{"uncovered", func() []*extprocv3.ProcessingRequest { return benchRequest("GET", "") }},
+		{"first", func() []*extprocv3.ProcessingRequest {
+			return benchRequest("POST", "key-"+strconv.FormatInt(benchSeq.Add(1), 10))
+		}},
+		{"replay", func() []*extprocv3.ProcessingRequest { return benchRequest("POST", "replayed") }},
+	}
+	for _, w := range workloads {
+		for _, t := range benchTargets(b) {
+			b.Run(w.name+"/"+t.name, func(b *testing.B) {
+				ctx := b.Context()
+				run := func(msgs []*extprocv3.ProcessingRequest) {
+					if err := t.srv.Process(&memStream{ctx: ctx, msgs: msgs}); err != nil {
+						b.Fatal(err)
+					}
+				}
+				run(benchRequest("POST", "replayed"))
+				// Messages are built outside the timer: Envoy builds them, not the processor.
+				batch := make([][]*extprocv3.ProcessingRequest, 0, 1024)
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					if i%1024 == 0 {
+						b.StopTimer()
+						batch = batch[:0]
+						for range min(1024, b.N-i) {
+							batch = append(batch, w.msgs())
+						}
+						b.StartTimer()
+					}
+					run(batch[i%1024])
+				}
+			})
+		}
+	}
+}
+
+// BenchmarkProcessOverhead alternates the null processor and the memory-store processor on the
+// same requests and reports the processor's time as a multiple of the null processor's.
+func BenchmarkProcessOverhead(b *testing.B) {
+	targets := benchTargets(b)
+	for _, w := range []string{"first", "replay"} {
+		b.Run(w, func(b *testing.B) {
+			ctx := b.Context()
+			var spent [2]time.Duration
+			for i := 0; i < b.N; i++ {
+				key := "replayed"
+				if w == "first" {
+					key = "overhead-" + strconv.FormatInt(benchSeq.Add(1), 10)
+				}
+				msgs := [2][]*extprocv3.ProcessingRequest{benchRequest("POST", key), benchRequest("POST", key)}
+				for j, t := range targets {
+					start := time.Now()
+					if err := t.srv.Process(&memStream{ctx: ctx, msgs: msgs[j]}); err != nil {
+						b.Fatal(err)
+					}
+					spent[j] += time.Since(start)
+				}
+			}
+			b.ReportMetric(float64(spent[1])/float64(spent[0]), "×null")
+			b.ReportMetric(float64(spent[1]-spent[0])/float64(b.N), "added-ns/req")
+		})
+	}
+}
