@@ -222,7 +222,19 @@ func newStack(t *testing.T, o stackOptions) *stack {
 	}
 	settings, err := envoyconf.ProxySettings(b)
 	require.NoError(t, err)
+	var hc *proxy.HealthCheck
+	if h := settings.ProcessorHealthCheck; h != nil {
+		hc = &proxy.HealthCheck{
+			Interval:           h.GetInterval().AsDuration(),
+			Timeout:            h.GetTimeout().AsDuration(),
+			UnhealthyThreshold: int(h.GetUnhealthyThreshold().GetValue()),
+			HealthyThreshold:   int(h.GetHealthyThreshold().GetValue()),
+			ServiceName:        h.GetGrpcHealthCheck().GetServiceName(),
+		}
+	}
 	s.proxy = proxy.Start(t, proxy.Config{
+		HealthCheck:           hc,
+		StreamRetries:         settings.StreamRetries,
 		Filter:                settings.Filter,
 		Processors:            addrs,
 		Upstream:              upURL,

@@ -173,6 +173,12 @@ func TestEnvoyYAMLProxySettings(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, proto.Equal(f, s.Filter))
 	s.Filter = nil
+	hc := s.ProcessorHealthCheck
+	require.NotNil(t, hc, "the processor cluster is health checked over grpc.health.v1")
+	require.Equal(t, "envoy.service.ext_proc.v3.ExternalProcessor", hc.GetGrpcHealthCheck().GetServiceName())
+	require.Equal(t, time.Second, hc.GetInterval().AsDuration())
+	require.Equal(t, uint32(1), hc.GetUnhealthyThreshold().GetValue())
+	s.ProcessorHealthCheck = nil
 	require.Equal(t, Settings{
 		FilterName:          "envoy.filters.http.ext_proc",
 		ListenerBufferLimit: 1 << 20,
@@ -182,6 +188,7 @@ func TestEnvoyYAMLProxySettings(t *testing.T) {
 		ProcessorCluster:    "idempotency_extproc",
 		ProcessorThresholds: Thresholds{100000, 100000, 100000, 100000},
 		UpstreamCluster:     "upstream_app",
+		StreamRetries:       2,
 	}, s)
 
 	// The processor cluster speaks HTTP/2 with keepalive pings.

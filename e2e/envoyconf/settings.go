@@ -64,6 +64,11 @@ type Settings struct {
 	ProcessorThresholds Thresholds
 	// UpstreamCluster is the "/" route's cluster.
 	UpstreamCluster string
+	// ProcessorHealthCheck is the processor cluster's gRPC health check, nil when it has none.
+	ProcessorHealthCheck *corev3.HealthCheck
+	// StreamRetries is grpc_service.retry_policy.num_retries when retry_on covers streams that
+	// could not be opened (connect-failure or refused-stream), else 0.
+	StreamRetries int
 }
 
 // ExtProc returns the ext_proc filter config of the first HTTP connection manager of the first
@@ -149,6 +154,21 @@ func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
 		return Settings{}, fmt.Errorf("ext_proc cluster %q is not a static cluster", s.ProcessorCluster)
 	}
 	s.ProcessorThresholds = thresholds(pc)
+	for _, hc := range pc.GetHealthChecks() {
+		if hc.GetGrpcHealthCheck() != nil {
+			s.ProcessorHealthCheck = hc
+			break
+		}
+	}
+	if rp := f.GetGrpcService().GetRetryPolicy(); rp != nil {
+		on := "," + strings.ReplaceAll(rp.GetRetryOn(), " ", "") + ","
+		if strings.Contains(on, ",connect-failure,") || strings.Contains(on, ",refused-stream,") {
+			s.StreamRetries = int(rp.GetNumRetries().GetValue())
+			if rp.GetNumRetries() == nil {
+				s.StreamRetries = 1 // Envoy's default num_retries
+			}
+		}
+	}
 
 	rc := hcm.GetRouteConfig()
 	if rc == nil {

@@ -19,6 +19,7 @@ import (
 
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 )
@@ -118,6 +119,7 @@ func (ph phase) answers(resp *extprocv3.ProcessingResponse) bool {
 // sideStream is the ext_proc stream of one HTTP request. It is opened lazily by the first
 // message and used by one goroutine at a time.
 type sideStream struct {
+	index     int // of the processor in Config.Processors
 	addr      string
 	client    extprocv3.ExternalProcessorClient
 	ctx       context.Context
@@ -952,6 +954,14 @@ func (x *exchange) call(ph phase, req *extprocv3.ProcessingRequest) (*extprocv3.
 
 	if s.stream == nil {
 		st, err := s.client.Process(s.ctx)
+		// A stream that cannot be opened is tried on other processors, as grpc_service's
+		// retry_policy with connect-failure or refused-stream does: nothing reached this one.
+		for retry := 0; err != nil && status.Code(err) == codes.Unavailable && retry < x.p.cfg.StreamRetries && s.ctx.Err() == nil; retry++ {
+			i := x.p.pick(s.index)
+			s.index, s.addr, s.client = i, x.p.cfg.Processors[i], x.p.clients[i]
+			x.rec.Processor = s.addr
+			st, err = s.client.Process(s.ctx)
+		}
 		if err != nil {
 			return x.streamFailure(err, expired())
 		}

@@ -18,6 +18,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -52,6 +54,7 @@ type fakeProcessor struct {
 	addr   string
 	handle handler
 	logs   chan streamLog
+	health *health.Server // SERVING until a test says otherwise
 }
 
 // startProcessor serves a fake processor on loopback until the test ends; nil h answers CONTINUE
@@ -69,9 +72,10 @@ func serveProcessor(t *testing.T, ln net.Listener, addr string, h handler) *fake
 	if h == nil {
 		h = continueAll
 	}
-	f := &fakeProcessor{addr: addr, handle: h, logs: make(chan streamLog, 1000)}
+	f := &fakeProcessor{addr: addr, handle: h, logs: make(chan streamLog, 1000), health: health.NewServer()}
 	srv := grpc.NewServer(grpc.MaxRecvMsgSize(64 << 20))
 	extprocv3.RegisterExternalProcessorServer(srv, f)
+	healthpb.RegisterHealthServer(srv, f.health)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

@@ -32,6 +32,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -96,6 +97,23 @@ type Config struct {
 	// AccessLog, when set, is called once per request after the response has been written (or
 	// the request abandoned), like a line of Envoy's access log.
 	AccessLog func(Record)
+	// HealthCheck, when set, is the processor cluster's active gRPC health check: each processor
+	// is asked grpc.health.v1 Check(ServiceName) every Interval; one that fails
+	// UnhealthyThreshold checks in a row gets no new stream until it passes HealthyThreshold in a
+	// row. When none is healthy all are used, as Envoy's panic threshold does.
+	HealthCheck *HealthCheck
+	// StreamRetries is how many other processors a request tries when its stream cannot be
+	// opened (grpc_service.retry_policy with connect-failure or refused-stream): nothing reached
+	// the processor that refused it.
+	StreamRetries int
+}
+
+// HealthCheck is an active gRPC health check of the processors (Envoy's cluster health_checks
+// with grpc_health_check).
+type HealthCheck struct {
+	Interval, Timeout                    time.Duration
+	UnhealthyThreshold, HealthyThreshold int
+	ServiceName                          string
 }
 
 // Record describes one finished request, with the fields of Envoy's access log that tests need.
@@ -173,6 +191,7 @@ type Proxy struct {
 
 	conns     []*grpc.ClientConn
 	clients   []extprocv3.ExternalProcessorClient
+	healthy   []atomic.Bool // per processor, kept by the health checker
 	next      atomic.Uint64
 	transport *http.Transport
 	stats     counters
@@ -270,7 +289,66 @@ func New(cfg Config) (*Proxy, error) {
 		p.clients = append(p.clients, extprocv3.NewExternalProcessorClient(conn))
 	}
 	p.ctx, p.stop = context.WithCancel(context.Background())
+	p.healthy = make([]atomic.Bool, len(p.clients))
+	for i := range p.healthy {
+		p.healthy[i].Store(true)
+	}
+	if hc := cfg.HealthCheck; hc != nil && hc.Interval > 0 {
+		for i := range p.conns {
+			p.wg.Add(1)
+			go p.checkHealth(i, *hc)
+		}
+	}
 	return p, nil
+}
+
+// checkHealth runs the active health check of processor i until Close.
+func (p *Proxy) checkHealth(i int, hc HealthCheck) {
+	defer p.wg.Done()
+	client := healthpb.NewHealthClient(p.conns[i])
+	fails, passes := 0, 0
+	t := time.NewTicker(hc.Interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-p.ctx.Done():
+			return
+		case <-t.C:
+		}
+		ctx, cancel := context.WithTimeout(p.ctx, max(hc.Timeout, time.Millisecond))
+		resp, err := client.Check(ctx, &healthpb.HealthCheckRequest{Service: hc.ServiceName})
+		cancel()
+		if err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING {
+			fails, passes = 0, passes+1
+			if passes >= max(hc.HealthyThreshold, 1) {
+				p.healthy[i].Store(true)
+			}
+			continue
+		}
+		fails, passes = fails+1, 0
+		if fails >= max(hc.UnhealthyThreshold, 1) {
+			p.healthy[i].Store(false)
+		}
+	}
+}
+
+// pick returns the next processor in round robin among the healthy ones, or among all when none
+// is healthy (Envoy's panic mode), skipping the index avoid (-1 for none) when it can.
+func (p *Proxy) pick(avoid int) int {
+	n := len(p.clients)
+	start := int((p.next.Add(1) - 1) % uint64(n))
+	for _, wantHealthy := range []bool{true, false} {
+		for k := range n {
+			i := (start + k) % n
+			if i == avoid && n > 1 {
+				continue
+			}
+			if !wantHealthy || p.healthy[i].Load() {
+				return i
+			}
+		}
+	}
+	return start
 }
 
 func supportedBodyMode(m filterextproc.ProcessingMode_BodySendMode) bool {
@@ -394,9 +472,9 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		mode:  proto.Clone(p.mode).(*filterextproc.ProcessingMode),
 	}
 	if !p.disabled(r.URL.Path) {
-		i := int((p.next.Add(1) - 1) % uint64(len(p.clients)))
+		i := p.pick(-1)
 		sctx, scancel := context.WithCancel(ctx)
-		x.side = &sideStream{addr: p.cfg.Processors[i], client: p.clients[i], ctx: sctx, cancel: scancel, active: true}
+		x.side = &sideStream{index: i, addr: p.cfg.Processors[i], client: p.clients[i], ctx: sctx, cancel: scancel, active: true}
 		x.rec.Processor = x.side.addr
 	}
 	x.serve()

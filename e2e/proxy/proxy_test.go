@@ -27,6 +27,8 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/upstream"
 )
@@ -846,6 +848,67 @@ func TestRoundRobin(t *testing.T) {
 	for range 2 {
 		a.next(t)
 		b.next(t)
+	}
+}
+
+func TestHealthCheckSteersNewStreams(t *testing.T) {
+	a, b := startProcessor(t, nil), startProcessor(t, nil)
+	up := upstream.Start(t)
+	recs := make(chan proxy.Record, 100)
+	p := proxy.Start(t, proxy.Config{
+		Filter: bufferedFilter(), Processors: []string{a.addr, b.addr}, Upstream: up.URL(),
+		AccessLog:   func(r proxy.Record) { recs <- r },
+		HealthCheck: &proxy.HealthCheck{Interval: 20 * time.Millisecond, Timeout: time.Second, UnhealthyThreshold: 1, HealthyThreshold: 1},
+	})
+	client := newClient(t)
+	served := func() string {
+		resp, err := client.Post(p.URL()+"/x", "text/plain", bytes.NewReader([]byte("x")))
+		require.NoError(t, err)
+		require.NoError(t, resp.Body.Close())
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+		return (<-recs).Processor
+	}
+	a.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	require.Eventually(t, func() bool {
+		for range 4 {
+			if served() != b.addr {
+				return false
+			}
+		}
+		return true
+	}, 5*time.Second, 10*time.Millisecond, "a NOT_SERVING processor gets no new stream")
+	a.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	require.Eventually(t, func() bool { return served() == a.addr }, 5*time.Second, 10*time.Millisecond)
+
+	// With no healthy processor, all are used (Envoy's panic threshold).
+	a.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	b.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	time.Sleep(100 * time.Millisecond)
+	seen := map[string]bool{}
+	for range 4 {
+		seen[served()] = true
+	}
+	require.Len(t, seen, 2)
+}
+
+func TestStreamRetriesOnRefusedProcessor(t *testing.T) {
+	b := startProcessor(t, nil)
+	up := upstream.Start(t)
+	for _, retries := range []int{0, 2} {
+		p := proxy.Start(t, proxy.Config{Filter: bufferedFilter(), Processors: []string{closedAddr(t), b.addr}, Upstream: up.URL(), StreamRetries: retries})
+		client := newClient(t)
+		codes := map[int]int{}
+		for range 6 {
+			resp, err := client.Post(p.URL()+"/x", "text/plain", bytes.NewReader([]byte("x")))
+			require.NoError(t, err)
+			require.NoError(t, resp.Body.Close())
+			codes[resp.StatusCode]++
+		}
+		if retries == 0 {
+			require.Equal(t, map[int]int{200: 3, 500: 3}, codes, "without retries a refused stream fails the request")
+		} else {
+			require.Equal(t, map[int]int{200: 6}, codes, "a refused stream is opened on the other processor")
+		}
 	}
 }
 
