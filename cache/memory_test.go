@@ -3,6 +3,8 @@ package cache_test
 import (
 	"bytes"
 	"fmt"
+	"runtime"
+	"strconv"
 	"testing"
 	"time"
 
@@ -148,4 +150,36 @@ func TestMemoryClosed(t *testing.T) {
 func TestNewMemoryRejectsNegativeBound(t *testing.T) {
 	_, err := cache.NewMemory(cache.MemoryOptions{MaxBytes: -1})
 	require.Error(t, err)
+}
+
+// TestMemoryMillionKeys runs a million distinct keys through a small memory store: it stays
+// within its byte bound all along, by its own accounting and on the Go heap.
+func TestMemoryMillionKeys(t *testing.T) {
+	const maxBytes = 4 << 20
+	m, _ := newMemory(t, maxBytes)
+	body := make([]byte, 200)
+	var before runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	ctx := t.Context()
+	for i := range 1_000_000 {
+		l, _, err := m.Acquire(ctx, "idempotency:"+strconv.Itoa(i), testClaim)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := m.Complete(ctx, l, cache.Response{Status: 200, Body: body}); err != nil {
+			t.Fatal(err)
+		}
+		if i%100_000 == 0 && m.Bytes() > maxBytes {
+			t.Fatalf("%d bytes held after %d keys, above the %d bound", m.Bytes(), i, maxBytes)
+		}
+	}
+	require.LessOrEqual(t, m.Bytes(), int64(maxBytes))
+	var after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	grown := int64(after.HeapAlloc) - int64(before.HeapAlloc)
+	t.Logf("%d records held, %d bytes accounted, heap grew %d bytes", m.Len(), m.Bytes(), grown)
+	require.Less(t, grown, int64(2*maxBytes), "the heap holds what the bound allows, not a million records")
+	runtime.KeepAlive(m)
 }

@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -72,12 +73,13 @@ type processor struct {
 }
 
 // startProcessor runs the binary with args (listeners on free loopback ports unless args set
-// them) and waits for its ready line.
-func startProcessor(t *testing.T, args ...string) *processor {
+// them) and extra environment variables, and waits for its ready line.
+func startProcessor(t *testing.T, env []string, args ...string) *processor {
 	t.Helper()
 	full := append([]string{"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, args...)
 	logs := &logBuffer{}
 	cmd := exec.Command(binaryPath, full...)
+	cmd.Env = append(os.Environ(), env...)
 	cmd.Stderr = logs
 	cmd.Stdout = logs
 	require.NoError(t, cmd.Start())
@@ -119,6 +121,12 @@ func (p *processor) waitLog(msg string, timeout time.Duration) map[string]any {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// signal sends sig and returns a channel closed once the process has exited.
+func (p *processor) signal(sig syscall.Signal) <-chan struct{} {
+	_ = p.cmd.Process.Signal(sig)
+	return p.exited
 }
 
 // admin GETs a path of the admin listener.
@@ -167,6 +175,7 @@ func (b *logBuffer) lines() []map[string]any {
 type stackOptions struct {
 	replicas int      // processors, default 1
 	args     []string // extra processor flags, e.g. the store
+	env      []string // extra processor environment, NAME=value
 	policy   string   // policy file content
 	// envoy changes the shipped bootstrap for this test, on the emulator and a real Envoy alike.
 	envoy func(b *bootstrapv3.Bootstrap) error
@@ -203,12 +212,17 @@ func newStack(t *testing.T, o stackOptions) *stack {
 	}
 	var addrs []string
 	for range max(o.replicas, 1) {
-		p := startProcessor(t, args...)
+		p := startProcessor(t, o.env, args...)
 		s.procs = append(s.procs, p)
 		addrs = append(addrs, p.grpcAddr)
 	}
 	b, err := envoyconf.Load(repoFile(t, "envoy/envoy.yaml"))
 	require.NoError(t, err)
+	// The shipped message_timeout (0.5 s) is for a processor with cores of its own. Here the
+	// race-enabled processors, Redis, the proxy and hundreds of streams share two cores, and a
+	// message may wait longer than that without anything being wrong: the tests run the shipped
+	// file with only this timer raised (a test may still set its own).
+	require.NoError(t, withMessageTimeout(5*time.Second)(b))
 	if o.envoy != nil {
 		require.NoError(t, o.envoy(b))
 	}

@@ -206,7 +206,13 @@ func TestReplayHeaders(t *testing.T) {
 }
 
 func TestKeysAreScoped(t *testing.T) {
-	h := newHarness(t, harnessOptions{policy: `
+	forEachStore(t, func(t *testing.T, newStore func(t *testing.T) testStore) {
+		testKeysAreScoped(t, newStore(t))
+	})
+}
+
+func testKeysAreScoped(t *testing.T, ts testStore) {
+	h := newHarness(t, harnessOptions{store: ts.store, advance: ts.advance, policy: `
 routes:
   - name: ledger
     match: {path_regex: '^/v1/organizations/(?P<org>[^/]+)/transactions'}

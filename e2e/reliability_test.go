@@ -1,0 +1,375 @@
+package e2e_test
+
+import (
+	"bytes"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
+	"github.com/idempotency-extproc/idempotency-extproc/e2e/upstream"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
+)
+
+// These tests break things on purpose: many concurrent duplicates over two replicas, replicas
+// killed or stopped mid-request, Redis stopped under load, Cluster and Sentinel failovers. The
+// promise they hold the product to is "never twice": no key's upstream runs twice while the
+// store is healthy, and no request runs without its client hearing about it.
+
+// withMessageTimeout raises envoy.yaml's message_timeout: the race-enabled binaries, the proxy,
+// Redis and a thousand streams share two cores in these tests.
+func withMessageTimeout(d time.Duration) func(b *bootstrapv3.Bootstrap) error {
+	return func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateExtProc(b, func(f *filterextproc.ExternalProcessor) {
+			f.MessageTimeout = durationpb.New(d)
+		})
+	}
+}
+
+func redisArgs(srv *redistest.Server) []string {
+	return []string{"--store", "redis", "--redis-url", srv.URL()}
+}
+
+// outcome is what one request of a traffic run got.
+type outcome struct {
+	key      string
+	status   int
+	replayed string
+	code     string
+	err      error
+	start    time.Time
+}
+
+// traffic sends requests with fresh keys from workers goroutines until stop is closed.
+func (s *stack) traffic(workers int, prefix string, hdr map[string]string, stop <-chan struct{}) []outcome {
+	var (
+		wg  sync.WaitGroup
+		mu  sync.Mutex
+		out []outcome
+		seq atomic.Int64
+	)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				key := prefix + "-" + itoa(w) + "-" + itoa(int(seq.Add(1)))
+				start := time.Now()
+				r, err := s.try(call{key: key, headers: hdr, body: `{"amount":1}`})
+				mu.Lock()
+				out = append(out, outcome{key: key, status: r.status, replayed: r.header.Get(replayed), code: r.problemCode(), err: err, start: start})
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return out
+}
+
+// requireNeverTwice checks the promise on a traffic run: the upstream ran each key at most
+// once; a 2xx means it ran exactly once; a 503 store-unavailable means it did not run. It
+// returns how many requests got each status.
+func requireNeverTwice(t *testing.T, up *upstream.Upstream, out []outcome) map[int]int {
+	t.Helper()
+	statuses := map[int]int{}
+	for _, o := range out {
+		require.NoError(t, o.err, "every request gets an answer")
+		statuses[o.status]++
+		n := up.Count(o.key)
+		require.LessOrEqual(t, n, 1, "key %s ran %d times", o.key, n)
+		switch {
+		case o.status >= 200 && o.status < 300:
+			require.Equal(t, 1, n, "key %s: a success means it ran", o.key)
+		case o.status == 503 && o.code == "store-unavailable":
+			require.Equal(t, 0, n, "key %s: store-unavailable means it did not run", o.key)
+		}
+	}
+	return statuses
+}
+
+func TestRacesAcrossReplicas(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t, redistest.Options{})
+	s := newStack(t, stackOptions{replicas: 2, args: redisArgs(srv), policy: "store_timeout: 3s"})
+
+	t.Run("200 duplicates", func(t *testing.T) {
+		const n = 200
+		statuses := make([]int, n)
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for i := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				r, err := s.try(call{key: "dup-200", headers: map[string]string{"X-Test-Delay": "300ms"}, body: `{"a":1}`})
+				if err == nil {
+					statuses[i] = r.status
+				}
+			}()
+		}
+		close(start)
+		wg.Wait()
+		counts := map[int]int{}
+		for _, st := range statuses {
+			counts[st]++
+		}
+		require.Equal(t, 1, s.up.Count("dup-200"), "exactly one execution across both replicas: %v", counts)
+		require.Equal(t, n, counts[200]+counts[409], "each got the result, a replay or 409: %v", counts)
+	})
+
+	t.Run("1000 distinct keys at once", func(t *testing.T) {
+		const n = 1000
+		statuses := make([]int, n)
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for i := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				r, err := s.try(call{key: "distinct-" + itoa(i), body: `{"a":1}`})
+				require.NoError(t, err)
+				statuses[i] = r.status
+			}()
+		}
+		close(start)
+		wg.Wait()
+		for i := range n {
+			require.Equal(t, 200, statuses[i], "key %d", i)
+			require.Equal(t, 1, s.up.Count("distinct-"+itoa(i)), "key %d ran once", i)
+		}
+	})
+}
+
+func TestSIGKILLedReplicaFreesItsKeyWithinLockTTL(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t, redistest.Options{})
+	s := newStack(t, stackOptions{replicas: 2, args: redisArgs(srv), policy: "defaults: {lock_ttl: 2s}"})
+
+	done := make(chan reply, 1)
+	go func() {
+		r, _ := s.try(call{key: "crash-1", headers: map[string]string{"X-Test-Delay": "3s"}, body: `{}`})
+		done <- r
+	}()
+	require.Eventually(t, func() bool { return s.up.Count("crash-1") == 1 }, 10*time.Second, 5*time.Millisecond)
+	var holder, other *processor
+	for _, p := range s.procs {
+		if _, m := p.admin("/metrics"); strings.Contains(m, "idempotency_inflight 1") {
+			holder = p
+		} else {
+			other = p
+		}
+	}
+	require.NotNil(t, holder, "one replica holds the lease")
+	<-holder.signal(syscall.SIGKILL)
+	killed := time.Now()
+
+	// The lease of the dead replica still blocks the key: the other replica answers 409.
+	requireProblem(t, s.do(call{key: "crash-1", body: `{}`}), 409, "request-in-progress")
+	var r reply
+	within(t, killed, 2*time.Second+3*time.Second, "the key is free after lock_ttl", func() bool {
+		r = s.do(call{key: "crash-1", body: `{}`})
+		return r.status == 200
+	})
+	require.Equal(t, "false", r.header.Get(replayed))
+	t.Logf("key free %v after the kill (lock_ttl 2s)", time.Since(killed).Round(10*time.Millisecond))
+	require.Less(t, time.Since(killed), 2*time.Second+3*time.Second)
+	require.Equal(t, 2, s.up.Count("crash-1"), "the first run's outcome was unknown: the retry ran again (see the README's guarantees)")
+	_, m := other.admin("/metrics")
+	require.Contains(t, m, `idempotency_requests_total{outcome="executed",route="default"} 1`, "the other replica served the retry")
+	require.NotEqual(t, 200, (<-done).status, "the client of the killed replica's request did not get a success")
+}
+
+func TestSIGTERMDuringTraffic(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t, redistest.Options{})
+	s := newStack(t, stackOptions{replicas: 2, args: redisArgs(srv), policy: "store_timeout: 1s"})
+	victim := s.procs[0]
+
+	stop := make(chan struct{})
+	var out []outcome
+	finished := make(chan struct{})
+	go func() {
+		out = s.traffic(8, "term", map[string]string{"X-Test-Delay": "150ms"}, stop)
+		close(finished)
+	}()
+	time.Sleep(time.Second)
+	_, before := victim.admin("/metrics")
+	require.Contains(t, before, `outcome="executed"`, "the replica took traffic before SIGTERM")
+	exited := victim.signal(syscall.SIGTERM)
+	termed := time.Now()
+	select {
+	case <-exited:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the replica did not exit after draining")
+	}
+	require.NoError(t, victim.exitErr, "exit status 0 after draining")
+	victim.waitLog("stopped", time.Second)
+	t.Logf("drained and exited %v after SIGTERM", time.Since(termed).Round(time.Millisecond))
+	time.Sleep(time.Second) // traffic goes on with one replica
+	close(stop)
+	<-finished
+
+	statuses := requireNeverTwice(t, s.up, out)
+	require.Equal(t, len(out), statuses[200], "every request succeeded: open streams finished, new ones went to the other replica: %v", statuses)
+	var after int
+	for _, o := range out {
+		if o.start.After(termed.Add(time.Second)) {
+			after++
+		}
+	}
+	require.Positive(t, after, "requests were sent after the replica left")
+	// No lease is left behind: every key replays; none answers 409.
+	for _, o := range out {
+		r := s.do(call{key: o.key, body: `{"amount":1}`})
+		require.Equal(t, 200, r.status, "key %s", o.key)
+		require.Equal(t, "true", r.header.Get(replayed), "key %s", o.key)
+	}
+}
+
+func TestRedisRestartUnderLoad(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t, redistest.Options{})
+	s := newStack(t, stackOptions{replicas: 2, args: redisArgs(srv)})
+
+	stop := make(chan struct{})
+	var out []outcome
+	finished := make(chan struct{})
+	go func() {
+		out = s.traffic(6, "restart", map[string]string{"X-Test-Delay": "20ms"}, stop)
+		close(finished)
+	}()
+	time.Sleep(700 * time.Millisecond)
+	srv.Stop()
+	time.Sleep(time.Second)
+	srv.Restart()
+	restarted := time.Now()
+	time.Sleep(3 * time.Second)
+	close(stop)
+	<-finished
+
+	statuses := requireNeverTwice(t, s.up, out)
+	t.Logf("statuses %v", statuses)
+	require.Positive(t, statuses[503], "the outage was seen")
+	require.Positive(t, statuses[200])
+	for _, o := range out {
+		require.Contains(t, []int{200, 503}, o.status, "key %s: success, or store-unavailable", o.key)
+	}
+	// It recovers by itself: the requests of the last second all succeed.
+	for _, o := range out {
+		if o.start.After(restarted.Add(2 * time.Second)) {
+			require.Equal(t, 200, o.status, "key %s, %v after the restart", o.key, o.start.Sub(restarted))
+		}
+	}
+}
+
+// failoverUnderTraffic runs traffic, calls failover in the middle, and checks that no key ran
+// twice and that the service works again afterwards.
+func failoverUnderTraffic(t *testing.T, s *stack, failover func()) {
+	stop := make(chan struct{})
+	var out []outcome
+	finished := make(chan struct{})
+	go func() {
+		out = s.traffic(4, "failover", nil, stop)
+		close(finished)
+	}()
+	time.Sleep(700 * time.Millisecond)
+	failover()
+	recovered := time.Now()
+	t.Logf("failover done")
+	time.Sleep(3 * time.Second)
+	close(stop)
+	<-finished
+	statuses := requireNeverTwice(t, s.up, out)
+	t.Logf("statuses %v", statuses)
+	var ok, late int
+	for _, o := range out {
+		if o.start.After(recovered.Add(1500 * time.Millisecond)) {
+			late++
+			if o.status == 200 {
+				ok++
+			}
+		}
+	}
+	require.Positive(t, late)
+	require.Equal(t, late, ok, "the service continues after the failover")
+	r := s.do(call{key: "after-failover", body: `{}`})
+	require.Equal(t, 200, r.status)
+	require.Equal(t, "true", s.do(call{key: "after-failover", body: `{}`}).header.Get(replayed))
+}
+
+func TestRedisClusterFailover(t *testing.T) {
+	t.Parallel()
+	cl := redistest.StartCluster(t, 3, 1)
+	s := newStack(t, stackOptions{args: []string{"--store", "redis", "--redis-cluster-addrs", strings.Join(cl.Addrs(), ",")}, policy: "store_timeout: 500ms"})
+	failoverUnderTraffic(t, s, func() {
+		cl.FailoverReplicaOf(0) // a manual failover
+		cl.Masters()[1].Kill()  // a master dies; its replica takes over
+		cl.FailoverReplicaOf(1)
+	})
+}
+
+func TestRedisSentinelFailover(t *testing.T) {
+	t.Parallel()
+	sn := redistest.StartSentinel(t)
+	s := newStack(t, stackOptions{args: []string{"--store", "redis", "--redis-sentinel-addrs", strings.Join(sn.Addrs(), ","), "--redis-sentinel-master", sn.MasterName()}, policy: "store_timeout: 500ms"})
+	failoverUnderTraffic(t, s, sn.Failover)
+}
+
+func TestRedisTLSAndACLThroughTheBinary(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t, redistest.Options{TLS: true, ACLUser: "extproc", ACLPassword: "tls-acl-pass"})
+	// The binary trusts the test's CA the way any Go program does: SSL_CERT_FILE.
+	s := newStack(t, stackOptions{args: []string{"--store", "redis", "--redis-url", srv.URL()}, env: []string{"SSL_CERT_FILE=" + srv.CAFile()}})
+	within(t, time.Now(), 5*time.Second, "ready over TLS", func() bool {
+		code, _ := s.procs[0].admin("/readyz")
+		return code == 200
+	})
+	require.Equal(t, "false", s.do(call{key: "tls-1", body: `{}`}).header.Get(replayed))
+	require.Equal(t, "true", s.do(call{key: "tls-1", body: `{}`}).header.Get(replayed))
+	require.Equal(t, 1, s.up.Count("tls-1"))
+
+	// Without the CA, or with a wrong password, the store is unreachable: fail closed.
+	cases := []struct {
+		name string
+		env  []string
+		url  string
+	}{
+		{"untrusted certificate", nil, srv.URL()},
+		{"wrong password", []string{"SSL_CERT_FILE=" + srv.CAFile()}, strings.Replace(srv.URL(), "tls-acl-pass", "wrong", 1)},
+	}
+	for _, c := range cases {
+		p := startProcessor(t, c.env, "--store", "redis", "--redis-url", c.url)
+		code, _ := p.admin("/readyz")
+		require.Equal(t, 503, code, c.name)
+	}
+}
+
+func TestOversizedInput(t *testing.T) {
+	t.Parallel()
+	s := newStack(t, stackOptions{})
+	r := s.do(call{key: "big-body", body: string(bytes.Repeat([]byte("x"), 2<<20))})
+	require.Equal(t, 413, r.status, "Envoy's buffer limit answers a body over it")
+	require.Equal(t, 0, s.up.Count("big-body"))
+	requireProblem(t, s.do(call{key: strings.Repeat("k", 300), body: `{}`}), 400, "invalid-idempotency-key")
+	requireProblem(t, s.do(call{key: "ttl", headers: map[string]string{"X-TTL": "1e9"}, body: `{}`}), 400, "invalid-ttl")
+	r = s.do(call{key: "huge-ttl", headers: map[string]string{"X-TTL": strings.Repeat("9", 4000)}, body: `{}`})
+	require.Equal(t, 200, r.status, "a TTL too large to represent is capped at max_ttl")
+	big := strings.Repeat("a", 8000)
+	r = s.do(call{key: "long-scope", headers: map[string]string{"Authorization": "Bearer " + big}, body: `{}`})
+	require.Equal(t, 200, r.status, "long scope values are hashed like any other")
+}
