@@ -155,7 +155,19 @@ func TestRunServesUntilCancelled(t *testing.T) {
 		}
 	}
 
+	// A health watcher sees NOT_SERVING as soon as shutdown begins.
+	watchCtx, stopWatch := context.WithCancel(t.Context())
+	watch, err := healthpb.NewHealthClient(conn).Watch(watchCtx, &healthpb.HealthCheckRequest{})
+	require.NoError(t, err)
+	st, err := watch.Recv()
+	require.NoError(t, err)
+	require.Equal(t, healthpb.HealthCheckResponse_SERVING, st.GetStatus())
+
 	cancel()
+	st, err = watch.Recv()
+	require.NoError(t, err)
+	require.Equal(t, healthpb.HealthCheckResponse_NOT_SERVING, st.GetStatus(), "NOT_SERVING during shutdown")
+	stopWatch() // an open watch is a stream like any other: the drain waits for it
 	select {
 	case err := <-done:
 		require.NoError(t, err)
