@@ -16,6 +16,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/extproctest"
 )
 
 // These benchmarks run the stream handler on an in-memory stream, without gRPC, to show what the
@@ -57,34 +58,6 @@ func (s *memStream) Send(r *extprocv3.ProcessingResponse) error {
 
 var _ extprocv3.ExternalProcessor_ProcessServer = (*memStream)(nil)
 
-// nullProcessor answers CONTINUE to every phase: the floor.
-type nullProcessor struct {
-	extprocv3.UnimplementedExternalProcessorServer
-}
-
-func (nullProcessor) Process(s extprocv3.ExternalProcessor_ProcessServer) error {
-	for {
-		req, err := s.Recv()
-		if err != nil {
-			return nil
-		}
-		resp := &extprocv3.ProcessingResponse{}
-		switch req.GetRequest().(type) {
-		case *extprocv3.ProcessingRequest_RequestHeaders:
-			resp.Response = &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}}
-		case *extprocv3.ProcessingRequest_RequestBody:
-			resp.Response = &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{}}
-		case *extprocv3.ProcessingRequest_ResponseHeaders:
-			resp.Response = &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}
-		case *extprocv3.ProcessingRequest_ResponseBody:
-			resp.Response = &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}
-		}
-		if err := s.Send(resp); err != nil {
-			return nil
-		}
-	}
-}
-
 var benchBody = []byte(`{"amount":100,"currency":"EUR","reference":"order-8812","customer":"c_12"}`)
 
 // benchRequest builds Envoy's messages for one request with the given key ("" for none).
@@ -117,7 +90,7 @@ func benchTargets(b *testing.B) []benchTarget {
 	b.Cleanup(func() { _ = mem.Close() })
 	srv, err := extproc.NewServer(extproc.Options{Store: mem, Policy: policy.Default()})
 	require.NoError(b, err)
-	return []benchTarget{{"null", nullProcessor{}}, {"memory", srv}}
+	return []benchTarget{{"null", extproctest.NullProcessor{}}, {"memory", srv}}
 }
 
 var benchSeq atomic.Int64

@@ -350,6 +350,30 @@ func kind(resp *extprocv3.ProcessingResponse) string {
 	return "unknown"
 }
 
+// TestModeOverridesAreSPEC5 holds the two mode_override values to SPEC §5, field by field:
+// Envoy compares them with allowed_override_modes as raw values, so every field is spelled out.
+func TestModeOverridesAreSPEC5(t *testing.T) {
+	const (
+		send = filterextproc.ProcessingMode_SEND
+		skip = filterextproc.ProcessingMode_SKIP
+		none = filterextproc.ProcessingMode_NONE
+	)
+	for name, c := range map[string]struct {
+		got            *filterextproc.ProcessingMode
+		responseHeader filterextproc.ProcessingMode_HeaderSendMode
+	}{
+		"pass-through": {extproc.PassThroughMode(), skip},
+		"no-store":     {extproc.NoStoreMode(), send},
+	} {
+		require.Equal(t, send, c.got.GetRequestHeaderMode(), name)
+		require.Equal(t, none, c.got.GetRequestBodyMode(), name)
+		require.Equal(t, skip, c.got.GetRequestTrailerMode(), name)
+		require.Equal(t, c.responseHeader, c.got.GetResponseHeaderMode(), name)
+		require.Equal(t, none, c.got.GetResponseBodyMode(), name)
+		require.Equal(t, skip, c.got.GetResponseTrailerMode(), name)
+	}
+}
+
 func TestPassThroughOverride(t *testing.T) {
 	h := newHarness(t, harnessOptions{policy: `
 routes: [{name: health, match: {path_prefix: /healthz}, enabled: false}]

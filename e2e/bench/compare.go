@@ -30,6 +30,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/extproctest"
 )
 
 type options struct {
@@ -170,7 +171,7 @@ func compare(ctx context.Context, o options) (result, error) {
 	}
 	var targets []target
 
-	null, stop, err := serve(nullProcessor{})
+	null, stop, err := serve(extproctest.NullProcessor{})
 	if err != nil {
 		return res, err
 	}
@@ -490,36 +491,6 @@ func benchPolicy() *policy.Policy {
 		panic(err)
 	}
 	return p
-}
-
-// nullProcessor answers CONTINUE to every phase: the floor any processor is compared with.
-type nullProcessor struct {
-	extprocv3.UnimplementedExternalProcessorServer
-}
-
-func (nullProcessor) Process(s extprocv3.ExternalProcessor_ProcessServer) error {
-	for {
-		req, err := s.Recv()
-		if err != nil {
-			return nil
-		}
-		resp := &extprocv3.ProcessingResponse{}
-		switch req.GetRequest().(type) {
-		case *extprocv3.ProcessingRequest_RequestHeaders:
-			resp.Response = &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}}
-		case *extprocv3.ProcessingRequest_RequestBody:
-			resp.Response = &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{}}
-		case *extprocv3.ProcessingRequest_ResponseHeaders:
-			resp.Response = &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}
-		case *extprocv3.ProcessingRequest_ResponseBody:
-			resp.Response = &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}
-		default:
-			return nil
-		}
-		if err := s.Send(resp); err != nil {
-			return nil
-		}
-	}
 }
 
 // countingStore counts store operations.

@@ -2,7 +2,6 @@ package envoyconf
 
 import (
 	"errors"
-	"fmt"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
@@ -15,54 +14,38 @@ import (
 // place: the typed_config holding it is re-packed. Tests use it to run envoy.yaml with one
 // setting changed (a route timeout, a buffer mode) on the emulator and on a real Envoy alike.
 func MutateHCM(b *bootstrapv3.Bootstrap, fn func(*hcmv3.HttpConnectionManager) error) error {
-	ls := b.GetStaticResources().GetListeners()
-	if len(ls) == 0 {
-		return errors.New("no static listener")
+	nf, hcm, err := hcmFilter(b)
+	if err != nil {
+		return err
 	}
-	for _, fc := range ls[0].GetFilterChains() {
-		for _, nf := range fc.GetFilters() {
-			tc := nf.GetTypedConfig()
-			if tc == nil || !tc.MessageIs(&hcmv3.HttpConnectionManager{}) {
-				continue
-			}
-			hcm := &hcmv3.HttpConnectionManager{}
-			if err := tc.UnmarshalTo(hcm); err != nil {
-				return err
-			}
-			if err := fn(hcm); err != nil {
-				return err
-			}
-			a, err := anypb.New(hcm)
-			if err != nil {
-				return err
-			}
-			nf.ConfigType = &listenerv3.Filter_TypedConfig{TypedConfig: a}
-			return nil
-		}
+	if err := fn(hcm); err != nil {
+		return err
 	}
-	return fmt.Errorf("listener %q has no http_connection_manager", ls[0].GetName())
+	a, err := anypb.New(hcm)
+	if err != nil {
+		return err
+	}
+	nf.ConfigType = &listenerv3.Filter_TypedConfig{TypedConfig: a}
+	return nil
 }
 
 // MutateExtProc applies fn to the ext_proc filter config of b's first HTTP connection manager.
 func MutateExtProc(b *bootstrapv3.Bootstrap, fn func(*filterextproc.ExternalProcessor)) error {
 	return MutateHCM(b, func(hcm *hcmv3.HttpConnectionManager) error {
-		for _, hf := range hcm.GetHttpFilters() {
-			tc := hf.GetTypedConfig()
-			if tc == nil || !tc.MessageIs(&filterextproc.ExternalProcessor{}) {
-				continue
-			}
-			f := &filterextproc.ExternalProcessor{}
-			if err := tc.UnmarshalTo(f); err != nil {
-				return err
-			}
-			fn(f)
-			a, err := anypb.New(f)
-			if err != nil {
-				return err
-			}
-			hf.ConfigType = &hcmv3.HttpFilter_TypedConfig{TypedConfig: a}
-			return nil
+		hf := extProcFilter(hcm)
+		if hf == nil {
+			return errors.New("no ext_proc filter")
 		}
-		return errors.New("no ext_proc filter")
+		f := &filterextproc.ExternalProcessor{}
+		if err := hf.GetTypedConfig().UnmarshalTo(f); err != nil {
+			return err
+		}
+		fn(f)
+		a, err := anypb.New(f)
+		if err != nil {
+			return err
+		}
+		hf.ConfigType = &hcmv3.HttpFilter_TypedConfig{TypedConfig: a}
+		return nil
 	})
 }

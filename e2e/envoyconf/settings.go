@@ -17,6 +17,7 @@ import (
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
@@ -83,24 +84,39 @@ func extProcOf(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, *hcm
 	if err != nil {
 		return nil, nil, err
 	}
-	for _, hf := range hcm.GetHttpFilters() {
-		tc := hf.GetTypedConfig()
-		if tc == nil || !tc.MessageIs(&filterextproc.ExternalProcessor{}) {
-			continue
-		}
-		f := &filterextproc.ExternalProcessor{}
-		if err := tc.UnmarshalTo(f); err != nil {
-			return nil, nil, fmt.Errorf("http filter %q: %w", hf.GetName(), err)
-		}
-		return f, hf, nil
+	hf := extProcFilter(hcm)
+	if hf == nil {
+		return nil, nil, errors.New("no ext_proc filter (typed_config ExternalProcessor) in the first HTTP connection manager")
 	}
-	return nil, nil, errors.New("no ext_proc filter (typed_config ExternalProcessor) in the first HTTP connection manager")
+	f := &filterextproc.ExternalProcessor{}
+	if err := hf.GetTypedConfig().UnmarshalTo(f); err != nil {
+		return nil, nil, fmt.Errorf("http filter %q: %w", hf.GetName(), err)
+	}
+	return f, hf, nil
+}
+
+// extProcFilter returns the first http filter of hcm whose typed_config is an
+// ExternalProcessor, or nil.
+func extProcFilter(hcm *hcmv3.HttpConnectionManager) *hcmv3.HttpFilter {
+	for _, hf := range hcm.GetHttpFilters() {
+		if tc := hf.GetTypedConfig(); tc != nil && tc.MessageIs(&filterextproc.ExternalProcessor{}) {
+			return hf
+		}
+	}
+	return nil
 }
 
 func firstHCM(b *bootstrapv3.Bootstrap) (*hcmv3.HttpConnectionManager, error) {
+	_, hcm, err := hcmFilter(b)
+	return hcm, err
+}
+
+// hcmFilter returns the network filter holding the first HTTP connection manager of the first
+// listener, and the manager decoded.
+func hcmFilter(b *bootstrapv3.Bootstrap) (*listenerv3.Filter, *hcmv3.HttpConnectionManager, error) {
 	ls := b.GetStaticResources().GetListeners()
 	if len(ls) == 0 {
-		return nil, errors.New("no static listener")
+		return nil, nil, errors.New("no static listener")
 	}
 	chains := ls[0].GetFilterChains()
 	if dc := ls[0].GetDefaultFilterChain(); dc != nil {
@@ -114,12 +130,12 @@ func firstHCM(b *bootstrapv3.Bootstrap) (*hcmv3.HttpConnectionManager, error) {
 			}
 			hcm := &hcmv3.HttpConnectionManager{}
 			if err := tc.UnmarshalTo(hcm); err != nil {
-				return nil, fmt.Errorf("listener %q: %w", ls[0].GetName(), err)
+				return nil, nil, fmt.Errorf("listener %q: %w", ls[0].GetName(), err)
 			}
-			return hcm, nil
+			return nf, hcm, nil
 		}
 	}
-	return nil, fmt.Errorf("listener %q has no http_connection_manager", ls[0].GetName())
+	return nil, nil, fmt.Errorf("listener %q has no http_connection_manager", ls[0].GetName())
 }
 
 // ProxySettings extracts Settings from b. It fails when the first listener's HTTP connection

@@ -10,28 +10,16 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 )
 
-// PassThroughMode returns the mode_override the processor sends at request_headers of a request
-// it passes through (SPEC §5): nothing after the request headers is sent.
-func PassThroughMode() *filterextproc.ProcessingMode {
-	return &filterextproc.ProcessingMode{
-		RequestHeaderMode:   filterextproc.ProcessingMode_SEND,
-		RequestBodyMode:     filterextproc.ProcessingMode_NONE,
-		RequestTrailerMode:  filterextproc.ProcessingMode_SKIP,
-		ResponseHeaderMode:  filterextproc.ProcessingMode_SKIP,
-		ResponseBodyMode:    filterextproc.ProcessingMode_NONE,
-		ResponseTrailerMode: filterextproc.ProcessingMode_SKIP,
-	}
-}
-
-// NoStoreMode returns the mode_override the processor sends at response_headers of a response it
-// will not store (SPEC §5): PassThroughMode with response_header_mode SEND.
-func NoStoreMode() *filterextproc.ProcessingMode {
-	m := PassThroughMode()
-	m.ResponseHeaderMode = filterextproc.ProcessingMode_SEND
-	return m
-}
+// PassThroughMode and NoStoreMode are the two mode_override values the processor sends
+// (SPEC §5): allowed_override_modes must list exactly these.
+var (
+	PassThroughMode = extproc.PassThroughMode
+	NoStoreMode     = extproc.NoStoreMode
+)
 
 // CheckSpec returns every way f departs from the Envoy side of the contract (SPEC §5), joined
 // with errors.Join, or nil. Each error names the field. The rules:
