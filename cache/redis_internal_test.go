@@ -74,18 +74,20 @@ func TestRedisAcquireWithLostReplyFreesTheKey(t *testing.T) {
 		"the record the failed call created must not block the key for its lease")
 }
 
-// pipelineCounter counts the commands sent alone and in pipelines; the first command it sees is
-// held until release is closed, so that calls made meanwhile must queue.
+// pipelineCounter counts the script calls sent alone and in pipelines. While hold is set,
+// every command waits for release to be closed, so that both slots stay busy and later calls
+// queue; held counts the script calls waiting so.
 type pipelineCounter struct {
-	single, batched, batches atomic.Int64
-	hold                     atomic.Bool
-	release                  chan struct{}
+	single, batched, batches, held atomic.Int64
+	hold                           atomic.Bool
+	release                        chan struct{}
 }
 
 func (h *pipelineCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
 func (h *pipelineCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		if h.hold.CompareAndSwap(true, false) {
+		if h.hold.Load() {
+			h.held.Add(1)
 			<-h.release
 		}
 		h.single.Add(1)
@@ -94,26 +96,49 @@ func (h *pipelineCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook 
 }
 func (h *pipelineCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if h.hold.Load() {
+			h.held.Add(int64(len(cmds)))
+			<-h.release
+		}
 		h.batches.Add(1)
 		h.batched.Add(int64(len(cmds)))
 		return next(ctx, cmds)
 	}
 }
 
-func TestRedisPipelinesConcurrentCalls(t *testing.T) {
+// newHeldRedis returns a Redis store on miniredis whose commands the returned hook can hold.
+// RESP2 keeps connection set-up (HELLO) out of the hook.
+func newHeldRedis(t *testing.T) (*Redis, *miniredis.Miniredis, *pipelineCounter) {
 	mr := miniredis.RunT(t)
-	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr(), Protocol: 2})
 	hook := &pipelineCounter{release: make(chan struct{})}
 	client.AddHook(hook)
-	s := NewRedis(client, 5*time.Second)
+	return NewRedis(client, 10*time.Second), mr, hook
+}
+
+// waitAllWaiting waits until every one of n calls is either held in the hook or queued.
+func waitAllWaiting(t *testing.T, s *Redis, hook *pipelineCounter, n int) int {
+	t.Helper()
+	var queued int
+	require.Eventually(t, func() bool {
+		s.pipe.mu.Lock()
+		queued = len(s.pipe.queue)
+		s.pipe.mu.Unlock()
+		return int(hook.held.Load())+queued == n
+	}, 10*time.Second, time.Millisecond)
+	return queued
+}
+
+func TestRedisPipelinesConcurrentCalls(t *testing.T) {
+	s, mr, hook := newHeldRedis(t)
 	t.Cleanup(func() { _ = s.Close() })
 	ctx := t.Context()
 
-	// Load the scripts, then flush them so that the batch finds NOSCRIPT and must reload.
+	// Load the scripts, then flush them so that a batch finds NOSCRIPT and must reload.
 	_, _, err := s.Acquire(ctx, "warm", Claim{LockTTL: time.Hour, TTL: time.Hour})
 	require.NoError(t, err)
 	mr.FlushAll()
-	require.NoError(t, client.ScriptFlush(ctx).Err())
+	require.NoError(t, s.client.ScriptFlush(ctx).Err())
 
 	hook.hold.Store(true)
 	const n = 100
@@ -127,12 +152,9 @@ func TestRedisPipelinesConcurrentCalls(t *testing.T) {
 			leases[i], _, errs[i] = s.Acquire(ctx, "k"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
 		}()
 	}
-	// Both slots are taken by held or queued calls before the first command goes out.
-	require.Eventually(t, func() bool {
-		s.pipe.mu.Lock()
-		defer s.pipe.mu.Unlock()
-		return len(s.pipe.queue) > 10
-	}, 5*time.Second, time.Millisecond)
+	queued := waitAllWaiting(t, s, hook, n)
+	require.Positive(t, queued, "with both slots busy, calls queue")
+	hook.hold.Store(false)
 	close(hook.release)
 	wg.Wait()
 	for i := range n {
@@ -146,15 +168,12 @@ func TestRedisPipelinesConcurrentCalls(t *testing.T) {
 }
 
 func TestRedisPipelineClose(t *testing.T) {
-	mr := miniredis.RunT(t)
-	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
-	hook := &pipelineCounter{release: make(chan struct{})}
-	client.AddHook(hook)
-	s := NewRedis(client, 5*time.Second)
+	s, _, hook := newHeldRedis(t)
 	hook.hold.Store(true)
+	const n = 10
 	var wg sync.WaitGroup
-	errs := make(chan error, 10)
-	for i := range 10 {
+	errs := make(chan error, n)
+	for i := range n {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -162,12 +181,9 @@ func TestRedisPipelineClose(t *testing.T) {
 			errs <- err
 		}()
 	}
-	require.Eventually(t, func() bool {
-		s.pipe.mu.Lock()
-		defer s.pipe.mu.Unlock()
-		return len(s.pipe.queue) >= 8
-	}, 5*time.Second, time.Millisecond)
+	queued := waitAllWaiting(t, s, hook, n)
 	s.pipe.close()
+	hook.hold.Store(false)
 	close(hook.release)
 	wg.Wait()
 	close(errs)
@@ -177,7 +193,7 @@ func TestRedisPipelineClose(t *testing.T) {
 			closed++
 		}
 	}
-	require.GreaterOrEqual(t, closed, 8, "calls still queued at Close fail with ErrClosed")
+	require.Equal(t, queued, closed, "the calls still queued at Close fail with ErrClosed")
 	require.NoError(t, s.Close())
 	_, _, err := s.Acquire(t.Context(), "after", Claim{LockTTL: time.Hour, TTL: time.Hour})
 	require.Error(t, err)
