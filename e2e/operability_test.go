@@ -1,6 +1,7 @@
 package e2e_test
 
 import (
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -24,6 +25,19 @@ func (p *processor) health(t *testing.T) healthpb.HealthCheckResponse_ServingSta
 		return healthpb.HealthCheckResponse_UNKNOWN
 	}
 	return resp.GetStatus()
+}
+
+// metric returns the value of one series in a Prometheus text exposition, 0 when absent.
+func metric(exposition, series string) float64 {
+	for _, line := range strings.Split(exposition, "\n") {
+		if v, ok := strings.CutPrefix(line, series+" "); ok {
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			if err == nil {
+				return f
+			}
+		}
+	}
+	return 0
 }
 
 // within polls cond until it holds or d has passed since start, and reports how long it took.

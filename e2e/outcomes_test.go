@@ -285,7 +285,7 @@ func TestTwoReplicasOneRedis(t *testing.T) {
 	// Both replicas served traffic.
 	for _, p := range s.procs {
 		_, metrics := p.admin("/metrics")
-		require.Contains(t, metrics, `idempotency_requests_total{outcome="in_progress",route="default"}`)
+		require.Positive(t, metric(metrics, `idempotency_requests_total{outcome="in_progress",route="default"}`), "replica %s answered duplicates", p.grpcAddr)
 	}
 	r := s.do(call{key: "dup-100", body: `{"amount":100}`})
 	require.Equal(t, "true", r.header.Get(replayed))

@@ -141,19 +141,27 @@ func TestRunServesUntilCancelled(t *testing.T) {
 		require.NoError(t, s.CloseSend())
 	}
 
-	for path, status := range map[string]int{"/healthz": 200, "/readyz": 200, "/metrics": 200, "/nothing": 404} {
+	get := func(path string) (int, string) {
 		resp, err := http.Get(admin + path)
 		require.NoError(t, err)
-		body, _ := io.ReadAll(resp.Body)
-		_ = resp.Body.Close()
-		require.Equal(t, status, resp.StatusCode, path)
-		if path == "/metrics" {
-			require.Contains(t, string(body), `idempotency_requests_total{outcome="executed",route="default"} 1`)
-			require.Contains(t, string(body), `idempotency_requests_total{outcome="replayed",route="default"} 1`)
-			require.Contains(t, string(body), "go_goroutines")
-			require.Contains(t, string(body), "process_cpu_seconds_total")
-		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, string(body)
 	}
+	for path, status := range map[string]int{"/healthz": 200, "/readyz": 200, "/metrics": 200, "/nothing": 404} {
+		code, _ := get(path)
+		require.Equal(t, status, code, path)
+	}
+	// A request is counted when its stream ends, just after the client has its answer.
+	require.Eventually(t, func() bool {
+		_, body := get("/metrics")
+		return strings.Contains(body, `idempotency_requests_total{outcome="executed",route="default"} 1`) &&
+			strings.Contains(body, `idempotency_requests_total{outcome="replayed",route="default"} 1`)
+	}, 5*time.Second, 10*time.Millisecond)
+	_, body := get("/metrics")
+	require.Contains(t, body, "go_goroutines")
+	require.Contains(t, body, "process_cpu_seconds_total")
 
 	// A health watcher sees NOT_SERVING as soon as shutdown begins.
 	watchCtx, stopWatch := context.WithCancel(t.Context())
