@@ -53,7 +53,7 @@ func (p *pipeline) run(ctx context.Context, s *redis.Script, keys []string, args
 	c := &scriptCall{script: s, keys: keys, args: args, done: make(chan struct{})}
 	select {
 	case p.slots <- struct{}{}:
-		p.serve(c)
+		p.serve(ctx, c)
 		return c.cmd
 	default:
 	}
@@ -77,15 +77,17 @@ func (p *pipeline) run(ctx context.Context, s *redis.Script, keys []string, args
 			return c.cmd
 		case slots <- struct{}{}:
 			// A slot freed while the call was queued: run the queue, which holds it.
-			p.serve(nil)
+			p.serve(ctx, nil)
 		case <-ctx.Done():
 			return errorCmd(ctx, ctx.Err())
 		}
 	}
 }
 
-// serve runs own (if any) with the calls queued so far, then frees the slot the caller took.
-func (p *pipeline) serve(own *scriptCall) {
+// serve runs own (if any) with the calls queued so far, then frees the slot the caller took. A
+// call that goes alone runs under ctx, its caller's; a batch runs under a timeout of its own, as
+// it serves several callers.
+func (p *pipeline) serve(ctx context.Context, own *scriptCall) {
 	defer func() { <-p.slots }()
 	p.mu.Lock()
 	n := min(len(p.queue), maxBatch)
@@ -99,7 +101,11 @@ func (p *pipeline) serve(own *scriptCall) {
 	}
 	p.queue = append(p.queue[:0], p.queue[n:]...)
 	p.mu.Unlock()
-	if len(batch) > 0 {
+	switch {
+	case len(batch) == 1 && batch[0] == own:
+		own.cmd = own.script.Run(ctx, p.client, own.keys, own.args...)
+		close(own.done)
+	case len(batch) > 0:
 		p.exec(batch)
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -257,27 +256,13 @@ func TestBufferedResponseOverEnvoyLimitIsReleased(t *testing.T) {
 func TestTwoReplicasOneRedis(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t, redistest.Options{})
-	s := newStack(t, stackOptions{replicas: 2, args: []string{"--store", "redis", "--redis-url", srv.URL()}, policy: "store_timeout: 1s"})
+	s := newStack(t, stackOptions{replicas: 2, args: redisArgs(srv), policy: "store_timeout: 3s"})
 	const n = 100
-	var wg sync.WaitGroup
-	statuses := make(chan int, n)
-	start := make(chan struct{})
-	for range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-start
-			r, err := s.try(call{key: "dup-100", headers: map[string]string{"X-Test-Delay": "500ms"}, body: `{"amount":100}`})
-			if err == nil {
-				statuses <- r.status
-			}
-		}()
-	}
-	close(start)
-	wg.Wait()
-	close(statuses)
+	statuses := s.burst(n, func(int) call {
+		return call{key: "dup-100", headers: map[string]string{"X-Test-Delay": "500ms"}, body: `{"amount":100}`}
+	})
 	counts := map[int]int{}
-	for st := range statuses {
+	for _, st := range statuses {
 		counts[st]++
 	}
 	require.Equal(t, 1, s.up.Count("dup-100"), "exactly one upstream execution across both replicas; statuses %v", counts)

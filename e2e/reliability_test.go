@@ -107,22 +107,9 @@ func TestRacesAcrossReplicas(t *testing.T) {
 
 	t.Run("200 duplicates", func(t *testing.T) {
 		const n = 200
-		statuses := make([]int, n)
-		var wg sync.WaitGroup
-		start := make(chan struct{})
-		for i := range n {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				<-start
-				r, err := s.try(call{key: "dup-200", headers: map[string]string{"X-Test-Delay": "300ms"}, body: `{"a":1}`})
-				if err == nil {
-					statuses[i] = r.status
-				}
-			}()
-		}
-		close(start)
-		wg.Wait()
+		statuses := s.burst(n, func(int) call {
+			return call{key: "dup-200", headers: map[string]string{"X-Test-Delay": "300ms"}, body: `{"a":1}`}
+		})
 		counts := map[int]int{}
 		for _, st := range statuses {
 			counts[st]++
@@ -133,21 +120,7 @@ func TestRacesAcrossReplicas(t *testing.T) {
 
 	t.Run("1000 distinct keys at once", func(t *testing.T) {
 		const n = 1000
-		statuses := make([]int, n)
-		var wg sync.WaitGroup
-		start := make(chan struct{})
-		for i := range n {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				<-start
-				r, err := s.try(call{key: "distinct-" + itoa(i), body: `{"a":1}`})
-				require.NoError(t, err)
-				statuses[i] = r.status
-			}()
-		}
-		close(start)
-		wg.Wait()
+		statuses := s.burst(n, func(i int) call { return call{key: "distinct-" + itoa(i), body: `{"a":1}`} })
 		for i := range n {
 			require.Equal(t, 200, statuses[i], "key %d", i)
 			require.Equal(t, 1, s.up.Count("distinct-"+itoa(i)), "key %d ran once", i)

@@ -337,6 +337,27 @@ func (s *stack) try(c call) (reply, error) {
 	return reply{status: resp.StatusCode, header: resp.Header, body: b}, nil
 }
 
+// burst sends n requests at once, built by mk, and returns their statuses (0 for a request
+// that got no answer).
+func (s *stack) burst(n int, mk func(i int) call) []int {
+	statuses := make([]int, n)
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			if r, err := s.try(mk(i)); err == nil {
+				statuses[i] = r.status
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	return statuses
+}
+
 // requireProblem checks a problem+json answer from the processor.
 func requireProblem(t *testing.T, r reply, status int, code string) {
 	t.Helper()

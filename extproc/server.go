@@ -46,8 +46,9 @@ type Server struct {
 	metrics *Metrics
 	clock   clock.Clock
 	// routes holds what each route needs per request, resolved once.
-	routes   map[*policy.Route]*routeState
-	storeOps map[string]prometheus.Observer
+	routes map[*policy.Route]*routeState
+	// The store-duration series of each operation.
+	acquireObs, renewObs, completeObs, releaseObs prometheus.Observer
 	// local is set for a store in this process, whose calls need no deadline.
 	local bool
 
@@ -87,13 +88,12 @@ func NewServer(opts Options) (*Server, error) {
 		opts.Clock = clock.Real{}
 	}
 	s := &Server{
-		store:    opts.Store,
-		policy:   opts.Policy,
-		log:      *opts.Logger,
-		metrics:  opts.Metrics,
-		clock:    opts.Clock,
-		routes:   make(map[*policy.Route]*routeState),
-		storeOps: make(map[string]prometheus.Observer),
+		store:   opts.Store,
+		policy:  opts.Policy,
+		log:     *opts.Logger,
+		metrics: opts.Metrics,
+		clock:   opts.Clock,
+		routes:  make(map[*policy.Route]*routeState),
 	}
 	for _, r := range append([]*policy.Route{opts.Policy.Default}, opts.Policy.Routes...) {
 		rs := &routeState{
@@ -115,9 +115,9 @@ func NewServer(opts Options) (*Server, error) {
 		s.routes[r] = rs
 	}
 	_, s.local = opts.Store.(cache.Local)
-	for _, op := range []string{"acquire", "renew", "complete", "release"} {
-		s.storeOps[op] = s.metrics.storeDuration.WithLabelValues(op)
-	}
+	d := s.metrics.storeDuration
+	s.acquireObs, s.renewObs = d.WithLabelValues("acquire"), d.WithLabelValues("renew")
+	s.completeObs, s.releaseObs = d.WithLabelValues("complete"), d.WithLabelValues("release")
 	return s, nil
 }
 
@@ -171,7 +171,7 @@ func (s *Server) Wait(ctx context.Context) error {
 // The store calls, each bounded by store_timeout (a store in this process needs no bound) and
 // timed.
 
-func (s *Server) bounded(ctx context.Context, op string) (context.Context, func()) {
+func (s *Server) bounded(ctx context.Context, obs prometheus.Observer) (context.Context, func()) {
 	cancel := context.CancelFunc(func() {})
 	if !s.local {
 		ctx, cancel = context.WithTimeout(ctx, s.policy.StoreTimeout)
@@ -179,30 +179,30 @@ func (s *Server) bounded(ctx context.Context, op string) (context.Context, func(
 	start := time.Now()
 	return ctx, func() {
 		cancel()
-		s.storeOps[op].Observe(time.Since(start).Seconds())
+		obs.Observe(time.Since(start).Seconds())
 	}
 }
 
 func (s *Server) acquire(ctx context.Context, key string, c cache.Claim) (cache.Lease, *cache.Record, error) {
-	ctx, done := s.bounded(ctx, "acquire")
+	ctx, done := s.bounded(ctx, s.acquireObs)
 	defer done()
 	return s.store.Acquire(ctx, key, c)
 }
 
 func (s *Server) renew(ctx context.Context, l cache.Lease, d time.Duration) error {
-	ctx, done := s.bounded(ctx, "renew")
+	ctx, done := s.bounded(ctx, s.renewObs)
 	defer done()
 	return s.store.Renew(ctx, l, d)
 }
 
 func (s *Server) complete(ctx context.Context, l cache.Lease, r cache.Response) error {
-	ctx, done := s.bounded(ctx, "complete")
+	ctx, done := s.bounded(ctx, s.completeObs)
 	defer done()
 	return s.store.Complete(ctx, l, r)
 }
 
 func (s *Server) release(ctx context.Context, l cache.Lease) error {
-	ctx, done := s.bounded(ctx, "release")
+	ctx, done := s.bounded(ctx, s.releaseObs)
 	defer done()
 	return s.store.Release(ctx, l)
 }

@@ -52,6 +52,7 @@ type stream struct {
 	requestID string
 
 	route    *policy.Route
+	rs       *routeState // the route's metric series and fixed answers
 	params   []string
 	headers  headers
 	method   []byte
@@ -131,7 +132,7 @@ func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) *extprocv3.Processing
 	st.path = h.get(":path")
 	st.requestID = string(h.get("x-request-id"))
 	r, params := st.s.policy.Match(string(splitPath(st.path)))
-	st.route, st.params = r, params
+	st.route, st.rs, st.params = r, st.s.routes[r], params
 
 	if !r.Enabled || !r.Covers(string(st.method)) {
 		return st.passThrough()
@@ -188,7 +189,7 @@ func (st *stream) reject(p *problem) *extprocv3.ProcessingResponse {
 	st.covered = true
 	st.phase = phaseDone
 	st.outcome = p.outcome
-	return st.s.routes[st.route].problems[p]
+	return st.rs.problems[p]
 }
 
 // claim makes the one store round trip of a covered request and decides its fate: 422, 409,
@@ -259,20 +260,20 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 		// the request (SPEC §4).
 		st.release(ReleaseEnvoyResponse)
 		st.phase = phaseDone
-		return st.s.routes[r].notStored
+		return st.rs.notStored
 	}
 	if !r.StoreStatuses.Has(st.status) {
 		st.release(ReleaseStatus)
 		st.phase = phaseDone
-		return st.s.routes[r].notStored
+		return st.rs.notStored
 	}
 	st.respHeaders = replayableHeaders(h, r)
 	if m.GetEndOfStream() {
 		st.complete()
-		return st.s.routes[r].stored
+		return st.rs.stored
 	}
 	st.phase = phaseCapture
-	return st.s.routes[r].stored
+	return st.rs.stored
 }
 
 func (st *stream) responseBody(m *extprocv3.HttpBody) *extprocv3.ProcessingResponse {
@@ -334,7 +335,7 @@ func (st *stream) release(reason string) {
 		st.storeFailed("release", err)
 		return
 	}
-	st.s.routes[st.route].releases[reason].Inc()
+	st.rs.releases[reason].Inc()
 	st.event(st.s.log.Debug()).Str("reason", reason).Msg("lease released")
 }
 
@@ -371,7 +372,7 @@ func (st *stream) finish() {
 	if st.route == nil {
 		return
 	}
-	st.s.routes[st.route].outcomes[st.outcome].Inc()
+	st.rs.outcomes[st.outcome].Inc()
 	if !st.covered {
 		return
 	}
