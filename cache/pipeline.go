@@ -11,46 +11,65 @@ import (
 // maxBatch bounds the calls one pipelined batch carries.
 const maxBatch = 128
 
-// pipeline sends the script calls of concurrent requests together, so that under load many
-// calls share one write and one read on each side instead of a round trip each: that is where a
-// Redis-backed replica spends its time.
+// pipeline sends the calls of concurrent requests together, so that under load many calls share
+// one write and one read on each side instead of a round trip each: that is where a Redis-backed
+// replica spends its time.
 //
 // It holds a few slots. A call that finds a free slot runs at once on the caller's goroutine,
 // taking along every call queued so far in one pipelined batch. A call that finds every slot
 // busy queues, then waits for its reply or for a free slot, in which case it runs the queue
 // itself. So nothing waits when the store is idle, no call is stranded in the queue, and no
-// goroutine is added. Each call is still one script on one key, atomic on its own: batching
-// changes nothing about what it means.
+// goroutine is added. Each call is still one command or script on one key, atomic on its own:
+// batching changes nothing about what it means.
 type pipeline struct {
 	client  redis.UniversalClient
 	timeout time.Duration
 	slots   chan struct{}
 
 	mu     sync.Mutex
-	queue  []*scriptCall
+	queue  []*call
 	closed bool
 }
 
-type scriptCall struct {
-	script *redis.Script
-	keys   []string
+// call is one command, or one script when script is set, and its reply.
+type call struct {
+	script *redis.Script // nil: args is the whole command
+	keys   []string      // the script's keys
 	args   []any
 	taken  bool // out of the queue, in a batch; guarded by pipeline.mu
 	cmd    *redis.Cmd
 	done   chan struct{}
 }
 
+// alone sends c in a round trip of its own; a script goes by SHA and is loaded if need be.
+func (c *call) alone(ctx context.Context, client redis.UniversalClient) *redis.Cmd {
+	if c.script != nil {
+		return c.script.Run(ctx, client, c.keys, c.args...)
+	}
+	return client.Do(ctx, c.args...)
+}
+
 func newPipeline(client redis.UniversalClient, timeout time.Duration, slots int) *pipeline {
 	return &pipeline{client: client, timeout: timeout, slots: make(chan struct{}, slots)}
 }
 
-// run runs script on keys with args, alone or in a batch. It returns when the reply is in or
-// ctx is done, whichever comes first; in the second case the call may still run.
-func (p *pipeline) run(ctx context.Context, s *redis.Script, keys []string, args ...any) *redis.Cmd {
+// script runs s on keys with args; see run.
+func (p *pipeline) script(ctx context.Context, s *redis.Script, keys []string, args ...any) *redis.Cmd {
+	return p.run(ctx, &call{script: s, keys: keys, args: args})
+}
+
+// do runs the command args; see run.
+func (p *pipeline) do(ctx context.Context, args ...any) *redis.Cmd {
+	return p.run(ctx, &call{args: args})
+}
+
+// run runs c, alone or in a batch. It returns when the reply is in or ctx is done, whichever
+// comes first; in the second case the call may still run.
+func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 	if err := ctx.Err(); err != nil {
 		return errorCmd(ctx, err)
 	}
-	c := &scriptCall{script: s, keys: keys, args: args, done: make(chan struct{})}
+	c.done = make(chan struct{})
 	select {
 	case p.slots <- struct{}{}:
 		p.serve(ctx, c)
@@ -87,11 +106,11 @@ func (p *pipeline) run(ctx context.Context, s *redis.Script, keys []string, args
 // serve runs own (if any) with the calls queued so far, then frees the slot the caller took. A
 // call that goes alone runs under ctx, its caller's; a batch runs under a timeout of its own, as
 // it serves several callers.
-func (p *pipeline) serve(ctx context.Context, own *scriptCall) {
+func (p *pipeline) serve(ctx context.Context, own *call) {
 	defer func() { <-p.slots }()
 	p.mu.Lock()
 	n := min(len(p.queue), maxBatch)
-	batch := make([]*scriptCall, 0, n+1)
+	batch := make([]*call, 0, n+1)
 	if own != nil {
 		batch = append(batch, own)
 	}
@@ -103,30 +122,34 @@ func (p *pipeline) serve(ctx context.Context, own *scriptCall) {
 	p.mu.Unlock()
 	switch {
 	case len(batch) == 1 && batch[0] == own:
-		own.cmd = own.script.Run(ctx, p.client, own.keys, own.args...)
+		own.cmd = own.alone(ctx, p.client)
 		close(own.done)
 	case len(batch) > 0:
 		p.exec(batch)
 	}
 }
 
-func (p *pipeline) exec(batch []*scriptCall) {
+func (p *pipeline) exec(batch []*call) {
 	ctx, cancel := context.WithTimeout(context.Background(), p.timeout)
 	defer cancel()
 	if len(batch) == 1 {
 		c := batch[0]
-		c.cmd = c.script.Run(ctx, p.client, c.keys, c.args...)
+		c.cmd = c.alone(ctx, p.client)
 		close(c.done)
 		return
 	}
 	pipe := p.client.Pipeline()
 	cmds := make([]*redis.Cmd, len(batch))
 	for i, c := range batch {
-		cmds[i] = pipe.EvalSha(ctx, c.script.Hash(), c.keys, c.args...)
+		if c.script != nil {
+			cmds[i] = pipe.EvalSha(ctx, c.script.Hash(), c.keys, c.args...)
+		} else {
+			cmds[i] = pipe.Do(ctx, c.args...)
+		}
 	}
 	_, _ = pipe.Exec(ctx)
 	for i, c := range batch {
-		if err := cmds[i].Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		if err := cmds[i].Err(); c.script != nil && err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
 			// This node has not seen the script yet (a first call, a restart, a failover):
 			// Run loads it.
 			cmds[i] = c.script.Run(ctx, p.client, c.keys, c.args...)

@@ -6,6 +6,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -19,58 +20,55 @@ const DefaultRedisTimeout = 100 * time.Millisecond
 // leave together (see pipeline). Two keep one batch filling while the other is on the wire.
 const pipelineSlots = 2
 
-// recordVersion is the value of the "v" field of every record hash this version writes.
-const recordVersion = "1"
+// Each record is one Redis string under its key, so that every operation touches one key (no
+// hash tags under Cluster), a claim is one native command, and the server stores one value:
+//
+//	offset  bytes  field
+//	0       1      layout version: recordLayout
+//	1       1      state: 'p' pending or 'c' completed
+//	2       26     owner token (kept after completion so that a retried Complete succeeds)
+//	28      13     lifetime of the completed record in milliseconds, decimal, zero-padded
+//	41      8      fingerprint length, hexadecimal
+//	49      n      fingerprint
+//	49+n           encoded response (completed only)
+//
+// The key's own expiry is the lease while pending and the TTL once completed. The scripts below
+// read the same offsets (Lua counts from 1).
+const (
+	recordLayout = '2'
+	tokenLen     = 26
+	ttlDigits    = 13 // any time.Duration in milliseconds
+	fpLenDigits  = 8
+	headerLen    = 2 + tokenLen + ttlDigits + fpLenDigits
+)
 
-// Each record is one Redis hash under its key, so every operation touches one key and needs no
-// hash tags under Cluster:
-//
-//	v    record layout version ("1")
-//	st   "p" pending or "c" completed
-//	tok  owner token (kept after completion so that a retried Complete succeeds)
-//	fp   request fingerprint
-//	ttl  lifetime of the completed record, in milliseconds
-//	resp encoded response (completed only)
-//
-// The hash's own expiry is the lease while pending and the TTL once completed.
 var (
-	// acquireScript: KEYS[1] key; ARGV token, fingerprint, ttl ms, lock ms, version.
-	// Returns {1} when the caller owns the key, else {0, v, st, fp, resp}.
-	acquireScript = redis.NewScript(`
-local cur = redis.call('HMGET', KEYS[1], 'v', 'st', 'fp', 'tok', 'resp')
-if cur[1] then
-  if cur[4] == ARGV[1] and cur[2] == 'p' then return {1} end
-  return {0, cur[1], cur[2] or '', cur[3] or '', cur[5] or ''}
-end
-redis.call('HSET', KEYS[1], 'v', ARGV[5], 'st', 'p', 'tok', ARGV[1], 'fp', ARGV[2], 'ttl', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return {1}
-`)
 	// renewScript: KEYS[1] key; ARGV token, lock ms. Returns 1 when renewed.
 	renewScript = redis.NewScript(`
-local cur = redis.call('HMGET', KEYS[1], 'tok', 'st')
-if cur[1] == ARGV[1] and cur[2] == 'p' then
+local cur = redis.call('GET', KEYS[1])
+if cur and string.sub(cur, 1, 2) == '2p' and string.sub(cur, 3, 28) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
 return 0
 `)
-	// completeScript: KEYS[1] key; ARGV token, encoded response. Returns 1 when completed.
+	// completeScript: KEYS[1] key; ARGV token, encoded response. Returns 1 when completed; a
+	// completed record stays completed, so a retried Complete succeeds.
 	completeScript = redis.NewScript(`
-local cur = redis.call('HMGET', KEYS[1], 'tok', 'st', 'ttl')
-if cur[1] ~= ARGV[1] then return 0 end
-if cur[2] == 'c' then return 1 end
-if cur[2] ~= 'p' then return 0 end
-local ttl = tonumber(cur[3])
+local cur = redis.call('GET', KEYS[1])
+if not cur or string.sub(cur, 1, 1) ~= '2' or string.sub(cur, 3, 28) ~= ARGV[1] then return 0 end
+local st = string.sub(cur, 2, 2)
+if st == 'c' then return 1 end
+if st ~= 'p' then return 0 end
+local ttl = tonumber(string.sub(cur, 29, 41))
 if not ttl or ttl <= 0 then return redis.error_reply('record has no valid ttl') end
-redis.call('HSET', KEYS[1], 'st', 'c', 'resp', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('SET', KEYS[1], '2c' .. string.sub(cur, 3) .. ARGV[2], 'PX', ttl)
 return 1
 `)
 	// releaseScript: KEYS[1] key; ARGV token. Returns 1 when deleted.
 	releaseScript = redis.NewScript(`
-local cur = redis.call('HMGET', KEYS[1], 'tok', 'st')
-if cur[1] == ARGV[1] and cur[2] == 'p' then
+local cur = redis.call('GET', KEYS[1])
+if cur and string.sub(cur, 1, 2) == '2p' and string.sub(cur, 3, 28) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   return 1
 end
@@ -97,10 +95,11 @@ type RedisOptions struct {
 	PoolSize int
 }
 
-// Redis is a Store backed by Redis: standalone, Sentinel or Cluster. Each operation is one script
-// call on one key, so it is atomic on the server and costs one round trip; under load,
-// concurrent calls share round trips in pipelined batches. Scripts are sent by SHA (EVALSHA) and
-// loaded on first use.
+// Redis is a Store backed by Redis 7.0 or later (or Valkey): standalone, Sentinel or Cluster.
+// Each operation is one command on one key, so it is atomic on the server and costs one round
+// trip; under load, concurrent calls share round trips in pipelined batches. Acquire is a native
+// SET NX GET; the owner-checked operations are scripts, sent by SHA (EVALSHA) and loaded on first
+// use.
 type Redis struct {
 	client  redis.UniversalClient
 	timeout time.Duration
@@ -193,35 +192,71 @@ func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
 	}
 }
 
-// Acquire implements [Store.Acquire].
+// Acquire implements [Store.Acquire]. It is one SET NX PX GET: Redis creates the pending record
+// if the key is free and answers with the record it found otherwise.
 func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Record, error) {
 	if err := checkClaim(c); err != nil {
 		return Lease{}, nil, err
 	}
 	ctx, cancel := r.bound(ctx)
 	defer cancel()
-	token := rand.Text()
-	res, err := r.pipe.run(ctx, acquireScript, []string{key},
-		token, c.Fingerprint, c.TTL.Milliseconds(), c.LockTTL.Milliseconds(), recordVersion).Slice()
-	if err != nil {
+	token := newToken()
+	pending := appendPending(make([]byte, 0, headerLen+len(c.Fingerprint)), token, c)
+	found, err := r.pipe.do(ctx, "set", key, pending, "nx", "px", c.LockTTL.Milliseconds(), "get").Text()
+	switch {
+	case errors.Is(err, redis.Nil):
+		return Lease{key: key, token: token}, nil, nil
+	case err == nil:
+	case redis.HasErrorPrefix(err, "WRONGTYPE"):
+		return Lease{}, nil, fmt.Errorf("cache: redis acquire: %w: the key holds another type than a record of layout %c", ErrCorrupt, recordLayout)
+	case redis.HasErrorPrefix(err, "syntax error"):
+		// Redis before 7.0 refuses NX and GET together.
+		return Lease{}, nil, fmt.Errorf("cache: redis acquire: the server needs to be Redis 7.0 or later (SET NX GET): %w", err)
+	default:
 		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
-			// The script may have run and only its reply been lost: free what it may have
+			// The command may have run and only its reply been lost: free what it may have
 			// created rather than block the key for a whole lease.
 			go r.releaseOrphan(Lease{key: key, token: token})
 		}
 		return Lease{}, nil, redisError("acquire", err)
 	}
-	if len(res) == 0 {
-		return Lease{}, nil, fmt.Errorf("%w: acquire returned nothing", ErrCorrupt)
-	}
-	if owned, _ := res[0].(int64); owned == 1 {
-		return Lease{key: key, token: token}, nil, nil
-	}
-	rec, err := decodeRecord(res[1:])
+	rec, owner, err := decodeRecord(found)
 	if err != nil {
 		return Lease{}, nil, err
 	}
+	if rec.State == Pending && owner == token {
+		// go-redis retried a SET whose first reply was lost: the record is the caller's own.
+		return Lease{key: key, token: token}, nil, nil
+	}
 	return Lease{}, rec, nil
+}
+
+// newToken returns 128 random bits as tokenLen base32 characters.
+func newToken() string {
+	t := rand.Text()
+	if len(t) != tokenLen {
+		panic(fmt.Sprintf("cache: rand.Text returned %d characters, the record layout holds %d", len(t), tokenLen))
+	}
+	return t
+}
+
+// appendPending appends the pending record of c owned by token to b.
+func appendPending(b []byte, token string, c Claim) []byte {
+	b = append(b, recordLayout, 'p')
+	b = append(b, token...)
+	b = appendPadded(b, uint64(c.TTL.Milliseconds()), 10, ttlDigits)
+	b = appendPadded(b, uint64(len(c.Fingerprint)), 16, fpLenDigits)
+	return append(b, c.Fingerprint...)
+}
+
+// appendPadded appends n in base, left-padded with zeros to width digits.
+func appendPadded(b []byte, n uint64, base, width int) []byte {
+	var digits [20]byte
+	d := strconv.AppendUint(digits[:0], n, base)
+	for range width - len(d) {
+		b = append(b, '0')
+	}
+	return append(b, d...)
 }
 
 // bound gives ctx the store's timeout, unless it already has an earlier deadline.
@@ -232,36 +267,37 @@ func (r *Redis) bound(ctx context.Context) (context.Context, context.CancelFunc)
 	return context.WithTimeout(ctx, r.timeout)
 }
 
-// decodeRecord decodes {v, st, fp, resp} as returned by the acquire script.
-func decodeRecord(f []any) (*Record, error) {
-	if len(f) != 4 {
-		return nil, fmt.Errorf("%w: %d fields", ErrCorrupt, len(f))
+// decodeRecord decodes a record and returns it with its owner token.
+func decodeRecord(v string) (*Record, string, error) {
+	if len(v) < headerLen {
+		return nil, "", fmt.Errorf("%w: a record of %d bytes", ErrCorrupt, len(v))
 	}
-	v, _ := f[0].(string)
-	st, _ := f[1].(string)
-	fp, _ := f[2].(string)
-	resp, _ := f[3].(string)
-	if v != recordVersion {
-		return nil, fmt.Errorf("%w: record version %q is not supported by this version", ErrCorrupt, v)
+	if v[0] != recordLayout {
+		return nil, "", fmt.Errorf("%w: record layout %q is not supported by this version", ErrCorrupt, v[0])
 	}
-	rec := &Record{Fingerprint: []byte(fp)}
-	switch st {
-	case "p":
+	token := v[2 : 2+tokenLen]
+	n, err := strconv.ParseUint(v[headerLen-fpLenDigits:headerLen], 16, 32)
+	if err != nil || n > uint64(len(v)-headerLen) {
+		return nil, "", fmt.Errorf("%w: record fingerprint length %q", ErrCorrupt, v[headerLen-fpLenDigits:headerLen])
+	}
+	rec := &Record{}
+	if n > 0 {
+		rec.Fingerprint = []byte(v[headerLen : headerLen+int(n)])
+	}
+	switch v[1] {
+	case 'p':
 		rec.State = Pending
-	case "c":
+	case 'c':
 		rec.State = Completed
-		r, err := decodeResponse([]byte(resp))
+		resp, err := decodeResponse([]byte(v[headerLen+int(n):]))
 		if err != nil {
-			return nil, err
+			return nil, "", err
 		}
-		rec.Response = r
+		rec.Response = resp
 	default:
-		return nil, fmt.Errorf("%w: record state %q", ErrCorrupt, st)
+		return nil, "", fmt.Errorf("%w: record state %q", ErrCorrupt, v[1])
 	}
-	if len(rec.Fingerprint) == 0 {
-		rec.Fingerprint = nil
-	}
-	return rec, nil
+	return rec, token, nil
 }
 
 // Renew implements [Store.Renew].
@@ -293,7 +329,7 @@ func (r *Redis) owned(ctx context.Context, op string, s *redis.Script, l Lease, 
 	}
 	ctx, cancel := r.bound(ctx)
 	defer cancel()
-	n, err := r.pipe.run(ctx, s, []string{l.key}, append([]any{l.token}, args...)...).Int64()
+	n, err := r.pipe.script(ctx, s, []string{l.key}, append([]any{l.token}, args...)...).Int64()
 	if err != nil {
 		return redisError(op, err)
 	}

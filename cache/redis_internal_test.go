@@ -14,33 +14,100 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// A reply lost after the server ran a script makes go-redis retry it with the same token: the
-// retry must find the caller's own work, not a stranger's.
-func TestRedisScriptsAreRetrySafe(t *testing.T) {
+// retried runs every command twice, as go-redis does when the first reply is lost after the
+// server ran it; the caller sees the second reply.
+type retried struct{}
+
+func (retried) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (retried) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "set" || cmd.Name() == "evalsha" {
+			_ = next(ctx, cmd)
+		}
+		return next(ctx, cmd)
+	}
+}
+func (retried) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		_ = next(ctx, cmds)
+		return next(ctx, cmds)
+	}
+}
+
+// A retried call must find the caller's own work, not a stranger's.
+func TestRedisCallsAreRetrySafe(t *testing.T) {
 	mr := miniredis.RunT(t)
-	s, err := OpenRedis(RedisOptions{URL: "redis://" + mr.Addr() + "/0"})
-	require.NoError(t, err)
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr(), Protocol: 2})
+	client.AddHook(retried{})
+	s := NewRedis(client, time.Second)
 	t.Cleanup(func() { _ = s.Close() })
 	ctx := t.Context()
 
-	args := []any{"token-1", "fp", int64(60_000), int64(30_000), recordVersion}
-	for range 2 {
-		res, err := acquireScript.Run(ctx, s.client, []string{"k"}, args...).Slice()
-		require.NoError(t, err)
-		require.Equal(t, []any{int64(1)}, res, "acquire retried by its owner must succeed")
-	}
-	other, err := acquireScript.Run(ctx, s.client, []string{"k"}, "token-2", "fp2", int64(60_000), int64(30_000), recordVersion).Slice()
+	l, rec, err := s.Acquire(ctx, "k", Claim{Fingerprint: []byte("fp"), LockTTL: 30 * time.Second, TTL: time.Minute})
 	require.NoError(t, err)
-	require.Equal(t, int64(0), other[0])
+	require.Nil(t, rec)
+	require.True(t, l.Held(), "an Acquire retried by its owner must own the key")
 
-	l := Lease{key: "k", token: "token-1"}
-	require.NoError(t, s.Complete(ctx, l, Response{Status: 200}))
-	require.NoError(t, s.Complete(ctx, l, Response{Status: 200}))
-	require.ErrorIs(t, s.Complete(ctx, Lease{key: "k", token: "token-2"}, Response{Status: 200}), ErrLeaseLost)
+	l2, rec, err := s.Acquire(ctx, "k", Claim{Fingerprint: []byte("fp2"), LockTTL: 30 * time.Second, TTL: time.Minute})
+	require.NoError(t, err)
+	require.False(t, l2.Held())
+	require.Equal(t, Pending, rec.State)
+	require.Equal(t, []byte("fp"), rec.Fingerprint)
+
+	require.NoError(t, s.Renew(ctx, l, time.Minute), "a retried Renew")
+	require.NoError(t, s.Complete(ctx, l, Response{Status: 200}), "a retried Complete")
+	require.ErrorIs(t, s.Complete(ctx, Lease{key: "k", token: l2.token}, Response{Status: 200}), ErrLeaseLost)
 	require.Equal(t, time.Minute, mr.TTL("k"))
+	_, rec, err = s.Acquire(ctx, "k", Claim{LockTTL: time.Second, TTL: time.Second})
+	require.NoError(t, err)
+	require.Equal(t, Completed, rec.State)
+	require.Equal(t, 200, rec.Response.Status)
 }
 
-// lostReply makes every script call look as if its reply never arrived, after Redis ran it.
+// oldRedis answers SET NX GET as Redis 6.2 does.
+type oldRedis struct{}
+
+type serverError string
+
+func (e serverError) Error() string { return string(e) }
+func (serverError) RedisError()     {}
+
+func (oldRedis) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (oldRedis) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "set" {
+			err := serverError("ERR syntax error")
+			cmd.SetErr(err)
+			return err
+		}
+		return next(ctx, cmd)
+	}
+}
+func (oldRedis) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func TestRedisBefore7IsNamed(t *testing.T) {
+	mr := miniredis.RunT(t)
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr(), Protocol: 2})
+	client.AddHook(oldRedis{})
+	s := NewRedis(client, time.Second)
+	t.Cleanup(func() { _ = s.Close() })
+	_, _, err := s.Acquire(t.Context(), "k", Claim{LockTTL: time.Second, TTL: time.Second})
+	require.ErrorContains(t, err, "Redis 7.0 or later")
+}
+
+func TestNewTokenFitsTheLayout(t *testing.T) {
+	seen := map[string]bool{}
+	for range 1000 {
+		tok := newToken()
+		require.Len(t, tok, tokenLen)
+		require.False(t, seen[tok])
+		seen[tok] = true
+	}
+}
+
+// lostReply makes every command look as if its reply never arrived, after Redis ran it.
 type lostReply struct{ on atomic.Bool }
 
 func (h *lostReply) DialHook(next redis.DialHook) redis.DialHook { return next }
@@ -133,38 +200,57 @@ func TestRedisPipelinesConcurrentCalls(t *testing.T) {
 	s, mr, hook := newHeldRedis(t)
 	t.Cleanup(func() { _ = s.Close() })
 	ctx := t.Context()
-
-	// Load the scripts, then flush them so that a batch finds NOSCRIPT and must reload.
-	_, _, err := s.Acquire(ctx, "warm", Claim{LockTTL: time.Hour, TTL: time.Hour})
-	require.NoError(t, err)
-	mr.FlushAll()
-	require.NoError(t, s.client.ScriptFlush(ctx).Err())
-
-	hook.hold.Store(true)
 	const n = 100
-	var wg sync.WaitGroup
+
+	// heldBurst runs n calls at once while the hook holds the commands, so that both slots
+	// stay busy and the rest queue; then it lets them all go.
+	heldBurst := func(call func(i int) error) {
+		t.Helper()
+		hook.held.Store(0)
+		hook.batches.Store(0)
+		hook.batched.Store(0)
+		hook.release = make(chan struct{})
+		hook.hold.Store(true)
+		var wg sync.WaitGroup
+		errs := make([]error, n)
+		for i := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[i] = call(i)
+			}()
+		}
+		queued := waitAllWaiting(t, s, hook, n)
+		require.Positive(t, queued, "with both slots busy, calls queue")
+		hook.hold.Store(false)
+		close(hook.release)
+		wg.Wait()
+		for i := range n {
+			require.NoError(t, errs[i], "call %d", i)
+		}
+		require.Positive(t, hook.batches.Load(), "queued calls left in pipelined batches")
+		require.Greater(t, hook.batched.Load(), hook.batches.Load(), "batches carried several calls")
+	}
+
 	leases := make([]Lease, n)
-	errs := make([]error, n)
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			leases[i], _, errs[i] = s.Acquire(ctx, "k"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
-		}()
-	}
-	queued := waitAllWaiting(t, s, hook, n)
-	require.Positive(t, queued, "with both slots busy, calls queue")
-	hook.hold.Store(false)
-	close(hook.release)
-	wg.Wait()
-	for i := range n {
-		require.NoError(t, errs[i])
-		require.True(t, leases[i].Held(), "call %d", i)
-		require.NoError(t, s.Complete(ctx, leases[i], Response{Status: 200}))
-	}
-	require.Positive(t, hook.batches.Load(), "queued calls left in pipelined batches")
-	require.Greater(t, hook.batched.Load(), hook.batches.Load(), "batches carried several calls")
+	heldBurst(func(i int) error {
+		var err error
+		leases[i], _, err = s.Acquire(ctx, "k"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
+		if err == nil && !leases[i].Held() {
+			err = errors.New("not acquired")
+		}
+		return err
+	})
 	require.Len(t, mr.Keys(), n, "every call ran exactly once")
+
+	// Flush the scripts, so that the batched completions find NOSCRIPT and must reload.
+	require.NoError(t, s.client.ScriptFlush(ctx).Err())
+	heldBurst(func(i int) error { return s.Complete(ctx, leases[i], Response{Status: 200}) })
+	for i := range n {
+		_, rec, err := s.Acquire(ctx, "k"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
+		require.NoError(t, err)
+		require.Equal(t, Completed, rec.State, "record %d", i)
+	}
 }
 
 func TestRedisPipelineClose(t *testing.T) {

@@ -1,6 +1,9 @@
 package cache_test
 
 import (
+	"maps"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -37,17 +40,28 @@ func TestRedisCorruptRecords(t *testing.T) {
 	t.Cleanup(func() { _ = c.Close() })
 	ctx := t.Context()
 
-	require.NoError(t, c.HSet(ctx, "future", "v", "99", "st", "c", "fp", "x", "resp", "\x07whatever").Err())
-	require.NoError(t, c.HSet(ctx, "garbage", "v", "1", "st", "c", "fp", "x", "resp", "\x01\xff").Err())
-	require.NoError(t, c.HSet(ctx, "state", "v", "1", "st", "?", "fp", "x").Err())
-	for _, key := range []string{"future", "garbage", "state"} {
+	token := strings.Repeat("T", 26)
+	header := func(layout, state string, fpLen string) string {
+		return layout + state + token + "0000000060000" + fpLen
+	}
+	records := map[string]string{
+		"short":     "2p",
+		"future":    header("9", "c", "00000000") + "\x01anything",
+		"state":     header("2", "?", "00000000"),
+		"fp length": header("2", "p", "zzzzzzzz"),
+		"fp beyond": header("2", "p", "00000010") + "fp",
+		"response":  header("2", "c", "00000002") + "fp" + "\x01\xff",
+		"no format": header("2", "c", "00000002") + "fp",
+	}
+	for key, v := range records {
+		require.NoError(t, c.Set(ctx, key, v, 0).Err())
+	}
+	require.NoError(t, c.HSet(ctx, "hash", "v", "1", "st", "c").Err())
+	for _, key := range append(slices.Sorted(maps.Keys(records)), "hash") {
 		_, _, err := s.Acquire(ctx, key, testClaim)
 		require.ErrorIs(t, err, cache.ErrCorrupt, key)
+		require.True(t, mr.Exists(key), "%s: a corrupt record is reported, not overwritten", key)
 	}
-	require.NoError(t, c.Set(ctx, "string", "not a hash", 0).Err())
-	_, _, err = s.Acquire(ctx, "string", testClaim)
-	require.Error(t, err)
-	require.NotErrorIs(t, err, cache.ErrLeaseLost)
 }
 
 func TestRedisRecordLayoutAndExpiry(t *testing.T) {
@@ -60,14 +74,17 @@ func TestRedisRecordLayoutAndExpiry(t *testing.T) {
 	l, rec, err := s.Acquire(ctx, "idempotency:k", cache.Claim{Fingerprint: []byte("fp"), LockTTL: 30 * time.Second, TTL: 2 * time.Hour})
 	require.NoError(t, err)
 	require.Nil(t, rec)
-	require.Equal(t, "1", mr.HGet("idempotency:k", "v"))
-	require.Equal(t, "p", mr.HGet("idempotency:k", "st"))
-	require.Equal(t, "7200000", mr.HGet("idempotency:k", "ttl"))
+	v, err := mr.Get("idempotency:k")
+	require.NoError(t, err)
+	require.Regexp(t, `^2p[A-Z2-7]{26}0000007200000`+`00000002fp$`, v, "layout 2, pending, token, TTL ms, fingerprint")
+	token := v[2:28]
 	require.Equal(t, 30*time.Second, mr.TTL("idempotency:k"))
 	require.Len(t, mr.Keys(), 1, "one key per record")
 
 	require.NoError(t, s.Complete(ctx, l, cache.Response{Status: 200}))
-	require.Equal(t, "c", mr.HGet("idempotency:k", "st"))
+	v, err = mr.Get("idempotency:k")
+	require.NoError(t, err)
+	require.True(t, strings.HasPrefix(v, "2c"+token+"000000720000000000002fp\x01"), "completed, same owner, then the response (format 1): %q", v)
 	require.Equal(t, 2*time.Hour, mr.TTL("idempotency:k"))
 	require.Len(t, mr.Keys(), 1)
 }

@@ -67,7 +67,7 @@ type cell struct {
 	elapsed          time.Duration
 	p50, p99         time.Duration
 	storeCalls       float64       // store operations per request
-	redisCommands    float64       // script calls sent to Redis per request
+	redisCommands    float64       // commands sent to Redis per request
 	redisTrips       float64       // round trips to Redis per request (pipelined calls share one)
 	cpu              time.Duration // this process' CPU time (client and processor)
 	redisCPU         time.Duration // redis-server's CPU time
@@ -94,7 +94,7 @@ func (r result) find(workload, target string) (cell, bool) {
 
 func (r result) print(w io.Writer) {
 	fmt.Fprintf(w, "%d concurrent streams, %v per cell in %d alternating rounds, GOMAXPROCS %d\n\n", r.opts.streams, r.opts.duration, r.opts.rounds, gomaxprocs())
-	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | Redis scripts/req | Redis round trips/req | CPU µs/req (bench process) | Redis CPU µs/req |\n")
+	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | Redis commands/req | Redis round trips/req | CPU µs/req (bench process) | Redis CPU µs/req |\n")
 	fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, c := range r.cells {
 		null, _ := r.find(c.workload, targetNull)
@@ -164,7 +164,7 @@ func compare(ctx context.Context, o options) (result, error) {
 		name  string
 		addr  string
 		calls *atomic.Int64 // store calls, nil for the null processor
-		cmds  *atomic.Int64 // Redis script calls, nil without Redis
+		cmds  *atomic.Int64 // Redis commands, nil without Redis
 		trips *atomic.Int64 // Redis round trips, nil without Redis
 		redis *redis.Client // for redis-server's CPU time, nil without Redis
 		stop  func()
@@ -194,7 +194,7 @@ func compare(ctx context.Context, o options) (result, error) {
 			return res, err
 		}
 		cmds, trips := &atomic.Int64{}, &atomic.Int64{}
-		rs.Client().AddHook(commandCounter{scripts: cmds, trips: trips})
+		rs.Client().AddHook(commandCounter{commands: cmds, trips: trips})
 		redisCalls := &atomic.Int64{}
 		addr, stop, err := serveProcessor(&countingStore{Store: rs, calls: redisCalls})
 		if err != nil {
@@ -519,18 +519,25 @@ func (c *countingStore) Release(ctx context.Context, l cache.Lease) error {
 	return c.Store.Release(ctx, l)
 }
 
-// commandCounter counts the script calls go-redis sends and the round trips they take: one per
-// call sent alone, one per pipelined batch. Connection set-up (HELLO) is not counted.
-type commandCounter struct{ scripts, trips *atomic.Int64 }
+// commandCounter counts the store's commands go-redis sends (SET for an acquire, scripts for
+// the rest) and the round trips they take: one per command sent alone, one per pipelined batch.
+// Connection set-up (HELLO) is not counted.
+type commandCounter struct{ commands, trips *atomic.Int64 }
 
-func isScript(cmd redis.Cmder) bool { return cmd.Name() == "evalsha" || cmd.Name() == "eval" }
+func isStoreCommand(cmd redis.Cmder) bool {
+	switch cmd.Name() {
+	case "set", "evalsha", "eval":
+		return true
+	}
+	return false
+}
 
 func (commandCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
 
 func (h commandCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		if isScript(cmd) {
-			h.scripts.Add(1)
+		if isStoreCommand(cmd) {
+			h.commands.Add(1)
 			h.trips.Add(1)
 		}
 		return next(ctx, cmd)
@@ -540,8 +547,8 @@ func (h commandCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 func (h commandCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
 		for _, c := range cmds {
-			if isScript(c) {
-				h.scripts.Add(1)
+			if isStoreCommand(c) {
+				h.commands.Add(1)
 			}
 		}
 		h.trips.Add(1)

@@ -13,8 +13,8 @@ import (
 
 // TestCompare runs the comparison briefly, as CI does: it asserts what is counted, never what
 // is timed. Store calls per request are exact: none for an uncovered request, two for a first
-// execution (acquire, complete), one for a replay; Redis sees one script call per store call,
-// and pipelining makes the round trips no more than that.
+// execution (acquire, complete), one for a replay; Redis sees one command per store call, and
+// pipelining makes the round trips no more than that.
 func TestCompare(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
 	res, err := compare(t.Context(), options{duration: 300 * time.Millisecond, rounds: 1, streams: 8, redisAddr: srv.Addr()})
@@ -35,7 +35,7 @@ func TestCompare(t *testing.T) {
 			}
 			require.Equal(t, want[w], c.storeCalls, "%s, %s: store calls per request", w, target)
 			if target == targetRedis {
-				require.Equal(t, want[w], c.redisCommands, "%s: Redis script calls per request", w)
+				require.Equal(t, want[w], c.redisCommands, "%s: Redis commands per request", w)
 				require.LessOrEqual(t, c.redisTrips, want[w], "%s: pipelining never adds round trips", w)
 			}
 		}
