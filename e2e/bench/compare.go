@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
 	"os/exec"
@@ -26,11 +27,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/structpb"
-
-	"github.com/idempotency-extproc/idempotency-extproc/cache"
-	"github.com/idempotency-extproc/idempotency-extproc/extproc"
-	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
-	"github.com/idempotency-extproc/idempotency-extproc/internal/extproctest"
 )
 
 type options struct {
@@ -38,6 +34,9 @@ type options struct {
 	rounds    int // the duration is split in rounds that alternate the targets
 	streams   int
 	redisAddr string // "" skips the Redis target
+	// load, when positive, adds a run of each workload at a fixed request rate: this fraction of
+	// the slowest target's throughput in the saturated run, the same rate for every target.
+	load float64
 	// only, when set, runs just the workloads and targets it names.
 	only map[string]bool
 }
@@ -66,11 +65,13 @@ type cell struct {
 	requests         int
 	elapsed          time.Duration
 	p50, p99         time.Duration
-	storeCalls       float64       // store operations per request
-	redisCommands    float64       // commands sent to Redis per request
-	redisTrips       float64       // round trips to Redis per request (pipelined calls share one)
-	cpu              time.Duration // this process' CPU time (client and processor)
-	redisCPU         time.Duration // redis-server's CPU time
+	roundP99         []time.Duration // each round's p99, for the paired comparison
+	storeCalls       float64         // store operations per request
+	redisCommands    float64         // commands sent to Redis per request
+	redisTrips       float64         // round trips to Redis per request (pipelined calls share one)
+	cpu              time.Duration   // the target process' CPU time
+	clientCPU        time.Duration   // the benchmark's CPU time: the client, as Envoy's share
+	redisCPU         time.Duration   // redis-server's CPU time
 	hasStore         bool
 	hasRedis         bool
 }
@@ -80,7 +81,27 @@ func (c cell) rps() float64 { return float64(c.requests) / c.elapsed.Seconds() }
 type result struct {
 	opts         options
 	cells        []cell
+	paced        []pacedCell
 	redisBenchRP float64 // redis-benchmark requests/s, 0 when not measured
+}
+
+// pacedCell is one workload against one target at a fixed request rate.
+type pacedCell struct {
+	workload, target string
+	rate             float64 // offered requests/s
+	requests         int
+	elapsed          time.Duration
+	p50, p99         time.Duration
+	roundP99         []time.Duration
+}
+
+func (r result) findPaced(workload, target string) (pacedCell, bool) {
+	for _, c := range r.paced {
+		if c.workload == workload && c.target == target {
+			return c, true
+		}
+	}
+	return pacedCell{}, false
 }
 
 func (r result) find(workload, target string) (cell, bool) {
@@ -93,15 +114,16 @@ func (r result) find(workload, target string) (cell, bool) {
 }
 
 func (r result) print(w io.Writer) {
-	fmt.Fprintf(w, "%d concurrent streams, %v per cell in %d alternating rounds, GOMAXPROCS %d\n\n", r.opts.streams, r.opts.duration, r.opts.rounds, gomaxprocs())
-	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | Redis commands/req | Redis round trips/req | CPU µs/req (bench process) | Redis CPU µs/req |\n")
-	fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+	fmt.Fprintf(w, "%d concurrent streams, %v per cell in %d alternating rounds; each target in a process of its own, GOMAXPROCS %d.\n", r.opts.streams, r.opts.duration, r.opts.rounds, gomaxprocs())
+	fmt.Fprintf(w, "p50 and p99 are over all rounds; p99 added is the median over rounds of the target's p99 minus the null processor's in the same round (in brackets: the range).\n\n")
+	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | Redis commands/req | Redis round trips/req | processor CPU µs/req | client CPU µs/req | Redis CPU µs/req |\n")
+	fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, c := range r.cells {
 		null, _ := r.find(c.workload, targetNull)
 		ratio, added := "1.00", "—"
 		if c.target != targetNull {
 			ratio = fmt.Sprintf("%.2f", c.rps()/null.rps())
-			added = fmtDur(c.p99 - null.p99)
+			added = fmtAdded(c.roundP99, null.roundP99)
 		}
 		store, cmds, trips := "—", "—", "—"
 		if c.hasStore {
@@ -115,9 +137,22 @@ func (r result) print(w io.Writer) {
 		if c.hasRedis {
 			redisCPU = fmt.Sprintf("%.1f", perRequest(c.redisCPU, c.requests))
 		}
-		fmt.Fprintf(w, "| %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s | %.1f | %s |\n",
+		fmt.Fprintf(w, "| %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f | %s |\n",
 			c.workload, c.target, c.rps(), fmtDur(c.p50), fmtDur(c.p99), ratio, added, store, cmds, trips,
-			perRequest(c.cpu, c.requests), redisCPU)
+			perRequest(c.cpu, c.requests), perRequest(c.clientCPU, c.requests), redisCPU)
+	}
+	if len(r.paced) > 0 {
+		fmt.Fprintf(w, "\nAt a fixed rate: %.0f%% of the slowest target's requests/s above, the same for every target, on %d streams; latency counts from each request's scheduled start\n\n", r.opts.load*100, r.opts.streams)
+		fmt.Fprintf(w, "| workload | target | offered requests/s | achieved | p50 | p99 | p99 added |\n")
+		fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: |\n")
+		for _, c := range r.paced {
+			added := "—"
+			if null, ok := r.findPaced(c.workload, targetNull); ok && c.target != targetNull {
+				added = fmtAdded(c.roundP99, null.roundP99)
+			}
+			fmt.Fprintf(w, "| %s | %s | %.0f | %.0f | %s | %s | %s |\n", c.workload, c.target, c.rate,
+				float64(c.requests)/c.elapsed.Seconds(), fmtDur(c.p50), fmtDur(c.p99), added)
+		}
 	}
 	if r.redisBenchRP > 0 {
 		fmt.Fprintf(w, "\nredis-benchmark, one round trip (HSET) at %d connections: %.0f requests/s — the ceiling of one Redis for a replay (1 round trip); a first execution needs 2.\n", r.opts.streams, r.redisBenchRP)
@@ -157,71 +192,41 @@ func fmtDur(d time.Duration) string {
 	return fmt.Sprintf("%.2fms", float64(d)/float64(time.Millisecond))
 }
 
-// compare runs every workload against every target.
+// compare runs every workload against every target, each target in a process of its own.
 func compare(ctx context.Context, o options) (result, error) {
 	res := result{opts: o}
-	type target struct {
-		name  string
-		addr  string
-		calls *atomic.Int64 // store calls, nil for the null processor
-		cmds  *atomic.Int64 // Redis commands, nil without Redis
-		trips *atomic.Int64 // Redis round trips, nil without Redis
-		redis *redis.Client // for redis-server's CPU time, nil without Redis
-		stop  func()
-	}
-	var targets []target
-
-	null, stop, err := serve(extproctest.NullProcessor{})
-	if err != nil {
-		return res, err
-	}
-	targets = append(targets, target{name: targetNull, addr: null, stop: stop})
-
-	mem, err := cache.NewMemory(cache.MemoryOptions{})
-	if err != nil {
-		return res, err
-	}
-	memCalls := &atomic.Int64{}
-	addr, stop, err := serveProcessor(&countingStore{Store: mem, calls: memCalls})
-	if err != nil {
-		return res, err
-	}
-	targets = append(targets, target{name: targetMemory, addr: addr, calls: memCalls, stop: stop})
-
+	names := []string{targetNull, targetMemory}
 	if o.redisAddr != "" {
-		rs, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + o.redisAddr + "/0", Timeout: time.Second, PoolSize: 4 * o.streams})
-		if err != nil {
-			return res, err
-		}
-		cmds, trips := &atomic.Int64{}, &atomic.Int64{}
-		rs.Client().AddHook(commandCounter{commands: cmds, trips: trips})
-		redisCalls := &atomic.Int64{}
-		addr, stop, err := serveProcessor(&countingStore{Store: rs, calls: redisCalls})
-		if err != nil {
-			return res, err
-		}
-		admin := redis.NewClient(&redis.Options{Addr: o.redisAddr})
-		defer admin.Close()
-		targets = append(targets, target{name: targetRedis, addr: addr, calls: redisCalls, cmds: cmds, trips: trips, redis: admin, stop: stop})
+		names = append(names, targetRedis)
 	}
+	var targets []*targetProcess
 	defer func() {
 		for _, t := range targets {
 			t.stop()
 		}
 	}()
+	for _, name := range names {
+		if name != targetNull && !o.runs(name) {
+			continue
+		}
+		t, err := startTarget(name, o.redisAddr)
+		if err != nil {
+			return res, err
+		}
+		targets = append(targets, t)
+	}
+	var admin *redis.Client // for redis-server's CPU time
+	if o.redisAddr != "" {
+		admin = redis.NewClient(&redis.Options{Addr: o.redisAddr})
+		defer admin.Close()
+	}
 
 	for _, w := range workloads {
 		if !o.runs(w) {
 			continue
 		}
-		var ts []target
-		for _, t := range targets {
-			if t.name == targetNull || o.runs(t.name) {
-				ts = append(ts, t)
-			}
-		}
-		clients := make([]extprocv3.ExternalProcessorClient, len(ts))
-		for i, t := range ts {
+		clients := make([]extprocv3.ExternalProcessorClient, len(targets))
+		for i, t := range targets {
 			conn, err := grpc.NewClient("passthrough:///"+t.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 			if err != nil {
 				return res, err
@@ -240,53 +245,78 @@ func compare(ctx context.Context, o options) (result, error) {
 			}
 		}
 		// Rounds alternate the targets, so that a drift of the machine's speed affects all alike.
-		cells := make([]cell, len(ts))
-		var lats [][]time.Duration = make([][]time.Duration, len(ts))
+		cells := make([]cell, len(targets))
+		lats := make([][]time.Duration, len(targets))
 		for range o.rounds {
-			for i, t := range ts {
-				var calls0, cmds0, trips0 int64
-				if t.calls != nil {
-					calls0 = t.calls.Load()
-				}
-				if t.cmds != nil {
-					cmds0, trips0 = t.cmds.Load(), t.trips.Load()
+			for i, t := range targets {
+				before, err := t.counters(ctx)
+				if err != nil {
+					return res, err
 				}
 				var redis0 time.Duration
-				if t.redis != nil {
-					redis0 = redisServerCPU(ctx, t.redis)
+				if before.HasRedis {
+					redis0 = redisServerCPU(ctx, admin)
 				}
 				cpu0 := processCPU()
 				c, lat, err := driveLatencies(ctx, clients[i], w, o.streams, o.duration/time.Duration(o.rounds))
 				if err != nil {
 					return res, fmt.Errorf("%s, %s: %w", w, t.name, err)
 				}
-				cells[i].cpu += processCPU() - cpu0
-				if t.redis != nil {
-					cells[i].redisCPU += redisServerCPU(ctx, t.redis) - redis0
+				cells[i].clientCPU += processCPU() - cpu0
+				after, err := t.counters(ctx)
+				if err != nil {
+					return res, err
+				}
+				cells[i].cpu += after.CPU - before.CPU
+				if after.HasRedis {
+					cells[i].redisCPU += redisServerCPU(ctx, admin) - redis0
 				}
 				cells[i].requests += c.requests
 				cells[i].elapsed += c.elapsed
 				lats[i] = append(lats[i], lat...)
-				if t.calls != nil {
-					cells[i].hasStore = true
-					cells[i].storeCalls += float64(t.calls.Load() - calls0)
-				}
-				if t.cmds != nil {
-					cells[i].hasRedis = true
-					cells[i].redisCommands += float64(t.cmds.Load() - cmds0)
-					cells[i].redisTrips += float64(t.trips.Load() - trips0)
-				}
+				_, p99 := percentiles(lat)
+				cells[i].roundP99 = append(cells[i].roundP99, p99)
+				cells[i].hasStore, cells[i].hasRedis = after.HasStore, after.HasRedis
+				cells[i].storeCalls += float64(after.Calls - before.Calls)
+				cells[i].redisCommands += float64(after.Commands - before.Commands)
+				cells[i].redisTrips += float64(after.Trips - before.Trips)
 			}
 		}
-		for i, t := range ts {
+		slowest := math.Inf(1)
+		for i, t := range targets {
 			c := cells[i]
 			c.workload, c.target = w, t.name
 			c.storeCalls /= float64(c.requests)
 			c.redisCommands /= float64(c.requests)
 			c.redisTrips /= float64(c.requests)
-			slices.Sort(lats[i])
-			c.p50, c.p99 = lats[i][len(lats[i])/2], lats[i][len(lats[i])*99/100]
+			c.p50, c.p99 = percentiles(lats[i])
 			res.cells = append(res.cells, c)
+			slowest = min(slowest, c.rps())
+		}
+		if o.load <= 0 {
+			continue
+		}
+		rate := o.load * slowest
+		paced := make([]pacedCell, len(targets))
+		lats = make([][]time.Duration, len(targets))
+		for range o.rounds {
+			for i, t := range targets {
+				c, lat, err := drivePaced(ctx, clients[i], w, o.streams, rate, o.duration/time.Duration(o.rounds))
+				if err != nil {
+					return res, fmt.Errorf("%s, %s at %.0f/s: %w", w, t.name, rate, err)
+				}
+				paced[i].requests += c.requests
+				paced[i].elapsed += c.elapsed
+				lats[i] = append(lats[i], lat...)
+				_, p99 := percentiles(lat)
+				paced[i].roundP99 = append(paced[i].roundP99, p99)
+			}
+		}
+		for i, t := range targets {
+			c := paced[i]
+			c.workload, c.target, c.rate = w, t.name, rate
+			c.p50, c.p99 = percentiles(lats[i])
+			res.paced = append(res.paced, c)
 		}
 	}
 	if o.redisAddr != "" {
@@ -340,9 +370,84 @@ func driveLatencies(ctx context.Context, client extprocv3.ExternalProcessorClien
 		return cell{}, nil, firstErr
 	}
 	if len(all) == 0 {
-		return cell{}, nil, errors.New("no request completed")
+		return cell{}, nil, errNoRequest
 	}
 	return cell{requests: len(all), elapsed: elapsed}, all, nil
+}
+
+// drivePaced runs one workload on streams concurrent streams for d at rate requests/s in all:
+// each stream starts a request every streams/rate, or at once when the previous one ended late.
+// A request's latency counts from its scheduled start, so that a slow answer also charges the
+// requests it delayed (no coordinated omission).
+func drivePaced(ctx context.Context, client extprocv3.ExternalProcessorClient, workload string, streams int, rate float64, d time.Duration) (cell, []time.Duration, error) {
+	var (
+		wg       sync.WaitGroup
+		mu       sync.Mutex
+		all      []time.Duration
+		firstErr error
+	)
+	interval := time.Duration(float64(streams) / rate * float64(time.Second))
+	start := time.Now()
+	end := start.Add(d)
+	for i := range streams {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var lat []time.Duration
+			next := start.Add(interval * time.Duration(i) / time.Duration(streams))
+			for next.Before(end) {
+				if wait := time.Until(next); wait > 0 {
+					time.Sleep(wait)
+				}
+				if err := request(ctx, client, workload, seq.Add(1)); err != nil {
+					mu.Lock()
+					firstErr = cmpErr(firstErr, err)
+					mu.Unlock()
+					return
+				}
+				lat = append(lat, time.Since(next))
+				next = next.Add(interval)
+			}
+			mu.Lock()
+			all = append(all, lat...)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	if firstErr != nil {
+		return cell{}, nil, firstErr
+	}
+	if len(all) == 0 {
+		return cell{}, nil, errNoRequest
+	}
+	return cell{requests: len(all), elapsed: elapsed}, all, nil
+}
+
+// addedP99 compares a target's p99 with the null processor's round by round (the two ran one
+// after the other, on the same machine state) and returns the median of the differences and
+// their range.
+func addedP99(target, null []time.Duration) (median, lo, hi time.Duration) {
+	d := make([]time.Duration, min(len(target), len(null)))
+	for i := range d {
+		d[i] = target[i] - null[i]
+	}
+	slices.Sort(d)
+	return d[len(d)/2], d[0], d[len(d)-1]
+}
+
+func fmtAdded(target, null []time.Duration) string {
+	median, lo, hi := addedP99(target, null)
+	if lo == hi {
+		return fmtDur(median)
+	}
+	return fmt.Sprintf("%s [%s, %s]", fmtDur(median), fmtDur(lo), fmtDur(hi))
+}
+
+// percentiles sorts lat and returns its median and 99th percentile.
+func percentiles(lat []time.Duration) (p50, p99 time.Duration) {
+	slices.Sort(lat)
+	return lat[len(lat)/2], lat[len(lat)*99/100]
 }
 
 func cmpErr(a, b error) error {
@@ -462,98 +567,6 @@ func request(ctx context.Context, client extprocv3.ExternalProcessorClient, work
 		}
 	}
 	return nil
-}
-
-// serve runs an ExternalProcessor on a loopback port with the binary's gRPC options.
-func serve(p extprocv3.ExternalProcessorServer) (string, func(), error) {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", nil, err
-	}
-	gs := grpc.NewServer(grpc.MaxRecvMsgSize(64 << 20))
-	extprocv3.RegisterExternalProcessorServer(gs, p)
-	go func() { _ = gs.Serve(lis) }()
-	return lis.Addr().String(), gs.Stop, nil
-}
-
-func serveProcessor(store cache.Store) (string, func(), error) {
-	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: benchPolicy()})
-	if err != nil {
-		return "", nil, err
-	}
-	return serve(srv)
-}
-
-// benchPolicy is the default policy with a store_timeout that tolerates a saturated machine.
-func benchPolicy() *policy.Policy {
-	p, err := policy.Parse([]byte("store_timeout: 2s"))
-	if err != nil {
-		panic(err)
-	}
-	return p
-}
-
-// countingStore counts store operations.
-type countingStore struct {
-	cache.Store
-	calls *atomic.Int64
-}
-
-func (c *countingStore) Acquire(ctx context.Context, key string, cl cache.Claim) (cache.Lease, *cache.Record, error) {
-	c.calls.Add(1)
-	return c.Store.Acquire(ctx, key, cl)
-}
-
-func (c *countingStore) Renew(ctx context.Context, l cache.Lease, d time.Duration) error {
-	c.calls.Add(1)
-	return c.Store.Renew(ctx, l, d)
-}
-
-func (c *countingStore) Complete(ctx context.Context, l cache.Lease, r cache.Response) error {
-	c.calls.Add(1)
-	return c.Store.Complete(ctx, l, r)
-}
-
-func (c *countingStore) Release(ctx context.Context, l cache.Lease) error {
-	c.calls.Add(1)
-	return c.Store.Release(ctx, l)
-}
-
-// commandCounter counts the store's commands go-redis sends (SET for an acquire, scripts for
-// the rest) and the round trips they take: one per command sent alone, one per pipelined batch.
-// Connection set-up (HELLO) is not counted.
-type commandCounter struct{ commands, trips *atomic.Int64 }
-
-func isStoreCommand(cmd redis.Cmder) bool {
-	switch cmd.Name() {
-	case "set", "evalsha", "eval":
-		return true
-	}
-	return false
-}
-
-func (commandCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (h commandCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		if isStoreCommand(cmd) {
-			h.commands.Add(1)
-			h.trips.Add(1)
-		}
-		return next(ctx, cmd)
-	}
-}
-
-func (h commandCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		for _, c := range cmds {
-			if isStoreCommand(c) {
-				h.commands.Add(1)
-			}
-		}
-		h.trips.Add(1)
-		return next(ctx, cmds)
-	}
 }
 
 var redisBenchRE = regexp.MustCompile(`([0-9.]+) requests per second`)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -11,13 +12,22 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
 
+// TestMain lets the test binary serve as a target process, as the benchmark's does.
+func TestMain(m *testing.M) {
+	if serveFromEnv() {
+		return
+	}
+	os.Exit(m.Run())
+}
+
 // TestCompare runs the comparison briefly, as CI does: it asserts what is counted, never what
 // is timed. Store calls per request are exact: none for an uncovered request, two for a first
 // execution (acquire, complete), one for a replay; Redis sees one command per store call, and
-// pipelining makes the round trips no more than that.
+// pipelining makes the round trips no more than that. The run at a fixed rate measures every
+// cell too.
 func TestCompare(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
-	res, err := compare(t.Context(), options{duration: 300 * time.Millisecond, rounds: 1, streams: 8, redisAddr: srv.Addr()})
+	res, err := compare(t.Context(), options{duration: 300 * time.Millisecond, rounds: 1, streams: 8, redisAddr: srv.Addr(), load: 0.5})
 	require.NoError(t, err)
 	var out bytes.Buffer
 	res.print(&out)
@@ -30,6 +40,11 @@ func TestCompare(t *testing.T) {
 			require.True(t, ok, "%s, %s", w, target)
 			require.Positive(t, c.requests)
 			require.LessOrEqual(t, c.p50, c.p99)
+			require.Positive(t, c.cpu, "%s, %s: the target process' CPU time", w, target)
+			p, ok := res.findPaced(w, target)
+			require.True(t, ok, "%s, %s at a fixed rate", w, target)
+			require.Positive(t, p.requests)
+			require.LessOrEqual(t, p.p50, p.p99)
 			if target == targetNull {
 				continue
 			}

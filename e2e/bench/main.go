@@ -5,6 +5,10 @@
 // It prints requests/s, p50 and p99 latency, the ratio to the null processor, the store calls
 // and Redis commands per request, and redis-benchmark's requests/s at the same concurrency.
 //
+// Each target runs in a process of its own (this executable, started again), as a processor
+// runs beside Envoy; the benchmark's own process is the client. With -load, each workload also
+// runs at a fixed request rate below saturation, to measure the latency a target adds.
+//
 //	go run ./e2e/bench                    # 3 s per cell
 //	go run ./e2e/bench -duration 10s -streams 64
 //
@@ -24,24 +28,25 @@ import (
 )
 
 func main() {
+	if serveFromEnv() {
+		return
+	}
 	duration := flag.Duration("duration", 3*time.Second, "how long each workload runs against each target")
 	streams := flag.Int("streams", 32, "concurrent ext_proc streams")
 	rounds := flag.Int("rounds", 5, "alternating rounds each cell's duration is split into")
+	load := flag.Float64("load", 0.5, "also run each workload at this fraction of the slowest target's requests/s, to measure latency below saturation (0: skip)")
 	only := flag.String("only", "", "comma-separated workloads and targets to run (default all), e.g. \"first execution,memory store\"")
-	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
+	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory and .redis")
 	flag.Parse()
 	if *cpuprofile != "" {
-		f, err := os.Create(*cpuprofile)
+		stop, err := startProfile(*cpuprofile + ".client")
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
 			os.Exit(1)
 		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			fmt.Fprintln(os.Stderr, "bench:", err)
-			os.Exit(1)
-		}
-		defer pprof.StopCPUProfile()
+		defer stop()
+		// The target processes write theirs.
+		_ = os.Setenv(envProfile, *cpuprofile)
 	}
 	filter := map[string]bool{}
 	for _, s := range strings.Split(*only, ",") {
@@ -57,10 +62,26 @@ func main() {
 	} else {
 		defer stop()
 	}
-	res, err := compare(ctx, options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, only: filter})
+	res, err := compare(ctx, options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, load: *load, only: filter})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1) //nolint:gocritic // the profile is not needed on failure
 	}
 	res.print(os.Stdout)
+}
+
+// startProfile starts a CPU profile into path and returns what stops it.
+func startProfile(path string) (func(), error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		_ = f.Close()
+	}, nil
 }

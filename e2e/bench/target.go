@@ -1,0 +1,288 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/redis/go-redis/v9"
+	"google.golang.org/grpc"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/extproctest"
+)
+
+// Each target runs in a process of its own, as a processor does beside Envoy: its CPU time is
+// its own, and one target's heap (the memory store's records) never slows another's garbage
+// collection. The benchmark starts its own executable with these variables set.
+const (
+	envServe   = "IDEMPOTENCY_BENCH_SERVE"      // the target to serve
+	envRedis   = "IDEMPOTENCY_BENCH_REDIS"      // the Redis address of the Redis target
+	envProfile = "IDEMPOTENCY_BENCH_CPUPROFILE" // when set, the prefix of the target's CPU profile
+)
+
+// profileSuffix names each target's CPU profile.
+var profileSuffix = map[string]string{targetNull: ".null", targetMemory: ".memory", targetRedis: ".redis"}
+
+// counters are what a target process reports: its CPU time and, for the processor, its store
+// calls and the Redis commands and round trips they took.
+type counters struct {
+	CPU      time.Duration
+	Calls    int64
+	Commands int64
+	Trips    int64
+	HasStore bool
+	HasRedis bool
+}
+
+// serveFromEnv serves the target named by envServe, if set, until its standard input closes,
+// and reports whether it did. It prints "<grpc address> <counters address>" on a first line.
+func serveFromEnv() bool {
+	name := os.Getenv(envServe)
+	if name == "" {
+		return false
+	}
+	if prefix := os.Getenv(envProfile); prefix != "" {
+		stop, err := startProfile(prefix + profileSuffix[name])
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench target:", err)
+			os.Exit(1)
+		}
+		defer stop()
+	}
+	if err := serveTarget(name, os.Getenv(envRedis), os.Stdin, os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "bench target:", err)
+		os.Exit(1)
+	}
+	return true
+}
+
+func serveTarget(name, redisAddr string, stdin io.Reader, stdout io.Writer) error {
+	var (
+		p                      extprocv3.ExternalProcessorServer
+		calls, commands, trips atomic.Int64
+		hasStore, hasRedis     bool
+	)
+	switch name {
+	case targetNull:
+		p = extproctest.NullProcessor{}
+	case targetMemory:
+		mem, err := cache.NewMemory(cache.MemoryOptions{})
+		if err != nil {
+			return err
+		}
+		// The counting wrapper stays a cache.Local store, as the memory store is in the binary.
+		srv, err := extproc.NewServer(extproc.Options{Store: localCountingStore{&countingStore{Store: mem, calls: &calls}}, Policy: benchPolicy()})
+		if err != nil {
+			return err
+		}
+		p, hasStore = srv, true
+	case targetRedis:
+		rs, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + redisAddr + "/0", Timeout: time.Second})
+		if err != nil {
+			return err
+		}
+		defer rs.Close()
+		rs.Client().AddHook(commandCounter{commands: &commands, trips: &trips})
+		srv, err := extproc.NewServer(extproc.Options{Store: &countingStore{Store: rs, calls: &calls}, Policy: benchPolicy()})
+		if err != nil {
+			return err
+		}
+		p, hasStore, hasRedis = srv, true, true
+	default:
+		return fmt.Errorf("no target %q", name)
+	}
+
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	gs := grpc.NewServer(grpc.MaxRecvMsgSize(64 << 20))
+	extprocv3.RegisterExternalProcessorServer(gs, p)
+	go func() { _ = gs.Serve(lis) }()
+	defer gs.Stop()
+
+	statsLis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	stats := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		_ = json.NewEncoder(w).Encode(counters{
+			CPU: processCPU(), Calls: calls.Load(), Commands: commands.Load(), Trips: trips.Load(),
+			HasStore: hasStore, HasRedis: hasRedis,
+		})
+	})}
+	go func() { _ = stats.Serve(statsLis) }()
+	defer stats.Close()
+
+	if _, err := fmt.Fprintln(stdout, lis.Addr(), statsLis.Addr()); err != nil {
+		return err
+	}
+	_, _ = io.Copy(io.Discard, stdin) // until the benchmark closes it, or exits
+	return nil
+}
+
+// benchPolicy is the default policy with a store_timeout that tolerates a saturated machine.
+func benchPolicy() *policy.Policy {
+	p, err := policy.Parse([]byte("store_timeout: 2s"))
+	if err != nil {
+		panic(err)
+	}
+	return p
+}
+
+// targetProcess is a running target process.
+type targetProcess struct {
+	name  string
+	addr  string // its ext_proc gRPC address
+	stats string // its counters' address
+	cmd   *exec.Cmd
+	stdin io.Closer
+}
+
+// startTarget runs the target name in a new process of this executable.
+func startTarget(name, redisAddr string) (*targetProcess, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), envServe+"="+name, envRedis+"="+redisAddr)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	t := &targetProcess{name: name, cmd: cmd, stdin: stdin}
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	addrs := strings.Fields(line)
+	if err != nil || len(addrs) != 2 {
+		t.stop()
+		return nil, fmt.Errorf("target %s did not start: %q, %v", name, line, err)
+	}
+	t.addr, t.stats = addrs[0], addrs[1]
+	return t, nil
+}
+
+// counters reads the target's counters.
+func (t *targetProcess) counters(ctx context.Context) (counters, error) {
+	var c counters
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+t.stats+"/", nil)
+	if err != nil {
+		return c, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return c, err
+	}
+	defer resp.Body.Close()
+	return c, json.NewDecoder(resp.Body).Decode(&c)
+}
+
+// stop ends the target process: it exits when its standard input closes.
+func (t *targetProcess) stop() {
+	_ = t.stdin.Close()
+	done := make(chan struct{})
+	go func() {
+		_ = t.cmd.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		_ = t.cmd.Process.Kill()
+		<-done
+	}
+}
+
+// countingStore counts store operations.
+type countingStore struct {
+	cache.Store
+	calls *atomic.Int64
+}
+
+func (c *countingStore) Acquire(ctx context.Context, key string, cl cache.Claim) (cache.Lease, *cache.Record, error) {
+	c.calls.Add(1)
+	return c.Store.Acquire(ctx, key, cl)
+}
+
+func (c *countingStore) Renew(ctx context.Context, l cache.Lease, d time.Duration) error {
+	c.calls.Add(1)
+	return c.Store.Renew(ctx, l, d)
+}
+
+func (c *countingStore) Complete(ctx context.Context, l cache.Lease, r cache.Response) error {
+	c.calls.Add(1)
+	return c.Store.Complete(ctx, l, r)
+}
+
+func (c *countingStore) Release(ctx context.Context, l cache.Lease) error {
+	c.calls.Add(1)
+	return c.Store.Release(ctx, l)
+}
+
+// localCountingStore is a countingStore of a store in this process.
+type localCountingStore struct{ *countingStore }
+
+var _ cache.Local = localCountingStore{}
+
+func (localCountingStore) Local() {}
+
+// commandCounter counts the store's commands go-redis sends (SET for an acquire, scripts for
+// the rest) and the round trips they take: one per command sent alone, one per pipelined batch.
+// Connection set-up (HELLO) is not counted.
+type commandCounter struct{ commands, trips *atomic.Int64 }
+
+func isStoreCommand(cmd redis.Cmder) bool {
+	switch cmd.Name() {
+	case "set", "evalsha", "eval":
+		return true
+	}
+	return false
+}
+
+func (commandCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h commandCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if isStoreCommand(cmd) {
+			h.commands.Add(1)
+			h.trips.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h commandCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, c := range cmds {
+			if isStoreCommand(c) {
+				h.commands.Add(1)
+			}
+		}
+		h.trips.Add(1)
+		return next(ctx, cmds)
+	}
+}
+
+var errNoRequest = errors.New("no request completed")
