@@ -34,6 +34,8 @@ type options struct {
 	rounds    int // the duration is split in rounds that alternate the targets
 	streams   int
 	redisAddr string // "" skips the Redis target
+	// memoryBytes bounds the memory stores (default: the binary's default).
+	memoryBytes int64
 	// load, when positive, adds a run of each workload at a fixed request rate: this fraction of
 	// the slowest target's throughput in the saturated run, the same rate for every target.
 	load float64
@@ -54,9 +56,10 @@ var workloads = []string{workloadUncovered, workloadFirst, workloadReplay}
 
 // Targets.
 const (
-	targetNull   = "null processor"
-	targetMemory = "memory store"
-	targetRedis  = "redis store"
+	targetNull        = "null processor"
+	targetMemory      = "memory store"         // filled to its bound before the run: a replica's steady state
+	targetMemoryEmpty = "memory store (empty)" // empty at the start, as after a restart
+	targetRedis       = "redis store"
 )
 
 // cell is the result of one workload against one target.
@@ -74,6 +77,7 @@ type cell struct {
 	redisCPU         time.Duration   // redis-server's CPU time
 	hasStore         bool
 	hasRedis         bool
+	memoryBytes      [2]int64 // what a memory store held before and after the cell's runs
 }
 
 func (c cell) rps() float64 { return float64(c.requests) / c.elapsed.Seconds() }
@@ -195,7 +199,7 @@ func fmtDur(d time.Duration) string {
 // compare runs every workload against every target, each target in a process of its own.
 func compare(ctx context.Context, o options) (result, error) {
 	res := result{opts: o}
-	names := []string{targetNull, targetMemory}
+	names := []string{targetNull, targetMemory, targetMemoryEmpty}
 	if o.redisAddr != "" {
 		names = append(names, targetRedis)
 	}
@@ -209,7 +213,7 @@ func compare(ctx context.Context, o options) (result, error) {
 		if name != targetNull && !o.runs(name) {
 			continue
 		}
-		t, err := startTarget(name, o.redisAddr)
+		t, err := startTarget(name, o.redisAddr, o.memoryBytes)
 		if err != nil {
 			return res, err
 		}
@@ -253,6 +257,9 @@ func compare(ctx context.Context, o options) (result, error) {
 				if err != nil {
 					return res, err
 				}
+				if cells[i].requests == 0 {
+					cells[i].memoryBytes[0] = before.MemoryBytes
+				}
 				var redis0 time.Duration
 				if before.HasRedis {
 					redis0 = redisServerCPU(ctx, admin)
@@ -277,6 +284,7 @@ func compare(ctx context.Context, o options) (result, error) {
 				_, p99 := percentiles(lat)
 				cells[i].roundP99 = append(cells[i].roundP99, p99)
 				cells[i].hasStore, cells[i].hasRedis = after.HasStore, after.HasRedis
+				cells[i].memoryBytes[1] = after.MemoryBytes
 				cells[i].storeCalls += float64(after.Calls - before.Calls)
 				cells[i].redisCommands += float64(after.Commands - before.Commands)
 				cells[i].redisTrips += float64(after.Trips - before.Trips)

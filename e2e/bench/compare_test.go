@@ -27,7 +27,7 @@ func TestMain(m *testing.M) {
 // cell too.
 func TestCompare(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
-	res, err := compare(t.Context(), options{duration: 300 * time.Millisecond, rounds: 1, streams: 8, redisAddr: srv.Addr(), load: 0.5})
+	res, err := compare(t.Context(), options{duration: 300 * time.Millisecond, rounds: 1, streams: 8, redisAddr: srv.Addr(), load: 0.5, memoryBytes: 8 << 20})
 	require.NoError(t, err)
 	var out bytes.Buffer
 	res.print(&out)
@@ -35,7 +35,7 @@ func TestCompare(t *testing.T) {
 
 	want := map[string]float64{workloadUncovered: 0, workloadFirst: 2, workloadReplay: 1}
 	for _, w := range workloads {
-		for _, target := range []string{targetNull, targetMemory, targetRedis} {
+		for _, target := range []string{targetNull, targetMemory, targetMemoryEmpty, targetRedis} {
 			c, ok := res.find(w, target)
 			require.True(t, ok, "%s, %s", w, target)
 			require.Positive(t, c.requests)
@@ -47,6 +47,11 @@ func TestCompare(t *testing.T) {
 			require.LessOrEqual(t, p.p50, p.p99)
 			if target == targetNull {
 				continue
+			}
+			if w == workloadUncovered {
+				// The memory targets' first cells: one starts at its bound, one empty.
+				full := c.memoryBytes[0] >= 8<<20*99/100
+				require.Equal(t, target == targetMemory, full, "%s starts with %d bytes", target, c.memoryBytes[0])
 			}
 			require.Equal(t, want[w], c.storeCalls, "%s, %s: store calls per request", w, target)
 			if target == targetRedis {

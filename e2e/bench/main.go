@@ -36,7 +36,7 @@ func main() {
 	rounds := flag.Int("rounds", 5, "alternating rounds each cell's duration is split into")
 	load := flag.Float64("load", 0.5, "also run each workload at this fraction of the slowest target's requests/s, to measure latency below saturation (0: skip)")
 	only := flag.String("only", "", "comma-separated workloads and targets to run (default all), e.g. \"first execution,memory store\"")
-	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory and .redis")
+	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory, .memory-empty and .redis")
 	flag.Parse()
 	if *cpuprofile != "" {
 		stop, err := startProfile(*cpuprofile + ".client")

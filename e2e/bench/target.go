@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -29,13 +30,16 @@ import (
 // its own, and one target's heap (the memory store's records) never slows another's garbage
 // collection. The benchmark starts its own executable with these variables set.
 const (
-	envServe   = "IDEMPOTENCY_BENCH_SERVE"      // the target to serve
-	envRedis   = "IDEMPOTENCY_BENCH_REDIS"      // the Redis address of the Redis target
-	envProfile = "IDEMPOTENCY_BENCH_CPUPROFILE" // when set, the prefix of the target's CPU profile
+	envServe   = "IDEMPOTENCY_BENCH_SERVE"        // the target to serve
+	envRedis   = "IDEMPOTENCY_BENCH_REDIS"        // the Redis address of the Redis target
+	envProfile = "IDEMPOTENCY_BENCH_CPUPROFILE"   // when set, the prefix of the target's CPU profile
+	envMemory  = "IDEMPOTENCY_BENCH_MEMORY_BYTES" // the memory stores' bound, when not the default
 )
 
 // profileSuffix names each target's CPU profile.
-var profileSuffix = map[string]string{targetNull: ".null", targetMemory: ".memory", targetRedis: ".redis"}
+var profileSuffix = map[string]string{
+	targetNull: ".null", targetMemory: ".memory", targetMemoryEmpty: ".memory-empty", targetRedis: ".redis",
+}
 
 // counters are what a target process reports: its CPU time and, for the processor, its store
 // calls and the Redis commands and round trips they took.
@@ -46,6 +50,8 @@ type counters struct {
 	Trips    int64
 	HasStore bool
 	HasRedis bool
+	// MemoryBytes is what the memory store holds (cache.Memory.Bytes), 0 for other targets.
+	MemoryBytes int64
 }
 
 // serveFromEnv serves the target named by envServe, if set, until its standard input closes,
@@ -63,27 +69,38 @@ func serveFromEnv() bool {
 		}
 		defer stop()
 	}
-	if err := serveTarget(name, os.Getenv(envRedis), os.Stdin, os.Stdout); err != nil {
+	memoryBytes, _ := strconv.ParseInt(os.Getenv(envMemory), 10, 64)
+	if err := serveTarget(name, os.Getenv(envRedis), memoryBytes, os.Stdin, os.Stdout); err != nil {
 		fmt.Fprintln(os.Stderr, "bench target:", err)
 		os.Exit(1)
 	}
 	return true
 }
 
-func serveTarget(name, redisAddr string, stdin io.Reader, stdout io.Writer) error {
+func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, stdout io.Writer) error {
 	var (
 		p                      extprocv3.ExternalProcessorServer
 		calls, commands, trips atomic.Int64
 		hasStore, hasRedis     bool
+		memory                 *cache.Memory
 	)
 	switch name {
 	case targetNull:
 		p = extproctest.NullProcessor{}
-	case targetMemory:
-		mem, err := cache.NewMemory(cache.MemoryOptions{})
+	case targetMemory, targetMemoryEmpty:
+		if memoryBytes == 0 {
+			memoryBytes = cache.DefaultMemoryMaxBytes
+		}
+		mem, err := cache.NewMemory(cache.MemoryOptions{MaxBytes: memoryBytes})
 		if err != nil {
 			return err
 		}
+		if name == targetMemory {
+			if err := fill(mem, memoryBytes); err != nil {
+				return err
+			}
+		}
+		memory = mem
 		// The counting wrapper stays a cache.Local store, as the memory store is in the binary.
 		srv, err := extproc.NewServer(extproc.Options{Store: localCountingStore{&countingStore{Store: mem, calls: &calls}}, Policy: benchPolicy()})
 		if err != nil {
@@ -120,10 +137,14 @@ func serveTarget(name, redisAddr string, stdin io.Reader, stdout io.Writer) erro
 		return err
 	}
 	stats := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		_ = json.NewEncoder(w).Encode(counters{
+		c := counters{
 			CPU: processCPU(), Calls: calls.Load(), Commands: commands.Load(), Trips: trips.Load(),
 			HasStore: hasStore, HasRedis: hasRedis,
-		})
+		}
+		if memory != nil {
+			c.MemoryBytes = memory.Bytes()
+		}
+		_ = json.NewEncoder(w).Encode(c)
 	})}
 	go func() { _ = stats.Serve(statsLis) }()
 	defer stats.Close()
@@ -132,6 +153,36 @@ func serveTarget(name, redisAddr string, stdin io.Reader, stdout io.Writer) erro
 		return err
 	}
 	_, _ = io.Copy(io.Discard, stdin) // until the benchmark closes it, or exits
+	return nil
+}
+
+// fill brings a memory store to its bound, where each new record evicts the least recently used
+// one: the steady state of a replica that has run for a while. Filling it during the
+// measurement would measure instead the heap's growth to the bound (fresh pages from the
+// kernel, each faulted in and zeroed), which a replica pays once after it starts.
+func fill(m *cache.Memory, bound int64) error {
+	ctx := context.Background()
+	claim := cache.Claim{Fingerprint: make([]byte, 32), LockTTL: time.Minute, TTL: 24 * time.Hour}
+	resp := cache.Response{Status: 201, Headers: []cache.Header{{Name: "content-type", Value: []byte("application/json")}}, Body: responseBody}
+	add := func(i int) error {
+		l, _, err := m.Acquire(ctx, "fill-"+strconv.Itoa(i), claim)
+		if err != nil {
+			return err
+		}
+		return m.Complete(ctx, l, resp)
+	}
+	n := 0
+	for ; m.Bytes() < bound-bound/100; n++ {
+		if err := add(n); err != nil {
+			return err
+		}
+	}
+	for range n / 10 { // and some evictions
+		if err := add(n); err != nil {
+			return err
+		}
+		n++
+	}
 	return nil
 }
 
@@ -154,13 +205,13 @@ type targetProcess struct {
 }
 
 // startTarget runs the target name in a new process of this executable.
-func startTarget(name, redisAddr string) (*targetProcess, error) {
+func startTarget(name, redisAddr string, memoryBytes int64) (*targetProcess, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
 	cmd := exec.Command(exe)
-	cmd.Env = append(os.Environ(), envServe+"="+name, envRedis+"="+redisAddr)
+	cmd.Env = append(os.Environ(), envServe+"="+name, envRedis+"="+redisAddr, envMemory+"="+strconv.FormatInt(memoryBytes, 10))
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
