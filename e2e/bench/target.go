@@ -157,8 +157,9 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 }
 
 // fill brings a memory store to its bound, where each new record evicts the least recently used
-// one: the steady state of a replica that has run for a while. Filling it during the
-// measurement would measure instead the heap's growth to the bound (fresh pages from the
+// one, and then replaces every record once more, so that the Go heap has grown to its
+// steady-state size (about twice the live heap): the state of a replica that has run for a
+// while. Without it, the measurement would include the heap's growth (fresh pages from the
 // kernel, each faulted in and zeroed), which a replica pays once after it starts.
 func fill(m *cache.Memory, bound int64) error {
 	ctx := context.Background()
@@ -177,11 +178,10 @@ func fill(m *cache.Memory, bound int64) error {
 			return err
 		}
 	}
-	for range n / 10 { // and some evictions
-		if err := add(n); err != nil {
+	for i := range n {
+		if err := add(n + i); err != nil {
 			return err
 		}
-		n++
 	}
 	return nil
 }
