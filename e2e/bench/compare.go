@@ -344,43 +344,18 @@ func drive(ctx context.Context, client extprocv3.ExternalProcessorClient, worklo
 
 // driveLatencies is drive that also returns every request's latency.
 func driveLatencies(ctx context.Context, client extprocv3.ExternalProcessorClient, workload string, streams int, d time.Duration) (cell, []time.Duration, error) {
-	var (
-		wg       sync.WaitGroup
-		mu       sync.Mutex
-		all      []time.Duration
-		firstErr error
-	)
 	deadline := time.Now().Add(d)
-	start := time.Now()
-	for range streams {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			var lat []time.Duration
-			for time.Now().Before(deadline) {
-				t0 := time.Now()
-				if err := request(ctx, client, workload, seq.Add(1)); err != nil {
-					mu.Lock()
-					firstErr = cmpErr(firstErr, err)
-					mu.Unlock()
-					return
-				}
-				lat = append(lat, time.Since(t0))
+	return runStreams(streams, func(int) ([]time.Duration, error) {
+		var lat []time.Duration
+		for time.Now().Before(deadline) {
+			t0 := time.Now()
+			if err := request(ctx, client, workload, seq.Add(1)); err != nil {
+				return nil, err
 			}
-			mu.Lock()
-			all = append(all, lat...)
-			mu.Unlock()
-		}()
-	}
-	wg.Wait()
-	elapsed := time.Since(start)
-	if firstErr != nil {
-		return cell{}, nil, firstErr
-	}
-	if len(all) == 0 {
-		return cell{}, nil, errNoRequest
-	}
-	return cell{requests: len(all), elapsed: elapsed}, all, nil
+			lat = append(lat, time.Since(t0))
+		}
+		return lat, nil
+	})
 }
 
 // drivePaced runs one workload on streams concurrent streams for d at rate requests/s in all:
@@ -388,37 +363,44 @@ func driveLatencies(ctx context.Context, client extprocv3.ExternalProcessorClien
 // A request's latency counts from its scheduled start, so that a slow answer also charges the
 // requests it delayed (no coordinated omission).
 func drivePaced(ctx context.Context, client extprocv3.ExternalProcessorClient, workload string, streams int, rate float64, d time.Duration) (cell, []time.Duration, error) {
+	interval := time.Duration(float64(streams) / rate * float64(time.Second))
+	start := time.Now()
+	end := start.Add(d)
+	return runStreams(streams, func(i int) ([]time.Duration, error) {
+		var lat []time.Duration
+		next := start.Add(interval * time.Duration(i) / time.Duration(streams))
+		for next.Before(end) {
+			if wait := time.Until(next); wait > 0 {
+				time.Sleep(wait)
+			}
+			if err := request(ctx, client, workload, seq.Add(1)); err != nil {
+				return nil, err
+			}
+			lat = append(lat, time.Since(next))
+			next = next.Add(interval)
+		}
+		return lat, nil
+	})
+}
+
+// runStreams runs stream on streams goroutines at once and gathers the latencies they return.
+func runStreams(streams int, stream func(i int) ([]time.Duration, error)) (cell, []time.Duration, error) {
 	var (
 		wg       sync.WaitGroup
 		mu       sync.Mutex
 		all      []time.Duration
 		firstErr error
 	)
-	interval := time.Duration(float64(streams) / rate * float64(time.Second))
 	start := time.Now()
-	end := start.Add(d)
 	for i := range streams {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			var lat []time.Duration
-			next := start.Add(interval * time.Duration(i) / time.Duration(streams))
-			for next.Before(end) {
-				if wait := time.Until(next); wait > 0 {
-					time.Sleep(wait)
-				}
-				if err := request(ctx, client, workload, seq.Add(1)); err != nil {
-					mu.Lock()
-					firstErr = cmpErr(firstErr, err)
-					mu.Unlock()
-					return
-				}
-				lat = append(lat, time.Since(next))
-				next = next.Add(interval)
-			}
+			lat, err := stream(i)
 			mu.Lock()
+			defer mu.Unlock()
+			firstErr = cmpErr(firstErr, err)
 			all = append(all, lat...)
-			mu.Unlock()
 		}()
 	}
 	wg.Wait()
@@ -427,7 +409,7 @@ func drivePaced(ctx context.Context, client extprocv3.ExternalProcessorClient, w
 		return cell{}, nil, firstErr
 	}
 	if len(all) == 0 {
-		return cell{}, nil, errNoRequest
+		return cell{}, nil, errors.New("no request completed")
 	}
 	return cell{requests: len(all), elapsed: elapsed}, all, nil
 }

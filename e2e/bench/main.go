@@ -36,6 +36,7 @@ func main() {
 	rounds := flag.Int("rounds", 5, "alternating rounds each cell's duration is split into")
 	load := flag.Float64("load", 0.5, "also run each workload at this fraction of the slowest target's requests/s, to measure latency below saturation (0: skip)")
 	only := flag.String("only", "", "comma-separated workloads and targets to run (default all), e.g. \"first execution,memory store\"")
+	memoryBytes := flag.Int64("memory-bytes", 0, "the memory stores' bound (default the binary's, 256 MiB)")
 	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory, .memory-empty and .redis")
 	flag.Parse()
 	if *cpuprofile != "" {
@@ -62,7 +63,7 @@ func main() {
 	} else {
 		defer stop()
 	}
-	res, err := compare(ctx, options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, load: *load, only: filter})
+	res, err := compare(ctx, options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, load: *load, memoryBytes: *memoryBytes, only: filter})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1) //nolint:gocritic // the profile is not needed on failure

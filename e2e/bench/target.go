@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -335,5 +334,3 @@ func (h commandCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redi
 		return next(ctx, cmds)
 	}
 }
-
-var errNoRequest = errors.New("no request completed")
