@@ -153,14 +153,20 @@ func TestSIGKILLedReplicaFreesItsKeyWithinLockTTL(t *testing.T) {
 
 	// The lease of the dead replica still blocks the key: the other replica answers 409.
 	requireProblem(t, s.do(call{key: "crash-1", body: `{}`}), 409, "request-in-progress")
-	var r reply
+	// The time that counts is when the request that found the key free was sent: how long it
+	// then took depends on the other tests' load on two cores.
+	var (
+		r    reply
+		sent time.Duration
+	)
 	within(t, killed, 2*time.Second+3*time.Second, "the key is free after lock_ttl", func() bool {
+		sent = time.Since(killed)
 		r = s.do(call{key: "crash-1", body: `{}`})
 		return r.status == 200
 	})
 	require.Equal(t, "false", r.header.Get(replayed))
-	t.Logf("key free %v after the kill (lock_ttl 2s)", time.Since(killed).Round(10*time.Millisecond))
-	require.Less(t, time.Since(killed), 2*time.Second+3*time.Second)
+	t.Logf("key found free by a request sent %v after the kill (lock_ttl 2s)", sent.Round(10*time.Millisecond))
+	require.Less(t, sent, 2*time.Second+3*time.Second)
 	require.Equal(t, 2, s.up.Count("crash-1"), "the first run's outcome was unknown: the retry ran again (see the README's guarantees)")
 	// A request is counted when its stream ends, just after the client has its answer.
 	within(t, time.Now(), 5*time.Second, "the other replica served the retry", func() bool {
