@@ -47,12 +47,15 @@ type Memory struct {
 
 	// The records live in one slice and refer to each other by index, so that the garbage
 	// collector follows two pointers per record (its key and its bytes), not a graph of them.
-	mu      sync.Mutex
-	closed  bool
-	tokens  uint64 // the last token handed out
-	bytes   int64
-	index   map[string]int32 // key -> slot in entries
-	entries []memEntry       // slot 0 is the head of the lru list; free slots are listed in free
+	mu     sync.Mutex
+	closed bool
+	tokens uint64 // the last token handed out
+	bytes  int64
+	index  map[string]int32 // key -> slot in entries
+	// entries holds the records; slot 0 is the head of the lru list, and free slots are listed
+	// in free. It never shrinks: a burst of pending records (bounded by the requests in flight)
+	// leaves empty slots of about 100 bytes each, zeroed, to be reused.
+	entries []memEntry
 	free    []int32
 	expiry  []int32 // a min-heap of slots by heapKey
 }
@@ -234,8 +237,8 @@ func (m *Memory) Close() error {
 	return nil
 }
 
-// Bytes returns the bytes the store accounts for: every live record's key, token, fingerprint
-// and encoded response plus a fixed per-record overhead. It never exceeds MaxBytes for long: only
+// Bytes returns the bytes the store accounts for: every live record's key, fingerprint and
+// encoded response plus a fixed per-record overhead (its slot, map and heap places). It never exceeds MaxBytes for long: only
 // pending records, which are bounded by their leases, can hold it above.
 func (m *Memory) Bytes() int64 {
 	m.mu.Lock()
