@@ -14,11 +14,20 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// passHook passes everything through: the test hooks below embed it and override what they
+// change.
+type passHook struct{}
+
+func (passHook) DialHook(next redis.DialHook) redis.DialHook          { return next }
+func (passHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+func (passHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
 // retried runs every command twice, as go-redis does when the first reply is lost after the
 // server ran it; the caller sees the second reply.
-type retried struct{}
+type retried struct{ passHook }
 
-func (retried) DialHook(next redis.DialHook) redis.DialHook { return next }
 func (retried) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		if cmd.Name() == "set" || cmd.Name() == "evalsha" {
@@ -65,14 +74,13 @@ func TestRedisCallsAreRetrySafe(t *testing.T) {
 }
 
 // oldRedis answers SET NX GET as Redis 6.2 does.
-type oldRedis struct{}
+type oldRedis struct{ passHook }
 
 type serverError string
 
 func (e serverError) Error() string { return string(e) }
 func (serverError) RedisError()     {}
 
-func (oldRedis) DialHook(next redis.DialHook) redis.DialHook { return next }
 func (oldRedis) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		if cmd.Name() == "set" {
@@ -82,9 +90,6 @@ func (oldRedis) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 		}
 		return next(ctx, cmd)
 	}
-}
-func (oldRedis) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
 }
 
 func TestRedisBefore7IsNamed(t *testing.T) {
@@ -108,12 +113,11 @@ func TestNewTokenFitsTheLayout(t *testing.T) {
 }
 
 // lostReply makes every command look as if its reply never arrived, after Redis ran it.
-type lostReply struct{ on atomic.Bool }
-
-func (h *lostReply) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (h *lostReply) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
+type lostReply struct {
+	passHook
+	on atomic.Bool
 }
+
 func (h *lostReply) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		err := next(ctx, cmd)
@@ -145,12 +149,12 @@ func TestRedisAcquireWithLostReplyFreesTheKey(t *testing.T) {
 // every command waits for release to be closed, so that both slots stay busy and later calls
 // queue; held counts the script calls waiting so.
 type pipelineCounter struct {
+	passHook
 	single, batched, batches, held atomic.Int64
 	hold                           atomic.Bool
 	release                        chan struct{}
 }
 
-func (h *pipelineCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
 func (h *pipelineCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		if h.hold.Load() {

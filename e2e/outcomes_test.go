@@ -253,28 +253,4 @@ func TestBufferedResponseOverEnvoyLimitIsReleased(t *testing.T) {
 	require.Equal(t, 2, s.up.Count("over-1"))
 }
 
-func TestTwoReplicasOneRedis(t *testing.T) {
-	t.Parallel()
-	srv := redistest.Start(t, redistest.Options{})
-	s := newStack(t, stackOptions{replicas: 2, args: redisArgs(srv), policy: "store_timeout: 3s"})
-	const n = 100
-	statuses := s.burst(n, func(int) call {
-		return call{key: "dup-100", headers: map[string]string{"X-Test-Delay": "500ms"}, body: `{"amount":100}`}
-	})
-	counts := map[int]int{}
-	for _, st := range statuses {
-		counts[st]++
-	}
-	require.Equal(t, 1, s.up.Count("dup-100"), "exactly one upstream execution across both replicas; statuses %v", counts)
-	require.Equal(t, n, counts[200]+counts[409], "every duplicate got the result, a replay or 409: %v", counts)
-	// Both replicas served traffic.
-	for _, p := range s.procs {
-		_, metrics := p.admin("/metrics")
-		require.Positive(t, metric(metrics, `idempotency_requests_total{outcome="in_progress",route="default"}`), "replica %s answered duplicates", p.grpcAddr)
-	}
-	r := s.do(call{key: "dup-100", body: `{"amount":100}`})
-	require.Equal(t, "true", r.header.Get(replayed))
-	require.Equal(t, 1, s.up.Count("dup-100"))
-}
-
 func itoa(n int) string { return strconv.Itoa(n) }

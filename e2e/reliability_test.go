@@ -116,6 +116,17 @@ func TestRacesAcrossReplicas(t *testing.T) {
 		}
 		require.Equal(t, 1, s.up.Count("dup-200"), "exactly one execution across both replicas: %v", counts)
 		require.Equal(t, n, counts[200]+counts[409], "each got the result, a replay or 409: %v", counts)
+		// Both replicas served traffic. A request is counted when its stream ends, just after
+		// the client has its answer.
+		for _, p := range s.procs {
+			within(t, time.Now(), 5*time.Second, "replica "+p.grpcAddr+" answered duplicates", func() bool {
+				_, metrics := p.admin("/metrics")
+				return metric(metrics, `idempotency_requests_total{outcome="in_progress",route="default"}`) > 0
+			})
+		}
+		r := s.do(call{key: "dup-200", body: `{"a":1}`})
+		require.Equal(t, "true", r.header.Get(replayed))
+		require.Equal(t, 1, s.up.Count("dup-200"))
 	})
 
 	t.Run("1000 distinct keys at once", func(t *testing.T) {
