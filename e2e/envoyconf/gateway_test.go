@@ -45,14 +45,7 @@ func TestEnvoyGatewayMeetsSpec(t *testing.T) {
 	f, limits, err := EnvoyGatewayExtProc(path)
 	require.NoError(t, err)
 	require.NoError(t, f.ValidateAll())
-	require.True(t, proto.Equal(&filterextproc.ProcessingMode{
-		RequestHeaderMode:   filterextproc.ProcessingMode_SEND,
-		RequestBodyMode:     filterextproc.ProcessingMode_BUFFERED,
-		RequestTrailerMode:  filterextproc.ProcessingMode_SKIP,
-		ResponseHeaderMode:  filterextproc.ProcessingMode_SEND,
-		ResponseBodyMode:    filterextproc.ProcessingMode_BUFFERED,
-		ResponseTrailerMode: filterextproc.ProcessingMode_SKIP,
-	}, f.GetProcessingMode()), "processing_mode: %v", f.GetProcessingMode())
+	require.True(t, proto.Equal(shippedMode, f.GetProcessingMode()), "processing_mode: %v", f.GetProcessingMode())
 	require.True(t, f.GetAllowModeOverride())
 	require.Empty(t, f.GetAllowedOverrideModes(), "Envoy Gateway does not expose allowed_override_modes")
 	require.False(t, f.GetFailureModeAllow())
