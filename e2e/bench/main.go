@@ -23,6 +23,7 @@ import (
 	"fmt"
 	"os"
 	"runtime/pprof"
+	"runtime/trace"
 	"strings"
 	"time"
 )
@@ -38,16 +39,23 @@ func main() {
 	only := flag.String("only", "", "comma-separated workloads and targets to run (default all), e.g. \"first execution,memory store\"")
 	memoryBytes := flag.Int64("memory-bytes", 0, "the memory stores' bound (default the binary's, 256 MiB)")
 	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory, .memory-empty and .redis")
+	traceOut := flag.String("trace", "", "write execution traces (go tool trace) of the whole run, named as -cpuprofile's")
 	flag.Parse()
-	if *cpuprofile != "" {
-		stop, err := startProfile(*cpuprofile + ".client")
+	for _, o := range []struct {
+		prefix, env string
+		start       func(string) (func(), error)
+	}{{*cpuprofile, envProfile, startProfile}, {*traceOut, envTrace, startTrace}} {
+		if o.prefix == "" {
+			continue
+		}
+		stop, err := o.start(o.prefix + ".client")
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
 			os.Exit(1)
 		}
 		defer stop()
 		// The target processes write theirs.
-		_ = os.Setenv(envProfile, *cpuprofile)
+		_ = os.Setenv(o.env, o.prefix)
 	}
 	filter := map[string]bool{}
 	for _, s := range strings.Split(*only, ",") {
@@ -69,6 +77,22 @@ func main() {
 		os.Exit(1) //nolint:gocritic // the profile is not needed on failure
 	}
 	res.print(os.Stdout)
+}
+
+// startTrace starts an execution trace into path and returns what stops it.
+func startTrace(path string) (func(), error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := trace.Start(f); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	return func() {
+		trace.Stop()
+		_ = f.Close()
+	}, nil
 }
 
 // startProfile starts a CPU profile into path and returns what stops it.

@@ -32,10 +32,11 @@ const (
 	envServe   = "IDEMPOTENCY_BENCH_SERVE"        // the target to serve
 	envRedis   = "IDEMPOTENCY_BENCH_REDIS"        // the Redis address of the Redis target
 	envProfile = "IDEMPOTENCY_BENCH_CPUPROFILE"   // when set, the prefix of the target's CPU profile
+	envTrace   = "IDEMPOTENCY_BENCH_TRACE"        // when set, the prefix of the target's execution trace
 	envMemory  = "IDEMPOTENCY_BENCH_MEMORY_BYTES" // the memory stores' bound, when not the default
 )
 
-// profileSuffix names each target's CPU profile.
+// profileSuffix names each target's CPU profile and execution trace.
 var profileSuffix = map[string]string{
 	targetNull: ".null", targetMemory: ".memory", targetMemoryEmpty: ".memory-empty", targetRedis: ".redis",
 }
@@ -60,13 +61,15 @@ func serveFromEnv() bool {
 	if name == "" {
 		return false
 	}
-	if prefix := os.Getenv(envProfile); prefix != "" {
-		stop, err := startProfile(prefix + profileSuffix[name])
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "bench target:", err)
-			os.Exit(1)
+	for env, start := range map[string]func(string) (func(), error){envProfile: startProfile, envTrace: startTrace} {
+		if prefix := os.Getenv(env); prefix != "" {
+			stop, err := start(prefix + profileSuffix[name])
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "bench target:", err)
+				os.Exit(1)
+			}
+			defer stop()
 		}
-		defer stop()
 	}
 	memoryBytes, _ := strconv.ParseInt(os.Getenv(envMemory), 10, 64)
 	if err := serveTarget(name, os.Getenv(envRedis), memoryBytes, os.Stdin, os.Stdout); err != nil {
