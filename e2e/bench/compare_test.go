@@ -2,7 +2,10 @@ package main
 
 import (
 	"bytes"
+	"compress/gzip"
+	"io"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -61,4 +64,32 @@ func TestCompare(t *testing.T) {
 		}
 	}
 	require.True(t, strings.Contains(out.String(), "| replay | redis store |"))
+}
+
+// TestTargetWritesProfileAndTrace checks -cpuprofile's and -trace's plumbing: a target process
+// started with their variables set writes a CPU profile and an execution trace under its own
+// name, complete once it stops.
+func TestTargetWritesProfileAndTrace(t *testing.T) {
+	prefix := filepath.Join(t.TempDir(), "run")
+	t.Setenv(envProfile, prefix+"-cpu")
+	t.Setenv(envTrace, prefix+"-trace")
+	tp, err := startTarget(targetNull, "", 0)
+	require.NoError(t, err)
+	tp.stop()
+	require.True(t, tp.cmd.ProcessState.Success(), "the target exited cleanly: %v", tp.cmd.ProcessState)
+
+	// A CPU profile is a gzipped protocol buffer: a complete one decompresses to its end.
+	f, err := os.Open(prefix + "-cpu" + profileSuffix[targetNull])
+	require.NoError(t, err)
+	defer f.Close()
+	zr, err := gzip.NewReader(f)
+	require.NoError(t, err)
+	n, err := io.Copy(io.Discard, zr)
+	require.NoError(t, err, "a complete CPU profile")
+	require.Positive(t, n)
+
+	tr, err := os.ReadFile(prefix + "-trace" + profileSuffix[targetNull])
+	require.NoError(t, err)
+	require.True(t, bytes.HasPrefix(tr, []byte("go 1.")), "an execution trace starts with its header")
+	require.Greater(t, len(tr), 1<<10, "and holds the process' events")
 }
