@@ -15,7 +15,7 @@ import (
 const DefaultMemoryMaxBytes = 256 << 20
 
 // entryOverhead estimates the bytes a record costs beyond its key, fingerprint and response: its
-// slot in the entries slice, its map slot and its place in the expiry heap, with the slack of
+// slot in the entries slice, its map slot and its place in a deadline heap, with the slack of
 // each. TestMemoryHeapPerRecord checks the estimate against the Go heap.
 const entryOverhead = 224
 
@@ -34,7 +34,8 @@ type MemoryOptions struct {
 // are never evicted for space: each lives at most its lease. A completed record that could not fit
 // even alone keeps its status but not its headers or body, so its key stays claimed and
 // duplicates are told it cannot be replayed rather than running again. Expired records are
-// removed as later calls find them, so the store needs no background goroutine.
+// removed by later calls, a bounded number each (see expireBudget), so the store needs no
+// background goroutine.
 //
 // An evicted completed record is forgotten before its TTL: a retry after that runs again. Size
 // MaxBytes for the replay window you need.
@@ -57,8 +58,17 @@ type Memory struct {
 	// leaves empty slots of about 100 bytes each, zeroed, to be reused.
 	entries []memEntry
 	free    []int32
-	expiry  []int32 // a min-heap of slots by heapKey
+	// Two min-heaps of slots by deadline: pending records (as many as requests in flight) and
+	// completed ones. A record moves from the first to the second when completed; since TTLs are
+	// usually alike, its new deadline is the latest and the push stops at once.
+	pending, completed deadlineHeap
 }
+
+// expireBudget bounds the expired records one call removes, so that the first call after a quiet
+// spell does not hold the lock while it removes everything that expired meanwhile. The rest goes
+// at later calls, and to free space before any live record is evicted; until then an expired
+// record is treated as absent when its key is looked up.
+const expireBudget = 64
 
 var _ Local = (*Memory)(nil)
 
@@ -77,12 +87,9 @@ type memEntry struct {
 	token   uint64
 	ttl     time.Duration
 	// deadline is when the record expires, in nanoseconds since the store's epoch.
-	deadline int64
-	// heapKey orders the entry in the expiry heap. It may be earlier than deadline, never later:
-	// a deadline that moves later leaves the entry in place until it surfaces (see expire).
-	heapKey    int64
+	deadline   int64
 	size       int64
-	heapIdx    int32
+	heapIdx    int32 // in the pending or the completed heap, by state
 	prev, next int32 // lru links while completed, else unlinked
 	state      State
 }
@@ -100,6 +107,7 @@ func NewMemory(opts MemoryOptions) (*Memory, error) {
 	}
 	m := &Memory{clock: opts.Clock, maxBytes: opts.MaxBytes, epoch: opts.Clock.Now(), index: make(map[string]int32)}
 	m.entries = []memEntry{{}} // the lru head, alone in its circular list
+	m.pending.m, m.completed.m = m, m
 	return m, nil
 }
 
@@ -118,7 +126,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	}
 	now := m.now()
 	m.expire(now)
-	if i, ok := m.index[key]; ok {
+	if i, ok := m.live(key, now); ok {
 		e := &m.entries[i]
 		state, data, respLen := e.state, e.data, e.respLen
 		if state == Completed {
@@ -155,12 +163,11 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	if len(c.Fingerprint) > 0 {
 		e.data = append([]byte(nil), c.Fingerprint...)
 	}
-	e.heapKey = e.deadline
 	e.size = int64(len(key)+len(e.data)) + entryOverhead
 	m.index[key] = i
-	m.heapPush(i)
+	m.pending.push(i)
 	m.bytes += e.size
-	m.evict(unlinked)
+	m.evict(unlinked, now)
 	token := m.tokens
 	m.mu.Unlock()
 	return Lease{key: key, token: strconv.FormatUint(token, 36)}, nil, nil
@@ -172,7 +179,8 @@ func (m *Memory) Renew(ctx context.Context, l Lease, d time.Duration) error {
 		return fmt.Errorf("cache: renew: lease duration must be at least 1ms, got %v", d)
 	}
 	return m.update(ctx, l, func(i int32, now int64) {
-		m.setDeadline(i, now+int64(d))
+		m.entries[i].deadline = now + int64(d)
+		m.pending.fix(int(m.entries[i].heapIdx))
 	})
 }
 
@@ -193,13 +201,15 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 			data, respLen = append(stub, e.data...), len(stub)
 			size = int64(len(e.key)+len(data)) + entryOverhead
 		}
+		m.pending.remove(int(e.heapIdx))
 		e.state = Completed
 		e.data, e.respLen = data, respLen
 		m.bytes += size - e.size
 		e.size = size
-		m.setDeadline(i, now+int64(e.ttl))
+		e.deadline = now + int64(e.ttl)
+		m.completed.push(i)
 		m.touch(i)
-		m.evict(i)
+		m.evict(i, now)
 	})
 	if errors.Is(err, ErrLeaseLost) && m.completedBy(l) {
 		return nil
@@ -232,7 +242,7 @@ func (m *Memory) Close() error {
 	m.index = nil
 	m.entries = []memEntry{{}}
 	m.free = nil
-	m.expiry = nil
+	m.pending.slots, m.completed.slots = nil, nil
 	m.bytes = 0
 	return nil
 }
@@ -265,7 +275,7 @@ func (m *Memory) update(ctx context.Context, l Lease, f func(i int32, now int64)
 	}
 	now := m.now()
 	m.expire(now)
-	i, ok := m.owned(l)
+	i, ok := m.owned(l, now)
 	if !ok || m.entries[i].state != Pending {
 		return ErrLeaseLost
 	}
@@ -277,18 +287,28 @@ func (m *Memory) update(ctx context.Context, l Lease, f func(i int32, now int64)
 func (m *Memory) completedBy(l Lease) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	i, ok := m.owned(l)
+	i, ok := m.owned(l, m.now())
 	return ok && m.entries[i].state == Completed
 }
 
-// owned returns the slot of the record for l's key if l's token owns it.
-func (m *Memory) owned(l Lease) (int32, bool) {
+// owned returns the slot of the live record for l's key if l's token owns it.
+func (m *Memory) owned(l Lease, now int64) (int32, bool) {
 	token, err := strconv.ParseUint(l.token, 36, 64)
 	if err != nil {
 		return 0, false
 	}
-	i, ok := m.index[l.key]
+	i, ok := m.live(l.key, now)
 	return i, ok && m.entries[i].token == token
+}
+
+// live returns the slot of key's record unless it has expired, in which case it removes it.
+func (m *Memory) live(key string, now int64) (int32, bool) {
+	i, ok := m.index[key]
+	if ok && m.entries[i].deadline <= now {
+		m.remove(i)
+		return 0, false
+	}
+	return i, ok
 }
 
 func (m *Memory) now() int64 { return int64(m.clock.Now().Sub(m.epoch)) }
@@ -304,37 +324,33 @@ func (m *Memory) slot() int32 {
 	return int32(len(m.entries) - 1)
 }
 
-// setDeadline moves i's deadline. A later deadline costs nothing now: the entry keeps its place
-// in the heap and is moved when it surfaces. Only an earlier one is moved at once.
-func (m *Memory) setDeadline(i int32, deadline int64) {
-	e := &m.entries[i]
-	e.deadline = deadline
-	if deadline < e.heapKey {
-		e.heapKey = deadline
-		m.heapFix(int(e.heapIdx))
-	}
-}
-
-// expire removes every entry whose deadline has passed.
+// expire removes up to expireBudget records whose deadline has passed.
 func (m *Memory) expire(now int64) {
-	for len(m.expiry) > 0 {
-		i := m.expiry[0]
-		e := &m.entries[i]
-		if e.heapKey > now {
+	for range expireBudget {
+		if !m.expireOne(now) {
 			return
 		}
-		if e.deadline > now {
-			e.heapKey = e.deadline
-			m.heapFix(0)
-			continue
-		}
-		m.remove(i)
 	}
 }
 
-// evict removes least recently used completed entries, except keep, until the bound holds.
-func (m *Memory) evict(keep int32) {
+// expireOne removes the record that expired first, if one has, and reports whether it did.
+func (m *Memory) expireOne(now int64) bool {
+	for _, h := range []*deadlineHeap{&m.pending, &m.completed} {
+		if i, ok := h.min(); ok && m.entries[i].deadline <= now {
+			m.remove(i)
+			return true
+		}
+	}
+	return false
+}
+
+// evict removes expired records, then least recently used completed ones except keep, until the
+// bound holds.
+func (m *Memory) evict(keep int32, now int64) {
 	for m.bytes > m.maxBytes {
+		if m.expireOne(now) {
+			continue
+		}
 		victim := m.entries[0].prev
 		if victim == keep {
 			victim = m.entries[victim].prev
@@ -350,7 +366,7 @@ func (m *Memory) evict(keep int32) {
 func (m *Memory) remove(i int32) {
 	e := &m.entries[i]
 	delete(m.index, e.key)
-	m.heapRemove(int(e.heapIdx))
+	m.heapOf(e).remove(int(e.heapIdx))
 	m.unlink(i)
 	m.bytes -= e.size
 	m.entries[i] = memEntry{}
@@ -376,55 +392,74 @@ func (m *Memory) unlink(i int32) {
 	e.prev, e.next = unlinked, unlinked
 }
 
-// The expiry heap, as container/heap has it, on slots (which would be boxed through its
-// interface).
-
-func (m *Memory) heapLess(a, b int) bool {
-	return m.entries[m.expiry[a]].heapKey < m.entries[m.expiry[b]].heapKey
+// heapOf returns the deadline heap e is in.
+func (m *Memory) heapOf(e *memEntry) *deadlineHeap {
+	if e.state == Pending {
+		return &m.pending
+	}
+	return &m.completed
 }
 
-func (m *Memory) heapSwap(a, b int) {
-	h := m.expiry
-	h[a], h[b] = h[b], h[a]
-	m.entries[h[a]].heapIdx = int32(a)
-	m.entries[h[b]].heapIdx = int32(b)
+// deadlineHeap is a min-heap of slots by their entries' deadlines, as container/heap has it, on
+// slots (which would be boxed through its interface). Each entry keeps its index in heapIdx.
+type deadlineHeap struct {
+	m     *Memory
+	slots []int32
 }
 
-func (m *Memory) heapPush(i int32) {
-	m.entries[i].heapIdx = int32(len(m.expiry))
-	m.expiry = append(m.expiry, i)
-	m.heapUp(len(m.expiry) - 1)
+func (h *deadlineHeap) min() (int32, bool) {
+	if len(h.slots) == 0 {
+		return 0, false
+	}
+	return h.slots[0], true
 }
 
-func (m *Memory) heapRemove(k int) {
-	n := len(m.expiry) - 1
+func (h *deadlineHeap) less(a, b int) bool {
+	return h.m.entries[h.slots[a]].deadline < h.m.entries[h.slots[b]].deadline
+}
+
+func (h *deadlineHeap) swap(a, b int) {
+	s := h.slots
+	s[a], s[b] = s[b], s[a]
+	h.m.entries[s[a]].heapIdx = int32(a)
+	h.m.entries[s[b]].heapIdx = int32(b)
+}
+
+func (h *deadlineHeap) push(i int32) {
+	h.m.entries[i].heapIdx = int32(len(h.slots))
+	h.slots = append(h.slots, i)
+	h.up(len(h.slots) - 1)
+}
+
+func (h *deadlineHeap) remove(k int) {
+	n := len(h.slots) - 1
 	if n != k {
-		m.heapSwap(k, n)
-		if !m.heapDown(k, n) {
-			m.heapUp(k)
+		h.swap(k, n)
+		if !h.down(k, n) {
+			h.up(k)
 		}
 	}
-	m.expiry = m.expiry[:n]
+	h.slots = h.slots[:n]
 }
 
-func (m *Memory) heapFix(k int) {
-	if !m.heapDown(k, len(m.expiry)) {
-		m.heapUp(k)
+func (h *deadlineHeap) fix(k int) {
+	if !h.down(k, len(h.slots)) {
+		h.up(k)
 	}
 }
 
-func (m *Memory) heapUp(j int) {
+func (h *deadlineHeap) up(j int) {
 	for {
 		i := (j - 1) / 2 // parent
-		if i == j || !m.heapLess(j, i) {
+		if i == j || !h.less(j, i) {
 			return
 		}
-		m.heapSwap(i, j)
+		h.swap(i, j)
 		j = i
 	}
 }
 
-func (m *Memory) heapDown(i0, n int) bool {
+func (h *deadlineHeap) down(i0, n int) bool {
 	i := i0
 	for {
 		j1 := 2*i + 1
@@ -432,13 +467,13 @@ func (m *Memory) heapDown(i0, n int) bool {
 			break
 		}
 		j := j1 // left child
-		if j2 := j1 + 1; j2 < n && m.heapLess(j2, j1) {
+		if j2 := j1 + 1; j2 < n && h.less(j2, j1) {
 			j = j2 // right child
 		}
-		if !m.heapLess(j, i) {
+		if !h.less(j, i) {
 			break
 		}
-		m.heapSwap(i, j)
+		h.swap(i, j)
 		i = j
 	}
 	return i > i0
