@@ -70,6 +70,7 @@ type cell struct {
 	p50, p99         time.Duration
 	roundP99         []time.Duration // each round's p99, for the paired comparison
 	storeCalls       float64         // store operations per request
+	slowCalls        int64           // store operations that took over slowCall
 	redisCommands    float64         // commands sent to Redis per request
 	redisTrips       float64         // round trips to Redis per request (pipelined calls share one)
 	cpu              time.Duration   // the target process' CPU time
@@ -97,6 +98,8 @@ type pacedCell struct {
 	elapsed          time.Duration
 	p50, p99         time.Duration
 	roundP99         []time.Duration
+	hasStore         bool
+	slowCalls        int64 // store operations that took over slowCall
 }
 
 func (r result) findPaced(workload, target string) (pacedCell, bool) {
@@ -120,8 +123,8 @@ func (r result) find(workload, target string) (cell, bool) {
 func (r result) print(w io.Writer) {
 	fmt.Fprintf(w, "%d concurrent streams, %v per cell in %d alternating rounds; each target in a process of its own, GOMAXPROCS %d.\n", r.opts.streams, r.opts.duration, r.opts.rounds, gomaxprocs())
 	fmt.Fprintf(w, "p50 and p99 are over all rounds; p99 added is the median over rounds of the target's p99 minus the null processor's in the same round (in brackets: the range).\n\n")
-	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | Redis commands/req | Redis round trips/req | processor CPU µs/req | client CPU µs/req | Redis CPU µs/req |\n")
-	fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | store calls over 1 ms | Redis commands/req | Redis round trips/req | processor CPU µs/req | client CPU µs/req | Redis CPU µs/req |\n")
+	fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, c := range r.cells {
 		null, _ := r.find(c.workload, targetNull)
 		ratio, added := "1.00", "—"
@@ -129,9 +132,9 @@ func (r result) print(w io.Writer) {
 			ratio = fmt.Sprintf("%.2f", c.rps()/null.rps())
 			added = fmtAdded(c.roundP99, null.roundP99)
 		}
-		store, cmds, trips := "—", "—", "—"
+		store, slow, cmds, trips := "—", "—", "—", "—"
 		if c.hasStore {
-			store = fmt.Sprintf("%.2f", c.storeCalls)
+			store, slow = fmt.Sprintf("%.2f", c.storeCalls), strconv.FormatInt(c.slowCalls, 10)
 		}
 		if c.hasRedis {
 			cmds = fmt.Sprintf("%.2f", c.redisCommands)
@@ -141,21 +144,24 @@ func (r result) print(w io.Writer) {
 		if c.hasRedis {
 			redisCPU = fmt.Sprintf("%.1f", perRequest(c.redisCPU, c.requests))
 		}
-		fmt.Fprintf(w, "| %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f | %s |\n",
-			c.workload, c.target, c.rps(), fmtDur(c.p50), fmtDur(c.p99), ratio, added, store, cmds, trips,
+		fmt.Fprintf(w, "| %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f | %s |\n",
+			c.workload, c.target, c.rps(), fmtDur(c.p50), fmtDur(c.p99), ratio, added, store, slow, cmds, trips,
 			perRequest(c.cpu, c.requests), perRequest(c.clientCPU, c.requests), redisCPU)
 	}
 	if len(r.paced) > 0 {
 		fmt.Fprintf(w, "\nAt a fixed rate: %.0f%% of the slowest target's requests/s above, the same for every target, on %d streams; latency counts from each request's scheduled start\n\n", r.opts.load*100, r.opts.streams)
-		fmt.Fprintf(w, "| workload | target | offered requests/s | achieved | p50 | p99 | p99 added |\n")
-		fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: |\n")
+		fmt.Fprintf(w, "| workload | target | offered requests/s | achieved | p50 | p99 | p99 added | store calls over 1 ms |\n")
+		fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 		for _, c := range r.paced {
-			added := "—"
+			added, slow := "—", "—"
 			if null, ok := r.findPaced(c.workload, targetNull); ok && c.target != targetNull {
 				added = fmtAdded(c.roundP99, null.roundP99)
 			}
-			fmt.Fprintf(w, "| %s | %s | %.0f | %.0f | %s | %s | %s |\n", c.workload, c.target, c.rate,
-				float64(c.requests)/c.elapsed.Seconds(), fmtDur(c.p50), fmtDur(c.p99), added)
+			if c.hasStore {
+				slow = strconv.FormatInt(c.slowCalls, 10)
+			}
+			fmt.Fprintf(w, "| %s | %s | %.0f | %.0f | %s | %s | %s | %s |\n", c.workload, c.target, c.rate,
+				float64(c.requests)/c.elapsed.Seconds(), fmtDur(c.p50), fmtDur(c.p99), added, slow)
 		}
 	}
 	if r.redisBenchRP > 0 {
@@ -286,6 +292,7 @@ func compare(ctx context.Context, o options) (result, error) {
 				cells[i].hasStore, cells[i].hasRedis = after.HasStore, after.HasRedis
 				cells[i].memoryBytes[1] = after.MemoryBytes
 				cells[i].storeCalls += float64(after.Calls - before.Calls)
+				cells[i].slowCalls += after.SlowCalls - before.SlowCalls
 				cells[i].redisCommands += float64(after.Commands - before.Commands)
 				cells[i].redisTrips += float64(after.Trips - before.Trips)
 			}
@@ -309,10 +316,20 @@ func compare(ctx context.Context, o options) (result, error) {
 		lats = make([][]time.Duration, len(targets))
 		for range o.rounds {
 			for i, t := range targets {
+				before, err := t.counters(ctx)
+				if err != nil {
+					return res, err
+				}
 				c, lat, err := drivePaced(ctx, clients[i], w, o.streams, rate, o.duration/time.Duration(o.rounds))
 				if err != nil {
 					return res, fmt.Errorf("%s, %s at %.0f/s: %w", w, t.name, rate, err)
 				}
+				after, err := t.counters(ctx)
+				if err != nil {
+					return res, err
+				}
+				paced[i].hasStore = after.HasStore
+				paced[i].slowCalls += after.SlowCalls - before.SlowCalls
 				paced[i].requests += c.requests
 				paced[i].elapsed += c.elapsed
 				lats[i] = append(lats[i], lat...)

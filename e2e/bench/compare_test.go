@@ -57,6 +57,8 @@ func TestCompare(t *testing.T) {
 				require.Equal(t, target == targetMemory, full, "%s starts with %d bytes", target, c.memoryBytes[0])
 			}
 			require.Equal(t, want[w], c.storeCalls, "%s, %s: store calls per request", w, target)
+			require.LessOrEqual(t, float64(c.slowCalls), c.storeCalls*float64(c.requests), "%s, %s: slow store calls are store calls", w, target)
+			require.True(t, p.hasStore, "%s, %s: slow store calls are counted at a fixed rate too", w, target)
 			if target == targetRedis {
 				require.Equal(t, want[w], c.redisCommands, "%s: Redis commands per request", w)
 				require.LessOrEqual(t, c.redisTrips, want[w], "%s: pipelining never adds round trips", w)

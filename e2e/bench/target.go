@@ -44,12 +44,15 @@ var profileSuffix = map[string]string{
 // counters are what a target process reports: its CPU time and, for the processor, its store
 // calls and the Redis commands and round trips they took.
 type counters struct {
-	CPU      time.Duration
-	Calls    int64
-	Commands int64
-	Trips    int64
-	HasStore bool
-	HasRedis bool
+	CPU   time.Duration
+	Calls int64
+	// SlowCalls are the store calls that took over slowCall: a wait on the memory store's lock,
+	// a Redis round trip held up.
+	SlowCalls int64
+	Commands  int64
+	Trips     int64
+	HasStore  bool
+	HasRedis  bool
 	// MemoryBytes is what the memory store holds (cache.Memory.Bytes), 0 for other targets.
 	MemoryBytes int64
 }
@@ -81,10 +84,11 @@ func serveFromEnv() bool {
 
 func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, stdout io.Writer) error {
 	var (
-		p                      extprocv3.ExternalProcessorServer
-		calls, commands, trips atomic.Int64
-		hasStore, hasRedis     bool
-		memory                 *cache.Memory
+		p                  extprocv3.ExternalProcessorServer
+		calls, slow        atomic.Int64
+		commands, trips    atomic.Int64
+		hasStore, hasRedis bool
+		memory             *cache.Memory
 	)
 	switch name {
 	case targetNull:
@@ -104,7 +108,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		}
 		memory = mem
 		// The counting wrapper stays a cache.Local store, as the memory store is in the binary.
-		srv, err := extproc.NewServer(extproc.Options{Store: localCountingStore{&countingStore{Store: mem, calls: &calls}}, Policy: benchPolicy()})
+		srv, err := extproc.NewServer(extproc.Options{Store: localCountingStore{&countingStore{Store: mem, calls: &calls, slow: &slow}}, Policy: benchPolicy()})
 		if err != nil {
 			return err
 		}
@@ -116,7 +120,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		}
 		defer rs.Close()
 		rs.Client().AddHook(commandCounter{commands: &commands, trips: &trips})
-		srv, err := extproc.NewServer(extproc.Options{Store: &countingStore{Store: rs, calls: &calls}, Policy: benchPolicy()})
+		srv, err := extproc.NewServer(extproc.Options{Store: &countingStore{Store: rs, calls: &calls, slow: &slow}, Policy: benchPolicy()})
 		if err != nil {
 			return err
 		}
@@ -140,7 +144,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	}
 	stats := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		c := counters{
-			CPU: processCPU(), Calls: calls.Load(), Commands: commands.Load(), Trips: trips.Load(),
+			CPU: processCPU(), Calls: calls.Load(), SlowCalls: slow.Load(), Commands: commands.Load(), Trips: trips.Load(),
 			HasStore: hasStore, HasRedis: hasRedis,
 		}
 		if memory != nil {
@@ -271,26 +275,37 @@ func (t *targetProcess) stop() {
 // countingStore counts store operations.
 type countingStore struct {
 	cache.Store
-	calls *atomic.Int64
+	calls, slow *atomic.Int64
+}
+
+// slowCall is the time over which a store call counts as slow.
+const slowCall = time.Millisecond
+
+// count counts a call that started at start; deferred, it times it too.
+func (c *countingStore) count(start time.Time) {
+	c.calls.Add(1)
+	if time.Since(start) > slowCall {
+		c.slow.Add(1)
+	}
 }
 
 func (c *countingStore) Acquire(ctx context.Context, key string, cl cache.Claim) (cache.Lease, *cache.Record, error) {
-	c.calls.Add(1)
+	defer c.count(time.Now())
 	return c.Store.Acquire(ctx, key, cl)
 }
 
 func (c *countingStore) Renew(ctx context.Context, l cache.Lease, d time.Duration) error {
-	c.calls.Add(1)
+	defer c.count(time.Now())
 	return c.Store.Renew(ctx, l, d)
 }
 
 func (c *countingStore) Complete(ctx context.Context, l cache.Lease, r cache.Response) error {
-	c.calls.Add(1)
+	defer c.count(time.Now())
 	return c.Store.Complete(ctx, l, r)
 }
 
 func (c *countingStore) Release(ctx context.Context, l cache.Lease) error {
-	c.calls.Add(1)
+	defer c.count(time.Now())
 	return c.Store.Release(ctx, l)
 }
 
