@@ -34,8 +34,8 @@ type MemoryOptions struct {
 // are never evicted for space: each lives at most its lease. A completed record that could not fit
 // even alone keeps its status but not its headers or body, so its key stays claimed and
 // duplicates are told it cannot be replayed rather than running again. Expired records are
-// removed by later calls, a bounded number each (see expireBudget), so the store needs no
-// background goroutine.
+// removed by later calls (a bounded number each, beyond those a call looks up or needs the space
+// of; see expireBudget), so the store needs no background goroutine.
 //
 // An evicted completed record is forgotten before its TTL: a retry after that runs again. Size
 // MaxBytes for the replay window you need.
@@ -247,9 +247,10 @@ func (m *Memory) Close() error {
 	return nil
 }
 
-// Bytes returns the bytes the store accounts for: every live record's key, fingerprint and
-// encoded response plus a fixed per-record overhead (its slot, map and heap places). It never exceeds MaxBytes for long: only
-// pending records, which are bounded by their leases, can hold it above.
+// Bytes returns the bytes the store accounts for: every record's key, fingerprint and encoded
+// response plus a fixed per-record overhead (its slot, map and heap places), counting expired
+// records not yet removed. It never exceeds MaxBytes for long: only pending records, which are
+// bounded by their leases, can hold it above.
 func (m *Memory) Bytes() int64 {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -333,7 +334,8 @@ func (m *Memory) expire(now int64) {
 	}
 }
 
-// expireOne removes the record that expired first, if one has, and reports whether it did.
+// expireOne removes an expired record, if there is one, and reports whether it did: the pending
+// record whose lease ran out first, else the completed record that expired first.
 func (m *Memory) expireOne(now int64) bool {
 	for _, h := range []*deadlineHeap{&m.pending, &m.completed} {
 		if i, ok := h.min(); ok && m.entries[i].deadline <= now {

@@ -103,7 +103,9 @@ func TestMemoryNeverEvictsPending(t *testing.T) {
 	clk.Advance(2 * time.Second)
 	_ = held(t, m, "trigger-expiry")
 	require.LessOrEqual(t, m.Bytes(), int64(16<<10))
-	require.Equal(t, 0, m.Len())
+	for _, l := range leases {
+		require.ErrorIs(t, m.Renew(t.Context(), l, time.Second), cache.ErrLeaseLost)
+	}
 }
 
 func TestMemoryRecordLargerThanBoundStaysClaimed(t *testing.T) {
