@@ -21,6 +21,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"runtime/pprof"
 	"runtime/trace"
@@ -80,33 +81,25 @@ func main() {
 }
 
 // startTrace starts an execution trace into path and returns what stops it.
-func startTrace(path string) (func(), error) {
-	f, err := os.Create(path)
-	if err != nil {
-		return nil, err
-	}
-	if err := trace.Start(f); err != nil {
-		_ = f.Close()
-		return nil, err
-	}
-	return func() {
-		trace.Stop()
-		_ = f.Close()
-	}, nil
-}
+func startTrace(path string) (func(), error) { return record(path, trace.Start, trace.Stop) }
 
 // startProfile starts a CPU profile into path and returns what stops it.
 func startProfile(path string) (func(), error) {
+	return record(path, pprof.StartCPUProfile, pprof.StopCPUProfile)
+}
+
+// record runs start on a new file at path and returns what stops it and closes the file.
+func record(path string, start func(io.Writer) error, stop func()) (func(), error) {
 	f, err := os.Create(path)
 	if err != nil {
 		return nil, err
 	}
-	if err := pprof.StartCPUProfile(f); err != nil {
+	if err := start(f); err != nil {
 		_ = f.Close()
 		return nil, err
 	}
 	return func() {
-		pprof.StopCPUProfile()
+		stop()
 		_ = f.Close()
 	}, nil
 }
