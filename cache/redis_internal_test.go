@@ -24,6 +24,18 @@ func (passHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Proces
 	return next
 }
 
+// hookedRedis returns a Redis store on miniredis whose client runs hook, closed when the test
+// ends. RESP2 keeps connection set-up (HELLO) out of the hook.
+func hookedRedis(t *testing.T, hook redis.Hook, timeout time.Duration) (*Redis, *miniredis.Miniredis) {
+	t.Helper()
+	mr := miniredis.RunT(t)
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr(), Protocol: 2})
+	client.AddHook(hook)
+	s := NewRedis(client, timeout)
+	t.Cleanup(func() { _ = s.Close() })
+	return s, mr
+}
+
 // retried runs every command twice, as go-redis does when the first reply is lost after the
 // server ran it; the caller sees the second reply.
 type retried struct{ passHook }
@@ -45,11 +57,7 @@ func (retried) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Process
 
 // A retried call must find the caller's own work, not a stranger's.
 func TestRedisCallsAreRetrySafe(t *testing.T) {
-	mr := miniredis.RunT(t)
-	client := redis.NewClient(&redis.Options{Addr: mr.Addr(), Protocol: 2})
-	client.AddHook(retried{})
-	s := NewRedis(client, time.Second)
-	t.Cleanup(func() { _ = s.Close() })
+	s, mr := hookedRedis(t, retried{}, time.Second)
 	ctx := t.Context()
 
 	l, rec, err := s.Acquire(ctx, "k", Claim{Fingerprint: []byte("fp"), LockTTL: 30 * time.Second, TTL: time.Minute})
@@ -93,11 +101,7 @@ func (oldRedis) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 }
 
 func TestRedisBefore7IsNamed(t *testing.T) {
-	mr := miniredis.RunT(t)
-	client := redis.NewClient(&redis.Options{Addr: mr.Addr(), Protocol: 2})
-	client.AddHook(oldRedis{})
-	s := NewRedis(client, time.Second)
-	t.Cleanup(func() { _ = s.Close() })
+	s, _ := hookedRedis(t, oldRedis{}, time.Second)
 	_, _, err := s.Acquire(t.Context(), "k", Claim{LockTTL: time.Second, TTL: time.Second})
 	require.ErrorContains(t, err, "Redis 7.0 or later")
 }
@@ -130,13 +134,9 @@ func (h *lostReply) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 }
 
 func TestRedisAcquireWithLostReplyFreesTheKey(t *testing.T) {
-	mr := miniredis.RunT(t)
-	client := redis.NewClient(&redis.Options{Addr: mr.Addr()})
 	hook := &lostReply{}
 	hook.on.Store(true)
-	client.AddHook(hook)
-	s := NewRedis(client, time.Second)
-	t.Cleanup(func() { _ = s.Close() })
+	s, mr := hookedRedis(t, hook, time.Second)
 
 	_, _, err := s.Acquire(t.Context(), "k", Claim{LockTTL: time.Hour, TTL: time.Hour})
 	require.ErrorIs(t, err, context.DeadlineExceeded)
@@ -178,13 +178,10 @@ func (h *pipelineCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) re
 }
 
 // newHeldRedis returns a Redis store on miniredis whose commands the returned hook can hold.
-// RESP2 keeps connection set-up (HELLO) out of the hook.
 func newHeldRedis(t *testing.T) (*Redis, *miniredis.Miniredis, *pipelineCounter) {
-	mr := miniredis.RunT(t)
-	client := redis.NewClient(&redis.Options{Addr: mr.Addr(), Protocol: 2})
 	hook := &pipelineCounter{release: make(chan struct{})}
-	client.AddHook(hook)
-	return NewRedis(client, 10*time.Second), mr, hook
+	s, mr := hookedRedis(t, hook, 10*time.Second)
+	return s, mr, hook
 }
 
 // waitAllWaiting waits until every one of n calls is either held in the hook or queued.

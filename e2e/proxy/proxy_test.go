@@ -827,22 +827,34 @@ func TestConcurrentRequests(t *testing.T) {
 	require.Equal(t, n, e.up.Total())
 }
 
-func TestRoundRobin(t *testing.T) {
-	a, b := startProcessor(t, nil), startProcessor(t, nil)
+// twoProcessors starts two fake processors behind a proxy (with hc as its health check, if any)
+// and returns them with a function that sends one request, requires a 200 and names the
+// processor that served it.
+func twoProcessors(t *testing.T, hc *proxy.HealthCheck) (a, b *fakeProcessor, served func() string) {
+	t.Helper()
+	a, b = startProcessor(t, nil), startProcessor(t, nil)
 	up := upstream.Start(t)
-	recs := make(chan proxy.Record, 10)
+	recs := make(chan proxy.Record, 100)
 	p := proxy.Start(t, proxy.Config{
 		Filter: bufferedFilter(), Processors: []string{a.addr, b.addr}, Upstream: up.URL(),
-		AccessLog: func(r proxy.Record) { recs <- r },
+		AccessLog: func(r proxy.Record) { recs <- r }, HealthCheck: hc,
 	})
 	client := newClient(t)
-	var order []string
-	for range 4 {
+	served = func() string {
 		resp, err := client.Post(p.URL()+"/x", "text/plain", bytes.NewReader([]byte("x")))
 		require.NoError(t, err)
 		require.NoError(t, resp.Body.Close())
 		require.Equal(t, http.StatusOK, resp.StatusCode)
-		order = append(order, (<-recs).Processor)
+		return (<-recs).Processor
+	}
+	return a, b, served
+}
+
+func TestRoundRobin(t *testing.T) {
+	a, b, served := twoProcessors(t, nil)
+	var order []string
+	for range 4 {
+		order = append(order, served())
 	}
 	require.Equal(t, []string{a.addr, b.addr, a.addr, b.addr}, order)
 	for range 2 {
@@ -852,22 +864,7 @@ func TestRoundRobin(t *testing.T) {
 }
 
 func TestHealthCheckSteersNewStreams(t *testing.T) {
-	a, b := startProcessor(t, nil), startProcessor(t, nil)
-	up := upstream.Start(t)
-	recs := make(chan proxy.Record, 100)
-	p := proxy.Start(t, proxy.Config{
-		Filter: bufferedFilter(), Processors: []string{a.addr, b.addr}, Upstream: up.URL(),
-		AccessLog:   func(r proxy.Record) { recs <- r },
-		HealthCheck: &proxy.HealthCheck{Interval: 20 * time.Millisecond, Timeout: time.Second, UnhealthyThreshold: 1, HealthyThreshold: 1},
-	})
-	client := newClient(t)
-	served := func() string {
-		resp, err := client.Post(p.URL()+"/x", "text/plain", bytes.NewReader([]byte("x")))
-		require.NoError(t, err)
-		require.NoError(t, resp.Body.Close())
-		require.Equal(t, http.StatusOK, resp.StatusCode)
-		return (<-recs).Processor
-	}
+	a, b, served := twoProcessors(t, &proxy.HealthCheck{Interval: 20 * time.Millisecond, Timeout: time.Second, UnhealthyThreshold: 1, HealthyThreshold: 1})
 	a.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 	require.Eventually(t, func() bool {
 		for range 4 {
