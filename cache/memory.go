@@ -133,13 +133,15 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 			m.touch(i)
 		}
 		m.mu.Unlock()
-		// Record bytes are never modified in place, so they can be copied outside the lock.
+		// Record bytes are never modified in place, so they can be copied outside the lock, once:
+		// the response and the fingerprint share the copy, each capped at its own end.
 		rec := Record{State: state}
-		if fp := data[respLen:]; len(fp) > 0 {
-			rec.Fingerprint = append([]byte(nil), fp...)
+		buf := append([]byte(nil), data...)
+		if len(buf) > respLen {
+			rec.Fingerprint = buf[respLen:len(buf):len(buf)]
 		}
 		if state == Completed {
-			resp, err := decodeResponse(append([]byte(nil), data[:respLen]...))
+			resp, err := decodeResponse(buf[:respLen:respLen])
 			if err != nil {
 				return Lease{}, nil, err
 			}

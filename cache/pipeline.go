@@ -38,7 +38,15 @@ type call struct {
 	args   []any
 	taken  bool // out of the queue, in a batch; guarded by pipeline.mu
 	cmd    *redis.Cmd
-	done   chan struct{}
+	done   chan struct{} // closed when cmd is set; only a queued call, which waits, has one
+}
+
+// finish sets c's reply and wakes its caller if it waits.
+func (c *call) finish(cmd *redis.Cmd) {
+	c.cmd = cmd
+	if c.done != nil {
+		close(c.done)
+	}
 }
 
 // alone sends c in a round trip of its own; a script goes by SHA and is loaded if need be.
@@ -69,7 +77,6 @@ func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 	if err := ctx.Err(); err != nil {
 		return errorCmd(ctx, err)
 	}
-	c.done = make(chan struct{})
 	select {
 	case p.slots <- struct{}{}:
 		p.serve(ctx, c)
@@ -81,6 +88,7 @@ func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 		p.mu.Unlock()
 		return errorCmd(ctx, ErrClosed)
 	}
+	c.done = make(chan struct{})
 	p.queue = append(p.queue, c)
 	p.mu.Unlock()
 	for {
@@ -103,9 +111,9 @@ func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 	}
 }
 
-// serve runs own (if any) with the calls queued so far, then frees the slot the caller took. A
-// call that goes alone runs under ctx, its caller's; a batch runs under a timeout of its own, as
-// it serves several callers.
+// serve runs own (if any) with the calls queued so far, then frees the slot the caller took. The
+// caller's own call, alone, runs under ctx; anything else (a batch, another caller's call) runs
+// under a timeout of its own, as it serves callers that may stop waiting.
 func (p *pipeline) serve(ctx context.Context, own *call) {
 	defer func() { <-p.slots }()
 	p.mu.Lock()
@@ -120,22 +128,21 @@ func (p *pipeline) serve(ctx context.Context, own *call) {
 	}
 	p.queue = append(p.queue[:0], p.queue[n:]...)
 	p.mu.Unlock()
-	switch {
-	case len(batch) == 1 && batch[0] == own:
-		own.cmd = own.alone(ctx, p.client)
-		close(own.done)
-	case len(batch) > 0:
-		p.exec(batch)
+	if len(batch) == 0 {
+		return
 	}
+	if len(batch) > 1 || own == nil {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(context.Background(), p.timeout)
+		defer cancel()
+	}
+	p.exec(ctx, batch)
 }
 
-func (p *pipeline) exec(batch []*call) {
-	ctx, cancel := context.WithTimeout(context.Background(), p.timeout)
-	defer cancel()
+// exec sends batch under ctx: one call in a round trip of its own, several in a pipeline.
+func (p *pipeline) exec(ctx context.Context, batch []*call) {
 	if len(batch) == 1 {
-		c := batch[0]
-		c.cmd = c.alone(ctx, p.client)
-		close(c.done)
+		batch[0].finish(batch[0].alone(ctx, p.client))
 		return
 	}
 	pipe := p.client.Pipeline()
@@ -154,8 +161,7 @@ func (p *pipeline) exec(batch []*call) {
 			// Run loads it.
 			cmds[i] = c.script.Run(ctx, p.client, c.keys, c.args...)
 		}
-		c.cmd = cmds[i]
-		close(c.done)
+		c.finish(cmds[i])
 	}
 }
 
@@ -165,8 +171,7 @@ func (p *pipeline) close() {
 	defer p.mu.Unlock()
 	p.closed = true
 	for _, c := range p.queue {
-		c.cmd = errorCmd(context.Background(), ErrClosed)
-		close(c.done)
+		c.finish(errorCmd(context.Background(), ErrClosed))
 	}
 	p.queue = nil
 }

@@ -280,16 +280,18 @@ func decodeRecord(v string) (*Record, string, error) {
 	if err != nil || n > uint64(len(v)-headerLen) {
 		return nil, "", fmt.Errorf("%w: record fingerprint length %q", ErrCorrupt, v[headerLen-fpLenDigits:headerLen])
 	}
+	// One copy of the fingerprint and the response, each capped at its own end.
+	b := []byte(v[headerLen:])
 	rec := &Record{}
 	if n > 0 {
-		rec.Fingerprint = []byte(v[headerLen : headerLen+int(n)])
+		rec.Fingerprint = b[:n:n]
 	}
 	switch v[1] {
 	case 'p':
 		rec.State = Pending
 	case 'c':
 		rec.State = Completed
-		resp, err := decodeResponse([]byte(v[headerLen+int(n):]))
+		resp, err := decodeResponse(b[n:])
 		if err != nil {
 			return nil, "", err
 		}
