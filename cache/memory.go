@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"container/heap"
 	"context"
 	"errors"
 	"fmt"
@@ -404,12 +405,29 @@ func (m *Memory) heapOf(e *memEntry) *deadlineHeap {
 	return &m.completed
 }
 
-// deadlineHeap is a min-heap of slots by their entries' deadlines, as container/heap has it, on
-// slots (which would be boxed through its interface). Each entry keeps its index in heapIdx.
+// deadlineHeap is a min-heap of slots by their entries' deadlines, run by container/heap
+// (through Fix only, so nothing is boxed). Each entry keeps its index in heapIdx.
 type deadlineHeap struct {
 	m     *Memory
 	slots []int32
 }
+
+func (h *deadlineHeap) Len() int { return len(h.slots) }
+
+func (h *deadlineHeap) Less(a, b int) bool {
+	return h.m.entries[h.slots[a]].deadline < h.m.entries[h.slots[b]].deadline
+}
+
+func (h *deadlineHeap) Swap(a, b int) {
+	s := h.slots
+	s[a], s[b] = s[b], s[a]
+	h.m.entries[s[a]].heapIdx = int32(a)
+	h.m.entries[s[b]].heapIdx = int32(b)
+}
+
+// Push and Pop complete heap.Interface; the store never calls heap.Push or heap.Pop.
+func (h *deadlineHeap) Push(any) { panic("cache: deadlineHeap.Push") }
+func (h *deadlineHeap) Pop() any { panic("cache: deadlineHeap.Pop") }
 
 func (h *deadlineHeap) min() (int32, bool) {
 	if len(h.slots) == 0 {
@@ -418,70 +436,24 @@ func (h *deadlineHeap) min() (int32, bool) {
 	return h.slots[0], true
 }
 
-func (h *deadlineHeap) less(a, b int) bool {
-	return h.m.entries[h.slots[a]].deadline < h.m.entries[h.slots[b]].deadline
-}
-
-func (h *deadlineHeap) swap(a, b int) {
-	s := h.slots
-	s[a], s[b] = s[b], s[a]
-	h.m.entries[s[a]].heapIdx = int32(a)
-	h.m.entries[s[b]].heapIdx = int32(b)
-}
-
 func (h *deadlineHeap) push(i int32) {
 	h.m.entries[i].heapIdx = int32(len(h.slots))
 	h.slots = append(h.slots, i)
-	h.up(len(h.slots) - 1)
+	heap.Fix(h, len(h.slots)-1)
 }
 
 func (h *deadlineHeap) remove(k int) {
 	n := len(h.slots) - 1
-	if n != k {
-		h.swap(k, n)
-		if !h.down(k, n) {
-			h.up(k)
-		}
+	if k != n {
+		h.Swap(k, n)
 	}
 	h.slots = h.slots[:n]
-}
-
-func (h *deadlineHeap) fix(k int) {
-	if !h.down(k, len(h.slots)) {
-		h.up(k)
+	if k < n {
+		heap.Fix(h, k)
 	}
 }
 
-func (h *deadlineHeap) up(j int) {
-	for {
-		i := (j - 1) / 2 // parent
-		if i == j || !h.less(j, i) {
-			return
-		}
-		h.swap(i, j)
-		j = i
-	}
-}
-
-func (h *deadlineHeap) down(i0, n int) bool {
-	i := i0
-	for {
-		j1 := 2*i + 1
-		if j1 >= n || j1 < 0 { // j1 < 0 after int overflow
-			break
-		}
-		j := j1 // left child
-		if j2 := j1 + 1; j2 < n && h.less(j2, j1) {
-			j = j2 // right child
-		}
-		if !h.less(j, i) {
-			break
-		}
-		h.swap(i, j)
-		i = j
-	}
-	return i > i0
-}
+func (h *deadlineHeap) fix(k int) { heap.Fix(h, k) }
 
 func checkClaim(c Claim) error {
 	if c.LockTTL < time.Millisecond || c.TTL < time.Millisecond {
