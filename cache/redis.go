@@ -33,7 +33,7 @@ const pipelineSlots = 2
 //	49+n           encoded response (completed only)
 //
 // The key's own expiry is the lease while pending and the TTL once completed. The scripts below
-// read the same offsets (Lua counts from 1).
+// read the same offsets, built from these constants.
 const (
 	recordLayout = '2'
 	tokenLen     = 26
@@ -42,11 +42,18 @@ const (
 	headerLen    = 2 + tokenLen + ttlDigits + fpLenDigits
 )
 
+// luaOwned starts every script below: it reads the record at KEYS[1] into cur and sets owned
+// when the record has this layout and ARGV[1] as its token. The offsets come from the constants
+// above (Lua counts from 1).
+var luaOwned = fmt.Sprintf(`
+local cur = redis.call('GET', KEYS[1])
+local owned = cur and string.sub(cur, 1, 1) == '%c' and string.sub(cur, 3, %d) == ARGV[1]
+`, recordLayout, 2+tokenLen)
+
 var (
 	// renewScript: KEYS[1] key; ARGV token, lock ms. Returns 1 when renewed.
-	renewScript = redis.NewScript(`
-local cur = redis.call('GET', KEYS[1])
-if cur and string.sub(cur, 1, 2) == '2p' and string.sub(cur, 3, 28) == ARGV[1] then
+	renewScript = redis.NewScript(luaOwned + `
+if owned and string.sub(cur, 2, 2) == 'p' then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
@@ -54,21 +61,19 @@ return 0
 `)
 	// completeScript: KEYS[1] key; ARGV token, encoded response. Returns 1 when completed; a
 	// completed record stays completed, so a retried Complete succeeds.
-	completeScript = redis.NewScript(`
-local cur = redis.call('GET', KEYS[1])
-if not cur or string.sub(cur, 1, 1) ~= '2' or string.sub(cur, 3, 28) ~= ARGV[1] then return 0 end
+	completeScript = redis.NewScript(luaOwned + fmt.Sprintf(`
+if not owned then return 0 end
 local st = string.sub(cur, 2, 2)
 if st == 'c' then return 1 end
 if st ~= 'p' then return 0 end
-local ttl = tonumber(string.sub(cur, 29, 41))
+local ttl = tonumber(string.sub(cur, %d, %d))
 if not ttl or ttl <= 0 then return redis.error_reply('record has no valid ttl') end
-redis.call('SET', KEYS[1], '2c' .. string.sub(cur, 3) .. ARGV[2], 'PX', ttl)
+redis.call('SET', KEYS[1], '%cc' .. string.sub(cur, 3) .. ARGV[2], 'PX', ttl)
 return 1
-`)
+`, 3+tokenLen, 2+tokenLen+ttlDigits, recordLayout))
 	// releaseScript: KEYS[1] key; ARGV token. Returns 1 when deleted.
-	releaseScript = redis.NewScript(`
-local cur = redis.call('GET', KEYS[1])
-if cur and string.sub(cur, 1, 2) == '2p' and string.sub(cur, 3, 28) == ARGV[1] then
+	releaseScript = redis.NewScript(luaOwned + `
+if owned and string.sub(cur, 2, 2) == 'p' then
   redis.call('DEL', KEYS[1])
   return 1
 end
