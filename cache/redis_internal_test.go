@@ -199,7 +199,6 @@ func waitAllWaiting(t *testing.T, s *Redis, hook *pipelineCounter, n int) int {
 
 func TestRedisPipelinesConcurrentCalls(t *testing.T) {
 	s, mr, hook := newHeldRedis(t)
-	t.Cleanup(func() { _ = s.Close() })
 	ctx := t.Context()
 	const n = 100
 

@@ -59,9 +59,8 @@ func TestRedisOutage(t *testing.T) {
 	// Not parallel: it times the fail-closed answers, which must not wait behind other tests'
 	// load on two cores.
 	srv := redistest.Start(t, redistest.Options{})
-	redisArgs := []string{"--store", "redis", "--redis-url", srv.URL()}
-	closed := newStack(t, stackOptions{args: redisArgs})
-	open := newStack(t, stackOptions{args: redisArgs, policy: "fail_mode: open"})
+	closed := newStack(t, stackOptions{args: redisArgs(srv)})
+	open := newStack(t, stackOptions{args: redisArgs(srv), policy: "fail_mode: open"})
 	procs := []*processor{closed.procs[0], open.procs[0]}
 
 	for _, p := range procs {
@@ -129,7 +128,7 @@ func TestRedisOutage(t *testing.T) {
 func TestProcessLogRedactsSecrets(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t, redistest.Options{ACLUser: "svc", ACLPassword: "REDIS-PASSWORD-3391"})
-	s := newStack(t, stackOptions{args: []string{"--store", "redis", "--redis-url", srv.URL(), "--log-level", "debug"}})
+	s := newStack(t, stackOptions{args: append(redisArgs(srv), "--log-level", "debug")})
 	const (
 		key  = "KEY-c0ffee-distinctive"
 		auth = "Bearer TOKEN-9d1e77"

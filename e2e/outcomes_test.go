@@ -26,7 +26,7 @@ func storeArgs(t *testing.T) map[string]func(t *testing.T) []string {
 		"memory": func(*testing.T) []string { return nil },
 		"redis": func(t *testing.T) []string {
 			srv := redistest.Start(t, redistest.Options{})
-			return []string{"--store", "redis", "--redis-url", srv.URL()}
+			return redisArgs(srv)
 		},
 	}
 }

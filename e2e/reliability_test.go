@@ -9,12 +9,8 @@ import (
 	"testing"
 	"time"
 
-	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
-	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/stretchr/testify/require"
-	"google.golang.org/protobuf/types/known/durationpb"
 
-	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/upstream"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
@@ -23,16 +19,6 @@ import (
 // killed or stopped mid-request, Redis stopped under load, Cluster and Sentinel failovers. The
 // promise they hold the product to is "never twice": no key's upstream runs twice while the
 // store is healthy, and no request runs without its client hearing about it.
-
-// withMessageTimeout raises envoy.yaml's message_timeout: the race-enabled binaries, the proxy,
-// Redis and a thousand streams share two cores in these tests.
-func withMessageTimeout(d time.Duration) func(b *bootstrapv3.Bootstrap) error {
-	return func(b *bootstrapv3.Bootstrap) error {
-		return envoyconf.MutateExtProc(b, func(f *filterextproc.ExternalProcessor) {
-			f.MessageTimeout = durationpb.New(d)
-		})
-	}
-}
 
 func redisArgs(srv *redistest.Server) []string {
 	return []string{"--store", "redis", "--redis-url", srv.URL()}
@@ -213,7 +199,7 @@ func TestSIGKILLedReplicaFreesItsKeyWithinLockTTL(t *testing.T) {
 	require.Eventually(t, func() bool { return s.up.Count("crash-1") == 1 }, 10*time.Second, 5*time.Millisecond)
 	var holder, other *processor
 	for _, p := range s.procs {
-		if _, m := p.admin("/metrics"); strings.Contains(m, "idempotency_inflight 1") {
+		if _, m := p.admin("/metrics"); metric(m, "idempotency_inflight") == 1 {
 			holder = p
 		} else {
 			other = p
@@ -243,7 +229,7 @@ func TestSIGKILLedReplicaFreesItsKeyWithinLockTTL(t *testing.T) {
 	// A request is counted when its stream ends, just after the client has its answer.
 	within(t, time.Now(), 5*time.Second, "the other replica served the retry", func() bool {
 		_, m := other.admin("/metrics")
-		return strings.Contains(m, `idempotency_requests_total{outcome="executed",route="default"} 1`)
+		return metric(m, `idempotency_requests_total{outcome="executed",route="default"}`) == 1
 	})
 	require.NotEqual(t, 200, (<-done).status, "the client of the killed replica's request did not get a success")
 }
@@ -352,7 +338,7 @@ func TestRedisTLSAndACLThroughTheBinary(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t, redistest.Options{TLS: true, ACLUser: "extproc", ACLPassword: "tls-acl-pass"})
 	// The binary trusts the test's CA the way any Go program does: SSL_CERT_FILE.
-	s := newStack(t, stackOptions{args: []string{"--store", "redis", "--redis-url", srv.URL()}, env: []string{"SSL_CERT_FILE=" + srv.CAFile()}})
+	s := newStack(t, stackOptions{args: redisArgs(srv), env: []string{"SSL_CERT_FILE=" + srv.CAFile()}})
 	within(t, time.Now(), 5*time.Second, "ready over TLS", func() bool {
 		code, _ := s.procs[0].admin("/readyz")
 		return code == 200

@@ -18,7 +18,9 @@ import (
 	"time"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
@@ -222,7 +224,9 @@ func newStack(t *testing.T, o stackOptions) *stack {
 	// race-enabled processors, Redis, the proxy and hundreds of streams share two cores, and a
 	// message may wait longer than that without anything being wrong: the tests run the shipped
 	// file with only this timer raised (a test may still set its own).
-	require.NoError(t, withMessageTimeout(5*time.Second)(b))
+	require.NoError(t, envoyconf.MutateExtProc(b, func(f *filterextproc.ExternalProcessor) {
+		f.MessageTimeout = durationpb.New(5 * time.Second)
+	}))
 	if o.envoy != nil {
 		require.NoError(t, o.envoy(b))
 	}
