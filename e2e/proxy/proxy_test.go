@@ -832,22 +832,17 @@ func TestConcurrentRequests(t *testing.T) {
 // processor that served it.
 func twoProcessors(t *testing.T, hc *proxy.HealthCheck) (a, b *fakeProcessor, served func() string) {
 	t.Helper()
-	a, b = startProcessor(t, nil), startProcessor(t, nil)
-	up := upstream.Start(t)
-	recs := make(chan proxy.Record, 100)
-	p := proxy.Start(t, proxy.Config{
-		Filter: bufferedFilter(), Processors: []string{a.addr, b.addr}, Upstream: up.URL(),
-		AccessLog: func(r proxy.Record) { recs <- r }, HealthCheck: hc,
+	b = startProcessor(t, nil)
+	e := newEnv(t, bufferedFilter(), nil, func(c *proxy.Config) {
+		c.Processors = append(c.Processors, b.addr)
+		c.HealthCheck = hc
 	})
-	client := newClient(t)
 	served = func() string {
-		resp, err := client.Post(p.URL()+"/x", "text/plain", bytes.NewReader([]byte("x")))
-		require.NoError(t, err)
-		require.NoError(t, resp.Body.Close())
+		resp, _ := e.do(t, http.MethodPost, "/x", []byte("x"))
 		require.Equal(t, http.StatusOK, resp.StatusCode)
-		return (<-recs).Processor
+		return e.record(t).Processor
 	}
-	return a, b, served
+	return e.proc, b, served
 }
 
 func TestRoundRobin(t *testing.T) {
