@@ -25,13 +25,14 @@ import (
 
 // memStream is an ExternalProcessor_ProcessServer that plays Envoy's side in lock-step: it
 // returns the messages of one request, stopping early when the server answers with an
-// ImmediateResponse or turns later phases off.
+// ImmediateResponse or turns later phases off, unless script is set: then it hands over every
+// message whatever the server answers.
 type memStream struct {
 	grpc.ServerStream
-	ctx  context.Context
-	msgs []*extprocv3.ProcessingRequest
-	next int
-	sent int
+	ctx    context.Context
+	msgs   []*extprocv3.ProcessingRequest
+	next   int
+	script bool
 }
 
 func (s *memStream) Context() context.Context { return s.ctx }
@@ -46,7 +47,9 @@ func (s *memStream) Recv() (*extprocv3.ProcessingRequest, error) {
 }
 
 func (s *memStream) Send(r *extprocv3.ProcessingResponse) error {
-	s.sent++
+	if s.script {
+		return nil
+	}
 	if r.GetImmediateResponse() != nil {
 		s.next = len(s.msgs)
 	}

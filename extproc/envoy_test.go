@@ -107,11 +107,17 @@ func (h *harness) advance(d time.Duration) {
 // or nil when there is none. Probing a free key claims and releases it at once.
 func (h *harness) record(t *testing.T, key string) *cache.Record {
 	t.Helper()
-	k := extproc.StoredKey(h.policy, "/v1/payments", key)
-	l, rec, err := h.store.Acquire(t.Context(), k, cache.Claim{LockTTL: time.Second, TTL: time.Second})
+	return storedRecord(t, h.store, h.policy, key)
+}
+
+// storedRecord is harness.record on any store and policy.
+func storedRecord(t *testing.T, store cache.Store, p *policy.Policy, key string) *cache.Record {
+	t.Helper()
+	k := extproc.StoredKey(p, "/v1/payments", key)
+	l, rec, err := store.Acquire(t.Context(), k, cache.Claim{LockTTL: time.Second, TTL: time.Second})
 	require.NoError(t, err)
 	if l.Held() {
-		require.NoError(t, h.store.Release(t.Context(), l))
+		require.NoError(t, store.Release(t.Context(), l))
 		return nil
 	}
 	return rec
@@ -133,8 +139,15 @@ func (h *harness) waitIdle(t *testing.T) {
 // counter returns the value of the series of a counter or gauge with the given label pairs.
 func (h *harness) counter(name string, labels ...string) float64 {
 	h.t.Helper()
-	families, err := h.registry.Gather()
-	require.NoError(h.t, err)
+	return metricValue(h.t, h.registry, name, labels...)
+}
+
+// metricValue returns the value in reg of the series of a counter or gauge with the given label
+// pairs, 0 when there is none.
+func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels ...string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	require.NoError(t, err)
 	for _, f := range families {
 		if f.GetName() != name {
 			continue

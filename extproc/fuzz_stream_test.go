@@ -1,8 +1,6 @@
 package extproc_test
 
 import (
-	"context"
-	"io"
 	"strconv"
 	"testing"
 	"time"
@@ -11,35 +9,12 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
-	"google.golang.org/grpc"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
-
-// scriptStream hands the server a fixed list of messages, whatever it answers.
-type scriptStream struct {
-	grpc.ServerStream
-	ctx  context.Context
-	msgs []*extprocv3.ProcessingRequest
-	sent int
-}
-
-func (s *scriptStream) Context() context.Context { return s.ctx }
-func (s *scriptStream) Send(*extprocv3.ProcessingResponse) error {
-	s.sent++
-	return nil
-}
-func (s *scriptStream) Recv() (*extprocv3.ProcessingRequest, error) {
-	if len(s.msgs) == 0 {
-		return nil, io.EOF
-	}
-	m := s.msgs[0]
-	s.msgs = s.msgs[1:]
-	return m, nil
-}
 
 // fuzzMessages turns bytes into a sequence of ext_proc messages of any kind, in any order.
 func fuzzMessages(b []byte) []*extprocv3.ProcessingRequest {
@@ -96,19 +71,11 @@ func FuzzStreamMessages(f *testing.F) {
 		require.NoError(t, err)
 
 		msgs := fuzzMessages(b)
-		require.NoError(t, srv.Process(&scriptStream{ctx: t.Context(), msgs: msgs}))
+		require.NoError(t, srv.Process(&memStream{ctx: t.Context(), msgs: msgs, script: true}))
 		require.Equal(t, 0, clk.Pending(), "no renewal timer outlives its stream")
-		families, err := reg.Gather()
-		require.NoError(t, err)
-		for _, mf := range families {
-			if mf.GetName() == "idempotency_inflight" {
-				require.Zero(t, mf.GetMetric()[0].GetGauge().GetValue(), "nothing in flight once the stream is over")
-			}
-		}
+		require.Zero(t, metricValue(t, reg, "idempotency_inflight"), "nothing in flight once the stream is over")
 		for _, k := range []string{"k0", "k1", "k2"} {
-			l, rec, err := mem.Acquire(t.Context(), extproc.StoredKey(p, "/v1/payments", k), cache.Claim{LockTTL: time.Second, TTL: time.Second})
-			require.NoError(t, err)
-			if !l.Held() {
+			if rec := storedRecord(t, mem, p, k); rec != nil {
 				require.Equal(t, cache.Completed, rec.State, "a stream that ended leaves no pending lease for %s", k)
 			}
 		}
