@@ -62,9 +62,10 @@ const (
 	targetRedis       = "redis store"
 )
 
-// cell is the result of one workload against one target.
+// cell is the result of one workload against one target, saturated or at a fixed rate.
 type cell struct {
 	workload, target string
+	rate             float64 // offered requests/s at a fixed rate; 0 when saturated
 	requests         int
 	elapsed          time.Duration
 	p50, p99         time.Duration
@@ -76,43 +77,32 @@ type cell struct {
 	cpu              time.Duration   // the target process' CPU time
 	clientCPU        time.Duration   // the benchmark's CPU time: the client, as Envoy's share
 	redisCPU         time.Duration   // redis-server's CPU time
-	hasStore         bool
-	hasRedis         bool
-	memoryBytes      [2]int64 // what a memory store held before and after the cell's runs
+	memoryBytes      int64           // what a memory store held before the cell's first round
 }
 
 func (c cell) rps() float64 { return float64(c.requests) / c.elapsed.Seconds() }
 
+// hasStore and hasRedis tell which counters mean something for c's target.
+func (c cell) hasStore() bool { return c.target != targetNull }
+func (c cell) hasRedis() bool { return c.target == targetRedis }
+
 type result struct {
 	opts         options
-	cells        []cell
-	paced        []pacedCell
+	cells        []cell  // saturated
+	paced        []cell  // at a fixed rate
 	redisBenchRP float64 // redis-benchmark requests/s, 0 when not measured
 }
 
-// pacedCell is one workload against one target at a fixed request rate.
-type pacedCell struct {
-	workload, target string
-	rate             float64 // offered requests/s
-	requests         int
-	elapsed          time.Duration
-	p50, p99         time.Duration
-	roundP99         []time.Duration
-	hasStore         bool
-	slowCalls        int64 // store operations that took over slowCall
-}
-
-func (r result) findPaced(workload, target string) (pacedCell, bool) {
-	for _, c := range r.paced {
-		if c.workload == workload && c.target == target {
-			return c, true
-		}
-	}
-	return pacedCell{}, false
-}
-
 func (r result) find(workload, target string) (cell, bool) {
-	for _, c := range r.cells {
+	return findCell(r.cells, workload, target)
+}
+
+func (r result) findPaced(workload, target string) (cell, bool) {
+	return findCell(r.paced, workload, target)
+}
+
+func findCell(cells []cell, workload, target string) (cell, bool) {
+	for _, c := range cells {
 		if c.workload == workload && c.target == target {
 			return c, true
 		}
@@ -133,15 +123,15 @@ func (r result) print(w io.Writer) {
 			added = fmtAdded(c.roundP99, null.roundP99)
 		}
 		store, slow, cmds, trips := "—", "—", "—", "—"
-		if c.hasStore {
+		if c.hasStore() {
 			store, slow = fmt.Sprintf("%.2f", c.storeCalls), strconv.FormatInt(c.slowCalls, 10)
 		}
-		if c.hasRedis {
+		if c.hasRedis() {
 			cmds = fmt.Sprintf("%.2f", c.redisCommands)
 			trips = fmt.Sprintf("%.2f", c.redisTrips)
 		}
 		redisCPU := "—"
-		if c.hasRedis {
+		if c.hasRedis() {
 			redisCPU = fmt.Sprintf("%.1f", perRequest(c.redisCPU, c.requests))
 		}
 		fmt.Fprintf(w, "| %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f | %s |\n",
@@ -157,7 +147,7 @@ func (r result) print(w io.Writer) {
 			if null, ok := r.findPaced(c.workload, targetNull); ok && c.target != targetNull {
 				added = fmtAdded(c.roundP99, null.roundP99)
 			}
-			if c.hasStore {
+			if c.hasStore() {
 				slow = strconv.FormatInt(c.slowCalls, 10)
 			}
 			fmt.Fprintf(w, "| %s | %s | %.0f | %.0f | %s | %s | %s | %s |\n", c.workload, c.target, c.rate,
@@ -254,100 +244,96 @@ func compare(ctx context.Context, o options) (result, error) {
 				return res, fmt.Errorf("%s, %s: %w", w, t.name, err)
 			}
 		}
-		// Rounds alternate the targets, so that a drift of the machine's speed affects all alike.
-		cells := make([]cell, len(targets))
-		lats := make([][]time.Duration, len(targets))
-		for range o.rounds {
-			for i, t := range targets {
-				before, err := t.counters(ctx)
-				if err != nil {
-					return res, err
-				}
-				if cells[i].requests == 0 {
-					cells[i].memoryBytes[0] = before.MemoryBytes
-				}
-				var redis0 time.Duration
-				if before.HasRedis {
-					redis0 = redisServerCPU(ctx, admin)
-				}
-				cpu0 := processCPU()
-				c, lat, err := driveLatencies(ctx, clients[i], w, o.streams, o.duration/time.Duration(o.rounds))
-				if err != nil {
-					return res, fmt.Errorf("%s, %s: %w", w, t.name, err)
-				}
-				cells[i].clientCPU += processCPU() - cpu0
-				after, err := t.counters(ctx)
-				if err != nil {
-					return res, err
-				}
-				cells[i].cpu += after.CPU - before.CPU
-				if after.HasRedis {
-					cells[i].redisCPU += redisServerCPU(ctx, admin) - redis0
-				}
-				cells[i].requests += c.requests
-				cells[i].elapsed += c.elapsed
-				lats[i] = append(lats[i], lat...)
-				_, p99 := percentiles(lat)
-				cells[i].roundP99 = append(cells[i].roundP99, p99)
-				cells[i].hasStore, cells[i].hasRedis = after.HasStore, after.HasRedis
-				cells[i].memoryBytes[1] = after.MemoryBytes
-				cells[i].storeCalls += float64(after.Calls - before.Calls)
-				cells[i].slowCalls += after.SlowCalls - before.SlowCalls
-				cells[i].redisCommands += float64(after.Commands - before.Commands)
-				cells[i].redisTrips += float64(after.Trips - before.Trips)
-			}
+		each := o.duration / time.Duration(o.rounds)
+		cells, err := rounds(ctx, o.rounds, w, targets, admin, func(i int) (cell, []time.Duration, error) {
+			return driveLatencies(ctx, clients[i], w, o.streams, each)
+		})
+		if err != nil {
+			return res, err
 		}
-		slowest := math.Inf(1)
-		for i, t := range targets {
-			c := cells[i]
-			c.workload, c.target = w, t.name
-			c.storeCalls /= float64(c.requests)
-			c.redisCommands /= float64(c.requests)
-			c.redisTrips /= float64(c.requests)
-			c.p50, c.p99 = percentiles(lats[i])
-			res.cells = append(res.cells, c)
-			slowest = min(slowest, c.rps())
-		}
+		res.cells = append(res.cells, cells...)
 		if o.load <= 0 {
 			continue
 		}
+		slowest := math.Inf(1)
+		for _, c := range cells {
+			slowest = min(slowest, c.rps())
+		}
 		rate := o.load * slowest
-		paced := make([]pacedCell, len(targets))
-		lats = make([][]time.Duration, len(targets))
-		for range o.rounds {
-			for i, t := range targets {
-				before, err := t.counters(ctx)
-				if err != nil {
-					return res, err
-				}
-				c, lat, err := drivePaced(ctx, clients[i], w, o.streams, rate, o.duration/time.Duration(o.rounds))
-				if err != nil {
-					return res, fmt.Errorf("%s, %s at %.0f/s: %w", w, t.name, rate, err)
-				}
-				after, err := t.counters(ctx)
-				if err != nil {
-					return res, err
-				}
-				paced[i].hasStore = after.HasStore
-				paced[i].slowCalls += after.SlowCalls - before.SlowCalls
-				paced[i].requests += c.requests
-				paced[i].elapsed += c.elapsed
-				lats[i] = append(lats[i], lat...)
-				_, p99 := percentiles(lat)
-				paced[i].roundP99 = append(paced[i].roundP99, p99)
-			}
+		cells, err = rounds(ctx, o.rounds, w, targets, admin, func(i int) (cell, []time.Duration, error) {
+			return drivePaced(ctx, clients[i], w, o.streams, rate, each)
+		})
+		if err != nil {
+			return res, fmt.Errorf("at %.0f/s: %w", rate, err)
 		}
-		for i, t := range targets {
-			c := paced[i]
-			c.workload, c.target, c.rate = w, t.name, rate
-			c.p50, c.p99 = percentiles(lats[i])
-			res.paced = append(res.paced, c)
+		for i := range cells {
+			cells[i].rate = rate
 		}
+		res.paced = append(res.paced, cells...)
 	}
 	if o.redisAddr != "" {
 		res.redisBenchRP = redisBenchmark(o.redisAddr, o.streams)
 	}
 	return res, nil
+}
+
+// rounds runs workload w against every target n times with run, alternating the targets so
+// that a drift of the machine's speed affects all alike, and returns a cell per target with
+// what it counted: requests, latencies, store calls, Redis commands and round trips, and the
+// CPU time of the target, the client and redis-server (admin, when there is one).
+func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admin *redis.Client, run func(i int) (cell, []time.Duration, error)) ([]cell, error) {
+	cells := make([]cell, len(targets))
+	lats := make([][]time.Duration, len(targets))
+	for i, t := range targets {
+		cells[i].workload, cells[i].target = w, t.name
+	}
+	for range n {
+		for i, t := range targets {
+			c := &cells[i]
+			before, err := t.counters(ctx)
+			if err != nil {
+				return nil, err
+			}
+			if c.requests == 0 {
+				c.memoryBytes = before.MemoryBytes
+			}
+			var redis0 time.Duration
+			if c.hasRedis() {
+				redis0 = redisServerCPU(ctx, admin)
+			}
+			cpu0 := processCPU()
+			got, lat, err := run(i)
+			if err != nil {
+				return nil, fmt.Errorf("%s, %s: %w", w, t.name, err)
+			}
+			c.clientCPU += processCPU() - cpu0
+			after, err := t.counters(ctx)
+			if err != nil {
+				return nil, err
+			}
+			c.cpu += after.CPU - before.CPU
+			if c.hasRedis() {
+				c.redisCPU += redisServerCPU(ctx, admin) - redis0
+			}
+			c.requests += got.requests
+			c.elapsed += got.elapsed
+			lats[i] = append(lats[i], lat...)
+			_, p99 := percentiles(lat)
+			c.roundP99 = append(c.roundP99, p99)
+			c.storeCalls += float64(after.Calls - before.Calls)
+			c.slowCalls += after.SlowCalls - before.SlowCalls
+			c.redisCommands += float64(after.Commands - before.Commands)
+			c.redisTrips += float64(after.Trips - before.Trips)
+		}
+	}
+	for i := range cells {
+		c := &cells[i]
+		c.storeCalls /= float64(c.requests)
+		c.redisCommands /= float64(c.requests)
+		c.redisTrips /= float64(c.requests)
+		c.p50, c.p99 = percentiles(lats[i])
+	}
+	return cells, nil
 }
 
 // seq numbers requests across runs, so that first executions always use fresh keys.

@@ -51,8 +51,6 @@ type counters struct {
 	SlowCalls int64
 	Commands  int64
 	Trips     int64
-	HasStore  bool
-	HasRedis  bool
 	// MemoryBytes is what the memory store holds (cache.Memory.Bytes), 0 for other targets.
 	MemoryBytes int64
 }
@@ -84,11 +82,10 @@ func serveFromEnv() bool {
 
 func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, stdout io.Writer) error {
 	var (
-		p                  extprocv3.ExternalProcessorServer
-		calls, slow        atomic.Int64
-		commands, trips    atomic.Int64
-		hasStore, hasRedis bool
-		memory             *cache.Memory
+		p               extprocv3.ExternalProcessorServer
+		calls, slow     atomic.Int64
+		commands, trips atomic.Int64
+		memory          *cache.Memory
 	)
 	switch name {
 	case targetNull:
@@ -112,7 +109,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		if err != nil {
 			return err
 		}
-		p, hasStore = srv, true
+		p = srv
 	case targetRedis:
 		rs, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + redisAddr + "/0", Timeout: time.Second})
 		if err != nil {
@@ -124,7 +121,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		if err != nil {
 			return err
 		}
-		p, hasStore, hasRedis = srv, true, true
+		p = srv
 	default:
 		return fmt.Errorf("no target %q", name)
 	}
@@ -145,7 +142,6 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	stats := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		c := counters{
 			CPU: processCPU(), Calls: calls.Load(), SlowCalls: slow.Load(), Commands: commands.Load(), Trips: trips.Load(),
-			HasStore: hasStore, HasRedis: hasRedis,
 		}
 		if memory != nil {
 			c.MemoryBytes = memory.Bytes()
