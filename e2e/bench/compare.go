@@ -74,6 +74,7 @@ type cell struct {
 	slowCalls        int64           // store operations that took over slowCall
 	redisCommands    float64         // commands sent to Redis per request
 	redisTrips       float64         // round trips to Redis per request (pipelined calls share one)
+	logLines         float64         // lines the processor logged per request
 	cpu              time.Duration   // the target process' CPU time
 	clientCPU        time.Duration   // the benchmark's CPU time: the client, as Envoy's share
 	redisCPU         time.Duration   // redis-server's CPU time
@@ -324,6 +325,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 			c.slowCalls += after.SlowCalls - before.SlowCalls
 			c.redisCommands += float64(after.Commands - before.Commands)
 			c.redisTrips += float64(after.Trips - before.Trips)
+			c.logLines += float64(after.LogLines - before.LogLines)
 		}
 	}
 	for i := range cells {
@@ -331,6 +333,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 		c.storeCalls /= float64(c.requests)
 		c.redisCommands /= float64(c.requests)
 		c.redisTrips /= float64(c.requests)
+		c.logLines /= float64(c.requests)
 		c.p50, c.p99 = percentiles(lats[i])
 	}
 	return cells, nil

@@ -25,7 +25,8 @@ func TestMain(m *testing.M) {
 
 // TestCompare runs the comparison briefly, as CI does: it asserts what is counted, never what
 // is timed. Store calls per request are exact: none for an uncovered request, two for a first
-// execution (acquire, complete), one for a replay; Redis sees one command per store call, and
+// execution (acquire, complete), one for a replay; the processor logs one line per covered
+// request, as the binary does by default; Redis sees one command per store call, and
 // pipelining makes the round trips no more than that. The run at a fixed rate measures every
 // cell too.
 func TestCompare(t *testing.T) {
@@ -37,6 +38,8 @@ func TestCompare(t *testing.T) {
 	t.Log("\n" + out.String())
 
 	want := map[string]float64{workloadUncovered: 0, workloadFirst: 2, workloadReplay: 1}
+	// The processor logs as the binary does: one line per covered request.
+	wantLines := map[string]float64{workloadUncovered: 0, workloadFirst: 1, workloadReplay: 1}
 	for _, w := range workloads {
 		for _, target := range []string{targetNull, targetMemory, targetMemoryEmpty, targetRedis} {
 			c, ok := res.find(w, target)
@@ -57,6 +60,7 @@ func TestCompare(t *testing.T) {
 				require.Equal(t, target == targetMemory, full, "%s starts with %d bytes", target, c.memoryBytes)
 			}
 			require.Equal(t, want[w], c.storeCalls, "%s, %s: store calls per request", w, target)
+			require.Equal(t, wantLines[w], c.logLines, "%s, %s: log lines per request", w, target)
 			require.LessOrEqual(t, float64(c.slowCalls), c.storeCalls*float64(c.requests), "%s, %s: slow store calls are store calls", w, target)
 			require.LessOrEqual(t, float64(p.slowCalls), p.storeCalls*float64(p.requests), "%s, %s at a fixed rate: slow store calls are store calls", w, target)
 			require.Equal(t, want[w], p.storeCalls, "%s, %s at a fixed rate: store calls per request", w, target)

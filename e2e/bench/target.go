@@ -17,6 +17,7 @@ import (
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/redis/go-redis/v9"
+	"github.com/rs/zerolog"
 	"google.golang.org/grpc"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -51,6 +52,8 @@ type counters struct {
 	SlowCalls int64
 	Commands  int64
 	Trips     int64
+	// LogLines are the lines the processor logged.
+	LogLines int64
 	// MemoryBytes is what the memory store holds (cache.Memory.Bytes), 0 for other targets.
 	MemoryBytes int64
 }
@@ -81,6 +84,15 @@ func serveFromEnv() bool {
 }
 
 func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, stdout io.Writer) error {
+	// The processor logs as the binary does by default (JSON at info level, one line per covered
+	// request), into /dev/null: the formatting and the write are paid, as in a deployment.
+	devNull, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	defer devNull.Close()
+	lines := lineCounter{w: devNull}
+	log := zerolog.New(&lines).Level(zerolog.InfoLevel).With().Timestamp().Logger()
 	var (
 		p               extprocv3.ExternalProcessorServer
 		calls, slow     atomic.Int64
@@ -105,7 +117,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		}
 		memory = mem
 		// The counting wrapper stays a cache.Local store, as the memory store is in the binary.
-		srv, err := extproc.NewServer(extproc.Options{Store: localCountingStore{&countingStore{Store: mem, calls: &calls, slow: &slow}}, Policy: benchPolicy()})
+		srv, err := extproc.NewServer(extproc.Options{Store: localCountingStore{&countingStore{Store: mem, calls: &calls, slow: &slow}}, Policy: benchPolicy(), Logger: &log})
 		if err != nil {
 			return err
 		}
@@ -117,7 +129,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		}
 		defer rs.Close()
 		rs.Client().AddHook(commandCounter{commands: &commands, trips: &trips})
-		srv, err := extproc.NewServer(extproc.Options{Store: &countingStore{Store: rs, calls: &calls, slow: &slow}, Policy: benchPolicy()})
+		srv, err := extproc.NewServer(extproc.Options{Store: &countingStore{Store: rs, calls: &calls, slow: &slow}, Policy: benchPolicy(), Logger: &log})
 		if err != nil {
 			return err
 		}
@@ -142,6 +154,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	stats := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		c := counters{
 			CPU: processCPU(), Calls: calls.Load(), SlowCalls: slow.Load(), Commands: commands.Load(), Trips: trips.Load(),
+			LogLines: lines.n.Load(),
 		}
 		if memory != nil {
 			c.MemoryBytes = memory.Bytes()
@@ -266,6 +279,17 @@ func (t *targetProcess) stop() {
 		_ = t.cmd.Process.Kill()
 		<-done
 	}
+}
+
+// lineCounter counts the lines written through it; zerolog writes one line per Write.
+type lineCounter struct {
+	w io.Writer
+	n atomic.Int64
+}
+
+func (c *lineCounter) Write(p []byte) (int, error) {
+	c.n.Add(1)
+	return c.w.Write(p)
 }
 
 // countingStore counts store operations.
