@@ -98,6 +98,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		calls, slow     atomic.Int64
 		commands, trips atomic.Int64
 		memory          *cache.Memory
+		processor       *extproc.Server
 	)
 	switch name {
 	case targetNull:
@@ -121,7 +122,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		if err != nil {
 			return err
 		}
-		p = srv
+		p, processor = srv, srv
 	case targetRedis:
 		rs, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + redisAddr + "/0", Timeout: time.Second})
 		if err != nil {
@@ -133,7 +134,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		if err != nil {
 			return err
 		}
-		p = srv
+		p, processor = srv, srv
 	default:
 		return fmt.Errorf("no target %q", name)
 	}
@@ -151,7 +152,18 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	if err != nil {
 		return err
 	}
-	stats := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+	stats := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if processor != nil {
+			// A stream logs its line when it ends, after its last answer: the counters are read
+			// once the round's streams have all ended.
+			ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
+			err := processor.Wait(ctx)
+			cancel()
+			if err != nil {
+				http.Error(w, "streams still open: "+err.Error(), http.StatusServiceUnavailable)
+				return
+			}
+		}
 		c := counters{
 			CPU: processCPU(), Calls: calls.Load(), SlowCalls: slow.Load(), Commands: commands.Load(), Trips: trips.Load(),
 			LogLines: lines.n.Load(),
@@ -262,6 +274,10 @@ func (t *targetProcess) counters(ctx context.Context) (counters, error) {
 		return c, err
 	}
 	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(resp.Body)
+		return c, fmt.Errorf("counters: %s: %s", resp.Status, msg)
+	}
 	return c, json.NewDecoder(resp.Body).Decode(&c)
 }
 
