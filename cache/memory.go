@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"strconv"
 	"sync"
 	"time"
@@ -16,8 +17,8 @@ import (
 const DefaultMemoryMaxBytes = 256 << 20
 
 // entryOverhead estimates the bytes a record costs beyond its key, fingerprint and response: its
-// slot in the entries slice, its map slot and its place in a deadline heap, with the slack of
-// each. TestMemoryHeapPerRecord checks the estimate against the Go heap.
+// slot in the entries slice, its map slot, its place in a deadline heap and its header in the
+// arena, with the slack of each. TestMemoryHeapPerRecord checks the estimate against the Go heap.
 const entryOverhead = 224
 
 // MemoryOptions configures a Memory store. The zero value gives the defaults.
@@ -40,20 +41,27 @@ type MemoryOptions struct {
 //
 // An evicted completed record is forgotten before its TTL: a retry after that runs again. Size
 // MaxBytes for the replay window you need.
+//
+// Nothing the store holds per record is a pointer, so the garbage collector neither scans nor
+// marks its records: their bytes (key, encoded response, fingerprint) are packed into large
+// segments (see arena), the records refer to each other by index, and keys are indexed by a
+// keyed hash. A full store of a few hundred MiB would otherwise add tens of milliseconds of
+// marking and sweeping to every collection of the process (BenchmarkMemoryCollection).
 type Memory struct {
 	clock    clock.Clock
 	maxBytes int64
 	// epoch is the origin of deadlines, which are nanoseconds since it (monotonic on the wall
 	// clock).
 	epoch time.Time
+	hash  func(key string) uint64
 
-	// The records live in one slice and refer to each other by index, so that the garbage
-	// collector follows two pointers per record (its key and its bytes), not a graph of them.
 	mu     sync.Mutex
 	closed bool
 	tokens uint64 // the last token handed out
 	bytes  int64
-	index  map[string]int32 // key -> slot in entries
+	// index maps the hash of a key to the slot of its record; records whose keys share a hash
+	// follow each other through memEntry.same.
+	index map[uint64]int32
 	// entries holds the records; slot 0 is the head of the lru list, and free slots are listed
 	// in free. It never shrinks: a burst of pending records (bounded by the requests in flight)
 	// leaves empty slots of about 100 bytes each, zeroed, to be reused.
@@ -63,6 +71,7 @@ type Memory struct {
 	// completed ones. A record moves from the first to the second when completed; since TTLs are
 	// usually alike, its new deadline is the latest and the push stops at once.
 	pending, completed deadlineHeap
+	arena              arena
 }
 
 // expireBudget bounds the expired records one call removes, so that the first call after a quiet
@@ -79,17 +88,20 @@ func (m *Memory) Local() {}
 // unlinked marks the lru links of an entry that is not in the list (a pending one).
 const unlinked = -1
 
+// memEntry is a record. Its bytes are its key, then its data: the encoded response of a
+// completed record (its first respLen bytes), then the fingerprint.
 type memEntry struct {
-	key string
-	// data is the encoded response of a completed record (its first respLen bytes), then the
-	// fingerprint. It is never modified once set, so it can be read outside the lock.
-	data    []byte
-	respLen int
-	token   uint64
-	ttl     time.Duration
+	hash  uint64
+	token uint64
+	ttl   time.Duration
 	// deadline is when the record expires, in nanoseconds since the store's epoch.
-	deadline   int64
-	size       int64
+	deadline int64
+	size     int64
+	// seg and off locate its bytes in the arena; seg is single for bytes held on their own.
+	seg, off   int32
+	n, keyLen  int32 // its bytes, and of them its key's
+	respLen    int32
+	same       int32 // the next record whose key has the same hash, or 0
 	heapIdx    int32 // in the pending or the completed heap, by state
 	prev, next int32 // lru links while completed, else unlinked
 	state      State
@@ -106,7 +118,15 @@ func NewMemory(opts MemoryOptions) (*Memory, error) {
 	if opts.Clock == nil {
 		opts.Clock = clock.Real{}
 	}
-	m := &Memory{clock: opts.Clock, maxBytes: opts.MaxBytes, epoch: opts.Clock.Now(), index: make(map[string]int32)}
+	seed := maphash.MakeSeed()
+	m := &Memory{
+		clock:    opts.Clock,
+		maxBytes: opts.MaxBytes,
+		epoch:    opts.Clock.Now(),
+		hash:     func(key string) uint64 { return maphash.String(seed, key) },
+		index:    make(map[uint64]int32),
+	}
+	m.arena.init(defaultSegmentSize)
 	m.entries = []memEntry{{}} // the lru head, alone in its circular list
 	m.pending.m, m.completed.m = m, m
 	return m, nil
@@ -120,6 +140,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	if err := ctx.Err(); err != nil {
 		return Lease{}, nil, err
 	}
+	m.provision()
 	m.mu.Lock()
 	if m.closed {
 		m.mu.Unlock()
@@ -129,15 +150,23 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	m.expire(now)
 	if i, ok := m.live(key, now); ok {
 		e := &m.entries[i]
-		state, data, respLen := e.state, e.data, e.respLen
+		state, respLen := e.state, int(e.respLen)
+		data, single := m.bytesOf(i)[e.keyLen:], e.single()
+		var buf []byte
+		if !single {
+			// Arena bytes move and are reused: they are copied under the lock.
+			buf = append([]byte(nil), data...)
+		}
 		if state == Completed {
 			m.touch(i)
 		}
 		m.mu.Unlock()
-		// Record bytes are never modified in place, so they can be copied outside the lock, once:
-		// the response and the fingerprint share the copy, each capped at its own end.
+		if single {
+			// Bytes held on their own are never modified: they are copied outside the lock.
+			buf = append([]byte(nil), data...)
+		}
+		// One copy: the response and the fingerprint share it, each capped at its own end.
 		rec := Record{State: state}
-		buf := append([]byte(nil), data...)
 		if len(buf) > respLen {
 			rec.Fingerprint = buf[respLen:len(buf):len(buf)]
 		}
@@ -153,9 +182,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	// Tokens only need to be unique within this store, which a counter guarantees.
 	m.tokens++
 	i := m.slot()
-	e := &m.entries[i]
-	*e = memEntry{
-		key:      key,
+	m.entries[i] = memEntry{
 		token:    m.tokens,
 		ttl:      c.TTL,
 		deadline: now + int64(c.LockTTL),
@@ -163,11 +190,10 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 		next:     unlinked,
 		state:    Pending,
 	}
-	if len(c.Fingerprint) > 0 {
-		e.data = append([]byte(nil), c.Fingerprint...)
-	}
-	e.size = int64(len(key)+len(e.data)) + entryOverhead
-	m.index[key] = i
+	m.put(i, key, c.Fingerprint)
+	e := &m.entries[i]
+	e.size = int64(e.n) + entryOverhead
+	m.insert(i, key)
 	m.pending.push(i)
 	m.bytes += e.size
 	m.evict(unlinked, now)
@@ -194,19 +220,24 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 	}
 	// Encode outside the lock, with room for a usual fingerprint (a SHA-256) after the response.
 	blob := appendResponse(make([]byte, 0, encodedResponseSize(resp)+32), resp)
+	m.provision()
 	err := m.update(ctx, l, func(i int32, now int64) {
 		e := &m.entries[i]
-		data, respLen := append(blob, e.data...), len(blob)
-		size := int64(len(e.key)+len(data)) + entryOverhead
-		if size > m.maxBytes {
+		fp := m.bytesOf(i)[e.keyLen:]
+		data, respLen := append(blob, fp...), len(blob)
+		if int64(len(l.key)+len(data))+entryOverhead > m.maxBytes {
 			// Keep the key claimed rather than let a duplicate run again.
 			stub := appendResponse(nil, Response{Status: resp.Status, BodyOmitted: true})
-			data, respLen = append(stub, e.data...), len(stub)
-			size = int64(len(e.key)+len(data)) + entryOverhead
+			data, respLen = append(stub, fp...), len(stub)
 		}
+		// The record moves: its old bytes go, and the new ones may land anywhere.
+		m.drop(i)
+		m.put(i, l.key, data)
+		e = &m.entries[i]
+		size := int64(e.n) + entryOverhead
 		m.pending.remove(int(e.heapIdx))
 		e.state = Completed
-		e.data, e.respLen = data, respLen
+		e.respLen = int32(respLen)
 		m.bytes += size - e.size
 		e.size = size
 		e.deadline = now + int64(e.ttl)
@@ -246,14 +277,16 @@ func (m *Memory) Close() error {
 	m.entries = []memEntry{{}}
 	m.free = nil
 	m.pending.slots, m.completed.slots = nil, nil
+	m.arena.reset()
 	m.bytes = 0
 	return nil
 }
 
 // Bytes returns the bytes the store accounts for: every record's key, fingerprint and encoded
-// response plus a fixed per-record overhead (its slot, map and heap places), counting expired
-// records not yet removed. It never exceeds MaxBytes for long: only pending records, which are
-// bounded by their leases, can hold it above.
+// response plus a fixed per-record overhead (its slot, map and heap places, its header in the
+// arena), counting expired records not yet removed. It never exceeds MaxBytes for long: only
+// pending records, which are bounded by their leases, can hold it above. The arena may hold about
+// an eighth more than its records, and a few segments, in holes not yet compacted.
 func (m *Memory) Bytes() int64 {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -264,7 +297,7 @@ func (m *Memory) Bytes() int64 {
 func (m *Memory) Len() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return len(m.index)
+	return len(m.entries) - 1 - len(m.free)
 }
 
 // update runs f on the slot of the live pending entry that l owns, under the lock.
@@ -307,13 +340,51 @@ func (m *Memory) owned(l Lease, now int64) (int32, bool) {
 
 // live returns the slot of key's record unless it has expired, in which case it removes it.
 func (m *Memory) live(key string, now int64) (int32, bool) {
-	i, ok := m.index[key]
+	i, ok := m.find(key)
 	if ok && m.entries[i].deadline <= now {
 		m.remove(i)
 		return 0, false
 	}
 	return i, ok
 }
+
+// find returns the slot of key's record.
+func (m *Memory) find(key string) (int32, bool) {
+	for i := m.index[m.hash(key)]; i != 0; i = m.entries[i].same {
+		if string(m.keyOf(i)) == key {
+			return i, true
+		}
+	}
+	return 0, false
+}
+
+// insert indexes slot i under key.
+func (m *Memory) insert(i int32, key string) {
+	h := m.hash(key)
+	e := &m.entries[i]
+	e.hash, e.same = h, m.index[h]
+	m.index[h] = i
+}
+
+// unindex removes slot i from the index.
+func (m *Memory) unindex(i int32) {
+	e := &m.entries[i]
+	first := m.index[e.hash]
+	switch {
+	case first != i:
+		p := first
+		for m.entries[p].same != i {
+			p = m.entries[p].same
+		}
+		m.entries[p].same = e.same
+	case e.same != 0:
+		m.index[e.hash] = e.same
+	default:
+		delete(m.index, e.hash)
+	}
+}
+
+func (m *Memory) keyOf(i int32) []byte { return m.bytesOf(i)[:m.entries[i].keyLen] }
 
 func (m *Memory) now() int64 { return int64(m.clock.Now().Sub(m.epoch)) }
 
@@ -370,10 +441,11 @@ func (m *Memory) evict(keep int32, now int64) {
 // remove drops the entry in slot i and frees the slot.
 func (m *Memory) remove(i int32) {
 	e := &m.entries[i]
-	delete(m.index, e.key)
+	m.unindex(i)
 	m.heapOf(e).remove(int(e.heapIdx))
 	m.unlink(i)
 	m.bytes -= e.size
+	m.drop(i)
 	m.entries[i] = memEntry{}
 	m.free = append(m.free, i)
 }
