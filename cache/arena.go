@@ -1,9 +1,6 @@
 package cache
 
-import (
-	"encoding/binary"
-	"sync/atomic"
-)
+import "encoding/binary"
 
 // defaultSegmentSize is the size of the arena's segments: large enough that a full store is a
 // few hundred objects to the garbage collector, small enough that compacting one holds the lock
@@ -40,16 +37,8 @@ type arena struct {
 	held          int   // segments allocated
 	compacting    bool
 	moved         int64            // bytes compaction moved, over the store's life
-	allocated     int64            // segments allocated under the lock, for want of a spare
 	big           map[int32][]byte // the bytes held on their own, by slot
-	// wanted is set when no spare segment is left: the next caller allocates one before it takes
-	// the lock (Memory.provision), so that the page faults of a growing arena (tens of
-	// microseconds each on a virtual machine) do not hold up every other caller.
-	wanted atomic.Bool
 }
-
-// pageSize is the granule a new segment is faulted in by.
-const pageSize = 4096
 
 // init readies an empty arena of segments of segSize bytes.
 func (a *arena) init(segSize int) {
@@ -57,10 +46,10 @@ func (a *arena) init(segSize int) {
 	a.reset()
 }
 
-// reset drops everything the arena holds. Its segment size stays: provision reads it unlocked.
+// reset drops everything the arena holds but its segment size.
 func (a *arena) reset() {
 	a.segs, a.live, a.fill, a.spare, a.unused = nil, nil, nil, nil, nil
-	a.head, a.liveBytes, a.held, a.moved, a.allocated = -1, 0, 0, 0, 0
+	a.head, a.liveBytes, a.held, a.moved = -1, 0, 0, 0
 	a.big = map[int32][]byte{}
 }
 
@@ -81,7 +70,7 @@ func (e *memEntry) single() bool { return e.seg == single }
 
 // bytesOf returns the bytes of the record in slot i: its key, then its data.
 func (m *Memory) bytesOf(i int32) []byte {
-	e := &m.entries[i]
+	e := m.entry(i)
 	if e.single() {
 		return m.arena.big[i]
 	}
@@ -101,13 +90,13 @@ func (m *Memory) put(i int32, key string, data []byte) {
 		b := a.segs[seg][off:]
 		copy(b[copy(b, key):], data)
 	}
-	e := &m.entries[i]
+	e := m.entry(i)
 	e.seg, e.off, e.n, e.keyLen = seg, off, int32(n), int32(len(key))
 }
 
 // drop frees the bytes of the record in slot i.
 func (m *Memory) drop(i int32) {
-	e := &m.entries[i]
+	e := m.entry(i)
 	if e.single() {
 		delete(m.arena.big, i)
 	} else {
@@ -161,17 +150,12 @@ func (m *Memory) newHead() {
 		a.unused = a.unused[:k-1]
 		a.segs[a.head] = make([]byte, a.segSize)
 		a.held++
-		a.allocated++
 	} else {
 		a.segs = append(a.segs, make([]byte, a.segSize))
 		a.live = append(a.live, 0)
 		a.fill = append(a.fill, 0)
 		a.held++
-		a.allocated++
 		a.head = int32(len(a.segs) - 1)
-	}
-	if len(a.spare) == 0 {
-		a.wanted.Store(true)
 	}
 	if a.compacting {
 		return
@@ -184,36 +168,6 @@ func (m *Memory) newHead() {
 		m.compact()
 	}
 	a.compacting = false
-}
-
-// provision allocates a segment and touches each of its pages, outside the lock, if the arena
-// wants one, and hands it over as a spare.
-func (m *Memory) provision() {
-	a := &m.arena
-	if !a.wanted.Load() || !a.wanted.CompareAndSwap(true, false) {
-		return
-	}
-	seg := make([]byte, a.segSize)
-	for i := 0; i < len(seg); i += pageSize {
-		seg[i] = 0
-	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.closed || len(a.spare) > 0 {
-		return // closed, or a call that could not wait for it allocated one
-	}
-	if k := len(a.unused); k > 0 {
-		s := a.unused[k-1]
-		a.unused = a.unused[:k-1]
-		a.segs[s] = seg
-		a.spare = append(a.spare, s)
-	} else {
-		a.segs = append(a.segs, seg)
-		a.live = append(a.live, 0)
-		a.fill = append(a.fill, 0)
-		a.spare = append(a.spare, int32(len(a.segs)-1))
-	}
-	a.held++
 }
 
 // toSpare takes seg out of use: it keeps it as a spare while the segments held stay within the
@@ -250,13 +204,13 @@ func (m *Memory) compact() {
 		n := int(binary.LittleEndian.Uint32(seg[off+4:]))
 		at := int32(off + recordHeader)
 		off += recordHeader + n
-		if e := &m.entries[i]; e.seg != victim || e.off != at {
+		if e := m.entry(i); e.seg != victim || e.off != at {
 			continue // a removed record: its slot is free or holds another
 		}
 		s, o := m.place(i, n)
 		copy(a.segs[s][o:], seg[at:int(at)+n])
 		a.moved += int64(n)
-		e := &m.entries[i]
+		e := m.entry(i)
 		e.seg, e.off = s, o
 		m.release(victim, n)
 	}

@@ -64,8 +64,9 @@ type Memory struct {
 	index map[uint64]int32
 	// entries holds the records; slot 0 is the head of the lru list, and free slots are listed
 	// in free. It never shrinks: a burst of pending records (bounded by the requests in flight)
-	// leaves empty slots of about 100 bytes each, zeroed, to be reused.
-	entries []memEntry
+	// leaves empty slots of 80 bytes each, zeroed, to be reused. It grows by chunks: growing
+	// never copies it.
+	entries chunks[memEntry]
 	free    []int32
 	// Two min-heaps of slots by deadline: pending records (as many as requests in flight) and
 	// completed ones. A record moves from the first to the second when completed; since TTLs are
@@ -127,7 +128,7 @@ func NewMemory(opts MemoryOptions) (*Memory, error) {
 		index:    make(map[uint64]int32),
 	}
 	m.arena.init(defaultSegmentSize)
-	m.entries = []memEntry{{}} // the lru head, alone in its circular list
+	m.resetEntries()
 	m.pending.m, m.completed.m = m, m
 	return m, nil
 }
@@ -140,7 +141,6 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	if err := ctx.Err(); err != nil {
 		return Lease{}, nil, err
 	}
-	m.provision()
 	m.mu.Lock()
 	if m.closed {
 		m.mu.Unlock()
@@ -149,7 +149,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	now := m.now()
 	m.expire(now)
 	if i, ok := m.live(key, now); ok {
-		e := &m.entries[i]
+		e := m.entry(i)
 		state, respLen := e.state, int(e.respLen)
 		data, single := m.bytesOf(i)[e.keyLen:], e.single()
 		var buf []byte
@@ -182,7 +182,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	// Tokens only need to be unique within this store, which a counter guarantees.
 	m.tokens++
 	i := m.slot()
-	m.entries[i] = memEntry{
+	*m.entry(i) = memEntry{
 		token:    m.tokens,
 		ttl:      c.TTL,
 		deadline: now + int64(c.LockTTL),
@@ -191,7 +191,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 		state:    Pending,
 	}
 	m.put(i, key, c.Fingerprint)
-	e := &m.entries[i]
+	e := m.entry(i)
 	e.size = int64(e.n) + entryOverhead
 	m.insert(i, key)
 	m.pending.push(i)
@@ -208,8 +208,8 @@ func (m *Memory) Renew(ctx context.Context, l Lease, d time.Duration) error {
 		return fmt.Errorf("cache: renew: lease duration must be at least 1ms, got %v", d)
 	}
 	return m.update(ctx, l, func(i int32, now int64) {
-		m.entries[i].deadline = now + int64(d)
-		m.pending.fix(int(m.entries[i].heapIdx))
+		m.entry(i).deadline = now + int64(d)
+		m.pending.fix(int(m.entry(i).heapIdx))
 	})
 }
 
@@ -220,9 +220,8 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 	}
 	// Encode outside the lock, with room for a usual fingerprint (a SHA-256) after the response.
 	blob := appendResponse(make([]byte, 0, encodedResponseSize(resp)+32), resp)
-	m.provision()
 	err := m.update(ctx, l, func(i int32, now int64) {
-		e := &m.entries[i]
+		e := m.entry(i)
 		fp := m.bytesOf(i)[e.keyLen:]
 		data, respLen := append(blob, fp...), len(blob)
 		if int64(len(l.key)+len(data))+entryOverhead > m.maxBytes {
@@ -233,7 +232,7 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 		// The record moves: its old bytes go, and the new ones may land anywhere.
 		m.drop(i)
 		m.put(i, l.key, data)
-		e = &m.entries[i]
+		e = m.entry(i)
 		size := int64(e.n) + entryOverhead
 		m.pending.remove(int(e.heapIdx))
 		e.state = Completed
@@ -274,9 +273,9 @@ func (m *Memory) Close() error {
 	defer m.mu.Unlock()
 	m.closed = true
 	m.index = nil
-	m.entries = []memEntry{{}}
+	m.resetEntries()
 	m.free = nil
-	m.pending.slots, m.completed.slots = nil, nil
+	m.pending.slots, m.completed.slots = chunks[int32]{}, chunks[int32]{}
 	m.arena.reset()
 	m.bytes = 0
 	return nil
@@ -297,7 +296,7 @@ func (m *Memory) Bytes() int64 {
 func (m *Memory) Len() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return len(m.entries) - 1 - len(m.free)
+	return int(m.entries.len()) - 1 - len(m.free)
 }
 
 // update runs f on the slot of the live pending entry that l owns, under the lock.
@@ -313,7 +312,7 @@ func (m *Memory) update(ctx context.Context, l Lease, f func(i int32, now int64)
 	now := m.now()
 	m.expire(now)
 	i, ok := m.owned(l, now)
-	if !ok || m.entries[i].state != Pending {
+	if !ok || m.entry(i).state != Pending {
 		return ErrLeaseLost
 	}
 	f(i, now)
@@ -325,7 +324,7 @@ func (m *Memory) completedBy(l Lease) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	i, ok := m.owned(l, m.now())
-	return ok && m.entries[i].state == Completed
+	return ok && m.entry(i).state == Completed
 }
 
 // owned returns the slot of the live record for l's key if l's token owns it.
@@ -335,13 +334,13 @@ func (m *Memory) owned(l Lease, now int64) (int32, bool) {
 		return 0, false
 	}
 	i, ok := m.live(l.key, now)
-	return i, ok && m.entries[i].token == token
+	return i, ok && m.entry(i).token == token
 }
 
 // live returns the slot of key's record unless it has expired, in which case it removes it.
 func (m *Memory) live(key string, now int64) (int32, bool) {
 	i, ok := m.find(key)
-	if ok && m.entries[i].deadline <= now {
+	if ok && m.entry(i).deadline <= now {
 		m.remove(i)
 		return 0, false
 	}
@@ -350,7 +349,7 @@ func (m *Memory) live(key string, now int64) (int32, bool) {
 
 // find returns the slot of key's record.
 func (m *Memory) find(key string) (int32, bool) {
-	for i := m.index[m.hash(key)]; i != 0; i = m.entries[i].same {
+	for i := m.index[m.hash(key)]; i != 0; i = m.entry(i).same {
 		if string(m.keyOf(i)) == key {
 			return i, true
 		}
@@ -361,22 +360,22 @@ func (m *Memory) find(key string) (int32, bool) {
 // insert indexes slot i under key.
 func (m *Memory) insert(i int32, key string) {
 	h := m.hash(key)
-	e := &m.entries[i]
+	e := m.entry(i)
 	e.hash, e.same = h, m.index[h]
 	m.index[h] = i
 }
 
 // unindex removes slot i from the index.
 func (m *Memory) unindex(i int32) {
-	e := &m.entries[i]
+	e := m.entry(i)
 	first := m.index[e.hash]
 	switch {
 	case first != i:
 		p := first
-		for m.entries[p].same != i {
-			p = m.entries[p].same
+		for m.entry(p).same != i {
+			p = m.entry(p).same
 		}
-		m.entries[p].same = e.same
+		m.entry(p).same = e.same
 	case e.same != 0:
 		m.index[e.hash] = e.same
 	default:
@@ -384,9 +383,19 @@ func (m *Memory) unindex(i int32) {
 	}
 }
 
-func (m *Memory) keyOf(i int32) []byte { return m.bytesOf(i)[:m.entries[i].keyLen] }
+func (m *Memory) keyOf(i int32) []byte { return m.bytesOf(i)[:m.entry(i).keyLen] }
 
 func (m *Memory) now() int64 { return int64(m.clock.Now().Sub(m.epoch)) }
+
+// entry returns the entry in slot i.
+func (m *Memory) entry(i int32) *memEntry { return m.entries.at(i) }
+
+// resetEntries leaves the lru head alone in entries, in its circular list.
+func (m *Memory) resetEntries() {
+	m.entries = chunks[memEntry]{}
+	m.entries.grow(make([]memEntry, chunkLen))
+	m.entries.push(memEntry{})
+}
 
 // slot returns a free slot of entries.
 func (m *Memory) slot() int32 {
@@ -395,8 +404,11 @@ func (m *Memory) slot() int32 {
 		m.free = m.free[:n-1]
 		return i
 	}
-	m.entries = append(m.entries, memEntry{})
-	return int32(len(m.entries) - 1)
+	if m.entries.full() {
+		m.entries.grow(make([]memEntry, chunkLen))
+	}
+	m.entries.push(memEntry{})
+	return m.entries.len() - 1
 }
 
 // expire removes up to expireBudget records whose deadline has passed.
@@ -412,7 +424,7 @@ func (m *Memory) expire(now int64) {
 // record whose lease ran out first, else the completed record that expired first.
 func (m *Memory) expireOne(now int64) bool {
 	for _, h := range []*deadlineHeap{&m.pending, &m.completed} {
-		if i, ok := h.min(); ok && m.entries[i].deadline <= now {
+		if i, ok := h.min(); ok && m.entry(i).deadline <= now {
 			m.remove(i)
 			return true
 		}
@@ -427,9 +439,9 @@ func (m *Memory) evict(keep int32, now int64) {
 		if m.expireOne(now) {
 			continue
 		}
-		victim := m.entries[0].prev
+		victim := m.entry(0).prev
 		if victim == keep {
-			victim = m.entries[victim].prev
+			victim = m.entry(victim).prev
 		}
 		if victim == 0 {
 			return
@@ -440,32 +452,32 @@ func (m *Memory) evict(keep int32, now int64) {
 
 // remove drops the entry in slot i and frees the slot.
 func (m *Memory) remove(i int32) {
-	e := &m.entries[i]
+	e := m.entry(i)
 	m.unindex(i)
 	m.heapOf(e).remove(int(e.heapIdx))
 	m.unlink(i)
 	m.bytes -= e.size
 	m.drop(i)
-	m.entries[i] = memEntry{}
+	*m.entry(i) = memEntry{}
 	m.free = append(m.free, i)
 }
 
 // touch moves a completed entry to the front of the lru list.
 func (m *Memory) touch(i int32) {
 	m.unlink(i)
-	first := m.entries[0].next
-	m.entries[i].prev, m.entries[i].next = 0, first
-	m.entries[first].prev = i
-	m.entries[0].next = i
+	first := m.entry(0).next
+	m.entry(i).prev, m.entry(i).next = 0, first
+	m.entry(first).prev = i
+	m.entry(0).next = i
 }
 
 func (m *Memory) unlink(i int32) {
-	e := &m.entries[i]
+	e := m.entry(i)
 	if e.next == unlinked {
 		return
 	}
-	m.entries[e.prev].next = e.next
-	m.entries[e.next].prev = e.prev
+	m.entry(e.prev).next = e.next
+	m.entry(e.next).prev = e.prev
 	e.prev, e.next = unlinked, unlinked
 }
 
@@ -481,20 +493,20 @@ func (m *Memory) heapOf(e *memEntry) *deadlineHeap {
 // (through Fix only, so nothing is boxed). Each entry keeps its index in heapIdx.
 type deadlineHeap struct {
 	m     *Memory
-	slots []int32
+	slots chunks[int32]
 }
 
-func (h *deadlineHeap) Len() int { return len(h.slots) }
+func (h *deadlineHeap) Len() int { return int(h.slots.len()) }
 
 func (h *deadlineHeap) Less(a, b int) bool {
-	return h.m.entries[h.slots[a]].deadline < h.m.entries[h.slots[b]].deadline
+	return h.m.entry(*h.slots.at(int32(a))).deadline < h.m.entry(*h.slots.at(int32(b))).deadline
 }
 
 func (h *deadlineHeap) Swap(a, b int) {
-	s := h.slots
-	s[a], s[b] = s[b], s[a]
-	h.m.entries[s[a]].heapIdx = int32(a)
-	h.m.entries[s[b]].heapIdx = int32(b)
+	sa, sb := h.slots.at(int32(a)), h.slots.at(int32(b))
+	*sa, *sb = *sb, *sa
+	h.m.entry(*sa).heapIdx = int32(a)
+	h.m.entry(*sb).heapIdx = int32(b)
 }
 
 // Push and Pop complete heap.Interface; the store never calls heap.Push or heap.Pop.
@@ -502,24 +514,29 @@ func (h *deadlineHeap) Push(any) { panic("cache: deadlineHeap.Push") }
 func (h *deadlineHeap) Pop() any { panic("cache: deadlineHeap.Pop") }
 
 func (h *deadlineHeap) min() (int32, bool) {
-	if len(h.slots) == 0 {
+	if h.slots.len() == 0 {
 		return 0, false
 	}
-	return h.slots[0], true
+	return *h.slots.at(0), true
 }
 
 func (h *deadlineHeap) push(i int32) {
-	h.m.entries[i].heapIdx = int32(len(h.slots))
-	h.slots = append(h.slots, i)
-	heap.Fix(h, len(h.slots)-1)
+	n := h.slots.len()
+	h.m.entry(i).heapIdx = n
+	if h.slots.full() {
+		// A chunk of slots is 16 KiB: allocating it under the lock costs a few page faults.
+		h.slots.grow(make([]int32, chunkLen))
+	}
+	h.slots.push(i)
+	heap.Fix(h, int(n))
 }
 
 func (h *deadlineHeap) remove(k int) {
-	n := len(h.slots) - 1
+	n := h.Len() - 1
 	if k != n {
 		h.Swap(k, n)
 	}
-	h.slots = h.slots[:n]
+	h.slots.pop()
 	if k < n {
 		heap.Fix(h, k)
 	}
