@@ -19,8 +19,9 @@ const single = -1
 // segment; a removed record leaves a hole. A segment whose records are all gone is reused, and
 // when the segments in use exceed the live bytes by more than an eighth of them and two segments,
 // the one with the fewest live bytes is compacted: its live records are appended to the head, and
-// it is freed. So the arena holds about 9/8 of its live bytes and a few segments at most, whatever
-// the order in which records go (TestMemoryArenaStaysCompact).
+// it is freed. So while records come, the arena holds about 9/8 of its live bytes and a few
+// segments at most, whatever the order in which records go (TestMemoryArenaStaysCompact). When
+// they stop coming and records expire, nothing is compacted: segments are freed as they empty.
 //
 // A record larger than a quarter of a segment is held in an allocation of its own (big):
 // there are few, and their bytes are large next to the collector's cost of one object.
@@ -170,17 +171,18 @@ func (m *Memory) newHead() {
 	a.compacting = false
 }
 
-// toSpare takes seg out of use: it keeps it as a spare while the segments held stay within the
-// slack of the live bytes and one more, and frees it otherwise.
+// toSpare takes seg out of use, as a spare; then it frees spares while the segments held exceed
+// the slack of the live bytes and one more, so that spares kept when the store was fuller go too.
 func (a *arena) toSpare(seg int32) {
 	a.fill[seg] = 0
-	if a.held*a.segSize <= a.liveBytes+a.slack()+a.segSize {
-		a.spare = append(a.spare, seg)
-		return
+	a.spare = append(a.spare, seg)
+	for k := len(a.spare); k > 0 && a.held*a.segSize > a.liveBytes+a.slack()+a.segSize; k-- {
+		s := a.spare[k-1]
+		a.spare = a.spare[:k-1]
+		a.segs[s] = nil
+		a.held--
+		a.unused = append(a.unused, s)
 	}
-	a.segs[seg] = nil
-	a.held--
-	a.unused = append(a.unused, seg)
 }
 
 // compact moves the live records of the segment in use with the fewest live bytes to the head,

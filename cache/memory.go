@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/maphash"
+	"math"
 	"strconv"
 	"sync"
 	"time"
@@ -54,6 +55,9 @@ type Memory struct {
 	// clock).
 	epoch time.Time
 	hash  func(key string) uint64
+	// maxRecord bounds a record's bytes, whose sizes are kept as int32: a larger response is
+	// stored as too large to replay.
+	maxRecord int
 
 	mu     sync.Mutex
 	closed bool
@@ -121,11 +125,12 @@ func NewMemory(opts MemoryOptions) (*Memory, error) {
 	}
 	seed := maphash.MakeSeed()
 	m := &Memory{
-		clock:    opts.Clock,
-		maxBytes: opts.MaxBytes,
-		epoch:    opts.Clock.Now(),
-		hash:     func(key string) uint64 { return maphash.String(seed, key) },
-		index:    make(map[uint64]int32),
+		clock:     opts.Clock,
+		maxBytes:  opts.MaxBytes,
+		epoch:     opts.Clock.Now(),
+		hash:      func(key string) uint64 { return maphash.String(seed, key) },
+		index:     make(map[uint64]int32),
+		maxRecord: math.MaxInt32,
 	}
 	m.arena.init(defaultSegmentSize)
 	m.resetEntries()
@@ -140,6 +145,9 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	}
 	if err := ctx.Err(); err != nil {
 		return Lease{}, nil, err
+	}
+	if len(key)+len(c.Fingerprint) > m.maxRecord {
+		return Lease{}, nil, fmt.Errorf("cache: acquire: key and fingerprint of %d bytes, more than a record holds", len(key)+len(c.Fingerprint))
 	}
 	m.mu.Lock()
 	if m.closed {
@@ -224,7 +232,7 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 		e := m.entry(i)
 		fp := m.bytesOf(i)[e.keyLen:]
 		data, respLen := append(blob, fp...), len(blob)
-		if int64(len(l.key)+len(data))+entryOverhead > m.maxBytes {
+		if n := len(l.key) + len(data); int64(n)+entryOverhead > m.maxBytes || n > m.maxRecord {
 			// Keep the key claimed rather than let a duplicate run again.
 			stub := appendResponse(nil, Response{Status: resp.Status, BodyOmitted: true})
 			data, respLen = append(stub, fp...), len(stub)

@@ -393,3 +393,47 @@ func TestMemoryGrowsWithoutMoving(t *testing.T) {
 	require.Equal(t, n+1, int(m.entries.len()))
 	require.Greater(t, m.arena.held, 100, "the arena grew")
 }
+
+// TestMemoryArenaShrinksAsRecordsExpire: when records stop coming and expire, the arena frees
+// its segments as they empty, down to the few its slack allows.
+func TestMemoryArenaShrinksAsRecordsExpire(t *testing.T) {
+	m, clk := newInternalMemory(t, 256<<10)
+	m.arena.init(2 << 10)
+	ctx := context.Background()
+	for i := range 2000 { // several times the bound: every segment is used, emptied and reused
+		l, _, err := m.Acquire(ctx, "k"+strconv.Itoa(i), internalClaim)
+		require.NoError(t, err)
+		require.NoError(t, m.Complete(ctx, l, Response{Status: 200, Body: make([]byte, 50+i%400)}))
+	}
+	peak := m.arena.held
+	require.Greater(t, peak, 50)
+	clk.Advance(internalClaim.TTL)
+	for m.Len() > 0 {
+		_, err := lookup(m, "absent") // each call removes up to expireBudget expired records
+		require.NoError(t, err)
+	}
+	checkMemory(t, m)
+	require.LessOrEqual(t, m.arena.held, 3, "segments held once every record expired, of %d", peak)
+}
+
+// TestMemoryRecordTooLargeForItsSizes: a record whose bytes would not fit the int32 sizes of an
+// entry is kept as a response too large to replay, as one over the store's bound is; a key and
+// fingerprint that large are refused.
+func TestMemoryRecordTooLargeForItsSizes(t *testing.T) {
+	m, _ := newInternalMemory(t, 0)
+	m.maxRecord = 200
+	ctx := context.Background()
+	l, _, err := m.Acquire(ctx, "k", Claim{LockTTL: time.Minute, TTL: time.Hour, Fingerprint: []byte("fp")})
+	require.NoError(t, err)
+	require.NoError(t, m.Complete(ctx, l, Response{Status: 201, Body: make([]byte, 300)}))
+	rec, err := lookup(m, "k")
+	require.NoError(t, err)
+	require.Equal(t, Completed, rec.State)
+	require.Equal(t, 201, rec.Response.Status)
+	require.True(t, rec.Response.BodyOmitted)
+	require.Equal(t, []byte("fp"), rec.Fingerprint)
+
+	_, _, err = m.Acquire(ctx, strings.Repeat("k", 201), internalClaim)
+	require.ErrorContains(t, err, "more than a record holds")
+	checkMemory(t, m)
+}
