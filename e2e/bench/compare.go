@@ -293,7 +293,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 			c := &cells[i]
 			before, err := t.counters(ctx)
 			if err != nil {
-				return nil, err
+				return nil, fmt.Errorf("%s, %s: %w", w, t.name, err)
 			}
 			if c.requests == 0 {
 				c.memoryBytes = before.MemoryBytes
@@ -310,7 +310,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 			c.clientCPU += processCPU() - cpu0
 			after, err := t.counters(ctx)
 			if err != nil {
-				return nil, err
+				return nil, fmt.Errorf("%s, %s: %w", w, t.name, err)
 			}
 			c.cpu += after.CPU - before.CPU
 			if c.hasRedis() {

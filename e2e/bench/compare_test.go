@@ -64,6 +64,7 @@ func TestCompare(t *testing.T) {
 			require.LessOrEqual(t, float64(c.slowCalls), c.storeCalls*float64(c.requests), "%s, %s: slow store calls are store calls", w, target)
 			require.LessOrEqual(t, float64(p.slowCalls), p.storeCalls*float64(p.requests), "%s, %s at a fixed rate: slow store calls are store calls", w, target)
 			require.Equal(t, want[w], p.storeCalls, "%s, %s at a fixed rate: store calls per request", w, target)
+			require.Equal(t, wantLines[w], p.logLines, "%s, %s at a fixed rate: log lines per request", w, target)
 			if target == targetRedis {
 				require.Equal(t, want[w], c.redisCommands, "%s: Redis commands per request", w)
 				require.LessOrEqual(t, c.redisTrips, want[w], "%s: pipelining never adds round trips", w)

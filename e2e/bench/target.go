@@ -155,7 +155,8 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	stats := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if processor != nil {
 			// A stream logs its line when it ends, after its last answer: the counters are read
-			// once the round's streams have all ended.
+			// once the round's streams have all ended. No stream starts meanwhile (the benchmark
+			// reads counters between rounds), and a timeout ends the run rather than retrying.
 			ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 			err := processor.Wait(ctx)
 			cancel()
