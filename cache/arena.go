@@ -16,15 +16,18 @@ const single = -1
 
 // arena holds the bytes of a Memory store's records in segments: large byte slices, which the
 // garbage collector sees as one object each and never scans. Records are appended to the head
-// segment; a removed record leaves a hole. A segment whose records are all gone is reused, and
-// when the segments in use exceed the live bytes by more than an eighth of them and two segments,
-// the one with the fewest live bytes is compacted: its live records are appended to the head, and
-// it is freed. So while records come, the arena holds about 9/8 of its live bytes and a few
-// segments at most, whatever the order in which records go (TestMemoryArenaStaysCompact). When
-// they stop coming and records expire, nothing is compacted: segments are freed as they empty.
+// segment; a removed record (completed, released, expired, evicted) leaves a hole. A segment whose
+// records are all gone is reused (up to maxSpare of them are kept, the others freed), and when the
+// holes in the segments in use exceed an eighth of the live bytes and two segments, the segment
+// with the most holes is compacted: its live records are appended to the head, and it is reused.
+// A segment's end, too short for the record that came next, is not a hole: records are at most a
+// sixteenth of a segment, so those ends waste at most that. So while records come, the arena holds
+// at most about 6/5 of its live bytes and a few segments, whatever the sizes and the order in which
+// records go (TestMemoryArenaStaysCompact, TestMemoryArenaSameSizeRecords). When they stop coming
+// and records expire, nothing is compacted: segments are freed as they empty.
 //
-// A record larger than a quarter of a segment is held in an allocation of its own (big):
-// there are few, and their bytes are large next to the collector's cost of one object.
+// A record larger than a sixteenth of a segment is held in an allocation of its own (big): there
+// are few, and their bytes are large next to the collector's cost of one object.
 type arena struct {
 	segSize int
 	segs    [][]byte // nil once freed
@@ -35,9 +38,10 @@ type arena struct {
 	spare, unused []int32
 	head          int32 // the segment records are appended to, or -1
 	liveBytes     int   // over every segment
+	written       int   // the sum of fill
 	held          int   // segments allocated
 	compacting    bool
-	moved         int64            // bytes compaction moved, over the store's life
+	moved         int64            // bytes compaction moved, over the store's life (for tests)
 	big           map[int32][]byte // the bytes held on their own, by slot
 }
 
@@ -50,21 +54,24 @@ func (a *arena) init(segSize int) {
 // reset drops everything the arena holds but its segment size.
 func (a *arena) reset() {
 	a.segs, a.live, a.fill, a.spare, a.unused = nil, nil, nil, nil, nil
-	a.head, a.liveBytes, a.held, a.moved = -1, 0, 0, 0
+	a.head, a.liveBytes, a.written, a.held, a.moved = -1, 0, 0, 0, 0
 	a.big = map[int32][]byte{}
 }
 
 // maxInline is the size of the largest record kept in a segment.
-func (a *arena) maxInline() int { return a.segSize / 4 }
+func (a *arena) maxInline() int { return a.segSize / 16 }
+
+// maxSpare is how many empty segments the arena keeps allocated, to be reused.
+const maxSpare = 2
 
 // inUse returns the segments in use: the head and those with live records.
 func (a *arena) inUse() int { return len(a.segs) - len(a.spare) - len(a.unused) }
 
-// slack is what the segments in use may hold beyond their live bytes before one is compacted.
+// slack is the holes the segments in use may hold before one is compacted.
 func (a *arena) slack() int { return a.liveBytes/8 + 2*a.segSize }
 
 // overfull reports whether a segment should be compacted.
-func (a *arena) overfull() bool { return a.inUse()*a.segSize > a.liveBytes+a.slack() }
+func (a *arena) overfull() bool { return a.written-a.liveBytes > a.slack() }
 
 // single reports whether e's bytes are held on their own.
 func (e *memEntry) single() bool { return e.seg == single }
@@ -107,16 +114,18 @@ func (m *Memory) drop(i int32) {
 }
 
 // place appends a header for n bytes of slot i to the head segment and returns where the bytes go.
+// It compacts at most once: a head taken after that is empty, and n fits.
 func (m *Memory) place(i int32, n int) (int32, int32) {
 	a := &m.arena
-	for a.head < 0 || a.fill[a.head]+recordHeader+n > a.segSize {
-		m.newHead()
+	for compact := true; a.head < 0 || a.fill[a.head]+recordHeader+n > a.segSize; compact = false {
+		m.newHead(compact)
 	}
 	seg, off := a.head, a.fill[a.head]
 	b := a.segs[seg][off:]
 	binary.LittleEndian.PutUint32(b, uint32(i))
 	binary.LittleEndian.PutUint32(b[4:], uint32(n))
 	a.fill[seg] += recordHeader + n
+	a.written += recordHeader + n
 	a.live[seg] += recordHeader + n
 	a.liveBytes += recordHeader + n
 	return seg, int32(off + recordHeader)
@@ -132,10 +141,14 @@ func (m *Memory) release(seg int32, n int) {
 	}
 }
 
-// newHead makes a spare or new segment the head, then compacts up to two segments if those in
-// use are overfull: at most two, so that a call holds the lock for a bounded time, and two, so
-// that an overfull arena shrinks by a segment each time it needs a new one.
-func (m *Memory) newHead() {
+// maxMoved bounds the live bytes one call's compaction moves, in segments, so that it holds the
+// lock for a bounded time (a memmove of 1 MiB, about 0.1 ms). Four segments' worth frees at least
+// a segment per new head while the segments compacted are at most four fifths live.
+const maxMoved = 4
+
+// newHead makes a spare or new segment the head, then, if compact is set, compacts segments while
+// the arena is overfull, up to maxMoved segments' worth of live bytes.
+func (m *Memory) newHead(compact bool) {
 	a := &m.arena
 	if h := a.head; h >= 0 {
 		a.head = -1
@@ -158,48 +171,48 @@ func (m *Memory) newHead() {
 		a.held++
 		a.head = int32(len(a.segs) - 1)
 	}
-	if a.compacting {
+	if !compact || a.compacting {
 		return
 	}
 	a.compacting = true
-	for range 2 {
-		if !a.overfull() {
+	for moved := 0; moved < maxMoved*a.segSize && a.overfull(); {
+		n := m.compact()
+		if n < 0 {
 			break
 		}
-		m.compact()
+		moved += n
 	}
 	a.compacting = false
 }
 
-// toSpare takes seg out of use, as a spare; then it frees spares while the segments held exceed
-// the slack of the live bytes and one more, so that spares kept when the store was fuller go too.
+// toSpare takes seg out of use: it keeps it as a spare, or frees it if maxSpare are kept.
 func (a *arena) toSpare(seg int32) {
+	a.written -= a.fill[seg]
 	a.fill[seg] = 0
-	a.spare = append(a.spare, seg)
-	for k := len(a.spare); k > 0 && a.held*a.segSize > a.liveBytes+a.slack()+a.segSize; k-- {
-		s := a.spare[k-1]
-		a.spare = a.spare[:k-1]
-		a.segs[s] = nil
-		a.held--
-		a.unused = append(a.unused, s)
+	if len(a.spare) < maxSpare {
+		a.spare = append(a.spare, seg)
+		return
 	}
+	a.segs[seg] = nil
+	a.held--
+	a.unused = append(a.unused, seg)
 }
 
-// compact moves the live records of the segment in use with the fewest live bytes to the head,
-// which frees it.
-func (m *Memory) compact() {
+// compact moves the live records of the segment in use with the most holes to the head, which
+// takes it out of use, and returns the bytes it moved, or -1 if no segment has holes.
+func (m *Memory) compact() int {
 	a := &m.arena
 	victim := int32(-1)
 	for s := range a.segs {
 		s := int32(s)
-		if s != a.head && a.fill[s] > 0 && (victim < 0 || a.live[s] < a.live[victim]) {
+		if s != a.head && a.fill[s] > a.live[s] && (victim < 0 || a.fill[s]-a.live[s] > a.fill[victim]-a.live[victim]) {
 			victim = s
 		}
 	}
 	if victim < 0 {
-		return
+		return -1
 	}
-	seg := a.segs[victim]
+	moved, seg := a.live[victim], a.segs[victim]
 	// The last release lists the segment as spare and ends the walk.
 	for off := 0; off < a.fill[victim]; {
 		i := int32(binary.LittleEndian.Uint32(seg[off:]))
@@ -216,4 +229,5 @@ func (m *Memory) compact() {
 		e.seg, e.off = s, o
 		m.release(victim, n)
 	}
+	return moved
 }

@@ -19,14 +19,11 @@ func (a *chunks[T]) at(i int32) *T { return &a.c[i>>chunkBits][i&(chunkLen-1)] }
 
 func (a *chunks[T]) len() int32 { return a.n }
 
-// full reports whether the next push needs a chunk more (see grow).
-func (a *chunks[T]) full() bool { return int(a.n) == len(a.c)*chunkLen }
-
-// grow adds chunk, of chunkLen elements, to hold the next ones.
-func (a *chunks[T]) grow(chunk []T) { a.c = append(a.c, chunk) }
-
-// push appends v; the array must not be full.
+// push appends v, in a new chunk if the last is full.
 func (a *chunks[T]) push(v T) {
+	if int(a.n) == len(a.c)*chunkLen {
+		a.c = append(a.c, make([]T, chunkLen))
+	}
 	a.n++
 	*a.at(a.n - 1) = v
 }

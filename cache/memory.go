@@ -18,8 +18,11 @@ import (
 const DefaultMemoryMaxBytes = 256 << 20
 
 // entryOverhead estimates the bytes a record costs beyond its key, fingerprint and response: its
-// slot in the entries slice, its map slot, its place in a deadline heap and its header in the
-// arena, with the slack of each. TestMemoryHeapPerRecord checks the estimate against the Go heap.
+// entry (80 bytes), its map slot (about 25), its heap slot (4) and its header in the arena (8),
+// about 120 bytes, and its share of the arena's holes and segment ends: a completed record leaves
+// the hole of its pending bytes (its key and fingerprint, about 110 bytes for a usual key), which
+// stays until its segment is compacted. TestMemoryHeapPerRecord checks the estimate against the
+// Go heap.
 const entryOverhead = 224
 
 // MemoryOptions configures a Memory store. The zero value gives the defaults.
@@ -43,10 +46,10 @@ type MemoryOptions struct {
 // An evicted completed record is forgotten before its TTL: a retry after that runs again. Size
 // MaxBytes for the replay window you need.
 //
-// Nothing the store holds per record is a pointer, so the garbage collector neither scans nor
-// marks its records: their bytes (key, encoded response, fingerprint) are packed into large
-// segments (see arena), the records refer to each other by index, and keys are indexed by a
-// keyed hash. A full store of a few hundred MiB would otherwise add tens of milliseconds of
+// Nothing the store holds per record is a pointer (but for records over a sixteenth of an arena
+// segment, 16 KiB, held on their own), so the garbage collector neither scans nor marks its
+// records: their bytes (key, encoded response, fingerprint) are packed into large segments (see
+// arena), the records refer to each other by index, and keys are indexed by a keyed hash. A full store of a few hundred MiB would otherwise add tens of milliseconds of
 // marking and sweeping to every collection of the process (BenchmarkMemoryCollection).
 type Memory struct {
 	clock    clock.Clock
@@ -146,7 +149,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	if err := ctx.Err(); err != nil {
 		return Lease{}, nil, err
 	}
-	if len(key)+len(c.Fingerprint) > m.maxRecord {
+	if len(key)+len(c.Fingerprint) > m.maxRecord-64 { // room for the stub Complete may write
 		return Lease{}, nil, fmt.Errorf("cache: acquire: key and fingerprint of %d bytes, more than a record holds", len(key)+len(c.Fingerprint))
 	}
 	m.mu.Lock()
@@ -292,8 +295,9 @@ func (m *Memory) Close() error {
 // Bytes returns the bytes the store accounts for: every record's key, fingerprint and encoded
 // response plus a fixed per-record overhead (its slot, map and heap places, its header in the
 // arena), counting expired records not yet removed. It never exceeds MaxBytes for long: only
-// pending records, which are bounded by their leases, can hold it above. The arena may hold about
-// an eighth more than its records, and a few segments, in holes not yet compacted.
+// pending records, which are bounded by their leases, can hold it above. The arena may hold more
+// than its records: holes up to an eighth of them and two segments (512 KiB) before it compacts,
+// segment ends up to a sixteenth, two spare segments.
 func (m *Memory) Bytes() int64 {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -401,7 +405,6 @@ func (m *Memory) entry(i int32) *memEntry { return m.entries.at(i) }
 // resetEntries leaves the lru head alone in entries, in its circular list.
 func (m *Memory) resetEntries() {
 	m.entries = chunks[memEntry]{}
-	m.entries.grow(make([]memEntry, chunkLen))
 	m.entries.push(memEntry{})
 }
 
@@ -411,9 +414,6 @@ func (m *Memory) slot() int32 {
 		i := m.free[n-1]
 		m.free = m.free[:n-1]
 		return i
-	}
-	if m.entries.full() {
-		m.entries.grow(make([]memEntry, chunkLen))
 	}
 	m.entries.push(memEntry{})
 	return m.entries.len() - 1
@@ -531,10 +531,6 @@ func (h *deadlineHeap) min() (int32, bool) {
 func (h *deadlineHeap) push(i int32) {
 	n := h.slots.len()
 	h.m.entry(i).heapIdx = n
-	if h.slots.full() {
-		// A chunk of slots is 16 KiB: allocating it under the lock costs a few page faults.
-		h.slots.grow(make([]int32, chunkLen))
-	}
 	h.slots.push(i)
 	heap.Fix(h, int(n))
 }
