@@ -19,12 +19,13 @@ const single = -1
 // segment; a removed record (completed, released, expired, evicted) leaves a hole. A segment whose
 // records are all gone is reused (up to maxSpare of them are kept, the others freed), and when the
 // holes in the segments in use exceed an eighth of the live bytes and two segments, the segment
-// with the most holes is compacted: its live records are appended to the head, and it is reused.
-// A segment's end, too short for the record that came next, is not a hole: records are at most a
-// sixteenth of a segment, so those ends waste at most that. So while records come, the arena holds
-// at most about 6/5 of its live bytes and a few segments, whatever the sizes and the order in which
-// records go (TestMemoryArenaStaysCompact, TestMemoryArenaSameSizeRecords). When they stop coming
-// and records expire, nothing is compacted: segments are freed as they empty.
+// with the most holes is compacted: its live records are appended to the head, and it is reused
+// or freed. A segment's end, too short for the record that came next, is not a hole: records are
+// at most a sixteenth of a segment, so those ends waste at most that. So while records come, the
+// arena holds about 6/5 of its live bytes and a few segments at most, whatever their sizes and
+// order, once compaction has caught up with a wave of removals (it moves up to maxMoved segments'
+// worth per new head; TestMemoryArenaStaysCompact, TestMemoryArenaSameSizeRecords). When records
+// stop coming and expire, nothing is compacted: segments are freed as they empty.
 //
 // A record larger than a sixteenth of a segment is held in an allocation of its own (big): there
 // are few, and their bytes are large next to the collector's cost of one object.
