@@ -152,7 +152,7 @@ func (r result) print(w io.Writer) {
 				slow = strconv.FormatInt(c.slowCalls, 10)
 			}
 			fmt.Fprintf(w, "| %s | %s | %.0f | %.0f | %s | %s | %s | %s |\n", c.workload, c.target, c.rate,
-				float64(c.requests)/c.elapsed.Seconds(), fmtDur(c.p50), fmtDur(c.p99), added, slow)
+				c.rps(), fmtDur(c.p50), fmtDur(c.p99), added, slow)
 		}
 	}
 	if r.redisBenchRP > 0 {

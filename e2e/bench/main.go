@@ -42,21 +42,20 @@ func main() {
 	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory, .memory-empty and .redis")
 	traceOut := flag.String("trace", "", "write execution traces (go tool trace) of the whole run, named as -cpuprofile's")
 	flag.Parse()
-	for _, o := range []struct {
-		prefix, env string
-		start       func(string) (func(), error)
-	}{{*cpuprofile, envProfile, startProfile}, {*traceOut, envTrace, startTrace}} {
-		if o.prefix == "" {
+	prefixes := map[string]string{envProfile: *cpuprofile, envTrace: *traceOut}
+	for _, rec := range recorders {
+		prefix := prefixes[rec.env]
+		if prefix == "" {
 			continue
 		}
-		stop, err := o.start(o.prefix + ".client")
+		stop, err := rec.start(prefix + ".client")
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
 			os.Exit(1)
 		}
 		defer stop()
 		// The target processes write theirs.
-		_ = os.Setenv(o.env, o.prefix)
+		_ = os.Setenv(rec.env, prefix)
 	}
 	filter := map[string]bool{}
 	for _, s := range strings.Split(*only, ",") {
@@ -79,6 +78,13 @@ func main() {
 	}
 	res.print(os.Stdout)
 }
+
+// recorders are what -cpuprofile and -trace record, each process under the prefix in its
+// variable.
+var recorders = []struct {
+	env   string
+	start func(path string) (stop func(), err error)
+}{{envProfile, startProfile}, {envTrace, startTrace}}
 
 // startTrace starts an execution trace into path and returns what stops it.
 func startTrace(path string) (func(), error) { return record(path, trace.Start, trace.Stop) }

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"github.com/rs/zerolog"
 	"google.golang.org/grpc"
@@ -65,9 +66,9 @@ func serveFromEnv() bool {
 	if name == "" {
 		return false
 	}
-	for env, start := range map[string]func(string) (func(), error){envProfile: startProfile, envTrace: startTrace} {
-		if prefix := os.Getenv(env); prefix != "" {
-			stop, err := start(prefix + profileSuffix[name])
+	for _, rec := range recorders {
+		if prefix := os.Getenv(rec.env); prefix != "" {
+			stop, err := rec.start(prefix + profileSuffix[name])
 			if err != nil {
 				fmt.Fprintln(os.Stderr, "bench target:", err)
 				os.Exit(1)
@@ -93,12 +94,17 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	defer devNull.Close()
 	lines := lineCounter{w: devNull}
 	log := zerolog.New(&lines).Level(zerolog.InfoLevel).With().Timestamp().Logger()
+	// The processor's own metrics time every store call: they give the store calls and the slow
+	// ones.
+	reg := prometheus.NewRegistry()
+	metrics, err := extproc.NewMetrics(reg)
+	if err != nil {
+		return err
+	}
 	var (
 		p               extprocv3.ExternalProcessorServer
-		calls, slow     atomic.Int64
 		commands, trips atomic.Int64
 		memory          *cache.Memory
-		processor       *extproc.Server
 	)
 	switch name {
 	case targetNull:
@@ -117,12 +123,11 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 			}
 		}
 		memory = mem
-		// The counting wrapper stays a cache.Local store, as the memory store is in the binary.
-		srv, err := extproc.NewServer(extproc.Options{Store: localCountingStore{&countingStore{Store: mem, calls: &calls, slow: &slow}}, Policy: benchPolicy(), Logger: &log})
+		srv, err := extproc.NewServer(extproc.Options{Store: mem, Policy: benchPolicy(), Logger: &log, Metrics: metrics})
 		if err != nil {
 			return err
 		}
-		p, processor = srv, srv
+		p = srv
 	case targetRedis:
 		rs, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + redisAddr + "/0", Timeout: time.Second})
 		if err != nil {
@@ -130,11 +135,11 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		}
 		defer rs.Close()
 		rs.Client().AddHook(commandCounter{commands: &commands, trips: &trips})
-		srv, err := extproc.NewServer(extproc.Options{Store: &countingStore{Store: rs, calls: &calls, slow: &slow}, Policy: benchPolicy(), Logger: &log})
+		srv, err := extproc.NewServer(extproc.Options{Store: rs, Policy: benchPolicy(), Logger: &log, Metrics: metrics})
 		if err != nil {
 			return err
 		}
-		p, processor = srv, srv
+		p = srv
 	default:
 		return fmt.Errorf("no target %q", name)
 	}
@@ -153,7 +158,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		return err
 	}
 	stats := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if processor != nil {
+		if processor, ok := p.(*extproc.Server); ok {
 			// A stream logs its line when it ends, after its last answer: the counters are read
 			// once the round's streams have all ended. No stream starts meanwhile (the benchmark
 			// reads counters between rounds), and a timeout ends the run rather than retrying.
@@ -165,9 +170,10 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 				return
 			}
 		}
-		c := counters{
-			CPU: processCPU(), Calls: calls.Load(), SlowCalls: slow.Load(), Commands: commands.Load(), Trips: trips.Load(),
-			LogLines: lines.n.Load(),
+		c := counters{CPU: processCPU(), Commands: commands.Load(), Trips: trips.Load(), LogLines: lines.n.Load()}
+		if err := storeCalls(reg, &c); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
 		}
 		if memory != nil {
 			c.MemoryBytes = memory.Bytes()
@@ -309,49 +315,33 @@ func (c *lineCounter) Write(p []byte) (int, error) {
 	return c.w.Write(p)
 }
 
-// countingStore counts store operations.
-type countingStore struct {
-	cache.Store
-	calls, slow *atomic.Int64
-}
-
-// slowCall is the time over which a store call counts as slow.
-const slowCall = time.Millisecond
-
-// count counts a call that started at start; deferred, it times it too.
-func (c *countingStore) count(start time.Time) {
-	c.calls.Add(1)
-	if time.Since(start) > slowCall {
-		c.slow.Add(1)
+// storeCalls sets c's store calls and slow calls from the processor's store-duration histogram:
+// every call it made, and those over its 1 ms bucket.
+func storeCalls(g prometheus.Gatherer, c *counters) error {
+	families, err := g.Gather()
+	if err != nil {
+		return err
 	}
+	for _, f := range families {
+		if f.GetName() != "idempotency_store_duration_seconds" {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			h := m.GetHistogram()
+			c.Calls += int64(h.GetSampleCount())
+			c.SlowCalls += int64(h.GetSampleCount())
+			for _, b := range h.GetBucket() {
+				if b.GetUpperBound() == slowCall.Seconds() {
+					c.SlowCalls -= int64(b.GetCumulativeCount())
+				}
+			}
+		}
+	}
+	return nil
 }
 
-func (c *countingStore) Acquire(ctx context.Context, key string, cl cache.Claim) (cache.Lease, *cache.Record, error) {
-	defer c.count(time.Now())
-	return c.Store.Acquire(ctx, key, cl)
-}
-
-func (c *countingStore) Renew(ctx context.Context, l cache.Lease, d time.Duration) error {
-	defer c.count(time.Now())
-	return c.Store.Renew(ctx, l, d)
-}
-
-func (c *countingStore) Complete(ctx context.Context, l cache.Lease, r cache.Response) error {
-	defer c.count(time.Now())
-	return c.Store.Complete(ctx, l, r)
-}
-
-func (c *countingStore) Release(ctx context.Context, l cache.Lease) error {
-	defer c.count(time.Now())
-	return c.Store.Release(ctx, l)
-}
-
-// localCountingStore is a countingStore of a store in this process.
-type localCountingStore struct{ *countingStore }
-
-var _ cache.Local = localCountingStore{}
-
-func (localCountingStore) Local() {}
+// slowCall is the time over which a store call counts as slow: a bucket of the histogram.
+const slowCall = time.Millisecond
 
 // commandCounter counts the store's commands go-redis sends (SET for an acquire, scripts for
 // the rest) and the round trips they take: one per command sent alone, one per pipelined batch.
