@@ -40,7 +40,6 @@ type arena struct {
 	head          int32 // the segment records are appended to, or -1
 	liveBytes     int   // over every segment
 	written       int   // the sum of fill
-	held          int   // segments allocated
 	compacting    bool
 	moved         int64            // bytes compaction moved, over the store's life (for tests)
 	big           map[int32][]byte // the bytes held on their own, by slot
@@ -55,7 +54,7 @@ func (a *arena) init(segSize int) {
 // reset drops everything the arena holds but its segment size.
 func (a *arena) reset() {
 	a.segs, a.live, a.fill, a.spare, a.unused = nil, nil, nil, nil, nil
-	a.head, a.liveBytes, a.written, a.held, a.moved = -1, 0, 0, 0, 0
+	a.head, a.liveBytes, a.written, a.moved = -1, 0, 0, 0
 	a.big = map[int32][]byte{}
 }
 
@@ -64,6 +63,9 @@ func (a *arena) maxInline() int { return a.segSize / 16 }
 
 // maxSpare is how many empty segments the arena keeps allocated, to be reused.
 const maxSpare = 2
+
+// held returns the segments allocated: all but those freed.
+func (a *arena) held() int { return len(a.segs) - len(a.unused) }
 
 // inUse returns the segments in use: the head and those with live records.
 func (a *arena) inUse() int { return len(a.segs) - len(a.spare) - len(a.unused) }
@@ -164,12 +166,10 @@ func (m *Memory) newHead(compact bool) {
 		a.head = a.unused[k-1]
 		a.unused = a.unused[:k-1]
 		a.segs[a.head] = make([]byte, a.segSize)
-		a.held++
 	} else {
 		a.segs = append(a.segs, make([]byte, a.segSize))
 		a.live = append(a.live, 0)
 		a.fill = append(a.fill, 0)
-		a.held++
 		a.head = int32(len(a.segs) - 1)
 	}
 	if !compact || a.compacting {
@@ -195,7 +195,6 @@ func (a *arena) toSpare(seg int32) {
 		return
 	}
 	a.segs[seg] = nil
-	a.held--
 	a.unused = append(a.unused, seg)
 }
 
@@ -220,13 +219,13 @@ func (m *Memory) compact() int {
 		n := int(binary.LittleEndian.Uint32(seg[off+4:]))
 		at := int32(off + recordHeader)
 		off += recordHeader + n
-		if e := m.entry(i); e.seg != victim || e.off != at {
+		e := m.entry(i)
+		if e.seg != victim || e.off != at {
 			continue // a removed record: its slot is free or holds another
 		}
 		s, o := m.place(i, n)
 		copy(a.segs[s][o:], seg[at:int(at)+n])
 		a.moved += int64(n)
-		e := m.entry(i)
 		e.seg, e.off = s, o
 		m.release(victim, n)
 	}

@@ -18,7 +18,7 @@ import (
 const DefaultMemoryMaxBytes = 256 << 20
 
 // entryOverhead estimates the bytes a record costs beyond its key, fingerprint and response: its
-// entry (80 bytes), its map slot (about 25), its heap slot (4) and its header in the arena (8),
+// entry (72 bytes), its map slot (about 25), its heap slot (4) and its header in the arena (8),
 // about 120 bytes, and its share of the arena's holes and segment ends: a completed record leaves
 // the hole of its pending bytes (its key and fingerprint, about 110 bytes for a usual key), which
 // stays until its segment is compacted. TestMemoryHeapPerRecord checks the estimate against the
@@ -71,7 +71,7 @@ type Memory struct {
 	index map[uint64]int32
 	// entries holds the records; slot 0 is the head of the lru list, and free slots are listed
 	// in free. It never shrinks: a burst of pending records (bounded by the requests in flight)
-	// leaves empty slots of 80 bytes each, zeroed, to be reused. It grows by chunks: growing
+	// leaves empty slots of 72 bytes each, zeroed, to be reused. It grows by chunks: growing
 	// never copies it.
 	entries chunks[memEntry]
 	free    []int32
@@ -104,7 +104,6 @@ type memEntry struct {
 	ttl   time.Duration
 	// deadline is when the record expires, in nanoseconds since the store's epoch.
 	deadline int64
-	size     int64
 	// seg and off locate its bytes in the arena; seg is single for bytes held on their own.
 	seg, off   int32
 	n, keyLen  int32 // its bytes, and of them its key's
@@ -159,7 +158,8 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	}
 	now := m.now()
 	m.expire(now)
-	if i, ok := m.live(key, now); ok {
+	i, h, ok := m.live(key, now)
+	if ok {
 		e := m.entry(i)
 		state, respLen := e.state, int(e.respLen)
 		data, single := m.bytesOf(i)[e.keyLen:], e.single()
@@ -192,7 +192,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	}
 	// Tokens only need to be unique within this store, which a counter guarantees.
 	m.tokens++
-	i := m.slot()
+	i = m.slot()
 	*m.entry(i) = memEntry{
 		token:    m.tokens,
 		ttl:      c.TTL,
@@ -203,10 +203,9 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	}
 	m.put(i, key, c.Fingerprint)
 	e := m.entry(i)
-	e.size = int64(e.n) + entryOverhead
-	m.insert(i, key)
+	m.insert(i, h)
 	m.pending.push(i)
-	m.bytes += e.size
+	m.bytes += e.cost()
 	m.evict(unlinked, now)
 	token := m.tokens
 	m.mu.Unlock()
@@ -241,15 +240,13 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 			data, respLen = append(stub, fp...), len(stub)
 		}
 		// The record moves: its old bytes go, and the new ones may land anywhere.
+		m.bytes -= e.cost()
 		m.drop(i)
 		m.put(i, l.key, data)
-		e = m.entry(i)
-		size := int64(e.n) + entryOverhead
+		m.bytes += e.cost()
 		m.pending.remove(int(e.heapIdx))
 		e.state = Completed
 		e.respLen = int32(respLen)
-		m.bytes += size - e.size
-		e.size = size
 		e.deadline = now + int64(e.ttl)
 		m.completed.push(i)
 		m.touch(i)
@@ -345,33 +342,34 @@ func (m *Memory) owned(l Lease, now int64) (int32, bool) {
 	if err != nil {
 		return 0, false
 	}
-	i, ok := m.live(l.key, now)
+	i, _, ok := m.live(l.key, now)
 	return i, ok && m.entry(i).token == token
 }
 
-// live returns the slot of key's record unless it has expired, in which case it removes it.
-func (m *Memory) live(key string, now int64) (int32, bool) {
-	i, ok := m.find(key)
+// live returns the slot of key's record unless it has expired, in which case it removes it, and
+// key's hash, to index a new record under.
+func (m *Memory) live(key string, now int64) (int32, uint64, bool) {
+	i, h, ok := m.find(key)
 	if ok && m.entry(i).deadline <= now {
 		m.remove(i)
-		return 0, false
+		return 0, h, false
 	}
-	return i, ok
+	return i, h, ok
 }
 
-// find returns the slot of key's record.
-func (m *Memory) find(key string) (int32, bool) {
-	for i := m.index[m.hash(key)]; i != 0; i = m.entry(i).same {
+// find returns the slot of key's record, and key's hash.
+func (m *Memory) find(key string) (int32, uint64, bool) {
+	h := m.hash(key)
+	for i := m.index[h]; i != 0; i = m.entry(i).same {
 		if string(m.keyOf(i)) == key {
-			return i, true
+			return i, h, true
 		}
 	}
-	return 0, false
+	return 0, h, false
 }
 
-// insert indexes slot i under key.
-func (m *Memory) insert(i int32, key string) {
-	h := m.hash(key)
+// insert indexes slot i under the hash h of its key.
+func (m *Memory) insert(i int32, h uint64) {
 	e := m.entry(i)
 	e.hash, e.same = h, m.index[h]
 	m.index[h] = i
@@ -398,6 +396,9 @@ func (m *Memory) unindex(i int32) {
 func (m *Memory) keyOf(i int32) []byte { return m.bytesOf(i)[:m.entry(i).keyLen] }
 
 func (m *Memory) now() int64 { return int64(m.clock.Now().Sub(m.epoch)) }
+
+// cost is what the record counts against the store's bound: its bytes and entryOverhead.
+func (e *memEntry) cost() int64 { return int64(e.n) + entryOverhead }
 
 // entry returns the entry in slot i.
 func (m *Memory) entry(i int32) *memEntry { return m.entries.at(i) }
@@ -464,7 +465,7 @@ func (m *Memory) remove(i int32) {
 	m.unindex(i)
 	m.heapOf(e).remove(int(e.heapIdx))
 	m.unlink(i)
-	m.bytes -= e.size
+	m.bytes -= e.cost()
 	m.drop(i)
 	*m.entry(i) = memEntry{}
 	m.free = append(m.free, i)

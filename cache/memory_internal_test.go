@@ -51,8 +51,7 @@ func checkMemory(t *testing.T, m *Memory) {
 			keys[key] = true
 			require.Equal(t, h, e.hash, "key %s", key)
 			require.Equal(t, h, m.hash(key), "key %s: its hash", key)
-			bytes += e.size
-			require.Equal(t, int64(e.n)+entryOverhead, e.size, "key %s", key)
+			bytes += e.cost()
 			require.LessOrEqual(t, e.respLen, e.n-e.keyLen, "key %s", key)
 			hp := m.heapOf(e)
 			require.Less(t, e.heapIdx, hp.slots.len(), "key %s", key)
@@ -147,7 +146,7 @@ func checkArena(t *testing.T, m *Memory, used map[int32]bool) {
 		}
 	}
 	require.Equal(t, total, a.liveBytes)
-	require.Equal(t, held, a.held)
+	require.Equal(t, held, a.held())
 	if a.head >= 0 {
 		require.NotNil(t, a.segs[a.head], "the head is allocated")
 	}
@@ -284,7 +283,7 @@ func TestMemoryExpiresABoundedNumberPerCall(t *testing.T) {
 	var live int64
 	for i := int32(1); i < m.entries.len(); i++ {
 		if e := m.entry(i); e.state != 0 && e.deadline > m.now() {
-			live += e.size
+			live += e.cost()
 		}
 	}
 	m.maxBytes = live + int64(len("after")) + entryOverhead
@@ -307,7 +306,7 @@ func checkArenaBounds(t *testing.T, a *arena, op int) {
 	t.Helper()
 	require.LessOrEqual(t, a.written-a.liveBytes, a.slack()+2*a.segSize, "op %d: holes", op)
 	require.LessOrEqual(t, (a.inUse()-1)*(a.segSize-a.maxInline()-recordHeader), a.written, "op %d: segments in use", op)
-	require.LessOrEqual(t, a.held, a.inUse()+maxSpare, "op %d: segments held", op)
+	require.LessOrEqual(t, a.held(), a.inUse()+maxSpare, "op %d: segments held", op)
 }
 
 // TestMemoryArenaSameSizeRecords: records of one size leave each segment an end too short for the
@@ -437,7 +436,7 @@ func TestMemoryGrowsWithoutMoving(t *testing.T) {
 	checkMemory(t, m)
 	require.Same(t, first, m.entry(0), "entries did not move")
 	require.Equal(t, n+1, int(m.entries.len()))
-	require.Greater(t, m.arena.held, 100, "the arena grew")
+	require.Greater(t, m.arena.held(), 100, "the arena grew")
 }
 
 // TestMemoryArenaShrinksAsRecordsExpire: when records stop coming and expire, the arena frees
@@ -451,7 +450,7 @@ func TestMemoryArenaShrinksAsRecordsExpire(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, m.Complete(ctx, l, Response{Status: 200, Body: make([]byte, 50+i%400)}))
 	}
-	peak := m.arena.held
+	peak := m.arena.held()
 	require.Greater(t, peak, 20)
 	clk.Advance(internalClaim.TTL)
 	for m.Len() > 0 {
@@ -459,7 +458,7 @@ func TestMemoryArenaShrinksAsRecordsExpire(t *testing.T) {
 		require.NoError(t, err)
 	}
 	checkMemory(t, m)
-	require.LessOrEqual(t, m.arena.held, 3, "segments held once every record expired, of %d", peak)
+	require.LessOrEqual(t, m.arena.held(), 3, "segments held once every record expired, of %d", peak)
 }
 
 // TestMemoryRecordTooLargeForItsSizes: a record whose bytes would not fit the int32 sizes of an
