@@ -89,8 +89,9 @@ func (c cell) hasRedis() bool { return c.target == targetRedis }
 
 type result struct {
 	opts         options
-	cells        []cell  // saturated
-	paced        []cell  // at a fixed rate
+	cells        []cell // saturated
+	paced        []cell // at a fixed rate
+	alone        []aloneCell
 	redisBenchRP float64 // redis-benchmark requests/s, 0 when not measured
 }
 
@@ -155,6 +156,7 @@ func (r result) print(w io.Writer) {
 				c.rps(), fmtDur(c.p50), fmtDur(c.p99), added, slow)
 		}
 	}
+	r.printAlone(w)
 	if r.redisBenchRP > 0 {
 		fmt.Fprintf(w, "\nredis-benchmark, one round trip (HSET) at %d connections: %.0f requests/s — the ceiling of one Redis for a replay (1 round trip); a first execution needs 2.\n", r.opts.streams, r.redisBenchRP)
 	}
@@ -271,6 +273,14 @@ func compare(ctx context.Context, o options) (result, error) {
 			cells[i].rate = rate
 		}
 		res.paced = append(res.paced, cells...)
+		if o.redisAddr != "" && o.runs(targetRedis) && roundTrips[w] > 0 {
+			// targets[0] is the null processor.
+			a, err := redisAlone(ctx, o.redisAddr, clients[0], w, o.streams, rate, o.rounds, each)
+			if err != nil {
+				return res, fmt.Errorf("%s, Redis round trips alone: %w", w, err)
+			}
+			res.alone = append(res.alone, a)
+		}
 	}
 	if o.redisAddr != "" {
 		res.redisBenchRP = redisBenchmark(o.redisAddr, o.streams)

@@ -28,7 +28,7 @@ func TestMain(m *testing.M) {
 // execution (acquire, complete), one for a replay; the processor logs one line per covered
 // request, as the binary does by default; Redis sees one command per store call, and
 // pipelining makes the round trips no more than that. The run at a fixed rate measures every
-// cell too.
+// cell too, and the Redis round trips alone make as many commands per request as the store.
 func TestCompare(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
 	res, err := compare(t.Context(), options{duration: 300 * time.Millisecond, rounds: 1, streams: 8, redisAddr: srv.Addr(), load: 0.5, memoryBytes: 8 << 20})
@@ -72,6 +72,22 @@ func TestCompare(t *testing.T) {
 		}
 	}
 	require.True(t, strings.Contains(out.String(), "| replay | redis store |"))
+
+	// The Redis round trips alone: as many per request as the Redis store makes, beside a null
+	// processor that served the same workload meanwhile.
+	require.Len(t, res.alone, 2, "first executions and replays; an uncovered request makes none")
+	for _, a := range res.alone {
+		require.Equal(t, want[a.workload], float64(a.trips), a.workload)
+		require.Positive(t, a.requests, a.workload)
+		require.Equal(t, int64(a.trips*a.requests), a.commands, "%s: Redis commands sent alone", a.workload)
+		require.Positive(t, a.nullServed, "%s: the null processor served meanwhile", a.workload)
+		require.Len(t, a.roundP99, 1, a.workload)
+		require.LessOrEqual(t, a.p50, a.p99, a.workload)
+		p, ok := res.findPaced(a.workload, targetRedis)
+		require.True(t, ok)
+		require.Equal(t, p.rate, a.rate, "%s: the same fixed rate as the Redis store's", a.workload)
+	}
+	require.Contains(t, out.String(), "The Redis round trips alone")
 }
 
 // TestTargetWritesProfileAndTrace checks -cpuprofile's and -trace's plumbing: a target process

@@ -1,0 +1,158 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/redis/go-redis/v9"
+)
+
+// roundTrips is how many Redis round trips the processor makes per request of each workload.
+var roundTrips = map[string]int{workloadFirst: 2, workloadReplay: 1}
+
+// aloneCell is the floor a Redis-backed processor cannot go under on this machine: the Redis
+// round trips of one request of a workload, made at the fixed rate by the benchmark's process
+// with no processor code around them, while the null processor serves the same workload at the
+// same rate, so that the machine is as busy as when the Redis store is measured (the client in
+// Envoy's place and a processor's gRPC work on the same cores as redis-server).
+type aloneCell struct {
+	workload   string
+	trips      int     // round trips per request
+	rate       float64 // requests/s, the fixed rate of the workload's other cells
+	requests   int
+	commands   int64           // commands Redis was sent, counted by a go-redis hook
+	p50, p99   time.Duration   // of one request's round trips, from the first one's start
+	roundP99   []time.Duration // each round's p99
+	nullP99    []time.Duration // the null processor's p99 in the same rounds
+	nullServed int             // requests the null processor served meanwhile
+}
+
+// redisAlone measures workload w's Redis round trips beside the null processor, both at rate,
+// in n rounds of d each.
+func redisAlone(ctx context.Context, addr string, null extprocv3.ExternalProcessorClient, w string, streams int, rate float64, n int, d time.Duration) (aloneCell, error) {
+	c := aloneCell{workload: w, trips: roundTrips[w], rate: rate}
+	var commands, trips atomic.Int64
+	rdb := redis.NewClient(&redis.Options{Addr: addr, PoolSize: streams})
+	defer rdb.Close()
+	rdb.AddHook(commandCounter{commands: &commands, trips: &trips})
+	// A replay's round trip finds its key completed, as the processor's does.
+	record := strings.Repeat("r", 1<<10)
+	replayed := "alone:replayed:" + strconv.FormatInt(seq.Add(1), 10)
+	if err := rdb.Set(ctx, replayed, record, 0).Err(); err != nil {
+		return c, err
+	}
+	// Warm up the connections, as the targets are warmed up.
+	if _, err := paceRedis(ctx, rdb, w, replayed, record, streams, rate, d/10); err != nil {
+		return c, err
+	}
+	commands.Store(0)
+	var all []time.Duration
+	for range n {
+		var (
+			wg       sync.WaitGroup
+			nullCell cell
+			nullLat  []time.Duration
+			nullErr  error
+			redisLat []time.Duration
+			redisErr error
+		)
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			nullCell, nullLat, nullErr = drivePaced(ctx, null, w, streams, rate, d)
+		}()
+		go func() {
+			defer wg.Done()
+			redisLat, redisErr = paceRedis(ctx, rdb, w, replayed, record, streams, rate, d)
+		}()
+		wg.Wait()
+		if err := cmpErr(nullErr, redisErr); err != nil {
+			return c, err
+		}
+		c.nullServed += nullCell.requests
+		_, p99 := percentiles(nullLat)
+		c.nullP99 = append(c.nullP99, p99)
+		_, p99 = percentiles(redisLat)
+		c.roundP99 = append(c.roundP99, p99)
+		all = append(all, redisLat...)
+	}
+	c.requests = len(all)
+	c.commands = commands.Load()
+	c.p50, c.p99 = percentiles(all)
+	return c, nil
+}
+
+// paceRedis makes the round trips of workload w's requests on streams connections at rate
+// requests/s in all, for d, and returns each request's time from its first round trip's start
+// to its last one's answer. A first execution claims a fresh key (SET NX PX GET, as an acquire)
+// and then writes its record (as a completion); a replay claims a completed key and gets its
+// record back.
+func paceRedis(ctx context.Context, rdb *redis.Client, w, replayed, record string, streams int, rate float64, d time.Duration) ([]time.Duration, error) {
+	interval := time.Duration(float64(streams) / rate * float64(time.Second))
+	start := time.Now()
+	end := start.Add(d)
+	_, lat, err := runStreams(streams, func(i int) ([]time.Duration, error) {
+		var lat []time.Duration
+		next := start.Add(interval * time.Duration(i) / time.Duration(streams))
+		for next.Before(end) {
+			if wait := time.Until(next); wait > 0 {
+				time.Sleep(wait)
+			}
+			t0 := time.Now()
+			switch w {
+			case workloadFirst:
+				key := "alone:first:" + strconv.FormatInt(seq.Add(1), 10)
+				err := rdb.SetArgs(ctx, key, "pending", redis.SetArgs{Mode: "NX", TTL: 30 * time.Second, Get: true}).Err()
+				if err != nil && !errors.Is(err, redis.Nil) {
+					return nil, err
+				}
+				if err := rdb.SetArgs(ctx, key, record, redis.SetArgs{Mode: "XX", TTL: 24 * time.Hour}).Err(); err != nil {
+					return nil, err
+				}
+			case workloadReplay:
+				got, err := rdb.SetArgs(ctx, replayed, "pending", redis.SetArgs{Mode: "NX", TTL: 30 * time.Second, Get: true}).Result()
+				if err != nil {
+					return nil, err
+				}
+				if len(got) != len(record) {
+					return nil, fmt.Errorf("replayed key holds %d bytes, not %d", len(got), len(record))
+				}
+			default:
+				return nil, fmt.Errorf("%s makes no Redis round trip", w)
+			}
+			lat = append(lat, time.Since(t0))
+			next = next.Add(interval)
+		}
+		return lat, nil
+	})
+	return lat, err
+}
+
+func (r result) printAlone(w io.Writer) {
+	if len(r.alone) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "\nThe Redis round trips alone: each request's round trips made by the benchmark's process at the fixed rate, with no processor code around them, while the null processor serves the same workload at the same rate (the machine as busy as when the Redis store is measured); latency from the first round trip's start to the last answer\n\n")
+	fmt.Fprintf(w, "| workload | round trips/req | requests/s | p50 | p99 | p99 per round | null processor's p99 meanwhile |\n")
+	fmt.Fprintf(w, "| --- | ---: | ---: | ---: | ---: | --- | --- |\n")
+	for _, c := range r.alone {
+		fmt.Fprintf(w, "| %s | %d | %.0f | %s | %s | %s | %s |\n", c.workload, c.trips, c.rate,
+			fmtDur(c.p50), fmtDur(c.p99), fmtDurs(c.roundP99), fmtDurs(c.nullP99))
+	}
+}
+
+func fmtDurs(ds []time.Duration) string {
+	s := make([]string, len(ds))
+	for i, d := range ds {
+		s[i] = fmtDur(d)
+	}
+	return strings.Join(s, ", ")
+}
