@@ -18,11 +18,13 @@ import (
 // roundTrips is how many Redis round trips the processor makes per request of each workload.
 var roundTrips = map[string]int{workloadFirst: 2, workloadReplay: 1}
 
-// aloneCell is the floor a Redis-backed processor cannot go under on this machine: the Redis
-// round trips of one request of a workload, made at the fixed rate by the benchmark's process
-// with no processor code around them, while the null processor serves the same workload at the
-// same rate, so that the machine is as busy as when the Redis store is measured (the client in
-// Envoy's place and a processor's gRPC work on the same cores as redis-server).
+// aloneCell is what the Redis round trips of a workload's request take by themselves on this
+// machine: made at the fixed rate by the benchmark's process with no processor code around
+// them, while the null processor serves the same workload at the same rate, so that the machine
+// is as busy as when the Redis store is measured (the client in Envoy's place and a processor's
+// gRPC work on the same cores as redis-server). A Redis-backed processor's median cannot be
+// under the null processor's plus theirs; tails need not add, as slow moments of the machine
+// slow both.
 type aloneCell struct {
 	workload   string
 	trips      int     // round trips per request

@@ -3,7 +3,9 @@
 // (uncovered GET, first executions, replays) and three targets (a null processor that answers
 // CONTINUE to every phase, the processor with its memory store, and with a real redis-server).
 // It prints requests/s, p50 and p99 latency, the ratio to the null processor, the store calls
-// and Redis commands per request, and redis-benchmark's requests/s at the same concurrency.
+// and Redis commands per request, redis-benchmark's requests/s at the same concurrency, and
+// what a request's Redis round trips take by themselves at the fixed rate, beside the null
+// processor.
 //
 // Each target runs in a process of its own (this executable, started again), as a processor
 // runs beside Envoy; the benchmark's own process is the client. With -load, each workload also
