@@ -35,10 +35,13 @@ type aloneCell struct {
 	roundP99   []time.Duration // each round's p99
 	nullP99    []time.Duration // the null processor's p99 in the same rounds
 	nullServed int             // requests the null processor served meanwhile
+	// The same round trips with nothing else running on the machine, for as long in all.
+	idleRequests     int
+	idleP50, idleP99 time.Duration
 }
 
 // redisAlone measures workload w's Redis round trips beside the null processor, both at rate,
-// in n rounds of d each.
+// in n rounds of d each, and then for n×d with nothing else running.
 func redisAlone(ctx context.Context, addr string, null extprocv3.ExternalProcessorClient, w string, streams int, rate float64, n int, d time.Duration) (aloneCell, error) {
 	c := aloneCell{workload: w, trips: roundTrips[w], rate: rate}
 	var commands, trips atomic.Int64
@@ -87,8 +90,14 @@ func redisAlone(ctx context.Context, addr string, null extprocv3.ExternalProcess
 		all = append(all, redisLat...)
 	}
 	c.requests = len(all)
-	c.commands = commands.Load()
 	c.p50, c.p99 = percentiles(all)
+	idle, err := paceRedis(ctx, rdb, w, replayed, record, streams, rate, time.Duration(n)*d)
+	if err != nil {
+		return c, err
+	}
+	c.idleRequests = len(idle)
+	c.idleP50, c.idleP99 = percentiles(idle)
+	c.commands = commands.Load()
 	return c, nil
 }
 
@@ -142,12 +151,12 @@ func (r result) printAlone(w io.Writer) {
 	if len(r.alone) == 0 {
 		return
 	}
-	fmt.Fprintf(w, "\nThe Redis round trips alone: each request's round trips made by the benchmark's process at the fixed rate, with no processor code around them, while the null processor serves the same workload at the same rate (the machine as busy as when the Redis store is measured); latency from the first round trip's start to the last answer\n\n")
-	fmt.Fprintf(w, "| workload | round trips/req | requests/s | p50 | p99 | p99 per round | null processor's p99 meanwhile |\n")
-	fmt.Fprintf(w, "| --- | ---: | ---: | ---: | ---: | --- | --- |\n")
+	fmt.Fprintf(w, "\nThe Redis round trips alone: each request's round trips made by the benchmark's process at the fixed rate, with no processor code around them, while the null processor serves the same workload at the same rate (the machine as busy as when the Redis store is measured), then with nothing else running; latency from the first round trip's start to the last answer\n\n")
+	fmt.Fprintf(w, "| workload | round trips/req | requests/s | p50 | p99 | p99 per round | null processor's p99 meanwhile | p50, machine idle | p99, machine idle |\n")
+	fmt.Fprintf(w, "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |\n")
 	for _, c := range r.alone {
-		fmt.Fprintf(w, "| %s | %d | %.0f | %s | %s | %s | %s |\n", c.workload, c.trips, c.rate,
-			fmtDur(c.p50), fmtDur(c.p99), fmtDurs(c.roundP99), fmtDurs(c.nullP99))
+		fmt.Fprintf(w, "| %s | %d | %.0f | %s | %s | %s | %s | %s | %s |\n", c.workload, c.trips, c.rate,
+			fmtDur(c.p50), fmtDur(c.p99), fmtDurs(c.roundP99), fmtDurs(c.nullP99), fmtDur(c.idleP50), fmtDur(c.idleP99))
 	}
 }
 
