@@ -274,8 +274,8 @@ func compare(ctx context.Context, o options) (result, error) {
 		}
 		res.paced = append(res.paced, cells...)
 		if o.redisAddr != "" && o.runs(targetRedis) && roundTrips[w] > 0 {
-			// targets[0] is the null processor.
-			a, err := redisAlone(ctx, o.redisAddr, clients[0], w, o.streams, rate, o.rounds, each)
+			null := slices.IndexFunc(targets, func(t *targetProcess) bool { return t.name == targetNull })
+			a, err := redisAlone(ctx, o.redisAddr, clients[null], w, o.streams, rate, o.rounds, each)
 			if err != nil {
 				return res, fmt.Errorf("%s, Redis round trips alone: %w", w, err)
 			}
@@ -374,11 +374,20 @@ func driveLatencies(ctx context.Context, client extprocv3.ExternalProcessorClien
 	})
 }
 
-// drivePaced runs one workload on streams concurrent streams for d at rate requests/s in all:
-// each stream starts a request every streams/rate, or at once when the previous one ended late.
+// drivePaced runs one workload on streams concurrent streams for d at rate requests/s in all.
 // A request's latency counts from its scheduled start, so that a slow answer also charges the
 // requests it delayed (no coordinated omission).
 func drivePaced(ctx context.Context, client extprocv3.ExternalProcessorClient, workload string, streams int, rate float64, d time.Duration) (cell, []time.Duration, error) {
+	return paced(streams, rate, d, func(scheduled time.Time) (time.Duration, error) {
+		err := request(ctx, client, workload, seq.Add(1))
+		return time.Since(scheduled), err
+	})
+}
+
+// paced runs req on streams goroutines for d at rate calls/s in all: each goroutine starts a
+// call every streams/rate, or at once when the previous one ended late, and keeps the latency
+// req returns, given the call's scheduled start.
+func paced(streams int, rate float64, d time.Duration, req func(scheduled time.Time) (time.Duration, error)) (cell, []time.Duration, error) {
 	interval := time.Duration(float64(streams) / rate * float64(time.Second))
 	start := time.Now()
 	end := start.Add(d)
@@ -389,10 +398,11 @@ func drivePaced(ctx context.Context, client extprocv3.ExternalProcessorClient, w
 			if wait := time.Until(next); wait > 0 {
 				time.Sleep(wait)
 			}
-			if err := request(ctx, client, workload, seq.Add(1)); err != nil {
+			l, err := req(next)
+			if err != nil {
 				return nil, err
 			}
-			lat = append(lat, time.Since(next))
+			lat = append(lat, l)
 			next = next.Add(interval)
 		}
 		return lat, nil

@@ -370,12 +370,16 @@ func (h commandCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 
 func (h commandCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
+		var n int64
 		for _, c := range cmds {
 			if isStoreCommand(c) {
-				h.commands.Add(1)
+				n++
 			}
 		}
-		h.trips.Add(1)
+		if n > 0 { // not a connection's set-up, which go-redis pipelines too
+			h.commands.Add(n)
+			h.trips.Add(1)
+		}
 		return next(ctx, cmds)
 	}
 }
