@@ -268,8 +268,9 @@ func TestBinaryDrainsOnSIGTERM(t *testing.T) {
 	require.Contains(t, logs.String(), `"outcome":"executed"`)
 }
 
-// tryStream opens a stream on a new connection and sends one message. It closes the stream and
-// the connection before it returns, so a stream that was served does not hold up the drain.
+// tryStream opens a stream on a new connection, sends one message and waits for its answer. It
+// closes the stream and the connection before it returns, so that a stream that was served does
+// not hold up the drain.
 func tryStream(t *testing.T, addr string) error {
 	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {

@@ -57,7 +57,8 @@ func redisAlone(ctx context.Context, addr string, null extprocv3.ExternalProcess
 	if err := rdb.Set(ctx, replayed, record, 0).Err(); err != nil {
 		return c, err
 	}
-	// Warm up the connections, as the targets are warmed up.
+	// Warm up the connections and load the completion's script (a first EVALSHA fails and Run
+	// sends an EVAL: two commands), as the targets are warmed up.
 	if _, err := paceRedis(ctx, rdb, w, replayed, record, streams, rate, d/10); err != nil {
 		return c, err
 	}
@@ -135,7 +136,7 @@ func paceRedis(ctx context.Context, rdb *redis.Client, w, replayed, record strin
 			default:
 				return 0, err
 			}
-			n, err := completeScript.Run(ctx, rdb, []string{key}, record, 24*time.Hour.Milliseconds()).Int()
+			n, err := completeScript.Run(ctx, rdb, []string{key}, record, time.Minute.Milliseconds()).Int()
 			if err != nil {
 				return 0, err
 			}

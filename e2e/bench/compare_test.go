@@ -78,11 +78,8 @@ func TestCompare(t *testing.T) {
 	require.Len(t, res.alone, 2, "first executions and replays; an uncovered request makes none")
 	for _, a := range res.alone {
 		require.Equal(t, want[a.workload], float64(a.perRequest), a.workload)
-		require.Positive(t, a.requests, a.workload)
-		require.Positive(t, a.idleRequests, a.workload)
 		require.Equal(t, int64(a.perRequest*(a.requests+a.idleRequests)), a.commands, "%s: Redis commands sent alone", a.workload)
 		require.Equal(t, a.commands, a.trips, "%s: made alone, each command is a round trip of its own", a.workload)
-		require.Positive(t, a.nullServed, "%s: the null processor served meanwhile", a.workload)
 	}
 	require.Contains(t, out.String(), "The Redis round trips alone")
 }
