@@ -80,9 +80,6 @@ type Memory struct {
 	// usually alike, its new deadline is the latest and the push stops at once.
 	pending, completed deadlineHeap
 	arena              arena
-	// scratch is where Complete encodes a response that fits in a segment, under the lock, so
-	// that a completion allocates nothing: the bytes are then copied into the arena.
-	scratch []byte
 }
 
 // expireBudget bounds the expired records one call removes, so that the first call after a quiet
@@ -231,23 +228,12 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 	if resp.BodyOmitted {
 		resp.Body = nil
 	}
-	var blob []byte
-	if size := encodedResponseSize(resp); size > m.arena.maxInline() {
-		// A response with bytes of their own is encoded outside the lock, with room for a usual
-		// fingerprint (a SHA-256) after it.
-		blob = appendResponse(make([]byte, 0, size+32), resp)
-	}
+	// Encode outside the lock, with room for a usual fingerprint (a SHA-256) after the response.
+	blob := appendResponse(make([]byte, 0, encodedResponseSize(resp)+32), resp)
 	err := m.update(ctx, l, func(i int32, now int64) {
 		e := m.entry(i)
 		fp := m.bytesOf(i)[e.keyLen:]
-		if blob == nil {
-			m.scratch = appendResponse(m.scratch[:0], resp)
-			blob = m.scratch
-		}
 		data, respLen := append(blob, fp...), len(blob)
-		if cap(data) <= 2*m.arena.maxInline() {
-			m.scratch = data[:0] // keep what append grew
-		}
 		if n := len(l.key) + len(data); int64(n)+entryOverhead > m.maxBytes || n > m.maxRecord {
 			// Keep the key claimed rather than let a duplicate run again.
 			stub := appendResponse(nil, Response{Status: resp.Status, BodyOmitted: true})
@@ -299,7 +285,6 @@ func (m *Memory) Close() error {
 	m.free = nil
 	m.pending.slots, m.completed.slots = chunks[int32]{}, chunks[int32]{}
 	m.arena.reset()
-	m.scratch = nil
 	m.bytes = 0
 	return nil
 }

@@ -482,38 +482,3 @@ func TestMemoryRecordTooLargeForItsSizes(t *testing.T) {
 	require.ErrorContains(t, err, "more than a record holds")
 	checkMemory(t, m)
 }
-
-// TestMemoryCompletionAllocatesNothing: a response that fits in a segment is encoded under the
-// lock into a buffer the store reuses, then copied into the arena. Each record still replays its
-// own bytes, not the buffer's latest.
-func TestMemoryCompletionAllocatesNothing(t *testing.T) {
-	m, _ := newInternalMemory(t, 0)
-	ctx := context.Background()
-	const n = 201 // AllocsPerRun makes one call more than the runs it averages over
-	claim := internalClaim
-	claim.Fingerprint = make([]byte, 32)
-	leases := make([]Lease, n+1)
-	for i := range leases {
-		l, _, err := m.Acquire(ctx, "key-"+strconv.Itoa(i), claim)
-		require.NoError(t, err)
-		leases[i] = l
-	}
-	resp := Response{Status: 201, Headers: []Header{{Name: "content-type", Value: []byte("application/json")}}, Body: make([]byte, 1024)}
-	next := 0
-	allocs := testing.AllocsPerRun(n, func() {
-		resp.Body[0] = byte(next) // each record's body differs
-		if err := m.Complete(ctx, leases[next], resp); err != nil {
-			t.Fatal(err)
-		}
-		next++
-	})
-	require.Zero(t, allocs, "allocations per completion")
-	for i := 0; i < next; i++ {
-		rec, err := lookup(m, "key-"+strconv.Itoa(i))
-		require.NoError(t, err)
-		require.Equal(t, Completed, rec.State)
-		require.Equal(t, byte(i), rec.Response.Body[0], "record %d replays its own body", i)
-		require.Len(t, rec.Response.Body, 1024)
-	}
-	checkMemory(t, m)
-}
