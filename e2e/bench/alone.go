@@ -37,7 +37,6 @@ type aloneCell struct {
 	p50, p99   time.Duration   // of one request's round trips, from the first one's start
 	roundP99   []time.Duration // each round's p99
 	nullP99    []time.Duration // the null processor's p99 in the same rounds
-	nullServed int             // requests the null processor served meanwhile
 	// The same round trips with nothing else running on the machine, for as long in all.
 	idleRequests     int
 	idleP50, idleP99 time.Duration
@@ -68,7 +67,6 @@ func redisAlone(ctx context.Context, addr string, null extprocv3.ExternalProcess
 	for range n {
 		var (
 			wg       sync.WaitGroup
-			nullCell cell
 			nullLat  []time.Duration
 			nullErr  error
 			redisLat []time.Duration
@@ -77,7 +75,7 @@ func redisAlone(ctx context.Context, addr string, null extprocv3.ExternalProcess
 		wg.Add(2)
 		go func() {
 			defer wg.Done()
-			nullCell, nullLat, nullErr = drivePaced(ctx, null, w, streams, rate, d)
+			_, nullLat, nullErr = drivePaced(ctx, null, w, streams, rate, d)
 		}()
 		go func() {
 			defer wg.Done()
@@ -90,7 +88,6 @@ func redisAlone(ctx context.Context, addr string, null extprocv3.ExternalProcess
 		if redisErr != nil {
 			return c, redisErr
 		}
-		c.nullServed += nullCell.requests
 		_, p99 := percentiles(nullLat)
 		c.nullP99 = append(c.nullP99, p99)
 		_, p99 = percentiles(redisLat)
