@@ -37,10 +37,9 @@ type arena struct {
 	// spare lists the segments allocated but not in use (nothing live, not the head), reused
 	// first; unused lists those freed, whose numbers are reused next.
 	spare, unused []int32
-	head          int32 // the segment records are appended to, or -1
-	liveBytes     int   // over every segment
-	written       int   // the sum of fill
-	compacting    bool
+	head          int32            // the segment records are appended to, or -1
+	liveBytes     int              // over every segment
+	written       int              // the sum of fill
 	moved         int64            // bytes compaction moved, over the store's life (for tests)
 	big           map[int32][]byte // the bytes held on their own, by slot
 }
@@ -88,21 +87,35 @@ func (m *Memory) bytesOf(i int32) []byte {
 	return m.arena.segs[e.seg][e.off : e.off+e.n]
 }
 
-// put stores key and data as the bytes of the record in slot i, which holds none.
+// put stores a copy of key and data as the bytes of the record in slot i, which holds none.
 func (m *Memory) put(i int32, key string, data []byte) {
-	a := &m.arena
 	n := len(key) + len(data)
-	seg, off := int32(single), int32(0)
-	if n > a.maxInline() {
-		b := make([]byte, 0, n)
-		a.big[i] = append(append(b, key...), data...)
-	} else {
-		seg, off = m.place(i, n)
-		b := a.segs[seg][off:]
-		copy(b[copy(b, key):], data)
+	if n > m.arena.maxInline() {
+		m.putRecord(i, append(append(make([]byte, 0, n), key...), data...), len(key))
+		return
 	}
-	e := m.entry(i)
-	e.seg, e.off, e.n, e.keyLen = seg, off, int32(n), int32(len(key))
+	seg, off := m.place(i, n, true)
+	b := m.arena.segs[seg][off:]
+	copy(b[copy(b, key):], data)
+	m.entry(i).setBytes(seg, off, n, len(key))
+}
+
+// putRecord stores rec, whose first keyLen bytes are the key, as the bytes of the record in slot
+// i, which holds none. A record too big for a segment keeps rec itself, which the caller gives
+// up; a smaller one is copied into the arena.
+func (m *Memory) putRecord(i int32, rec []byte, keyLen int) {
+	if len(rec) > m.arena.maxInline() {
+		m.arena.big[i] = rec
+		m.entry(i).setBytes(single, 0, len(rec), keyLen)
+		return
+	}
+	seg, off := m.place(i, len(rec), true)
+	copy(m.arena.segs[seg][off:], rec)
+	m.entry(i).setBytes(seg, off, len(rec), keyLen)
+}
+
+func (e *memEntry) setBytes(seg, off int32, n, keyLen int) {
+	e.seg, e.off, e.n, e.keyLen = seg, off, int32(n), int32(keyLen)
 }
 
 // drop frees the bytes of the record in slot i.
@@ -117,10 +130,11 @@ func (m *Memory) drop(i int32) {
 }
 
 // place appends a header for n bytes of slot i to the head segment and returns where the bytes go.
-// It compacts at most once: a head taken after that is empty, and n fits.
-func (m *Memory) place(i int32, n int) (int32, int32) {
+// If it needs a new head, it compacts first when compact is set, and at most once: a head taken
+// after that is empty, and n fits. Compaction itself places records without compacting.
+func (m *Memory) place(i int32, n int, compact bool) (int32, int32) {
 	a := &m.arena
-	for compact := true; a.head < 0 || a.fill[a.head]+recordHeader+n > a.segSize; compact = false {
+	for ; a.head < 0 || a.fill[a.head]+recordHeader+n > a.segSize; compact = false {
 		m.newHead(compact)
 	}
 	seg, off := a.head, a.fill[a.head]
@@ -172,10 +186,9 @@ func (m *Memory) newHead(compact bool) {
 		a.fill = append(a.fill, 0)
 		a.head = int32(len(a.segs) - 1)
 	}
-	if !compact || a.compacting {
+	if !compact {
 		return
 	}
-	a.compacting = true
 	for moved := 0; moved < maxMoved*a.segSize && a.overfull(); {
 		n := m.compact()
 		if n < 0 {
@@ -183,7 +196,6 @@ func (m *Memory) newHead(compact bool) {
 		}
 		moved += n
 	}
-	a.compacting = false
 }
 
 // toSpare takes seg out of use: it keeps it as a spare, or frees it if maxSpare are kept.
@@ -223,7 +235,7 @@ func (m *Memory) compact() int {
 		if e.seg != victim || e.off != at {
 			continue // a removed record: its slot is free or holds another
 		}
-		s, o := m.place(i, n)
+		s, o := m.place(i, n, false)
 		copy(a.segs[s][o:], seg[at:int(at)+n])
 		a.moved += int64(n)
 		e.seg, e.off = s, o

@@ -229,20 +229,29 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 		resp.Body = nil
 	}
 	// Encode outside the lock, with room for a usual fingerprint (a SHA-256) after the response.
-	blob := appendResponse(make([]byte, 0, encodedResponseSize(resp)+32), resp)
+	// A record too big for a segment keeps these bytes as they are: its key goes first.
+	size, key := encodedResponseSize(resp), ""
+	if len(l.key)+size+32 > m.arena.maxInline() {
+		key = l.key
+	}
+	blob := appendResponse(append(make([]byte, 0, len(key)+size+32), key...), resp)
 	err := m.update(ctx, l, func(i int32, now int64) {
 		e := m.entry(i)
 		fp := m.bytesOf(i)[e.keyLen:]
-		data, respLen := append(blob, fp...), len(blob)
-		if n := len(l.key) + len(data); int64(n)+entryOverhead > m.maxBytes || n > m.maxRecord {
+		data, respLen := append(blob, fp...), len(blob)-len(key)
+		if n := len(l.key) + len(data) - len(key); int64(n)+entryOverhead > m.maxBytes || n > m.maxRecord {
 			// Keep the key claimed rather than let a duplicate run again.
 			stub := appendResponse(nil, Response{Status: resp.Status, BodyOmitted: true})
-			data, respLen = append(stub, fp...), len(stub)
+			data, respLen, key = append(stub, fp...), len(stub), ""
 		}
 		// The record moves: its old bytes go, and the new ones may land anywhere.
 		m.bytes -= e.cost()
 		m.drop(i)
-		m.put(i, l.key, data)
+		if key != "" {
+			m.putRecord(i, data, len(key))
+		} else {
+			m.put(i, l.key, data)
+		}
 		m.bytes += e.cost()
 		m.pending.remove(int(e.heapIdx))
 		e.state = Completed

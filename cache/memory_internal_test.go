@@ -482,3 +482,38 @@ func TestMemoryRecordTooLargeForItsSizes(t *testing.T) {
 	require.ErrorContains(t, err, "more than a record holds")
 	checkMemory(t, m)
 }
+
+// TestMemoryBigCompletionCopiesOnce: a record too big for a segment keeps the bytes Complete
+// encoded outside the lock; it is not allocated and copied again under it.
+func TestMemoryBigCompletionCopiesOnce(t *testing.T) {
+	m, _ := newInternalMemory(t, 0)
+	ctx := context.Background()
+	const n = 50 // AllocsPerRun makes one call more than the runs it averages over
+	claim := internalClaim
+	claim.Fingerprint = make([]byte, 32)
+	leases := make([]Lease, n+1)
+	for i := range leases {
+		l, _, err := m.Acquire(ctx, "big-"+strconv.Itoa(i), claim)
+		require.NoError(t, err)
+		leases[i] = l
+	}
+	resp := Response{Status: 201, Body: make([]byte, 4*m.arena.maxInline())}
+	next := 0
+	allocs := testing.AllocsPerRun(n, func() {
+		resp.Body[0] = byte(next)
+		if err := m.Complete(ctx, leases[next], resp); err != nil {
+			t.Fatal(err)
+		}
+		next++
+	})
+	require.Equal(t, 1.0, allocs, "allocations per big completion: its encoding only")
+	for i := 0; i < next; i++ {
+		rec, err := lookup(m, "big-"+strconv.Itoa(i))
+		require.NoError(t, err)
+		require.Equal(t, Completed, rec.State)
+		require.Len(t, rec.Response.Body, 4*m.arena.maxInline())
+		require.Equal(t, byte(i), rec.Response.Body[0], "record %d keeps its own body", i)
+		require.Equal(t, claim.Fingerprint, rec.Fingerprint)
+	}
+	checkMemory(t, m)
+}
