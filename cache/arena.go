@@ -1,6 +1,9 @@
 package cache
 
-import "encoding/binary"
+import (
+	"encoding/binary"
+	"sync/atomic"
+)
 
 // defaultSegmentSize is the size of the arena's segments: large enough that a full store is a
 // few hundred objects to the garbage collector, small enough that compacting one holds the lock
@@ -29,9 +32,17 @@ const single = -1
 //
 // A record larger than a sixteenth of a segment is held in an allocation of its own (big): there
 // are few, and their bytes are large next to the collector's cost of one object.
+//
+// Segments are mapped outside the Go heap where the system allows it (mapSegment), and unmapped
+// when freed, when the store is closed, or by a cleanup once an unclosed store is unreachable. The
+// collector then never sees them: the Go heap of a process holding a full store stays the size of
+// the index and the requests' garbage, and its heap goal (GOGC) is not set by the store's bytes,
+// which would let that garbage grow to the store's size before each collection, spread over that
+// much memory. No slice of a segment outlives the store's lock: readers copy what they take.
 type arena struct {
 	segSize int
 	segs    [][]byte // nil once freed
+	mapped  []bool   // per segment: outside the Go heap, to be unmapped
 	live    []int    // bytes of live records, with their headers, per segment
 	fill    []int    // bytes written per segment
 	// spare lists the segments allocated but not in use (nothing live, not the head), reused
@@ -52,7 +63,8 @@ func (a *arena) init(segSize int) {
 
 // reset drops everything the arena holds but its segment size.
 func (a *arena) reset() {
-	a.segs, a.live, a.fill, a.spare, a.unused = nil, nil, nil, nil, nil
+	a.unmapAll()
+	a.segs, a.mapped, a.live, a.fill, a.spare, a.unused = nil, nil, nil, nil, nil, nil
 	a.head, a.liveBytes, a.written, a.moved = -1, 0, 0, 0
 	a.big = map[int32][]byte{}
 }
@@ -133,7 +145,7 @@ func (m *Memory) drop(i int32) {
 // If it needs a new head, it compacts first when compact is set, and at most once: a head taken
 // after that is empty, and n fits. Compaction itself places records without compacting.
 func (m *Memory) place(i int32, n int, compact bool) (int32, int32) {
-	a := &m.arena
+	a := m.arena
 	for ; a.head < 0 || a.fill[a.head]+recordHeader+n > a.segSize; compact = false {
 		m.newHead(compact)
 	}
@@ -150,7 +162,7 @@ func (m *Memory) place(i int32, n int, compact bool) (int32, int32) {
 
 // release frees n bytes of a record in seg.
 func (m *Memory) release(seg int32, n int) {
-	a := &m.arena
+	a := m.arena
 	a.live[seg] -= recordHeader + n
 	a.liveBytes -= recordHeader + n
 	if a.live[seg] == 0 && seg != a.head {
@@ -166,7 +178,7 @@ const maxMoved = 4
 // newHead makes a spare or new segment the head, then, if compact is set, compacts segments while
 // the arena is overfull, up to maxMoved segments' worth of live bytes.
 func (m *Memory) newHead(compact bool) {
-	a := &m.arena
+	a := m.arena
 	if h := a.head; h >= 0 {
 		a.head = -1
 		if a.live[h] == 0 {
@@ -179,9 +191,11 @@ func (m *Memory) newHead(compact bool) {
 	} else if k := len(a.unused); k > 0 {
 		a.head = a.unused[k-1]
 		a.unused = a.unused[:k-1]
-		a.segs[a.head] = make([]byte, a.segSize)
+		a.segs[a.head], a.mapped[a.head] = newSegment(a.segSize)
 	} else {
-		a.segs = append(a.segs, make([]byte, a.segSize))
+		b, mapped := newSegment(a.segSize)
+		a.segs = append(a.segs, b)
+		a.mapped = append(a.mapped, mapped)
 		a.live = append(a.live, 0)
 		a.fill = append(a.fill, 0)
 		a.head = int32(len(a.segs) - 1)
@@ -206,14 +220,54 @@ func (a *arena) toSpare(seg int32) {
 		a.spare = append(a.spare, seg)
 		return
 	}
-	a.segs[seg] = nil
+	a.free(seg)
 	a.unused = append(a.unused, seg)
+}
+
+// free drops segment seg, unmapping it if it is mapped.
+func (a *arena) free(seg int32) {
+	if a.mapped[seg] {
+		unmapSegment(a.segs[seg])
+	}
+	a.segs[seg], a.mapped[seg] = nil, false
+}
+
+// unmapAll unmaps every mapped segment. The arena must not be used after it but to reset it.
+func (a *arena) unmapAll() {
+	for s := range a.segs {
+		if a.segs[s] != nil {
+			a.free(int32(s))
+		}
+	}
+}
+
+// mappedBytes counts the bytes of the segments mapped outside the Go heap, over every store.
+var mappedBytes atomic.Int64
+
+// newSegment returns n zeroed bytes for a segment, and whether they are mapped outside the Go
+// heap. Where mapping is not supported or fails (an address space limit, too many mappings), the
+// segment is an ordinary allocation: the store works the same, its bytes in the Go heap.
+func newSegment(n int) ([]byte, bool) {
+	if b, err := mapSegment(n); err == nil {
+		mappedBytes.Add(int64(len(b)))
+		return b, true
+	}
+	return make([]byte, n), false
+}
+
+// unmapSegment unmaps b, which newSegment mapped. Unmapping only fails for an address that was
+// not mapped, which would be a bug here: it panics rather than let the bytes be used again.
+func unmapSegment(b []byte) {
+	if err := munmapSegment(b); err != nil {
+		panic("cache: unmapping an arena segment: " + err.Error())
+	}
+	mappedBytes.Add(-int64(len(b)))
 }
 
 // compact moves the live records of the segment in use with the most holes to the head, which
 // takes it out of use, and returns the bytes it moved, or -1 if no segment has holes.
 func (m *Memory) compact() int {
-	a := &m.arena
+	a := m.arena
 	victim := int32(-1)
 	for s := range a.segs {
 		s := int32(s)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"math"
+	"runtime"
 	"strconv"
 	"sync"
 	"time"
@@ -79,7 +80,9 @@ type Memory struct {
 	// completed ones. A record moves from the first to the second when completed; since TTLs are
 	// usually alike, its new deadline is the latest and the push stops at once.
 	pending, completed deadlineHeap
-	arena              arena
+	// arena holds the records' bytes. It is an object of its own, so that a cleanup can unmap
+	// its segments once the store is unreachable without reaching the store.
+	arena *arena
 }
 
 // expireBudget bounds the expired records one call removes, so that the first call after a quiet
@@ -134,7 +137,10 @@ func NewMemory(opts MemoryOptions) (*Memory, error) {
 		index:     make(map[uint64]int32),
 		maxRecord: math.MaxInt32,
 	}
+	m.arena = &arena{}
 	m.arena.init(defaultSegmentSize)
+	// A store dropped without Close gives its segments back, as a heap store would.
+	runtime.AddCleanup(m, (*arena).unmapAll, m.arena)
 	m.resetEntries()
 	m.pending.m, m.completed.m = m, m
 	return m, nil

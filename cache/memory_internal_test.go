@@ -3,6 +3,7 @@ package cache
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -94,7 +95,7 @@ func checkMemory(t *testing.T, m *Memory) {
 // checkArena checks where the records of the slots in used keep their bytes.
 func checkArena(t *testing.T, m *Memory, used map[int32]bool) {
 	t.Helper()
-	a := &m.arena
+	a := m.arena
 	live := make([]int, len(a.segs))
 	spans := make([][][2]int, len(a.segs))
 	singles := 0
@@ -131,8 +132,12 @@ func checkArena(t *testing.T, m *Memory, used map[int32]bool) {
 		require.Nil(t, a.segs[s], "unused segment %d is freed", s)
 	}
 	total, held := 0, 0
+	require.Len(t, a.mapped, len(a.segs))
 	for s := range a.segs {
 		require.Equal(t, live[s], a.live[s], "segment %d: live bytes", s)
+		if a.mapped[s] {
+			require.NotNil(t, a.segs[s], "segment %d: mapped, so held", s)
+		}
 		total += live[s]
 		if a.segs[s] != nil {
 			held++
@@ -162,8 +167,34 @@ func lookup(m *Memory, key string) (*Record, error) {
 }
 
 // TestMemoryStaysConsistent runs random calls, with the clock moving, against a store and checks
-// its structures as it goes.
+// its structures as it goes, with its segments mapped outside the Go heap and, as where mapping
+// fails, on it.
 func TestMemoryStaysConsistent(t *testing.T) {
+	t.Run("mapped", func(t *testing.T) { testMemoryStaysConsistent(t, mappingWorks()) })
+	t.Run("heap", func(t *testing.T) {
+		withoutMapping(t)
+		testMemoryStaysConsistent(t, false)
+	})
+}
+
+// mappingWorks reports whether this system maps segments outside the Go heap.
+func mappingWorks() bool {
+	b, err := mapSegment(4 << 10)
+	if err == nil {
+		_ = munmapSegment(b)
+	}
+	return err == nil
+}
+
+// withoutMapping makes mapping segments fail until t ends, as it does where it is not supported
+// or an address space limit is reached.
+func withoutMapping(t *testing.T) {
+	mapped := mapSegment
+	mapSegment = func(int) ([]byte, error) { return nil, errors.New("mapping refused by the test") }
+	t.Cleanup(func() { mapSegment = mapped })
+}
+
+func testMemoryStaysConsistent(t *testing.T, mapped bool) {
 	for seed := range uint64(10) {
 		t.Run(strconv.FormatUint(seed, 10), func(t *testing.T) {
 			rnd := rand.New(rand.NewPCG(seed, seed))
@@ -224,6 +255,15 @@ func TestMemoryStaysConsistent(t *testing.T) {
 				}
 			}
 			checkMemory(t, m)
+			held := 0
+			for s, b := range m.arena.segs {
+				if b != nil {
+					held++
+					require.Equal(t, mapped, m.arena.mapped[s], "segment %d: mapped outside the Go heap", s)
+				}
+			}
+			require.Positive(t, held)
+			require.NoError(t, m.Close())
 		})
 	}
 }
@@ -335,7 +375,7 @@ func TestMemoryArenaSameSizeRecords(t *testing.T) {
 					require.NoError(t, err)
 				}
 				if i > 200 {
-					checkArenaBounds(t, &m.arena, i)
+					checkArenaBounds(t, m.arena, i)
 				}
 			}
 			checkMemory(t, m)
@@ -368,7 +408,7 @@ func TestMemoryArenaStaysCompact(t *testing.T) {
 			replays++
 			require.Equal(t, body(k), rec.Response.Body, "key %s", key)
 		}
-		a := &m.arena
+		a := m.arena
 		if op > 1000 {
 			checkArenaBounds(t, a, op)
 		}

@@ -1,0 +1,82 @@
+//go:build linux || darwin || dragonfly || freebsd || netbsd || openbsd
+
+package cache
+
+import (
+	"context"
+	"runtime"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// mappedOf returns the bytes of m's segments mapped outside the Go heap, and checks that every
+// segment it holds is mapped.
+func mappedOf(t *testing.T, m *Memory) int64 {
+	t.Helper()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var n int64
+	for s, b := range m.arena.segs {
+		if b != nil {
+			require.True(t, m.arena.mapped[s], "segment %d is mapped", s)
+			n += int64(len(b))
+		}
+	}
+	return n
+}
+
+// TestMemorySegmentsAreUnmapped checks that a store's segments, mapped outside the Go heap, are
+// unmapped when they empty beyond the spares, when the store is closed, and when a store is
+// dropped without being closed. Other tests' stores may be unmapped meanwhile (their cleanups),
+// never mapped (no test runs beside this one): the process' mapped bytes only fall by more.
+func TestMemorySegmentsAreUnmapped(t *testing.T) {
+	ctx := context.Background()
+	fill := func(m *Memory, n int, claim Claim) {
+		for i := range n {
+			l, _, err := m.Acquire(ctx, "k"+strconv.Itoa(i), claim)
+			require.NoError(t, err)
+			require.NoError(t, m.Complete(ctx, l, Response{Status: 200, Body: make([]byte, 1000)}))
+		}
+	}
+
+	m, clk := newInternalMemory(t, 0)
+	m.arena.init(16 << 10)
+	before := mappedBytes.Load()
+	fill(m, 300, internalClaim)
+	held := mappedOf(t, m)
+	require.GreaterOrEqual(t, held, int64(300*1000), "the records' bytes are in mapped segments")
+	require.Equal(t, before+held, mappedBytes.Load())
+
+	// Every record expires; looking their keys up removes them, and their segments empty.
+	clk.Advance(internalClaim.TTL + time.Second)
+	for i := range 300 {
+		rec, err := lookup(m, "k"+strconv.Itoa(i))
+		require.NoError(t, err)
+		require.Nil(t, rec)
+	}
+	checkMemory(t, m)
+	kept := mappedOf(t, m)
+	require.LessOrEqual(t, kept, int64((maxSpare+1)*(16<<10)), "empty segments beyond the spares are unmapped")
+	require.LessOrEqual(t, mappedBytes.Load(), before+kept)
+
+	fill(m, 300, internalClaim)
+	held = mappedOf(t, m)
+	now := mappedBytes.Load()
+	require.NoError(t, m.Close())
+	require.LessOrEqual(t, mappedBytes.Load(), now-held, "Close unmaps every segment")
+
+	dropped, err := NewMemory(MemoryOptions{})
+	require.NoError(t, err)
+	fill(dropped, 1000, internalClaim)
+	held = mappedOf(t, dropped)
+	require.Positive(t, held)
+	now = mappedBytes.Load()
+	dropped = nil
+	require.Eventually(t, func() bool {
+		runtime.GC()
+		return mappedBytes.Load() <= now-held
+	}, 10*time.Second, 10*time.Millisecond, "a store dropped without Close is unmapped by its cleanup")
+}

@@ -1,0 +1,11 @@
+//go:build !(linux || darwin || dragonfly || freebsd || netbsd || openbsd)
+
+package cache
+
+import "errors"
+
+// mapSegment is not supported on this system: segments are allocated on the Go heap.
+var mapSegment = func(int) ([]byte, error) { return nil, errors.ErrUnsupported }
+
+// munmapSegment is never called where mapSegment always fails.
+func munmapSegment([]byte) error { return errors.ErrUnsupported }
