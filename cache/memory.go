@@ -8,6 +8,7 @@ import (
 	"hash/maphash"
 	"math"
 	"runtime"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -235,12 +236,21 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 		resp.Body = nil
 	}
 	// Encode outside the lock, with room for a usual fingerprint (a SHA-256) after the response.
-	// A record too big for a segment keeps these bytes as they are: its key goes first.
+	// A record too big for a segment keeps these bytes as they are: its key goes first. A record
+	// that fits in one is copied there, and its encoding's buffer is reused: a completion then
+	// leaves no garbage of its size.
 	size, key := encodedResponseSize(resp), ""
-	if len(l.key)+size+32 > m.arena.maxInline() {
+	var blob []byte
+	if n := len(l.key) + size + 32; n > m.arena.maxInline() {
 		key = l.key
+		blob = append(make([]byte, 0, n), key...)
+	} else {
+		buf := encodeBuffers.Get().(*[]byte)
+		defer encodeBuffers.Put(buf)
+		blob = slices.Grow((*buf)[:0], n)
+		defer func() { *buf = blob[:0] }()
 	}
-	blob := appendResponse(append(make([]byte, 0, len(key)+size+32), key...), resp)
+	blob = appendResponse(blob, resp)
 	err := m.update(ctx, l, func(i int32, now int64) {
 		e := m.entry(i)
 		fp := m.bytesOf(i)[e.keyLen:]
@@ -272,6 +282,9 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 	}
 	return err
 }
+
+// encodeBuffers holds the buffers completions encode records that fit in a segment into.
+var encodeBuffers = sync.Pool{New: func() any { return new([]byte) }}
 
 // Release implements [Store.Release].
 func (m *Memory) Release(ctx context.Context, l Lease) error {
