@@ -79,6 +79,7 @@ type cell struct {
 	clientCPU        time.Duration   // the benchmark's CPU time: the client, as Envoy's share
 	redisCPU         time.Duration   // redis-server's CPU time
 	memoryBytes      int64           // what a memory store held before the cell's first round
+	peakRSS          int64           // the target process' peak resident memory by the cell's end
 }
 
 func (c cell) rps() float64 { return float64(c.requests) / c.elapsed.Seconds() }
@@ -115,8 +116,8 @@ func findCell(cells []cell, workload, target string) (cell, bool) {
 func (r result) print(w io.Writer) {
 	fmt.Fprintf(w, "%d concurrent streams, %v per cell in %d alternating rounds; each target in a process of its own, GOMAXPROCS %d.\n", r.opts.streams, r.opts.duration, r.opts.rounds, gomaxprocs())
 	fmt.Fprintf(w, "p50 and p99 are over all rounds; p99 added is the median over rounds of the target's p99 minus the null processor's in the same round (in brackets: the range).\n\n")
-	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | store calls over 1 ms | Redis commands/req | Redis round trips/req | processor CPU µs/req | client CPU µs/req | Redis CPU µs/req |\n")
-	fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | store calls over 1 ms | Redis commands/req | Redis round trips/req | processor CPU µs/req | client CPU µs/req | Redis CPU µs/req | processor peak RSS |\n")
+	fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, c := range r.cells {
 		null, _ := r.find(c.workload, targetNull)
 		ratio, added := "1.00", "—"
@@ -136,9 +137,9 @@ func (r result) print(w io.Writer) {
 		if c.hasRedis() {
 			redisCPU = fmt.Sprintf("%.1f", perRequest(c.redisCPU, c.requests))
 		}
-		fmt.Fprintf(w, "| %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f | %s |\n",
+		fmt.Fprintf(w, "| %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f | %s | %d MiB |\n",
 			c.workload, c.target, c.rps(), fmtDur(c.p50), fmtDur(c.p99), ratio, added, store, slow, cmds, trips,
-			perRequest(c.cpu, c.requests), perRequest(c.clientCPU, c.requests), redisCPU)
+			perRequest(c.cpu, c.requests), perRequest(c.clientCPU, c.requests), redisCPU, c.peakRSS>>20)
 	}
 	if len(r.paced) > 0 {
 		fmt.Fprintf(w, "\nAt a fixed rate: %.0f%% of the slowest target's requests/s above, the same for every target, on %d streams; latency counts from each request's scheduled start\n\n", r.opts.load*100, r.opts.streams)
@@ -173,6 +174,16 @@ func processCPU() time.Duration {
 		return 0
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// processPeakRSS is the most memory this process has held resident, in bytes (Linux reports it
+// in KiB).
+func processPeakRSS() int64 {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return ru.Maxrss << 10
 }
 
 var redisCPURE = regexp.MustCompile(`used_cpu_(?:user|sys):([0-9.]+)`)
@@ -323,6 +334,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 				return nil, fmt.Errorf("%s, %s: %w", w, t.name, err)
 			}
 			c.cpu += after.CPU - before.CPU
+			c.peakRSS = after.PeakRSS
 			if c.hasRedis() {
 				c.redisCPU += redisServerCPU(ctx, admin) - redis0
 			}

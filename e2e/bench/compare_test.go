@@ -47,6 +47,12 @@ func TestCompare(t *testing.T) {
 			require.Positive(t, c.requests)
 			require.LessOrEqual(t, c.p50, c.p99)
 			require.Positive(t, c.cpu, "%s, %s: the target process' CPU time", w, target)
+			if target == targetMemory {
+				// Its 8 MiB of records are resident, beside the process' own.
+				require.Greater(t, c.peakRSS, int64(8<<20), "%s, %s: the target process' peak RSS", w, target)
+			} else {
+				require.Positive(t, c.peakRSS, "%s, %s: the target process' peak RSS", w, target)
+			}
 			p, ok := res.findPaced(w, target)
 			require.True(t, ok, "%s, %s at a fixed rate", w, target)
 			require.Positive(t, p.requests)

@@ -57,6 +57,8 @@ type counters struct {
 	LogLines int64
 	// MemoryBytes is what the memory store holds (cache.Memory.Bytes), 0 for other targets.
 	MemoryBytes int64
+	// PeakRSS is the most memory the process has held resident so far, in bytes.
+	PeakRSS int64
 }
 
 // serveFromEnv serves the target named by envServe, if set, until its standard input closes,
@@ -170,7 +172,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 				return
 			}
 		}
-		c := counters{CPU: processCPU(), Commands: commands.Load(), Trips: trips.Load(), LogLines: lines.n.Load()}
+		c := counters{CPU: processCPU(), PeakRSS: processPeakRSS(), Commands: commands.Load(), Trips: trips.Load(), LogLines: lines.n.Load()}
 		if err := storeCalls(reg, &c); err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
