@@ -5,9 +5,11 @@ package cache
 import "syscall"
 
 // mapSegment maps n bytes of zeroed, private, anonymous memory: outside the Go heap, so the
-// collector neither counts nor scans them. It is a variable so that a test can make it fail.
+// collector neither counts nor scans them. Where the system can, their pages are populated at
+// once (mapPopulate) rather than faulted in one by one as records are written. It is a variable
+// so that a test can make it fail.
 var mapSegment = func(n int) ([]byte, error) {
-	return syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	return syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE|mapPopulate)
 }
 
 // munmapSegment unmaps b, which mapSegment returned.

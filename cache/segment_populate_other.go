@@ -1,0 +1,6 @@
+//go:build darwin || dragonfly || freebsd || netbsd || openbsd
+
+package cache
+
+// mapPopulate is Linux's: elsewhere a new segment's pages are faulted in as they are written.
+const mapPopulate = 0
