@@ -6,12 +6,12 @@ STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 FUZZTIME ?= 10000x
 PKGS := ./...
 
-.PHONY: help test lint unit bench bench-compare fuzz run
+.PHONY: help test lint unit allocs bench bench-compare fuzz run
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-test: lint unit bench fuzz ## the whole suite, as CI runs it: lint, race tests, benchmarks once, short fuzzing
+test: lint unit allocs bench fuzz ## the whole suite, as CI runs it: lint, race tests, allocation tests, benchmarks once, short fuzzing
 
 lint: ## gofmt, go vet and staticcheck must be clean
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
@@ -20,6 +20,9 @@ lint: ## gofmt, go vet and staticcheck must be clean
 
 unit: ## every test with the race detector
 	$(GO) test -race -count=1 -timeout 15m $(PKGS)
+
+allocs: ## the tests that count allocations, without the race detector, which adds its own
+	$(GO) test -count=1 -run 'CopiesOnce|ReusesItsBuffer' ./cache/
 
 bench: ## every benchmark once, so they keep compiling and running
 	$(GO) test -run '^$$' -bench . -benchtime 1x -benchmem -count=1 $(PKGS)

@@ -48,7 +48,7 @@ func TestMemorySegmentsAreUnmapped(t *testing.T) {
 	fill(m, 300, internalClaim)
 	held := mappedOf(t, m)
 	require.GreaterOrEqual(t, held, int64(300*1000), "the records' bytes are in mapped segments")
-	require.Equal(t, before+held, mappedBytes.Load())
+	require.LessOrEqual(t, mappedBytes.Load(), before+held, "the process maps nothing else meanwhile")
 
 	// Every record expires; looking their keys up removes them, and their segments empty.
 	clk.Advance(internalClaim.TTL + time.Second)
