@@ -5,9 +5,9 @@ import (
 	"sync/atomic"
 )
 
-// defaultSegmentSize is the size of the arena's segments: large enough that a full store is a
-// few hundred objects to the garbage collector, small enough that compacting one holds the lock
-// for tens of microseconds.
+// defaultSegmentSize is the size of the arena's segments: large enough that a full store is a few
+// hundred mappings (or, where segments are on the Go heap, objects to the garbage collector),
+// small enough that compacting one holds the lock for tens of microseconds.
 const defaultSegmentSize = 256 << 10
 
 // recordHeader precedes a record's bytes in a segment: the record's slot and its length, so that
@@ -17,8 +17,8 @@ const recordHeader = 8
 // single marks a record whose bytes are held on their own (memEntry.seg).
 const single = -1
 
-// arena holds the bytes of a Memory store's records in segments: large byte slices, which the
-// garbage collector sees as one object each and never scans. Records are appended to the head
+// arena holds the bytes of a Memory store's records in segments: large byte slices that the
+// garbage collector never scans (see below for where they live). Records are appended to the head
 // segment; a removed record (completed, released, expired, evicted) leaves a hole. A segment whose
 // records are all gone is reused (up to maxSpare of them are kept, the others freed), and when the
 // holes in the segments in use exceed an eighth of the live bytes and two segments, the segment
@@ -34,8 +34,9 @@ const single = -1
 // are few, and their bytes are large next to the collector's cost of one object.
 //
 // Segments are mapped outside the Go heap where the system allows it (mapSegment), and unmapped
-// when freed, when the store is closed, or by a cleanup once an unclosed store is unreachable. The
-// collector then never sees them: the Go heap of a process holding a full store stays the size of
+// when freed, when the store is closed, or by a cleanup once an unclosed store is unreachable;
+// where mapping fails, a segment is an ordinary allocation, one object to the collector
+// (SegmentStats counts both kinds). The collector never sees a mapped segment: the Go heap of a process holding a full store stays the size of
 // the index and the requests' garbage, and its heap goal (GOGC) is not set by the store's bytes,
 // which would let that garbage grow to the store's size before each collection, spread over that
 // much memory. No slice of a segment outlives the store's lock: readers copy what they take.
@@ -241,8 +242,26 @@ func (a *arena) unmapAll() {
 	}
 }
 
-// mappedBytes counts the bytes of the segments mapped outside the Go heap, over every store.
-var mappedBytes atomic.Int64
+// The process' segments, over every store: what SegmentStats reports.
+var mappedBytes, heapSegments, unmapFailures atomic.Int64
+
+// SegmentStats describes the memory stores' segments in this process.
+type SegmentStats struct {
+	// MappedBytes are the bytes of the segments mapped outside the Go heap (counted in the
+	// process' resident memory, not in the Go runtime's memory statistics).
+	MappedBytes int64
+	// HeapSegments counts the segments allocated on the Go heap because mapping one failed or
+	// is not supported on this system, over the process' life.
+	HeapSegments int64
+	// UnmapFailures counts the freed segments the system refused to unmap (see unmapSegment),
+	// which stay mapped and unused.
+	UnmapFailures int64
+}
+
+// Segments returns the memory stores' segment statistics for this process.
+func Segments() SegmentStats {
+	return SegmentStats{MappedBytes: mappedBytes.Load(), HeapSegments: heapSegments.Load(), UnmapFailures: unmapFailures.Load()}
+}
 
 // newSegment returns n zeroed bytes for a segment, and whether they are mapped outside the Go
 // heap. Where mapping is not supported or fails (an address space limit, too many mappings), the
@@ -252,17 +271,20 @@ func newSegment(n int) ([]byte, bool) {
 		mappedBytes.Add(int64(len(b)))
 		return b, true
 	}
+	heapSegments.Add(1)
 	return make([]byte, n), false
 }
 
 // unmapSegment unmaps b, which newSegment mapped. Unmapping can fail: taking a segment out of
 // the middle of a larger mapping splits it, which the system refuses beyond its limit of mappings
-// (vm.max_map_count on Linux). The segment then stays mapped, unused, rather than stop the
-// process; the store drops it either way.
+// (vm.max_map_count on Linux). The segment then stays mapped, unused, and is counted, rather than
+// stop the process; the store drops it either way.
 func unmapSegment(b []byte) {
-	if munmapSegment(b) == nil {
-		mappedBytes.Add(-int64(len(b)))
+	if munmapSegment(b) != nil {
+		unmapFailures.Add(1)
+		return
 	}
+	mappedBytes.Add(-int64(len(b)))
 }
 
 // compact moves the live records of the segment in use with the most holes to the head, which

@@ -158,11 +158,11 @@ func BenchmarkMemoryBytesPerRecord(b *testing.B) {
 	b.ReportMetric((heap+mapped)/float64(payloadBytes()), "bytes/payload")
 }
 
-// TestMemoryHeapPerRecord holds the memory store to at most 1.5 × the payload per record of a
+// TestMemoryBytesPerRecord holds the memory store to at most 1.5 × the payload per record of a
 // 1 KiB response, measured as the Go heap it takes plus its segments mapped outside that heap,
 // and checks that the store's own accounting (which enforces --memory-max-bytes) does not
 // undercount what it holds.
-func TestMemoryHeapPerRecord(t *testing.T) {
+func TestMemoryBytesPerRecord(t *testing.T) {
 	const n = 20_000
 	heap, mapped := bytesPerRecord(t, n)
 	per := heap + mapped
@@ -185,9 +185,10 @@ func TestMemoryHeapPerRecord(t *testing.T) {
 // store holds (records of a 1 KiB response), beyond a collection of the rest of the heap, next to
 // the same cost for the records' bytes alone: one allocation each, held in a plain slice (the
 // least a store that keeps each record in an allocation of its own can cost), and all in one
-// allocation (an arena, as freecache and bigcache keep theirs). The collector's work grows with
-// the objects it marks and sweeps, so this is what a large store adds to every collection of a
-// replica.
+// allocation (a heap arena, as freecache and bigcache keep theirs). The collector's work grows
+// with the objects it marks and sweeps, so this is what a large store adds to every collection of
+// a replica. The store's segments are mapped outside the Go heap, so what it adds is its index
+// and entries.
 func BenchmarkMemoryCollection(b *testing.B) {
 	const n = 100_000
 	// collect returns the median time of a few collections while keep is reachable.

@@ -23,8 +23,8 @@ const DefaultMemoryMaxBytes = 256 << 20
 // entry (72 bytes), its map slot (about 25), its heap slot (4) and its header in the arena (8),
 // about 120 bytes, and its share of the arena's holes and segment ends: a completed record leaves
 // the hole of its pending bytes (its key and fingerprint, about 110 bytes for a usual key), which
-// stays until its segment is compacted. TestMemoryHeapPerRecord checks the estimate against the
-// Go heap.
+// stays until its segment is compacted. TestMemoryBytesPerRecord checks the estimate against the
+// Go heap and the mapped segments a record takes.
 const entryOverhead = 224
 
 // MemoryOptions configures a Memory store. The zero value gives the defaults.
@@ -50,9 +50,11 @@ type MemoryOptions struct {
 //
 // Nothing the store holds per record is a pointer (but for records over a sixteenth of an arena
 // segment, 16 KiB, held on their own), so the garbage collector neither scans nor marks its
-// records: their bytes (key, encoded response, fingerprint) are packed into large segments (see
-// arena), the records refer to each other by index, and keys are indexed by a keyed hash. A full store of a few hundred MiB would otherwise add tens of milliseconds of
-// marking and sweeping to every collection of the process (BenchmarkMemoryCollection).
+// records: their bytes (key, encoded response, fingerprint) are packed into large segments mapped
+// outside the Go heap (see arena), the records refer to each other by index, and keys are indexed
+// by a keyed hash. A full store of a few hundred MiB would otherwise add tens of milliseconds of
+// marking and sweeping to every collection of the process (BenchmarkMemoryCollection), and, on the
+// heap, set the collector's goal: the process would hold about twice the store.
 type Memory struct {
 	clock    clock.Clock
 	maxBytes int64
@@ -241,14 +243,13 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 	// leaves no garbage of its size.
 	size, key := encodedResponseSize(resp), ""
 	var blob []byte
+	var buf *[]byte
 	if n := len(l.key) + size + 32; n > m.arena.maxInline() {
 		key = l.key
 		blob = append(make([]byte, 0, n), key...)
 	} else {
-		buf := encodeBuffers.Get().(*[]byte)
-		defer encodeBuffers.Put(buf)
-		blob = slices.Grow((*buf)[:0], n)
-		defer func() { *buf = blob[:0] }()
+		buf = encodeBuffers.Get().(*[]byte)
+		blob = slices.Grow((*buf)[:0], size+32)
 	}
 	blob = appendResponse(blob, resp)
 	err := m.update(ctx, l, func(i int32, now int64) {
@@ -277,6 +278,11 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 		m.touch(i)
 		m.evict(i, now)
 	})
+	if buf != nil {
+		// put copied the record into a segment: the buffer, grown or not, serves the next.
+		*buf = blob[:0]
+		encodeBuffers.Put(buf)
+	}
 	if errors.Is(err, ErrLeaseLost) && m.completedBy(l) {
 		return nil
 	}

@@ -174,7 +174,9 @@ func TestMemoryStaysConsistent(t *testing.T) {
 	t.Run("mapped", func(t *testing.T) { testMemoryStaysConsistent(t, mappingWorks()) })
 	t.Run("heap", func(t *testing.T) {
 		withoutMapping(t)
+		before := Segments().HeapSegments
 		testMemoryStaysConsistent(t, false)
+		require.Greater(t, Segments().HeapSegments, before, "segments on the heap are counted")
 	})
 }
 

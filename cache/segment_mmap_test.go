@@ -1,4 +1,4 @@
-//go:build linux || darwin || dragonfly || freebsd || netbsd || openbsd
+//go:build unix
 
 package cache
 
@@ -6,6 +6,7 @@ import (
 	"context"
 	"runtime"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
@@ -17,15 +18,15 @@ import (
 func mappedOf(t *testing.T, m *Memory) int64 {
 	t.Helper()
 	m.mu.Lock()
-	defer m.mu.Unlock()
-	var n int64
+	unmapped := -1
 	for s, b := range m.arena.segs {
-		if b != nil {
-			require.True(t, m.arena.mapped[s], "segment %d is mapped", s)
-			n += int64(len(b))
+		if b != nil && !m.arena.mapped[s] {
+			unmapped = s
 		}
 	}
-	return n
+	m.mu.Unlock()
+	require.Equal(t, -1, unmapped, "every segment is mapped")
+	return m.MappedBytes()
 }
 
 // TestMemorySegmentsAreUnmapped checks that a store's segments, mapped outside the Go heap, are
@@ -79,4 +80,44 @@ func TestMemorySegmentsAreUnmapped(t *testing.T) {
 		runtime.GC()
 		return mappedBytes.Load() <= now-held
 	}, 10*time.Second, 10*time.Millisecond, "a store dropped without Close is unmapped by its cleanup")
+}
+
+// TestMemorySurvivesARefusedUnmap: a segment the system refuses to unmap (its limit of mappings)
+// is counted and left mapped; the store goes on.
+func TestMemorySurvivesARefusedUnmap(t *testing.T) {
+	m, clk := newInternalMemory(t, 0)
+	m.arena.init(16 << 10)
+	ctx := context.Background()
+	for i := range 100 {
+		l, _, err := m.Acquire(ctx, "k"+strconv.Itoa(i), internalClaim)
+		require.NoError(t, err)
+		require.NoError(t, m.Complete(ctx, l, Response{Status: 200, Body: make([]byte, 1000)}))
+	}
+	var refused [][]byte
+	unmap := munmapSegment
+	munmapSegment = func(b []byte) error {
+		refused = append(refused, b)
+		return syscall.ENOMEM
+	}
+	defer func() {
+		munmapSegment = unmap
+		for _, b := range refused {
+			require.NoError(t, unmap(b))
+		}
+	}()
+	failures := Segments().UnmapFailures
+	clk.Advance(internalClaim.TTL + time.Second)
+	for i := range 100 {
+		rec, err := lookup(m, "k"+strconv.Itoa(i))
+		require.NoError(t, err)
+		require.Nil(t, rec)
+	}
+	checkMemory(t, m)
+	require.NotEmpty(t, refused, "segments beyond the spares were freed")
+	require.Equal(t, failures+int64(len(refused)), Segments().UnmapFailures)
+	// The store goes on.
+	l, _, err := m.Acquire(ctx, "after", internalClaim)
+	require.NoError(t, err)
+	require.NoError(t, m.Complete(ctx, l, Response{Status: 200, Body: make([]byte, 1000)}))
+	checkMemory(t, m)
 }

@@ -1,4 +1,4 @@
-//go:build !(linux || darwin || dragonfly || freebsd || netbsd || openbsd)
+//go:build !unix
 
 package cache
 
@@ -8,4 +8,4 @@ import "errors"
 var mapSegment = func(int) ([]byte, error) { return nil, errors.ErrUnsupported }
 
 // munmapSegment is never called where mapSegment always fails.
-func munmapSegment([]byte) error { return errors.ErrUnsupported }
+var munmapSegment = func([]byte) error { return errors.ErrUnsupported }

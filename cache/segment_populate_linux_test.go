@@ -12,7 +12,7 @@ import (
 // threadFaults returns the page faults the calling thread has taken.
 func threadFaults(t *testing.T) int64 {
 	var ru syscall.Rusage
-	require.NoError(t, syscall.Getrusage(1 /* RUSAGE_THREAD */, &ru))
+	require.NoError(t, syscall.Getrusage(syscall.RUSAGE_THREAD, &ru))
 	return int64(ru.Minflt) // int32 on 32-bit systems
 }
 
@@ -37,7 +37,7 @@ func TestSegmentIsPopulated(t *testing.T) {
 	require.NoError(t, err)
 	defer func() { require.NoError(t, syscall.Munmap(plain)) }()
 	// A transparent huge page would fault the control mapping in at once.
-	require.NoError(t, syscall.Madvise(plain, 15 /* MADV_NOHUGEPAGE */))
+	require.NoError(t, syscall.Madvise(plain, syscall.MADV_NOHUGEPAGE))
 	require.GreaterOrEqual(t, touchFaults(t, plain), pages/2, "a plain mapping faults its pages in as they are written")
 
 	seg, err := mapSegment(size)

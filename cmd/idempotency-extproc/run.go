@@ -55,6 +55,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if _, ok := store.(*cache.Memory); ok {
+		reg.MustRegister(memorySegmentMetrics()...)
+	}
 	metrics, err := extproc.NewMetrics(reg)
 	if err != nil {
 		return err
@@ -151,6 +154,26 @@ type redisLogger struct{ log zerolog.Logger }
 
 func (l redisLogger) Printf(_ context.Context, format string, v ...any) {
 	l.log.Debug().Str("component", "go-redis").Msgf(format, v...)
+}
+
+// memorySegmentMetrics report where the memory store keeps its records' bytes (cache.Segments):
+// the segments mapped outside the Go heap are in the process' resident memory but in none of the
+// Go runtime's memory metrics, and a segment that could not be mapped is on the Go heap.
+func memorySegmentMetrics() []prometheus.Collector {
+	return []prometheus.Collector{
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "idempotency_memory_mapped_bytes",
+			Help: "Bytes of the memory store's segments mapped outside the Go heap.",
+		}, func() float64 { return float64(cache.Segments().MappedBytes) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "idempotency_memory_heap_segments_total",
+			Help: "Memory store segments allocated on the Go heap because mapping one failed or is not supported.",
+		}, func() float64 { return float64(cache.Segments().HeapSegments) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "idempotency_memory_unmap_failures_total",
+			Help: "Freed memory store segments the system refused to unmap, left mapped and unused.",
+		}, func() float64 { return float64(cache.Segments().UnmapFailures) }),
+	}
 }
 
 func openStore(cfg *config) (cache.Store, error) {

@@ -8,6 +8,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -164,6 +166,14 @@ func TestRunServesUntilCancelled(t *testing.T) {
 	_, body := get("/metrics")
 	require.Contains(t, body, "go_goroutines")
 	require.Contains(t, body, "process_cpu_seconds_total")
+	// The memory store's records are in a segment mapped outside the Go heap.
+	mapped := regexp.MustCompile(`(?m)^idempotency_memory_mapped_bytes (\S+)$`).FindStringSubmatch(body)
+	require.NotNil(t, mapped, "idempotency_memory_mapped_bytes in /metrics")
+	v, err := strconv.ParseFloat(mapped[1], 64)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, v, float64(256<<10), "at least the segment holding the record")
+	require.Contains(t, body, "idempotency_memory_heap_segments_total 0\n")
+	require.Contains(t, body, "idempotency_memory_unmap_failures_total 0\n")
 
 	// A health watcher sees NOT_SERVING as soon as shutdown begins.
 	watchCtx, stopWatch := context.WithCancel(t.Context())

@@ -116,7 +116,7 @@ func findCell(cells []cell, workload, target string) (cell, bool) {
 func (r result) print(w io.Writer) {
 	fmt.Fprintf(w, "%d concurrent streams, %v per cell in %d alternating rounds; each target in a process of its own, GOMAXPROCS %d.\n", r.opts.streams, r.opts.duration, r.opts.rounds, gomaxprocs())
 	fmt.Fprintf(w, "p50 and p99 are over all rounds; p99 added is the median over rounds of the target's p99 minus the null processor's in the same round (in brackets: the range).\n\n")
-	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | store calls over 1 ms | Redis commands/req | Redis round trips/req | processor CPU µs/req | client CPU µs/req | Redis CPU µs/req | processor peak RSS |\n")
+	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | store calls over 1 ms | Redis commands/req | Redis round trips/req | processor CPU µs/req | client CPU µs/req | Redis CPU µs/req | processor peak RSS so far |\n")
 	fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, c := range r.cells {
 		null, _ := r.find(c.workload, targetNull)
@@ -169,21 +169,22 @@ func perRequest(d time.Duration, n int) float64 { return float64(d.Microseconds(
 
 // processCPU is the CPU time this process has used.
 func processCPU() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	cpu, _ := processUsage()
+	return cpu
 }
 
-// processPeakRSS is the most memory this process has held resident, in bytes (Linux reports it
-// in KiB).
-func processPeakRSS() int64 {
+// processUsage is the CPU time this process has used and the most memory it has held resident,
+// in bytes.
+func processUsage() (time.Duration, int64) {
 	var ru syscall.Rusage
 	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
+		return 0, 0
 	}
-	return ru.Maxrss << 10
+	rss := int64(ru.Maxrss)
+	if runtime.GOOS != "darwin" { // darwin counts bytes, Linux and the BSDs KiB
+		rss <<= 10
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), rss
 }
 
 var redisCPURE = regexp.MustCompile(`used_cpu_(?:user|sys):([0-9.]+)`)

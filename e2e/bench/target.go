@@ -172,7 +172,8 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 				return
 			}
 		}
-		c := counters{CPU: processCPU(), PeakRSS: processPeakRSS(), Commands: commands.Load(), Trips: trips.Load(), LogLines: lines.n.Load()}
+		cpu, rss := processUsage()
+		c := counters{CPU: cpu, PeakRSS: rss, Commands: commands.Load(), Trips: trips.Load(), LogLines: lines.n.Load()}
 		if err := storeCalls(reg, &c); err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
