@@ -44,8 +44,11 @@ type arena struct {
 	segSize int
 	segs    [][]byte // nil once freed
 	mapped  []bool   // per segment: outside the Go heap, to be unmapped
-	live    []int    // bytes of live records, with their headers, per segment
-	fill    []int    // bytes written per segment
+	// munmap unmaps a segment: munmapSegment, or a test's stand-in for this arena only (a
+	// cleanup may unmap another store's segments at any time).
+	munmap func([]byte) error
+	live   []int // bytes of live records, with their headers, per segment
+	fill   []int // bytes written per segment
 	// spare lists the segments allocated but not in use (nothing live, not the head), reused
 	// first; unused lists those freed, whose numbers are reused next.
 	spare, unused []int32
@@ -59,6 +62,9 @@ type arena struct {
 // init readies an empty arena of segments of segSize bytes.
 func (a *arena) init(segSize int) {
 	a.segSize = segSize
+	if a.munmap == nil {
+		a.munmap = munmapSegment
+	}
 	a.reset()
 }
 
@@ -228,7 +234,7 @@ func (a *arena) toSpare(seg int32) {
 // free drops segment seg, unmapping it if it is mapped.
 func (a *arena) free(seg int32) {
 	if a.mapped[seg] {
-		unmapSegment(a.segs[seg])
+		a.unmapSegment(a.segs[seg])
 	}
 	a.segs[seg], a.mapped[seg] = nil, false
 }
@@ -279,8 +285,8 @@ func newSegment(n int) ([]byte, bool) {
 // the middle of a larger mapping splits it, which the system refuses beyond its limit of mappings
 // (vm.max_map_count on Linux). The segment then stays mapped, unused, and is counted, rather than
 // stop the process; the store drops it either way.
-func unmapSegment(b []byte) {
-	if munmapSegment(b) != nil {
+func (a *arena) unmapSegment(b []byte) {
+	if a.munmap(b) != nil {
 		unmapFailures.Add(1)
 		return
 	}

@@ -12,5 +12,5 @@ var mapSegment = func(n int) ([]byte, error) {
 	return syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE|mapPopulate)
 }
 
-// munmapSegment unmaps b, which mapSegment returned; a variable for the same reason.
-var munmapSegment = syscall.Munmap
+// munmapSegment unmaps b, which mapSegment returned.
+func munmapSegment(b []byte) error { return syscall.Munmap(b) }

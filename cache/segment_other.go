@@ -8,4 +8,4 @@ import "errors"
 var mapSegment = func(int) ([]byte, error) { return nil, errors.ErrUnsupported }
 
 // munmapSegment is never called where mapSegment always fails.
-var munmapSegment = func([]byte) error { return errors.ErrUnsupported }
+func munmapSegment([]byte) error { return errors.ErrUnsupported }
