@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
 // mappedOf returns the bytes of m's segments mapped outside the Go heap, and checks that every
@@ -29,41 +31,49 @@ func mappedOf(t *testing.T, m *Memory) int64 {
 	return m.MappedBytes()
 }
 
-// TestMemorySegmentsAreUnmapped checks that a store's segments, mapped outside the Go heap, are
-// unmapped when they empty beyond the spares, when the store is closed, and when a store is
-// dropped without being closed. Other tests' stores may be unmapped meanwhile (their cleanups),
-// never mapped (no test runs beside this one): the process' mapped bytes only fall by more.
-func TestMemorySegmentsAreUnmapped(t *testing.T) {
+// fillKiB completes n records of a 1000-byte body in m, under keys k0 to kn-1.
+func fillKiB(t *testing.T, m *Memory, n int) {
+	t.Helper()
 	ctx := context.Background()
-	fill := func(m *Memory, n int, claim Claim) {
-		for i := range n {
-			l, _, err := m.Acquire(ctx, "k"+strconv.Itoa(i), claim)
-			require.NoError(t, err)
-			require.NoError(t, m.Complete(ctx, l, Response{Status: 200, Body: make([]byte, 1000)}))
-		}
+	for i := range n {
+		l, _, err := m.Acquire(ctx, "k"+strconv.Itoa(i), internalClaim)
+		require.NoError(t, err)
+		require.NoError(t, m.Complete(ctx, l, Response{Status: 200, Body: make([]byte, 1000)}))
 	}
+}
 
-	m, clk := newInternalMemory(t, 0)
-	m.arena.init(16 << 10)
-	before := mappedBytes.Load()
-	fill(m, 300, internalClaim)
-	held := mappedOf(t, m)
-	require.GreaterOrEqual(t, held, int64(300*1000), "the records' bytes are in mapped segments")
-	require.LessOrEqual(t, mappedBytes.Load(), before+held, "the process maps nothing else meanwhile")
-
-	// Every record expires; looking their keys up removes them, and their segments empty.
+// expireAll lets the n records fillKiB put in m expire and looks their keys up, which removes
+// them: their segments empty.
+func expireAll(t *testing.T, m *Memory, clk *clock.Fake, n int) {
+	t.Helper()
 	clk.Advance(internalClaim.TTL + time.Second)
-	for i := range 300 {
+	for i := range n {
 		rec, err := lookup(m, "k"+strconv.Itoa(i))
 		require.NoError(t, err)
 		require.Nil(t, rec)
 	}
 	checkMemory(t, m)
+}
+
+// TestMemorySegmentsAreUnmapped checks that a store's segments, mapped outside the Go heap, are
+// unmapped when they empty beyond the spares, when the store is closed, and when a store is
+// dropped without being closed. Other tests' stores may be unmapped meanwhile (their cleanups),
+// never mapped (no test runs beside this one): the process' mapped bytes only fall by more.
+func TestMemorySegmentsAreUnmapped(t *testing.T) {
+	m, clk := newInternalMemory(t, 0)
+	m.arena.init(16 << 10)
+	before := mappedBytes.Load()
+	fillKiB(t, m, 300)
+	held := mappedOf(t, m)
+	require.GreaterOrEqual(t, held, int64(300*1000), "the records' bytes are in mapped segments")
+	require.LessOrEqual(t, mappedBytes.Load(), before+held, "the process maps nothing else meanwhile")
+
+	expireAll(t, m, clk, 300)
 	kept := mappedOf(t, m)
 	require.LessOrEqual(t, kept, int64((maxSpare+1)*(16<<10)), "empty segments beyond the spares are unmapped")
 	require.LessOrEqual(t, mappedBytes.Load(), before+kept)
 
-	fill(m, 300, internalClaim)
+	fillKiB(t, m, 300)
 	held = mappedOf(t, m)
 	now := mappedBytes.Load()
 	require.NoError(t, m.Close())
@@ -71,7 +81,7 @@ func TestMemorySegmentsAreUnmapped(t *testing.T) {
 
 	dropped, err := NewMemory(MemoryOptions{})
 	require.NoError(t, err)
-	fill(dropped, 1000, internalClaim)
+	fillKiB(t, dropped, 1000)
 	held = mappedOf(t, dropped)
 	require.Positive(t, held)
 	now = mappedBytes.Load()
@@ -87,12 +97,7 @@ func TestMemorySegmentsAreUnmapped(t *testing.T) {
 func TestMemorySurvivesARefusedUnmap(t *testing.T) {
 	m, clk := newInternalMemory(t, 0)
 	m.arena.init(16 << 10)
-	ctx := context.Background()
-	for i := range 100 {
-		l, _, err := m.Acquire(ctx, "k"+strconv.Itoa(i), internalClaim)
-		require.NoError(t, err)
-		require.NoError(t, m.Complete(ctx, l, Response{Status: 200, Body: make([]byte, 1000)}))
-	}
+	fillKiB(t, m, 100)
 	// Only this store's unmapping is refused: other stores' cleanups may run meanwhile.
 	var refused [][]byte
 	m.arena.munmap = func(b []byte) error {
@@ -108,18 +113,10 @@ func TestMemorySurvivesARefusedUnmap(t *testing.T) {
 		}
 	}()
 	failures := Segments().UnmapFailures
-	clk.Advance(internalClaim.TTL + time.Second)
-	for i := range 100 {
-		rec, err := lookup(m, "k"+strconv.Itoa(i))
-		require.NoError(t, err)
-		require.Nil(t, rec)
-	}
-	checkMemory(t, m)
+	expireAll(t, m, clk, 100)
 	require.NotEmpty(t, refused, "segments beyond the spares were freed")
 	require.Equal(t, failures+int64(len(refused)), Segments().UnmapFailures)
 	// The store goes on.
-	l, _, err := m.Acquire(ctx, "after", internalClaim)
-	require.NoError(t, err)
-	require.NoError(t, m.Complete(ctx, l, Response{Status: 200, Body: make([]byte, 1000)}))
+	fillKiB(t, m, 1)
 	checkMemory(t, m)
 }
