@@ -120,17 +120,18 @@ func (m *Memory) put(i int32, key string, data []byte) {
 }
 
 // putRecord stores rec, whose first keyLen bytes are the key, as the bytes of the record in slot
-// i, which holds none. A record too big for a segment keeps rec itself, which the caller gives
-// up; a smaller one is copied into the arena.
-func (m *Memory) putRecord(i int32, rec []byte, keyLen int) {
+// i, which holds none, and reports whether it kept rec itself: a record too big for a segment is
+// kept, and the caller gives rec up; a smaller one is copied into the arena.
+func (m *Memory) putRecord(i int32, rec []byte, keyLen int) bool {
 	if len(rec) > m.arena.maxInline() {
 		m.arena.big[i] = rec
 		m.entry(i).setBytes(single, 0, len(rec), keyLen)
-		return
+		return true
 	}
 	seg, off := m.place(i, len(rec), true)
 	copy(m.arena.segs[seg][off:], rec)
 	m.entry(i).setBytes(seg, off, len(rec), keyLen)
+	return false
 }
 
 func (e *memEntry) setBytes(seg, off int32, n, keyLen int) {

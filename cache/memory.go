@@ -237,38 +237,34 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 	if resp.BodyOmitted {
 		resp.Body = nil
 	}
-	// Encode outside the lock, with room for a usual fingerprint (a SHA-256) after the response.
-	// A record too big for a segment keeps these bytes as they are: its key goes first. A record
-	// that fits in one is copied there, and its encoding's buffer is reused: a completion then
-	// leaves no garbage of its size.
-	size, key := encodedResponseSize(resp), ""
+	// Encode the record outside the lock: its key, its response, and room for a usual fingerprint
+	// (a SHA-256). The arena keeps a record too big for a segment as it is, and copies one that
+	// fits; the latter is encoded into a pooled buffer, so a completion leaves no garbage of its
+	// size.
+	size := len(l.key) + encodedResponseSize(resp) + 32
 	var blob []byte
 	var buf *[]byte
-	if n := len(l.key) + size + 32; n > m.arena.maxInline() {
-		key = l.key
-		blob = append(make([]byte, 0, n), key...)
+	if size > m.arena.maxInline() {
+		blob = make([]byte, 0, size)
 	} else {
 		buf = encodeBuffers.Get().(*[]byte)
-		blob = slices.Grow((*buf)[:0], size+32)
+		blob = slices.Grow((*buf)[:0], size)
 	}
-	blob = appendResponse(blob, resp)
+	blob = appendResponse(append(blob, l.key...), resp)
+	kept := false
 	err := m.update(ctx, l, func(i int32, now int64) {
 		e := m.entry(i)
 		fp := m.bytesOf(i)[e.keyLen:]
-		data, respLen := append(blob, fp...), len(blob)-len(key)
-		if n := len(l.key) + len(data) - len(key); int64(n)+entryOverhead > m.maxBytes || n > m.maxRecord {
+		rec, respLen := append(blob, fp...), len(blob)-len(l.key)
+		if n := len(rec); int64(n)+entryOverhead > m.maxBytes || n > m.maxRecord {
 			// Keep the key claimed rather than let a duplicate run again.
-			stub := appendResponse(nil, Response{Status: resp.Status, BodyOmitted: true})
-			data, respLen, key = append(stub, fp...), len(stub), ""
+			stub := appendResponse([]byte(l.key), Response{Status: resp.Status, BodyOmitted: true})
+			rec, respLen = append(stub, fp...), len(stub)-len(l.key)
 		}
 		// The record moves: its old bytes go, and the new ones may land anywhere.
 		m.bytes -= e.cost()
 		m.drop(i)
-		if key != "" {
-			m.putRecord(i, data, len(key))
-		} else {
-			m.put(i, l.key, data)
-		}
+		kept = m.putRecord(i, rec, len(l.key))
 		m.bytes += e.cost()
 		m.pending.remove(int(e.heapIdx))
 		e.state = Completed
@@ -278,8 +274,10 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 		m.touch(i)
 		m.evict(i, now)
 	})
-	if buf != nil {
-		// put copied the record into a segment: the buffer, grown or not, serves the next.
+	if buf != nil && !kept {
+		// The record was copied into a segment: the buffer, grown or not, serves the next. (A
+		// kept record has its own array as things are, since the fingerprint's append outgrows
+		// a buffer sized for a segment; not handing it back keeps that from mattering.)
 		*buf = blob[:0]
 		encodeBuffers.Put(buf)
 	}

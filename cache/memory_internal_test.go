@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -258,14 +259,12 @@ func testMemoryStaysConsistent(t *testing.T, mapped bool) {
 				}
 			}
 			checkMemory(t, m)
-			held := 0
+			require.Positive(t, m.arena.held())
 			for s, b := range m.arena.segs {
 				if b != nil {
-					held++
 					require.Equal(t, mapped, m.arena.mapped[s], "segment %d: mapped outside the Go heap", s)
 				}
 			}
-			require.Positive(t, held)
 			require.NoError(t, m.Close())
 		})
 	}
@@ -611,5 +610,32 @@ func TestMemoryCompletionReusesItsBuffer(t *testing.T) {
 		require.Equal(t, resp.Headers, rec.Response.Headers)
 		require.Equal(t, claim.Fingerprint, rec.Fingerprint)
 	}
+	checkMemory(t, m)
+}
+
+// TestMemoryLongFingerprintRecord: a record encoded into a pooled buffer (it looked small enough
+// for a segment) that a long fingerprint makes too big for one is held on its own, whole, and
+// stays so while later completions reuse the pool.
+func TestMemoryLongFingerprintRecord(t *testing.T) {
+	m, _ := newInternalMemory(t, 0)
+	m.arena.init(8 << 10) // records over 512 bytes are held on their own
+	ctx := context.Background()
+	claim := internalClaim
+	claim.Fingerprint = bytes.Repeat([]byte{'f'}, 300)
+	l, _, err := m.Acquire(ctx, "long-fingerprint", claim)
+	require.NoError(t, err)
+	body := bytes.Repeat([]byte{'a'}, 300) // with the key and 32 bytes of room, it fits; with 300, it does not
+	require.NoError(t, m.Complete(ctx, l, Response{Status: 200, Body: body}))
+	// The next completions reuse whatever buffer the pool holds.
+	for i := range 20 {
+		l, _, err := m.Acquire(ctx, "next-"+strconv.Itoa(i), internalClaim)
+		require.NoError(t, err)
+		require.NoError(t, m.Complete(ctx, l, Response{Status: 201, Body: bytes.Repeat([]byte{'b'}, 300)}))
+	}
+	rec, err := lookup(m, "long-fingerprint")
+	require.NoError(t, err)
+	require.Equal(t, Completed, rec.State)
+	require.Equal(t, body, rec.Response.Body, "the kept record's bytes are its own")
+	require.Equal(t, claim.Fingerprint, rec.Fingerprint)
 	checkMemory(t, m)
 }
