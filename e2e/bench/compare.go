@@ -69,6 +69,7 @@ type cell struct {
 	requests         int
 	elapsed          time.Duration
 	p50, p99         time.Duration
+	latency          time.Duration   // the sum of every request's latency, for the mean
 	roundP99         []time.Duration // each round's p99, for the paired comparison
 	storeCalls       float64         // store operations per request
 	slowCalls        int64           // store operations that took over slowCall
@@ -83,6 +84,8 @@ type cell struct {
 }
 
 func (c cell) rps() float64 { return float64(c.requests) / c.elapsed.Seconds() }
+
+func (c cell) mean() time.Duration { return c.latency / time.Duration(c.requests) }
 
 // hasStore and hasRedis tell which counters mean something for c's target.
 func (c cell) hasStore() bool { return c.target != targetNull }
@@ -141,6 +144,7 @@ func (r result) print(w io.Writer) {
 			c.workload, c.target, c.rps(), fmtDur(c.p50), fmtDur(c.p99), ratio, added, store, slow, cmds, trips,
 			perRequest(c.cpu, c.requests), perRequest(c.clientCPU, c.requests), redisCPU, c.peakRSS>>20)
 	}
+	r.printSaturation(w)
 	if len(r.paced) > 0 {
 		fmt.Fprintf(w, "\nAt a fixed rate: %.0f%% of the slowest target's requests/s above, the same for every target, on %d streams; latency counts from each request's scheduled start\n\n", r.opts.load*100, r.opts.streams)
 		fmt.Fprintf(w, "| workload | target | offered requests/s | achieved | p50 | p99 | p99 added | store calls over 1 ms |\n")
@@ -161,6 +165,44 @@ func (r result) print(w io.Writer) {
 	if r.redisBenchRP > 0 {
 		fmt.Fprintf(w, "\nredis-benchmark, one round trip (HSET) at %d connections: %.0f requests/s — the ceiling of one Redis for a replay (1 round trip); a first execution needs 2.\n", r.opts.streams, r.redisBenchRP)
 	}
+}
+
+// latencyBudget is the p99 latency a target may add to the null processor's (issue 6).
+const latencyBudget = time.Millisecond
+
+// printSaturation shows what the saturated cells' latency owes to their throughput alone. A
+// saturated stream always has one request in flight, so a cell's mean latency is at most
+// streams ÷ requests/s, and about that (Little's law): a target that serves r times the null
+// processor's requests/s adds about (1/r − 1) times the null processor's mean latency to the
+// mean, whatever its code does, and it adds under latencyBudget only from ratioFor on.
+func (r result) printSaturation(w io.Writer) {
+	fmt.Fprintf(w, "\nSaturated, every stream always has a request in flight, so the mean latency is streams ÷ requests/s (Little's law): a target slower than the null processor adds that difference to the mean, whatever its code does. It adds under %s to the mean only from the ratio to the null processor given in the null processor's row.\n\n", fmtDur(latencyBudget))
+	fmt.Fprintf(w, "| workload | target | × null | mean | streams ÷ requests/s | mean added | ratio for %s added |\n", fmtDur(latencyBudget))
+	fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: |\n")
+	for _, c := range r.cells {
+		null, _ := r.find(c.workload, targetNull)
+		ratio, added, needed := "1.00", "—", "—"
+		if c.target == targetNull {
+			needed = fmt.Sprintf("%.2f", ratioFor(r.opts.streams, null.rps(), latencyBudget))
+		} else {
+			ratio = fmt.Sprintf("%.2f", c.rps()/null.rps())
+			added = fmtDur(c.mean() - null.mean())
+		}
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s |\n", c.workload, c.target, ratio, fmtDur(c.mean()),
+			fmtDur(littleMean(r.opts.streams, c.rps())), added, needed)
+	}
+}
+
+// littleMean is the mean latency of streams saturated streams serving rps requests/s in all.
+func littleMean(streams int, rps float64) time.Duration {
+	return time.Duration(float64(streams) / rps * float64(time.Second))
+}
+
+// ratioFor is the fraction of the null processor's nullRPS at which a saturated target's mean
+// latency is budget above the null processor's: nullMean/r − nullMean = budget.
+func ratioFor(streams int, nullRPS float64, budget time.Duration) float64 {
+	nullMean := float64(streams) / nullRPS
+	return nullMean / (nullMean + budget.Seconds())
 }
 
 func gomaxprocs() int { return runtime.GOMAXPROCS(0) }
@@ -342,6 +384,9 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 			c.requests += got.requests
 			c.elapsed += got.elapsed
 			lats[i] = append(lats[i], lat...)
+			for _, l := range lat {
+				c.latency += l
+			}
 			_, p99 := percentiles(lat)
 			c.roundP99 = append(c.roundP99, p99)
 			c.storeCalls += float64(after.Calls - before.Calls)

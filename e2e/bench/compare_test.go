@@ -46,6 +46,10 @@ func TestCompare(t *testing.T) {
 			require.True(t, ok, "%s, %s", w, target)
 			require.Positive(t, c.requests)
 			require.LessOrEqual(t, c.p50, c.p99)
+			// Each of the 8 streams has at most one request in flight: their latencies add up to
+			// no more than 8 times the time the cell ran (Little's law's bound).
+			require.Positive(t, c.latency)
+			require.LessOrEqual(t, c.latency, 8*c.elapsed, "%s, %s: latencies of 8 streams", w, target)
 			require.Positive(t, c.cpu, "%s, %s: the target process' CPU time", w, target)
 			if target == targetMemory {
 				// Its 8 MiB of records are resident, beside the process' own.
@@ -78,6 +82,7 @@ func TestCompare(t *testing.T) {
 		}
 	}
 	require.True(t, strings.Contains(out.String(), "| replay | redis store |"))
+	require.Contains(t, out.String(), "Little's law")
 
 	// The Redis round trips alone: as many per request as the Redis store makes, beside a null
 	// processor that served the same workload meanwhile.
@@ -116,4 +121,15 @@ func TestTargetWritesProfileAndTrace(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, bytes.HasPrefix(tr, []byte("go 1.")), "an execution trace starts with its header")
 	require.Greater(t, len(tr), 1<<10, "and holds the process' events")
+}
+
+// TestRatioFor checks the saturated latency arithmetic: 32 streams at 8,000 requests/s wait 4 ms
+// on average, and a target adds 1 ms to that at 0.8 times the rate, 6,400 requests/s.
+func TestRatioFor(t *testing.T) {
+	require.Equal(t, 4*time.Millisecond, littleMean(32, 8000))
+	r := ratioFor(32, 8000, time.Millisecond)
+	require.InDelta(t, 0.8, r, 1e-9)
+	require.Equal(t, time.Millisecond, littleMean(32, r*8000)-littleMean(32, 8000))
+	// No budget: the target must be as fast as the null processor.
+	require.InDelta(t, 1.0, ratioFor(32, 8000, 0), 1e-9)
 }
