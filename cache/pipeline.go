@@ -2,6 +2,9 @@ package cache
 
 import (
 	"context"
+	"errors"
+	"net"
+	"slices"
 	"sync"
 	"time"
 
@@ -21,6 +24,12 @@ const maxBatch = 128
 // itself. So nothing waits when the store is idle, no call is stranded in the queue, and no
 // goroutine is added. Each call is still one command or script on one key, atomic on its own:
 // batching changes nothing about what it means.
+//
+// A caller may stop waiting (its context ends) before its call's reply is in. A call still
+// queued then leaves the queue and is never sent. A call already sent, or taken into a batch,
+// may still run: once its reply is in (or its round trip failed), its undo, if it has one, runs
+// on a goroutine of its own. So an undo always comes after the command it undoes, and a slow
+// Redis is never sent work that nobody waits for.
 type pipeline struct {
 	client  redis.UniversalClient
 	timeout time.Duration
@@ -36,17 +45,42 @@ type call struct {
 	script *redis.Script // nil: args is the whole command
 	keys   []string      // the script's keys
 	args   []any
-	taken  bool // out of the queue, in a batch; guarded by pipeline.mu
-	cmd    *redis.Cmd
-	done   chan struct{} // closed when cmd is set; only a queued call, which waits, has one
+	// undo, when set, runs with the reply of a call that may have run while its caller did not
+	// learn what it did: the caller stopped waiting, or the round trip failed.
+	undo  func(*redis.Cmd)
+	taken bool          // out of the queue, in a batch; guarded by pipeline.mu
+	left  bool          // the caller stopped waiting after the call was taken; guarded by pipeline.mu
+	cmd   *redis.Cmd    // guarded by pipeline.mu while the call is queued or in a batch
+	done  chan struct{} // closed when cmd is set; only a queued call, which waits, has one
 }
 
-// finish sets c's reply and wakes its caller if it waits.
-func (c *call) finish(cmd *redis.Cmd) {
+// finish sets c's reply, wakes its caller if it waits, and starts c's undo if the caller did
+// not learn what the call did.
+func (p *pipeline) finish(c *call, cmd *redis.Cmd) {
+	p.mu.Lock()
 	c.cmd = cmd
+	left := c.left
+	p.mu.Unlock()
 	if c.done != nil {
 		close(c.done)
 	}
+	if c.undo != nil && (left || unanswered(cmd.Err())) {
+		go c.undo(cmd)
+	}
+}
+
+// unanswered tells whether err leaves unknown what a command did: every error but a reply of
+// the server's (redis.Nil among them), a refused connection, and the pipeline's own ErrClosed.
+func unanswered(err error) bool {
+	var reply redis.Error
+	var op *net.OpError
+	switch {
+	case err == nil, errors.As(err, &reply), errors.Is(err, ErrClosed), errors.Is(err, redis.ErrClosed):
+		return false
+	case errors.As(err, &op) && op.Op == "dial":
+		return false // never sent
+	}
+	return true
 }
 
 // alone sends c in a round trip of its own; a script goes by SHA and is loaded if need be.
@@ -66,13 +100,9 @@ func (p *pipeline) script(ctx context.Context, s *redis.Script, keys []string, a
 	return p.run(ctx, &call{script: s, keys: keys, args: args})
 }
 
-// do runs the command args; see run.
-func (p *pipeline) do(ctx context.Context, args ...any) *redis.Cmd {
-	return p.run(ctx, &call{args: args})
-}
-
 // run runs c, alone or in a batch. It returns when the reply is in or ctx is done, whichever
-// comes first; in the second case the call may still run.
+// comes first; in the second case a queued call is dropped unsent, and a call already taken
+// may still run (then its undo follows its reply).
 func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 	if err := ctx.Err(); err != nil {
 		return errorCmd(ctx, err)
@@ -106,6 +136,18 @@ func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 			// A slot freed while the call was queued: run the queue, which holds it.
 			p.serve(ctx, nil)
 		case <-ctx.Done():
+			p.mu.Lock()
+			switch {
+			case c.cmd != nil:
+				// The reply came in meanwhile: the caller has it.
+				p.mu.Unlock()
+				return c.cmd
+			case !c.taken:
+				p.queue = slices.DeleteFunc(p.queue, func(q *call) bool { return q == c })
+			default:
+				c.left = true
+			}
+			p.mu.Unlock()
 			return errorCmd(ctx, ctx.Err())
 		}
 	}
@@ -119,12 +161,13 @@ func (p *pipeline) serve(ctx context.Context, own *call) {
 	p.mu.Lock()
 	n := min(len(p.queue), maxBatch)
 	batch := make([]*call, 0, n+1)
-	if own != nil {
-		batch = append(batch, own)
-	}
+	// The calls that waited go first.
 	for _, c := range p.queue[:n] {
 		c.taken = true
 		batch = append(batch, c)
+	}
+	if own != nil {
+		batch = append(batch, own)
 	}
 	p.queue = append(p.queue[:0], p.queue[n:]...)
 	p.mu.Unlock()
@@ -142,7 +185,7 @@ func (p *pipeline) serve(ctx context.Context, own *call) {
 // exec sends batch under ctx: one call in a round trip of its own, several in a pipeline.
 func (p *pipeline) exec(ctx context.Context, batch []*call) {
 	if len(batch) == 1 {
-		batch[0].finish(batch[0].alone(ctx, p.client))
+		p.finish(batch[0], batch[0].alone(ctx, p.client))
 		return
 	}
 	pipe := p.client.Pipeline()
@@ -161,7 +204,7 @@ func (p *pipeline) exec(ctx context.Context, batch []*call) {
 			// Run loads it.
 			cmds[i] = c.script.Run(ctx, p.client, c.keys, c.args...)
 		}
-		c.finish(cmds[i])
+		p.finish(c, cmds[i])
 	}
 }
 
@@ -171,7 +214,9 @@ func (p *pipeline) close() {
 	defer p.mu.Unlock()
 	p.closed = true
 	for _, c := range p.queue {
-		c.finish(errorCmd(context.Background(), ErrClosed))
+		// Never sent: nothing to undo.
+		c.cmd = errorCmd(context.Background(), ErrClosed)
+		close(c.done)
 	}
 	p.queue = nil
 }

@@ -109,6 +109,7 @@ type Redis struct {
 	client  redis.UniversalClient
 	timeout time.Duration
 	pipe    *pipeline
+	orphans *orphans
 }
 
 var _ Store = (*Redis)(nil)
@@ -130,7 +131,9 @@ func NewRedis(client redis.UniversalClient, timeout time.Duration) *Redis {
 	if timeout <= 0 {
 		timeout = DefaultRedisTimeout
 	}
-	return &Redis{client: client, timeout: timeout, pipe: newPipeline(client, timeout, pipelineSlots)}
+	r := &Redis{client: client, timeout: timeout, pipe: newPipeline(client, timeout, pipelineSlots), orphans: newOrphans()}
+	go r.orphans.run(r.releaseOrphan, timeout)
+	return r
 }
 
 func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
@@ -207,10 +210,16 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	defer cancel()
 	token := newToken()
 	pending := appendPending(make([]byte, 0, headerLen+len(c.Fingerprint)), token, c)
-	found, err := r.pipe.do(ctx, "set", key, pending, "nx", "px", c.LockTTL.Milliseconds(), "get").Text()
+	lease := Lease{key: key, token: token}
+	found, err := r.pipe.run(ctx, &call{
+		args: []any{"set", key, pending, "nx", "px", c.LockTTL.Milliseconds(), "get"},
+		// The SET may have run while this caller never learned it: free what it may have
+		// created rather than block the key for a whole lease.
+		undo: func(*redis.Cmd) { r.orphans.add(lease, c.LockTTL) },
+	}).Text()
 	switch {
 	case errors.Is(err, redis.Nil):
-		return Lease{key: key, token: token}, nil, nil
+		return lease, nil, nil
 	case err == nil:
 	case redis.HasErrorPrefix(err, "WRONGTYPE"):
 		return Lease{}, nil, fmt.Errorf("cache: redis acquire: %w: the key holds another type than a record of layout %c", ErrCorrupt, recordLayout)
@@ -218,11 +227,6 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 		// Redis before 7.0 refuses NX and GET together.
 		return Lease{}, nil, fmt.Errorf("cache: redis acquire: the server needs to be Redis 7.0 or later (SET NX GET): %w", err)
 	default:
-		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
-			// The command may have run and only its reply been lost: free what it may have
-			// created rather than block the key for a whole lease.
-			go r.releaseOrphan(Lease{key: key, token: token})
-		}
 		return Lease{}, nil, redisError("acquire", err)
 	}
 	rec, owner, err := decodeRecord(found)
@@ -231,7 +235,7 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	}
 	if rec.State == Pending && owner == token {
 		// go-redis retried a SET whose first reply was lost: the record is the caller's own.
-		return Lease{key: key, token: token}, nil, nil
+		return lease, nil, nil
 	}
 	return Lease{}, rec, nil
 }
@@ -346,12 +350,12 @@ func (r *Redis) owned(ctx context.Context, op string, s *redis.Script, l Lease, 
 	return nil
 }
 
-// releaseOrphan releases a lease whose Acquire failed after it may have been sent. The release is
-// owner-checked, so it deletes nothing if the script never ran.
-func (r *Redis) releaseOrphan(l Lease) {
+// releaseOrphan releases a lease whose Acquire may have run unbeknown to its caller (see
+// orphans).
+func (r *Redis) releaseOrphan(l Lease) error {
 	ctx, cancel := context.WithTimeout(context.Background(), max(r.timeout, time.Second))
 	defer cancel()
-	_ = r.owned(ctx, "release", releaseScript, l)
+	return r.owned(ctx, "release", releaseScript, l)
 }
 
 // Ping implements [Store.Ping]. For Cluster it pings every known master and, when one does not
@@ -374,6 +378,7 @@ func (r *Redis) Ping(ctx context.Context) error {
 
 // Close implements [Store.Close].
 func (r *Redis) Close() error {
+	r.orphans.stop()
 	r.pipe.close()
 	err := r.client.Close()
 	if errors.Is(err, redis.ErrClosed) {

@@ -1,8 +1,12 @@
 package cache
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"io"
+	"net"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -11,6 +15,7 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
@@ -151,6 +156,7 @@ func TestRedisAcquireWithLostReplyFreesTheKey(t *testing.T) {
 type pipelineCounter struct {
 	passHook
 	single, batched, batches, held atomic.Int64
+	sets                           atomic.Int64 // SET commands sent, alone or batched
 	hold                           atomic.Bool
 	release                        chan struct{}
 }
@@ -162,6 +168,9 @@ func (h *pipelineCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook 
 			<-h.release
 		}
 		h.single.Add(1)
+		if cmd.Name() == "set" {
+			h.sets.Add(1)
+		}
 		return next(ctx, cmd)
 	}
 }
@@ -173,6 +182,11 @@ func (h *pipelineCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) re
 		}
 		h.batches.Add(1)
 		h.batched.Add(int64(len(cmds)))
+		for _, cmd := range cmds {
+			if cmd.Name() == "set" {
+				h.sets.Add(1)
+			}
+		}
 		return next(ctx, cmds)
 	}
 }
@@ -283,4 +297,172 @@ func TestRedisPipelineClose(t *testing.T) {
 	require.NoError(t, s.Close())
 	_, _, err := s.Acquire(t.Context(), "after", Claim{LockTTL: time.Hour, TTL: time.Hour})
 	require.Error(t, err)
+}
+
+// A call whose caller stopped waiting while it was queued leaves the queue: it never reaches
+// Redis, and nothing needs undoing.
+func TestRedisAbandonedQueuedCallIsNeverSent(t *testing.T) {
+	s, mr, hook := newHeldRedis(t)
+	hook.hold.Store(true)
+	var wg sync.WaitGroup
+	for _, k := range []string{"a", "b"} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, _, err := s.Acquire(t.Context(), k, Claim{LockTTL: time.Hour, TTL: time.Hour})
+			assert.NoError(t, err, k)
+		}()
+	}
+	require.Zero(t, waitAllWaiting(t, s, hook, 2), "both slots taken, nothing queued")
+
+	ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
+	defer cancel()
+	_, _, err := s.Acquire(ctx, "queued", Claim{LockTTL: time.Hour, TTL: time.Hour})
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	s.pipe.mu.Lock()
+	queued := len(s.pipe.queue)
+	s.pipe.mu.Unlock()
+	require.Zero(t, queued, "the abandoned call left the queue")
+
+	hook.hold.Store(false)
+	close(hook.release)
+	wg.Wait()
+	require.Equal(t, int64(2), hook.sets.Load(), "only the two calls waited for were sent")
+	require.False(t, mr.Exists("queued"))
+	require.True(t, mr.Exists("a") && mr.Exists("b"))
+}
+
+// slowServer forwards connections to addr and holds each reply back by delay (as read when the
+// reply comes from addr), as a congested Redis does: commands run at once, answers come late.
+func slowServer(t *testing.T, addr string, delay *atomic.Int64) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	go func() {
+		for {
+			client, err := l.Accept()
+			if err != nil {
+				return
+			}
+			server, err := net.Dial("tcp", addr)
+			if err != nil {
+				_ = client.Close()
+				continue
+			}
+			go func() {
+				_, _ = io.Copy(server, client)
+				_ = server.Close()
+			}()
+			go holdBack(server, client, delay)
+		}
+	}()
+	return l.Addr().String()
+}
+
+// holdBack copies src to dst in order, each read delay after it arrived.
+func holdBack(src, dst net.Conn, delay *atomic.Int64) {
+	type chunk struct {
+		b   []byte
+		due time.Time
+	}
+	chunks := make(chan chunk, 1024)
+	go func() {
+		defer dst.Close()
+		for c := range chunks {
+			time.Sleep(time.Until(c.due))
+			if _, err := dst.Write(c.b); err != nil {
+				_ = src.Close()
+				for range chunks {
+				}
+				return
+			}
+		}
+	}()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			chunks <- chunk{bytes.Clone(buf[:n]), time.Now().Add(time.Duration(delay.Load()))}
+		}
+		if err != nil {
+			close(chunks)
+			return
+		}
+	}
+}
+
+// While Redis answers later than the store timeout, every Acquire fails; once it answers in time
+// again, none of them may have left a pending record behind, or retries would get 409 for a
+// whole lease although nothing runs. Some of those calls ran alone, some in batches their
+// callers stopped waiting for, some never left the queue.
+func TestRedisSlowServerLeavesNoOrphans(t *testing.T) {
+	mr := miniredis.RunT(t)
+	var delay atomic.Int64
+	const timeout = 100 * time.Millisecond
+	s, err := OpenRedis(RedisOptions{URL: "redis://" + slowServer(t, mr.Addr(), &delay), Timeout: timeout})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+	// Connections made while Redis is fast, so that the slow phase finds them open (a new one's
+	// handshake would time out before any command is sent).
+	var wg sync.WaitGroup
+	for i := range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, _, err := s.Acquire(t.Context(), "warm"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
+			assert.NoError(t, err)
+		}()
+	}
+	wg.Wait()
+	mr.FlushAll()
+	delay.Store(int64(3 * timeout / 2))
+
+	var failed atomic.Int64
+	const bursts, each = 5, 200
+	for b := range bursts {
+		for i := range each {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ctx, cancel := context.WithTimeout(t.Context(), timeout)
+				defer cancel()
+				key := fmt.Sprintf("k%d-%d", b, i)
+				if _, _, err := s.Acquire(ctx, key, Claim{LockTTL: time.Hour, TTL: time.Hour}); err != nil {
+					failed.Add(1)
+				}
+			}()
+		}
+		time.Sleep(timeout / 2)
+	}
+	wg.Wait()
+	require.Equal(t, int64(bursts*each), failed.Load(), "every Acquire outlived its deadline")
+	delay.Store(0)
+	left := -1
+	assert.Eventually(t, func() bool { left = len(mr.Keys()); return left == 0 }, 5*time.Second, 10*time.Millisecond)
+	require.Zero(t, left, "pending records left behind")
+}
+
+// An undo runs only where a command may have run unbeknown to its caller.
+func TestUnanswered(t *testing.T) {
+	dial := &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")}
+	read := &net.OpError{Op: "read", Net: "tcp", Err: errors.New("i/o timeout")}
+	for _, tc := range []struct {
+		err  error
+		want bool
+	}{
+		{nil, false},
+		{redis.Nil, false},
+		{serverError("ERR wrong number of arguments"), false},
+		{dial, false},
+		{fmt.Errorf("wrapped: %w", dial), false},
+		{ErrClosed, false},
+		{redis.ErrClosed, false},
+		{read, true},
+		{context.DeadlineExceeded, true},
+		{context.Canceled, true},
+		{io.EOF, true},
+	} {
+		require.Equal(t, tc.want, unanswered(tc.err), "%v", tc.err)
+	}
 }
