@@ -60,11 +60,20 @@ func newProblem(o Outcome, status int, code, detail string, retryAfter bool) *pr
 		Status int    `json:"status"`
 		Detail string `json:"detail"`
 		Code   string `json:"code"`
-	}{"about:blank", http.StatusText(status), status, detail, code})
+	}{"about:blank", reasonPhrase(status), status, detail, code})
 	if err != nil {
 		panic(err) // a constant struct of strings always marshals
 	}
 	return &problem{outcome: o, status: status, code: code, retryAfter: retryAfter, body: body}
+}
+
+// reasonPhrase is status's reason phrase in RFC 9110, which SPEC §4 asks for in a problem's
+// title; net/http still says "Unprocessable Entity" for 422, RFC 4918's name.
+func reasonPhrase(status int) string {
+	if status == http.StatusUnprocessableEntity {
+		return "Unprocessable Content"
+	}
+	return http.StatusText(status)
 }
 
 // The problems the server answers, each with its stable code.

@@ -45,13 +45,21 @@ func requireProblem(t *testing.T, res result, status int, code string) {
 	require.Equal(t, "about:blank", p["type"])
 	require.Equal(t, float64(status), p["status"])
 	require.Equal(t, code, p["code"])
-	require.NotEmpty(t, p["title"])
+	require.Equal(t, rfc9110Titles[status], p["title"], "RFC 9110's reason phrase")
 	require.NotEmpty(t, p["detail"])
 	require.Len(t, p, 5)
 	require.False(t, res.executed, "the upstream must not run")
 }
 
 const replayed = "x-idempotency-replayed"
+
+// rfc9110Titles are the reason phrases of RFC 9110 §15 for the statuses the server answers.
+var rfc9110Titles = map[int]string{
+	400: "Bad Request",
+	409: "Conflict",
+	422: "Unprocessable Content",
+	503: "Service Unavailable",
+}
 
 // TestOutcomeTable has one case per row of SPEC §4's outcome table.
 func TestOutcomeTable(t *testing.T) {
