@@ -5,11 +5,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -330,10 +332,14 @@ func TestStoreUnavailable(t *testing.T) {
 	t.Run("open", func(t *testing.T) {
 		store := newFailingStore(t, false)
 		h := newHarness(t, harnessOptions{policy: "fail_mode: open", store: store})
-		for range 2 {
-			res := h.do(post("/v1/payments", "k", `{}`), created)
+		// Claimed at the body, then bodiless, claimed at the request headers.
+		for _, body := range []string{`{}`, ""} {
+			res := h.do(post("/v1/payments", "k", body), created)
 			require.True(t, res.executed)
-			require.Equal(t, created.headers, res.headers, "untouched")
+			require.Equal(t, append(slices.Clone(created.headers), replayed, "false"), res.headers,
+				"untouched but for the replay header (SPEC §4)")
+			require.Equal(t, filterextproc.ProcessingMode_NONE, res.final.GetModeOverride().GetResponseBodyMode(),
+				"nothing to store: the body phase is off")
 			require.Equal(t, created.body, res.body)
 		}
 		require.Equal(t, 2, h.executions("k"))

@@ -53,6 +53,8 @@ type Server struct {
 	local bool
 
 	streams sync.WaitGroup
+	// observabilityOnce logs once that Envoy runs the filter in observability mode.
+	observabilityOnce sync.Once
 }
 
 // routeState is what a route needs per request, built once: its metric series and the answers
@@ -137,6 +139,14 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 				return nil
 			}
 			return err
+		}
+		if req.GetObservabilityMode() {
+			// Envoy ignores every answer (reference §4.1): nothing can be protected, and no
+			// lease may be taken for a request that runs whatever the store says.
+			s.observabilityOnce.Do(func() {
+				s.log.Error().Msg("Envoy's ext_proc filter has observability_mode on: it ignores this processor's answers, so no request is protected; turn it off")
+			})
+			continue
 		}
 		resp := st.handle(req)
 		if resp == nil {

@@ -32,6 +32,10 @@ const (
 	phaseRunning
 	// phaseCapture: the response will be stored; its body is being collected.
 	phaseCapture
+	// phaseUnprotected: covered, but it went upstream without a lease (the store failed under
+	// fail_mode: open, or its body could not be claimed whole): its response gets the replay
+	// header and nothing is stored.
+	phaseUnprotected
 	// phaseDone: the outcome is settled; later messages get a plain CONTINUE.
 	phaseDone
 )
@@ -66,8 +70,11 @@ type stream struct {
 	lease    cache.Lease
 	renewal  *renewal
 
+	// The body modes Envoy announced in the stream's first message; known is false when it
+	// announced none (Envoy before 1.32), and the shipped BUFFERED modes are assumed.
+	requestBodyMode  filterextproc.ProcessingMode_BodySendMode
 	responseBodyMode filterextproc.ProcessingMode_BodySendMode
-	knownBodyMode    bool
+	knownBodyModes   bool
 	status           int
 	respHeaders      []cache.Header
 	body             []byte
@@ -98,8 +105,9 @@ func (st *stream) event(e *zerolog.Event) *zerolog.Event {
 // handle answers one message. It never panics on a message out of order: it answers CONTINUE of
 // the matching kind, or nil (end the stream) for a message of no known kind.
 func (st *stream) handle(req *extprocv3.ProcessingRequest) *extprocv3.ProcessingResponse {
-	if pc := req.GetProtocolConfig(); pc != nil && !st.knownBodyMode {
-		st.responseBodyMode, st.knownBodyMode = pc.GetResponseBodyMode(), true
+	if pc := req.GetProtocolConfig(); pc != nil && !st.knownBodyModes {
+		st.requestBodyMode, st.responseBodyMode = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
+		st.knownBodyModes = true
 	}
 	switch r := req.GetRequest().(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
@@ -173,8 +181,22 @@ func (st *stream) requestBody(m *extprocv3.HttpBody) *extprocv3.ProcessingRespon
 		return continueRequestBody
 	}
 	// In BUFFERED mode the one body message holds the whole body, whatever end_of_stream says
-	// (reference §2.4).
+	// (reference §2.4). In STREAMED and BUFFERED_PARTIAL modes only a first message that ends
+	// the stream does; otherwise it is the body's first part, which could neither fingerprint
+	// the request nor stand for its body-hash key.
+	if mode := st.requestBodyMode; st.knownBodyModes && mode != filterextproc.ProcessingMode_BUFFERED &&
+		(mode == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED || !m.GetEndOfStream()) {
+		st.unprotected("the request body did not come whole (request_body_mode " + mode.String() + "); set request_body_mode: BUFFERED")
+		return continueRequestBody
+	}
 	return st.claim(m.GetBody(), false)
+}
+
+// unprotected lets a covered request go upstream without a lease, with a warning: its body
+// could not be claimed. Its response gets the replay header, and nothing is stored.
+func (st *stream) unprotected(why string) {
+	st.event(st.s.log.Warn()).Msg(why + "; this request ran unprotected")
+	st.phase, st.outcome, st.covered = phaseUnprotected, Passthrough, false
 }
 
 // passThrough leaves the request alone and asks Envoy to skip every later phase.
@@ -204,12 +226,20 @@ func (st *stream) claim(body []byte, atHeaders bool) *extprocv3.ProcessingRespon
 	fp := d.fingerprint(r, st.method, st.path, body, st.headers)
 
 	lease, rec, err := st.s.acquire(st.ctx, st.storeKey, cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.ttl})
+	if err != nil && st.ctx.Err() != nil {
+		// Envoy ended the stream during the call (the client went away): not the store's
+		// failure, and nobody waits for an answer. The request never went upstream.
+		st.event(st.s.log.Debug()).Err(err).Msg("stream ended during the store call")
+		st.phase = phaseDone
+		return continueRequestBody
+	}
 	if err != nil {
 		st.storeFailed("acquire", err)
 		if st.s.policy.FailMode == policy.FailOpen {
-			st.phase = phasePass
+			// Its response headers still come, for the replay header.
+			st.phase = phaseUnprotected
 			if atHeaders {
-				return passThroughRequestHeaders
+				return continueRequestHeaders
 			}
 			return continueRequestBody
 		}
@@ -245,10 +275,13 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 	case phaseRunning:
 	case phaseAwaitBody:
 		// The request went upstream without its body phase: Envoy's request_body_mode is not
-		// BUFFERED, so this request could not be protected.
-		st.event(st.s.log.Warn()).Msg("request body never reached the processor; set request_body_mode: BUFFERED")
-		st.phase, st.outcome, st.covered = phasePass, Passthrough, false
-		return continueResponseHeaders
+		// BUFFERED, or the request had trailers and no body data (reference §2.4).
+		st.unprotected("the request body never reached the processor (request_body_mode is not BUFFERED, or the request had trailers but no data)")
+		st.phase = phaseDone
+		return st.rs.notStored
+	case phaseUnprotected:
+		st.phase = phaseDone
+		return st.rs.notStored
 	default:
 		return continueResponseHeaders
 	}
@@ -282,7 +315,7 @@ func (st *stream) responseBody(m *extprocv3.HttpBody) *extprocv3.ProcessingRespo
 	}
 	chunk := m.GetBody()
 	last := m.GetEndOfStream()
-	if st.knownBodyMode {
+	if st.knownBodyModes {
 		switch st.responseBodyMode {
 		case filterextproc.ProcessingMode_BUFFERED:
 			// The one message holds the whole body, even when trailers follow (reference §2.4).

@@ -432,3 +432,97 @@ func TestServerEndsOnTransportError(t *testing.T) {
 	require.Equal(t, codes.Canceled, status.Code(err))
 	h.waitIdle(t)
 }
+
+// A request body that does not come whole (a STREAMED chunk or a BUFFERED_PARTIAL buffer that
+// does not end it) cannot be claimed: its first part would fingerprint the request and stand
+// for its body-hash key. The request runs unprotected, with a warning, and its response gets
+// the replay header; a first message that ends the body is claimed as usual.
+func TestRequestBodyNotWholeIsNotClaimed(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		mode    filterextproc.ProcessingMode_BodySendMode
+		eos     bool
+		claimed bool
+	}{
+		{"streamed", filterextproc.ProcessingMode_STREAMED, false, false},
+		{"streamed, one chunk", filterextproc.ProcessingMode_STREAMED, true, true},
+		{"partial buffer, more to come", filterextproc.ProcessingMode_BUFFERED_PARTIAL, false, false},
+		{"partial buffer, whole body", filterextproc.ProcessingMode_BUFFERED_PARTIAL, true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, harnessOptions{policy: "defaults: {missing_key: body-hash}"})
+			s := h.open()
+			first := requestHeaders(post("/v1/payments", "", `{"amount":1}`))
+			first.ProtocolConfig.RequestBodyMode = tc.mode
+			s.send(first)
+			body := requestBody([]byte(`{"amount":1`))
+			body.GetRequestBody().EndOfStream = tc.eos
+			require.NotNil(t, s.send(body).GetRequestBody())
+			resp := s.send(responseHeaders(created))
+			res := applyMutation(nil, resp.GetResponseHeaders().GetResponse().GetHeaderMutation())
+			require.Equal(t, []string{replayed, "false"}, res)
+			if tc.claimed {
+				require.Nil(t, resp.GetModeOverride(), "a claimed request's response is stored")
+				return
+			}
+			require.Equal(t, filterextproc.ProcessingMode_NONE, resp.GetModeOverride().GetResponseBodyMode(), "nothing to store")
+			s.end()
+			h.waitIdle(t)
+			require.Contains(t, h.logs.String(), "this request ran unprotected")
+			require.Contains(t, h.logs.String(), tc.mode.String())
+			require.Zero(t, h.store.(*cache.Memory).Len(), "nothing was claimed")
+		})
+	}
+}
+
+// A request whose body phase never came (request_body_mode NONE, or trailers without data)
+// went upstream unprotected: its response gets the replay header and the no-store override.
+func TestRequestBodyNeverCame(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	s := h.open()
+	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+	resp := s.send(responseHeaders(created))
+	require.Equal(t, []string{replayed, "false"}, applyMutation(nil, resp.GetResponseHeaders().GetResponse().GetHeaderMutation()))
+	require.Equal(t, filterextproc.ProcessingMode_NONE, resp.GetModeOverride().GetResponseBodyMode())
+	s.end()
+	h.waitIdle(t)
+	require.Contains(t, h.logs.String(), "the request body never reached the processor")
+	h.requireStoreEmpty(t, "k")
+}
+
+// A stream Envoy ends during the claim's store call (the client went away) is not a store
+// failure: no error is logged and no store_error counted.
+func TestStreamEndedDuringClaim(t *testing.T) {
+	store := newFailingStore(t, true) // calls block until their context ends
+	h := newHarness(t, harnessOptions{policy: "store_timeout: 1m", store: store})
+	s := h.open()
+	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+	require.NoError(t, s.s.Send(requestBody([]byte(`{}`))))
+	require.Eventually(t, func() bool { return store.calls.Load() == 1 }, 5*time.Second, time.Millisecond)
+	s.end()
+	h.waitIdle(t)
+	require.Zero(t, h.counter("idempotency_requests_total", "route", "default", "outcome", "store_error"))
+	require.NotContains(t, h.logs.String(), `"level":"error"`)
+	require.Contains(t, h.logs.String(), "stream ended during the store call")
+}
+
+// In observability mode Envoy ignores every answer: the processor answers nothing, takes no
+// lease, and says once that nothing is protected.
+func TestObservabilityModeIsRefused(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	for range 2 {
+		s := h.open()
+		first := requestHeaders(post("/v1/payments", "k", `{}`))
+		first.ObservabilityMode = true
+		require.NoError(t, s.s.Send(first))
+		body := requestBody([]byte(`{}`))
+		body.ObservabilityMode = true
+		require.NoError(t, s.s.Send(body))
+		require.NoError(t, s.s.CloseSend())
+		_, err := s.s.Recv()
+		require.ErrorIs(t, err, io.EOF, "no answer, and the stream ends with Envoy's half-close")
+	}
+	h.waitIdle(t)
+	h.requireStoreEmpty(t, "k")
+	require.Equal(t, 1, strings.Count(h.logs.String(), "observability_mode"), "said once")
+}
