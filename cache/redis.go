@@ -6,7 +6,9 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"net/url"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -136,17 +138,50 @@ func NewRedis(client redis.UniversalClient, timeout time.Duration) *Redis {
 	return r
 }
 
+// CheckRedisOptions reports what OpenRedis would refuse in opts, without connecting: a URL that
+// does not parse, Cluster and Sentinel together, a database other than 0 for Cluster. Its
+// errors never hold the URL's password.
+func CheckRedisOptions(opts RedisOptions) error {
+	c, err := newRedisClient(opts)
+	if err != nil {
+		return err
+	}
+	return c.Close()
+}
+
+// parseRedisURL is redis.ParseURL with errors that never hold raw's password. net/url quotes
+// the URL, or a piece of it, in its errors, and a password with an unescaped '#', '/' or '@'
+// is a common way to get one: such a URL gets a message of its own instead.
+func parseRedisURL(raw string) (*redis.Options, error) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return nil, errors.New("cache: redis url: not a valid URL (a user or password with '#', '/', '@', ':' or '%' must be percent-encoded)")
+	}
+	o, err := redis.ParseURL(raw)
+	if err == nil {
+		return o, nil
+	}
+	msg := err.Error()
+	if pw, ok := u.User.Password(); ok && pw != "" {
+		msg = strings.ReplaceAll(msg, pw, "xxxxx")
+	}
+	return nil, fmt.Errorf("cache: redis url: %s", msg)
+}
+
 func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
 	if len(opts.ClusterAddrs) > 0 && len(opts.SentinelAddrs) > 0 {
 		return nil, errors.New("cache: redis: choose Cluster or Sentinel, not both")
 	}
-	url := opts.URL
-	if url == "" {
-		url = "redis://localhost:6379/0"
+	raw := opts.URL
+	if raw == "" {
+		raw = "redis://localhost:6379/0"
 	}
-	base, err := redis.ParseURL(url)
+	base, err := parseRedisURL(raw)
 	if err != nil {
-		return nil, fmt.Errorf("cache: redis url: %w", err)
+		return nil, err
+	}
+	if len(opts.ClusterAddrs) > 0 && base.DB != 0 {
+		return nil, fmt.Errorf("cache: redis: Cluster has only database 0, the url selects %d", base.DB)
 	}
 	if opts.TLSConfig != nil {
 		base.TLSConfig = opts.TLSConfig
@@ -164,9 +199,6 @@ func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
 	}
 	switch {
 	case len(opts.ClusterAddrs) > 0:
-		if base.DB != 0 {
-			return nil, fmt.Errorf("cache: redis: Cluster has only database 0, the url selects %d", base.DB)
-		}
 		return redis.NewClusterClient(&redis.ClusterOptions{
 			Addrs:                    opts.ClusterAddrs,
 			Username:                 base.Username,

@@ -102,14 +102,22 @@ func TestOpenRedisOptions(t *testing.T) {
 		{"bad scheme", cache.RedisOptions{URL: "http://localhost"}, "redis url"},
 		{"both", cache.RedisOptions{ClusterAddrs: []string{"a:1"}, SentinelAddrs: []string{"b:2"}}, "not both"},
 		{"cluster db", cache.RedisOptions{URL: "redis://localhost:6379/3", ClusterAddrs: []string{"a:1"}}, "database 0"},
+		// net/url quotes the whole URL in its errors; the password must not reach a log.
+		{"bad port", cache.RedisOptions{URL: "redis://user:s3cret-pw@host:63 79/0"}, "percent-encoded"},
+		{"unescaped #", cache.RedisOptions{URL: "redis://user:s3cret#pw@host:6379/0"}, "redis url"},
+		{"bad db", cache.RedisOptions{URL: "redis://user:s3cret-pw@host:6379/s3cret-pw"}, "redis url"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			checkErr := cache.CheckRedisOptions(c.opts)
 			s, err := cache.OpenRedis(c.opts)
 			if c.err != "" {
 				require.ErrorContains(t, err, c.err)
+				require.Equal(t, err.Error(), checkErr.Error(), "CheckRedisOptions refuses what OpenRedis refuses")
+				require.NotContains(t, err.Error(), "s3cret")
 				return
 			}
+			require.NoError(t, checkErr)
 			require.NoError(t, err)
 			require.NoError(t, s.Close())
 		})

@@ -5,9 +5,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/rs/zerolog"
 
@@ -47,18 +49,12 @@ func (s setting) env() string {
 
 var settings = []setting{
 	{"grpc-addr", ":9002", "ext_proc gRPC listener; unix:///path.sock for a Unix socket", func(c *config, v string) error {
-		if v == "" || v == "unix://" {
-			return errors.New("must be host:port or unix:///path")
-		}
 		c.grpcAddr = v
-		return nil
+		return checkAddr(v)
 	}},
 	{"admin-addr", ":9003", "HTTP listener for /metrics, /healthz and /readyz", func(c *config, v string) error {
-		if v == "" {
-			return errors.New("must be host:port")
-		}
 		c.adminAddr = v
-		return nil
+		return checkAddr(v)
 	}},
 	{"store", "memory", "memory or redis", func(c *config, v string) error {
 		if v != "memory" && v != "redis" {
@@ -109,6 +105,25 @@ var settings = []setting{
 		c.logFormat = v
 		return nil
 	}},
+}
+
+// checkAddr checks a listener address: host:port (the host may be empty, the port a number or
+// a service name), or unix:///path.
+func checkAddr(v string) error {
+	if path, ok := strings.CutPrefix(v, "unix://"); ok {
+		if path == "" {
+			return errors.New("must be host:port or unix:///path, got an empty path")
+		}
+		return nil
+	}
+	_, port, err := net.SplitHostPort(v)
+	if err == nil {
+		_, err = net.LookupPort("tcp", port)
+	}
+	if err != nil {
+		return fmt.Errorf("must be host:port or unix:///path, got %q", v)
+	}
+	return nil
 }
 
 func splitList(v string) []string {
@@ -207,6 +222,7 @@ func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*c
 
 	c := &config{policy: p}
 	fromFile := doc.Settings.values()
+	sources := map[string]string{}
 	for _, s := range settings {
 		v, source := s.def, "default"
 		if fv, ok := fromFile[s.name]; ok {
@@ -218,17 +234,35 @@ func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*c
 		if explicit[s.name] {
 			v, source = *flags[s.name], "flag --"+s.name
 		}
+		sources[s.name] = source
 		if err := s.apply(c, v); err != nil {
 			errs = append(errs, fmt.Errorf("%s (%s): %w", s.name, source, err))
 		}
 	}
-	if len(c.redisClusterAddrs) > 0 && len(c.redisSentinelAddrs) > 0 {
+	switch {
+	case len(c.redisClusterAddrs) > 0 && len(c.redisSentinelAddrs) > 0:
 		errs = append(errs, errors.New("redis-cluster-addrs and redis-sentinel-addrs: choose Cluster or Sentinel, not both"))
+	case c.store == "redis":
+		// What the Redis client would refuse at start-up, reported with the rest.
+		if err := cache.CheckRedisOptions(c.redisOptions(0)); err != nil {
+			errs = append(errs, fmt.Errorf("redis-url (%s): %w", sources["redis-url"], err))
+		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
 	return c, nil
+}
+
+// redisOptions are the Redis store's options, each call bounded by timeout.
+func (c *config) redisOptions(timeout time.Duration) cache.RedisOptions {
+	return cache.RedisOptions{
+		URL:            c.redisURL,
+		ClusterAddrs:   c.redisClusterAddrs,
+		SentinelAddrs:  c.redisSentinelAddrs,
+		SentinelMaster: c.redisSentinelMaster,
+		Timeout:        timeout,
+	}
 }
 
 // lookupEnv treats an empty variable as unset, as most deployment tools write unset values.

@@ -102,6 +102,13 @@ store_timeout: 250ms
 	}
 }
 
+// The Redis settings are checked only when the Redis store is chosen.
+func TestConfigIgnoresRedisSettingsForMemory(t *testing.T) {
+	c, err := loadConfig([]string{"--redis-url", "not a url"}, env(nil), io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, "memory", c.store)
+}
+
 func TestConfigInvalid(t *testing.T) {
 	cases := []struct {
 		name string
@@ -118,6 +125,13 @@ func TestConfigInvalid(t *testing.T) {
 			[]string{"store (config file key store)", "defaults.ttl", "routes[0] (a).match.path_regex"}},
 		{"unknown file field", nil, nil, "grpc_address: :1\n", []string{"field grpc_address not found"}},
 		{"cluster and sentinel", []string{"--redis-cluster-addrs", "a:1", "--redis-sentinel-addrs", "b:2"}, nil, "", []string{"not both"}},
+		{"bad addresses and redis url at once", []string{"--grpc-addr", "nonsense", "--admin-addr", "host:port", "--store", "redis", "--log-level", "nope"},
+			map[string]string{"IDEMPOTENCY_REDIS_URL": "redis://user:s3cret#pw@host:6379/0"}, "",
+			[]string{`grpc-addr (flag --grpc-addr): must be host:port or unix:///path, got "nonsense"`, `admin-addr (flag --admin-addr)`,
+				"log-level (flag --log-level)", "redis-url (environment variable IDEMPOTENCY_REDIS_URL): cache: redis url: not a valid URL"}},
+		{"cluster database", []string{"--store", "redis", "--redis-cluster-addrs", "a:1", "--redis-url", "redis://h:6379/2"}, nil, "",
+			[]string{"redis-url (flag --redis-url)", "database 0"}},
+		{"empty unix socket path", []string{"--grpc-addr", "unix://"}, nil, "", []string{"grpc-addr (flag --grpc-addr): must be host:port or unix:///path, got an empty path"}},
 		{"unknown flag", []string{"--colour"}, nil, "", []string{"flag provided but not defined: -colour"}},
 		{"stray argument", []string{"serve"}, nil, "", []string{"unexpected arguments"}},
 		{"missing file", []string{"--config", "/nonexistent/policy.yaml"}, nil, "", []string{"config file", "no such file"}},
@@ -133,6 +147,7 @@ func TestConfigInvalid(t *testing.T) {
 			for _, w := range tc.want {
 				require.ErrorContains(t, err, w)
 			}
+			require.NotContains(t, err.Error(), "s3cret", "a password never reaches an error")
 		})
 	}
 }

@@ -180,13 +180,7 @@ func openStore(cfg *config) (cache.Store, error) {
 	if cfg.store == "memory" {
 		return cache.NewMemory(cache.MemoryOptions{MaxBytes: cfg.memoryMaxBytes})
 	}
-	s, err := cache.OpenRedis(cache.RedisOptions{
-		URL:            cfg.redisURL,
-		ClusterAddrs:   cfg.redisClusterAddrs,
-		SentinelAddrs:  cfg.redisSentinelAddrs,
-		SentinelMaster: cfg.redisSentinelMaster,
-		Timeout:        cfg.policy.StoreTimeout,
-	})
+	s, err := cache.OpenRedis(cfg.redisOptions(cfg.policy.StoreTimeout))
 	if err != nil {
 		return nil, fmt.Errorf("redis: %w", err)
 	}
@@ -198,9 +192,13 @@ func maxRecvMsgSize(cfg *config) int {
 	return max(64<<20, 2*cfg.policy.MaxResponseBytes()+1<<20)
 }
 
-// listen opens host:port, or a Unix socket for unix:///path (replacing a stale socket file).
+// listen opens host:port, or a Unix socket for unix:///path (replacing a stale socket file,
+// never another kind of file).
 func listen(addr string) (net.Listener, error) {
 	if path, ok := strings.CutPrefix(addr, "unix://"); ok {
+		if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() != os.ModeSocket {
+			return nil, fmt.Errorf("%s exists and is not a socket", path)
+		}
 		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return nil, err
 		}

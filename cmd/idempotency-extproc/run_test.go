@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -212,6 +213,27 @@ func TestRunRejectsBadConfigBeforeListening(t *testing.T) {
 func TestRunReportsListenerErrors(t *testing.T) {
 	err := run(t.Context(), []string{"--grpc-addr", "256.0.0.1:1", "--admin-addr", "127.0.0.1:0"}, env(nil), io.Discard)
 	require.ErrorContains(t, err, "grpc-addr")
+}
+
+// A mistyped Unix socket path must not delete the file it names; a stale socket is replaced.
+func TestRunNeverRemovesAFileThatIsNotASocket(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "policy.yaml")
+	require.NoError(t, os.WriteFile(path, []byte("keep me"), 0o600))
+	err := run(t.Context(), []string{"--grpc-addr", "unix://" + path, "--admin-addr", "127.0.0.1:0"}, env(nil), io.Discard)
+	require.ErrorContains(t, err, "grpc-addr")
+	require.ErrorContains(t, err, "not a socket")
+	data, err := os.ReadFile(path)
+	require.NoError(t, err)
+	require.Equal(t, "keep me", string(data))
+
+	sock := filepath.Join(t.TempDir(), "stale.sock")
+	l, err := net.Listen("unix", sock)
+	require.NoError(t, err)
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	require.NoError(t, l.Close())
+	l, err = listen("unix://" + sock)
+	require.NoError(t, err, "a stale socket is replaced")
+	require.NoError(t, l.Close())
 }
 
 // binary is built once for the tests that run the real process.
