@@ -426,32 +426,44 @@ func (st *stream) finish() {
 
 // renewal extends a lease every lock_ttl/3 while the stream lives.
 type renewal struct {
+	cancel context.CancelFunc // ends a renewal in flight
+
 	mu      sync.Mutex
 	stopped bool
 	timer   clock.Timer
 }
 
 func (st *stream) startRenewal() {
-	r := &renewal{}
+	ctx, cancel := context.WithCancel(st.ctx)
+	r := &renewal{cancel: cancel}
 	lease, lockTTL := st.lease, st.route.LockTTL
 	interval := lockTTL / 3
 	var tick func()
 	tick = func() {
 		r.mu.Lock()
-		defer r.mu.Unlock()
-		if r.stopped {
+		stopped := r.stopped
+		r.mu.Unlock()
+		if stopped {
 			return
 		}
-		err := st.s.renew(st.ctx, lease, lockTTL)
+		// Outside the lock, so that stop never waits for a store call: a renewal that lands
+		// after the completion or release is refused by the store (the record is no longer
+		// pending), and one cut short by stop changes nothing.
+		err := st.s.renew(ctx, lease, lockTTL)
 		switch {
+		case ctx.Err() != nil:
+			return
 		case errors.Is(err, cache.ErrLeaseLost):
 			st.event(st.s.log.Warn()).Msg("lease lost while the request was running; its completion will not be recorded")
-			r.stopped = true
 			return
-		case err != nil && st.ctx.Err() == nil:
+		case err != nil:
 			st.event(st.s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
 		}
-		r.timer = st.s.clock.AfterFunc(interval, tick)
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		if !r.stopped {
+			r.timer = st.s.clock.AfterFunc(interval, tick)
+		}
 	}
 	r.mu.Lock()
 	r.timer = st.s.clock.AfterFunc(interval, tick)
@@ -459,17 +471,19 @@ func (st *stream) startRenewal() {
 	st.renewal = r
 }
 
-// stop prevents further renewals and waits for one in progress. It is safe on a nil renewal.
+// stop prevents further renewals and cuts short one in flight, without waiting for it: the
+// stream's next store call is its only one in the phase (SPEC §4). It is safe on a nil renewal.
 func (r *renewal) stop() {
 	if r == nil {
 		return
 	}
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	r.stopped = true
 	if r.timer != nil {
 		r.timer.Stop()
 	}
+	r.mu.Unlock()
+	r.cancel()
 }
 
 func parseStatus(v []byte) int {

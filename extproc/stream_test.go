@@ -526,3 +526,60 @@ func TestObservabilityModeIsRefused(t *testing.T) {
 	h.requireStoreEmpty(t, "k")
 	require.Equal(t, 1, strings.Count(h.logs.String(), "observability_mode"), "said once")
 }
+
+// slowRenewals is a store whose renewals hang until their context ends.
+type slowRenewals struct {
+	cache.Store
+	renewing chan struct{}
+}
+
+func (s *slowRenewals) Renew(ctx context.Context, _ cache.Lease, _ time.Duration) error {
+	s.renewing <- struct{}{}
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// The completion is the phase's one store call (SPEC §4): a renewal in flight when the response
+// ends is cut short, not waited for, or the phase could take two store timeouts and outlast
+// Envoy's message_timeout.
+func TestRenewalInFlightDoesNotDelayCompletion(t *testing.T) {
+	clk := clock.NewFake(time.Unix(1_700_000_000, 0))
+	m, err := cache.NewMemory(cache.MemoryOptions{Clock: clk})
+	require.NoError(t, err)
+	store := &slowRenewals{Store: m, renewing: make(chan struct{}, 1)}
+	h := newHarness(t, harnessOptions{policy: "store_timeout: 1m\ndefaults: {lock_ttl: 3s}", store: store, clock: clk})
+	s := h.open()
+	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+	s.send(requestBody([]byte(`{}`)))
+	advanced := make(chan struct{})
+	go func() {
+		h.clock.Advance(time.Second) // the renewal comes due and hangs in the store
+		close(advanced)
+	}()
+	<-store.renewing
+
+	answered := make(chan error, 1)
+	go func() {
+		for _, m := range []*extprocv3.ProcessingRequest{responseHeaders(created), responseBody(created.body, true)} {
+			if err := s.s.Send(m); err != nil {
+				answered <- err
+				return
+			}
+			if _, err := s.s.Recv(); err != nil {
+				answered <- err
+				return
+			}
+		}
+		answered <- nil
+	}()
+	select {
+	case err := <-answered:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the completion waited for the renewal in flight, bounded by a 1m store_timeout")
+	}
+	<-advanced
+	res := h.do(post("/v1/payments", "k", `{}`), created)
+	require.Equal(t, []string{"true"}, res.header(replayed))
+	require.NotContains(t, h.logs.String(), `"op":"renew"`, "a renewal cut short is not a store failure")
+}

@@ -207,6 +207,7 @@ func testReleaseFreesKey(t *testing.T, h Harness) {
 	l := mustOwn(t, s, "k", claim("a"))
 	require.NoError(t, s.Release(t.Context(), l))
 	require.ErrorIs(t, s.Release(t.Context(), l), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Renew(t.Context(), l, lockTTL), cache.ErrLeaseLost, "a late renewal revives nothing")
 	require.ErrorIs(t, s.Complete(t.Context(), l, cache.Response{Status: 200}), cache.ErrLeaseLost)
 	l2 := mustOwn(t, s, "k", claim("b"))
 	require.ErrorIs(t, s.Release(t.Context(), l), cache.ErrLeaseLost, "an old lease must not release a new owner's record")
