@@ -212,9 +212,10 @@ func (d *digest) headerValues(h headers, name string) {
 func (d *digest) finish() []byte { return d.h.Sum(d.sum[:0]) }
 
 // fingerprint returns the SHA-256 over the route's fingerprint parts and fingerprint headers, or
-// nil when the route lists neither (which turns the mismatch check off).
+// nil when the route lists no part: an empty fingerprint turns the mismatch check off (SPEC §4),
+// and the policy refuses fingerprint headers beside it.
 func (d *digest) fingerprint(r *policy.Route, method, path, body []byte, h headers) []byte {
-	if len(r.Fingerprint) == 0 && len(r.FingerprintHeaders) == 0 {
+	if len(r.Fingerprint) == 0 {
 		return nil
 	}
 	d.reset()

@@ -583,3 +583,21 @@ func TestRenewalInFlightDoesNotDelayCompletion(t *testing.T) {
 	require.Equal(t, []string{"true"}, res.header(replayed))
 	require.NotContains(t, h.logs.String(), `"op":"renew"`, "a renewal cut short is not a store failure")
 }
+
+// fingerprint_headers join the payload; an empty fingerprint turns the mismatch check off.
+func TestFingerprintPolicy(t *testing.T) {
+	t.Run("headers", func(t *testing.T) {
+		h := newHarness(t, harnessOptions{policy: "defaults: {fingerprint_headers: [x-api-version]}"})
+		require.True(t, h.do(post("/v1/payments", "k", `{}`, "x-api-version", "1"), created).executed)
+		require.Equal(t, []string{"true"}, h.do(post("/v1/payments", "k", `{}`, "x-api-version", "1"), created).header(replayed))
+		requireProblem(t, h.do(post("/v1/payments", "k", `{}`, "x-api-version", "2"), created), 422, "idempotency-key-reused")
+		requireProblem(t, h.do(post("/v1/payments", "k", `{}`), created), 422, "idempotency-key-reused")
+	})
+	t.Run("off", func(t *testing.T) {
+		h := newHarness(t, harnessOptions{policy: "defaults: {fingerprint: []}"})
+		require.True(t, h.do(post("/v1/payments", "k", `{"amount":1}`), created).executed)
+		res := h.do(post("/v1/payments", "k", `{"amount":2}`), created)
+		require.Equal(t, []string{"true"}, res.header(replayed), "another body under the same key is replayed")
+		require.Equal(t, 1, h.executions("k"))
+	})
+}

@@ -404,6 +404,11 @@ func (c *compiler) route(field string, parent *Route, spec Spec) *Route {
 	if spec.FingerprintHeaders != nil {
 		r.FingerprintHeaders = c.headerNames(f("fingerprint_headers"), *spec.FingerprintHeaders)
 	}
+	if len(r.Fingerprint) == 0 && len(r.FingerprintHeaders) > 0 && (spec.Fingerprint != nil || spec.FingerprintHeaders != nil) {
+		// An empty fingerprint turns the mismatch check off (SPEC §4): headers alone would
+		// silently be ignored.
+		c.errorf(f("fingerprint_headers"), "set while fingerprint is [], which turns the mismatch check off; list the parts to hash too, or drop the headers")
+	}
 	if spec.ScopeHeaders != nil {
 		r.ScopeHeaders = c.headerNames(f("scope_headers"), *spec.ScopeHeaders)
 	}
