@@ -12,15 +12,15 @@ import (
 )
 
 // adminHandler serves /metrics, /healthz (the process runs) and /readyz (the store answers a
-// ping within storeTimeout).
-func adminHandler(reg *prometheus.Registry, store cache.Store, storeTimeout time.Duration) http.Handler {
+// ping within pingTimeout).
+func adminHandler(reg *prometheus.Registry, store cache.Store, pingTimeout time.Duration) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
 	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
-		ctx, cancel := context.WithTimeout(r.Context(), storeTimeout)
+		ctx, cancel := context.WithTimeout(r.Context(), pingTimeout)
 		defer cancel()
 		if err := store.Ping(ctx); err != nil {
 			http.Error(w, "store unavailable", http.StatusServiceUnavailable)

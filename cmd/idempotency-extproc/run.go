@@ -32,6 +32,14 @@ const drainTimeout = 15 * time.Second
 // readinessInterval is how often the store is pinged for gRPC health; /readyz pings on demand.
 const readinessInterval = 500 * time.Millisecond
 
+// maxPingTimeout bounds a readiness ping whatever store_timeout says, so that a store that stops
+// answering turns the process unready within readinessInterval plus this: 1.5 s, under SPEC
+// §7's 2 s.
+const maxPingTimeout = time.Second
+
+// pingTimeout is how long a readiness ping may take.
+func pingTimeout(storeTimeout time.Duration) time.Duration { return min(storeTimeout, maxPingTimeout) }
+
 // run is the whole program: it returns when ctx is done and every open stream has finished or
 // been cut, or at once with an error if the configuration is invalid or a listener cannot open.
 // args are the command-line arguments without the program name; getenv reads the environment;
@@ -90,7 +98,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	setHealth(healthSrv, healthpb.HealthCheckResponse_NOT_SERVING)
 
 	admin := &http.Server{
-		Handler:           adminHandler(reg, store, cfg.policy.StoreTimeout),
+		Handler:           adminHandler(reg, store, pingTimeout(cfg.policy.StoreTimeout)),
 		ReadHeaderTimeout: 5 * time.Second,
 	}
 
@@ -99,7 +107,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	go func() { errc <- admin.Serve(adminLis) }()
 	watchCtx, stopWatch := context.WithCancel(ctx)
 	defer stopWatch()
-	go watchStore(watchCtx, store, cfg.policy.StoreTimeout, healthSrv, log)
+	go watchStore(watchCtx, store, pingTimeout(cfg.policy.StoreTimeout), healthSrv, log)
 
 	log.Info().Str("grpc_addr", addrString(grpcLis)).Str("admin_addr", adminLis.Addr().String()).
 		Str("store", cfg.store).Msg("ready")

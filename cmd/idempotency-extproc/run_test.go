@@ -215,6 +215,42 @@ func TestRunReportsListenerErrors(t *testing.T) {
 	require.ErrorContains(t, err, "grpc-addr")
 }
 
+// A store that takes connections and never answers turns the process unready within SPEC §7's
+// 2 s, even with a store_timeout far above that: readiness pings have a bound of their own.
+func TestHangingStoreTurnsUnreadyQuickly(t *testing.T) {
+	hole, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = hole.Close() })
+	go func() {
+		for {
+			c, err := hole.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { _ = c.Close() })
+		}
+	}()
+	logs := newLogLines()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"--config", writeFile(t, "store_timeout: 1m\n"), "--store", "redis", "--redis-url", "redis://" + hole.Addr().String() + "/0",
+			"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, env(nil), logs)
+	}()
+	ready := logs.wait(t, "ready", 10*time.Second)
+	start := time.Now()
+	logs.wait(t, "store is unreachable: not serving", 10*time.Second)
+	require.Less(t, time.Since(start), 3*time.Second, "a ping is bounded by 1 s, not by the 1 m store_timeout (SPEC §7: 2 s)")
+
+	client := http.Client{Timeout: 10 * time.Second}
+	resp, err := client.Get("http://" + ready["admin_addr"].(string) + "/readyz")
+	require.NoError(t, err, "/readyz answers without waiting for store_timeout")
+	_ = resp.Body.Close()
+	require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+	cancel()
+	require.NoError(t, <-done)
+}
+
 // A mistyped Unix socket path must not delete the file it names; a stale socket is replaced.
 func TestRunNeverRemovesAFileThatIsNotASocket(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "policy.yaml")
