@@ -218,6 +218,68 @@ func Parse(data []byte) (*Policy, error) {
 	return Compile(doc)
 }
 
+// typeError is how yaml.v3 words a value of the wrong type: its line, its tag and, for a scalar,
+// the value (its first 7 bytes and "..." when longer than 10); never the field.
+var typeError = regexp.MustCompile("^line (\\d+): cannot unmarshal !!(\\w+)(?: `(.*)`)? into ")
+
+// nameField puts the path of the field a yaml.v3 type error is about in front of it, such as
+// defaults.max_response_bytes, found by the error's line and value; it leaves other errors as
+// they are.
+func nameField(data []byte, msg string) string {
+	m := typeError.FindStringSubmatch(msg)
+	if m == nil {
+		return msg
+	}
+	line, _ := strconv.Atoi(m[1])
+	kind := map[string]yaml.Kind{"map": yaml.MappingNode, "seq": yaml.SequenceNode}[m[2]]
+	if kind == 0 {
+		kind = yaml.ScalarNode
+	}
+	value, short := strings.CutSuffix(m[3], "...")
+	var root yaml.Node
+	if yaml.Unmarshal(data, &root) != nil {
+		return msg
+	}
+	var found string
+	var walk func(n *yaml.Node, path string)
+	walk = func(n *yaml.Node, path string) {
+		if found != "" {
+			return
+		}
+		if n.Kind == kind && n.Line == line && path != "" &&
+			(kind != yaml.ScalarNode || n.Value == value || short && strings.HasPrefix(n.Value, value)) {
+			found = path
+			return
+		}
+		switch n.Kind {
+		case yaml.DocumentNode:
+			for _, c := range n.Content {
+				walk(c, path)
+			}
+		case yaml.MappingNode:
+			for i := 0; i+1 < len(n.Content); i += 2 {
+				walk(n.Content[i+1], join(path, n.Content[i].Value))
+			}
+		case yaml.SequenceNode:
+			for i, c := range n.Content {
+				walk(c, fmt.Sprintf("%s[%d]", path, i))
+			}
+		}
+	}
+	walk(&root, "")
+	if found == "" {
+		return msg
+	}
+	return found + " (" + msg + ")"
+}
+
+func join(path, key string) string {
+	if path == "" {
+		return key
+	}
+	return path + "." + key
+}
+
 // Decode decodes YAML into v (a Document, or a struct that inlines one), rejecting unknown
 // fields. An empty document leaves v unchanged.
 func Decode(data []byte, v any) error {
@@ -231,7 +293,7 @@ func Decode(data []byte, v any) error {
 	if errors.As(err, &te) {
 		errs := make([]error, len(te.Errors))
 		for i, e := range te.Errors {
-			errs[i] = errors.New("policy: " + e)
+			errs[i] = errors.New("policy: " + nameField(data, e))
 		}
 		return errors.Join(errs...)
 	}

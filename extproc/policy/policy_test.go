@@ -190,6 +190,8 @@ func TestInvalidFiles(t *testing.T) {
 		{"unknown unknown_outcome", "defaults: {unknown_outcome: retry}\n", []string{"defaults.unknown_outcome"}},
 		{"unknown fail_mode", "fail_mode: maybe\n", []string{"fail_mode", `"maybe"`}},
 		{"unknown fingerprint part", "defaults: {fingerprint: [method, headers]}\n", []string{"defaults.fingerprint", `"headers"`}},
+		{"values of the wrong type name their field", "defaults:\n  max_response_bytes: 1MiB\n  methods: POST\n  ttl: {hours: 1}\nroutes:\n  - name: a\n    match: {path_prefix: /}\n    enabled: a-long-word-for-yes\n",
+			[]string{"defaults.max_response_bytes (line 2: cannot unmarshal !!str `1MiB`", "defaults.methods (line 3:", "defaults.ttl (line 4: cannot unmarshal !!map", "routes[0].enabled (line 8:"}},
 		{"fingerprint headers without a fingerprint", "defaults: {fingerprint: [], fingerprint_headers: [x-a]}\n", []string{"defaults.fingerprint_headers", "mismatch check off"}},
 		{"fingerprint headers on a route without a fingerprint", "defaults: {fingerprint: []}\nroutes: [{name: a, match: {path_prefix: /}, fingerprint_headers: [x-a]}]\n",
 			[]string{"routes[0] (a).fingerprint_headers", "mismatch check off"}},
