@@ -838,17 +838,19 @@ func (x *exchange) mutate(h *headerList, m *extprocv3.HeaderMutation) error {
 	return nil
 }
 
-// mutationFailure ends processing with the 500 local reply Envoy sends for a rejected mutation,
-// whatever failure_mode_allow says (reference §5).
+// mutationFailure ends processing with the local reply Envoy sends for an invalid mutation
+// (handleErrorResponse: status_on_error, 500 by default), whatever failure_mode_allow says
+// (reference §5).
 func (x *exchange) mutationFailure(err error) error {
 	x.side.close()
-	return localReply(http.StatusInternalServerError, "", sanitizeDetails(err.Error()), "-")
+	return localReply(x.p.statusOnError, "", sanitizeDetails(err.Error()), "-")
 }
 
 // immediate turns an ImmediateResponse into a local reply: status (missing or < 200 gives 200),
 // body, content-type text/plain for a non-empty body, the header mutations under the default
-// rules, and a computed content-length. The stream is closed and no response phase is sent
-// (reference §0.4, §2.6).
+// rules, and a computed content-length. An invalid mutation does not fail the reply: as Envoy's
+// sendImmediateResponse, it is logged and the entries before it stay applied. The stream is
+// closed and no response phase is sent (reference §0.4, §2.6).
 func (x *exchange) immediate(ir *extprocv3.ImmediateResponse) error {
 	x.p.stats.immediateResponses.Add(1)
 	x.side.close()
@@ -863,8 +865,10 @@ func (x *exchange) immediate(ir *extprocv3.ImmediateResponse) error {
 	if len(ir.GetBody()) > 0 {
 		h.add("content-type", "text/plain")
 	}
-	if err := x.mutate(&h, ir.GetHeaders()); err != nil {
-		return err
+	rejected, err := applyMutation(&h, ir.GetHeaders())
+	x.p.stats.rejectedMutations.Add(int64(rejected))
+	if err != nil {
+		x.p.stats.immediateMutationErrors.Add(1)
 	}
 	h.set("content-length", strconv.Itoa(len(ir.GetBody())))
 	return &reply{headers: h, body: ir.GetBody(), details: sanitizeDetails(ir.GetDetails()), flags: "-", immediate: true}

@@ -156,6 +156,9 @@ type Stats struct {
 	// RejectedMutations counts header mutations ignored by the default mutation rules
 	// (rejected_header_mutations).
 	RejectedMutations int64
+	// ImmediateMutationErrors counts ImmediateResponses whose header mutation was invalid:
+	// Envoy logs "Immediate response mutations failed" and sends the reply anyway.
+	ImmediateMutationErrors int64
 	// ModeOverrides and ModeOverridesIgnored count mode_override fields honoured and ignored.
 	ModeOverrides, ModeOverridesIgnored int64
 	// TimeoutOverrides and TimeoutOverridesIgnored count override_message_timeout fields
@@ -170,7 +173,7 @@ type Stats struct {
 
 type counters struct {
 	streamsStarted, streamErrors, messagesSent, messagesReceived, spurious, messageTimeouts,
-	failureModeAllowed, immediateResponses, rejectedMutations, modeOverrides,
+	failureModeAllowed, immediateResponses, immediateMutationErrors, rejectedMutations, modeOverrides,
 	modeOverridesIgnored, timeoutOverrides, timeoutOverridesIgnored, localReplies,
 	resets atomic.Int64
 }
@@ -405,6 +408,7 @@ func (p *Proxy) Stats() Stats {
 		FailureModeAllowed:      c.failureModeAllowed.Load(),
 		ImmediateResponses:      c.immediateResponses.Load(),
 		RejectedMutations:       c.rejectedMutations.Load(),
+		ImmediateMutationErrors: c.immediateMutationErrors.Load(),
 		ModeOverrides:           c.modeOverrides.Load(),
 		ModeOverridesIgnored:    c.modeOverridesIgnored.Load(),
 		TimeoutOverrides:        c.timeoutOverrides.Load(),

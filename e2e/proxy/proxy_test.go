@@ -178,7 +178,9 @@ func TestImmediateResponse(t *testing.T) {
 		wantHeaders map[string][]string
 		wantKinds   []string
 		wantDetails string
-		wantRejects int64
+		// wantMutationErrs counts replies whose header mutation was invalid.
+		wantMutationErrs int64
+		wantRejects      int64
 	}{
 		{
 			name: "at request_headers", at: "request_headers",
@@ -217,30 +219,36 @@ func TestImmediateResponse(t *testing.T) {
 			wantStatus: 200,
 			wantKinds:  []string{"request_headers"},
 		},
+		// An invalid mutation does not fail an immediate reply: Envoy logs it and sends the
+		// reply with the entries before it applied (sendImmediateResponse).
 		{
 			name: "value and raw_value both set", at: "request_headers",
 			resp: immediate(typev3.StatusCode_Created, "x", &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-				bothSet("x-both", "v"),
+				setRaw("x-before", "1", false), bothSet("x-both", "v"), setRaw("x-after", "2", false),
 			}}, ""),
-			wantStatus:  500,
-			wantKinds:   []string{"request_headers"},
-			wantDetails: "Only_one_of_value_or_raw_value_in_the_HeaderValue_message_should_be_set.",
+			wantStatus: 201, wantBody: "x",
+			wantHeaders:      map[string][]string{"X-Before": {"1"}, "X-Both": nil, "X-After": nil},
+			wantKinds:        []string{"request_headers"},
+			wantMutationErrs: 1,
 		},
 		{
 			name: "invalid header name", at: "request_body",
 			resp: immediate(typev3.StatusCode_Created, "x", &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 				setRaw("bad name", "v", false),
 			}}, ""),
-			wantStatus: 500,
-			wantKinds:  []string{"request_headers", "request_body"},
+			wantStatus: 201, wantBody: "x",
+			wantKinds:        []string{"request_headers", "request_body"},
+			wantMutationErrs: 1,
 		},
 		{
 			name: "invalid header value", at: "request_headers",
 			resp: immediate(typev3.StatusCode_Created, "x", &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 				setRaw("x-bad", "a\r\nb", false),
 			}}, ""),
-			wantStatus: 500,
-			wantKinds:  []string{"request_headers"},
+			wantStatus: 201, wantBody: "x",
+			wantHeaders:      map[string][]string{"X-Bad": nil},
+			wantKinds:        []string{"request_headers"},
+			wantMutationErrs: 1,
 		},
 	}
 	for _, tt := range tests {
@@ -266,6 +274,7 @@ func TestImmediateResponse(t *testing.T) {
 			st := e.proxy.Stats()
 			require.Equal(t, int64(1), st.ImmediateResponses)
 			require.Equal(t, tt.wantRejects, st.RejectedMutations)
+			require.Equal(t, tt.wantMutationErrs, st.ImmediateMutationErrors)
 		})
 	}
 }
@@ -637,6 +646,36 @@ func TestMutations(t *testing.T) {
 	require.Empty(t, r.Header.Get("X-Envoy-Retry-On"))
 	require.Equal(t, int64(4), e.proxy.Stats().RejectedMutations)
 	e.proc.next(t)
+}
+
+// An invalid mutation in an answer other than an ImmediateResponse fails the request with
+// status_on_error (500 by default), whatever failure_mode_allow says (Envoy's
+// handleErrorResponse, reference §5).
+func TestInvalidMutationUsesStatusOnError(t *testing.T) {
+	bad := func(st extprocv3.ExternalProcessor_ProcessServer, req *extprocv3.ProcessingRequest) error {
+		return st.Send(answer(req, &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
+			SetHeaders: []*corev3.HeaderValueOption{bothSet("x-both", "v")},
+		}}))
+	}
+	for _, tc := range []struct {
+		statusOnError *typev3.HttpStatus
+		want          int
+	}{
+		{nil, http.StatusInternalServerError},
+		{&typev3.HttpStatus{Code: typev3.StatusCode_ServiceUnavailable}, http.StatusServiceUnavailable},
+	} {
+		for _, allow := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%d/failure_mode_allow=%v", tc.want, allow), func(t *testing.T) {
+				f := bufferedFilter()
+				f.FailureModeAllow = allow
+				e := newEnv(t, f, on("request_headers", bad), func(c *proxy.Config) { c.Filter.StatusOnError = tc.statusOnError })
+				resp, _ := e.do(t, http.MethodPost, "/pay", []byte("x"))
+				require.Equal(t, tc.want, resp.StatusCode)
+				require.Zero(t, e.up.Total())
+				e.proc.next(t)
+			})
+		}
+	}
 }
 
 func TestContinueAndReplace(t *testing.T) {
