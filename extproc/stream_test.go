@@ -601,3 +601,23 @@ func TestFingerprintPolicy(t *testing.T) {
 		require.Equal(t, 1, h.executions("k"))
 	})
 }
+
+// A STREAMED response whose upstream sends trailers ends its last chunk with end_of_stream false;
+// with response_trailer_mode SEND, the trailers message ends it, and the record is written then.
+func TestStreamedResponseEndedByTrailers(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	s := h.open()
+	first := requestHeaders(post("/v1/payments", "k", `{}`))
+	first.ProtocolConfig.ResponseBodyMode = filterextproc.ProcessingMode_STREAMED
+	s.send(first)
+	s.send(requestBody([]byte(`{}`)))
+	s.send(responseHeaders(created))
+	s.send(responseBody(created.body[:5], false))
+	s.send(responseBody(created.body[5:], false))
+	requireProblem(t, h.do(post("/v1/payments", "k", `{}`), created), 409, "request-in-progress")
+	resp := s.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{}}})
+	require.NotNil(t, resp.GetResponseTrailers())
+	res := h.do(post("/v1/payments", "k", `{}`), created)
+	require.Equal(t, []string{"true"}, res.header(replayed))
+	require.Equal(t, created.body, res.body)
+}

@@ -345,8 +345,12 @@ func TestEnvoyYAMLBrokenVariantsFail(t *testing.T) {
 		{"request headers skipped", "request_header_mode: SEND\n                request_body_mode: BUFFERED",
 			"request_header_mode: SKIP\n                request_body_mode: BUFFERED", 1,
 			"processing_mode.request_header_mode is SKIP, want SEND"},
-		{"trailers sent", "response_trailer_mode: SKIP", "response_trailer_mode: SEND", 1,
-			"processing_mode.response_trailer_mode is SEND, want SKIP"},
+		{"request trailers sent", "request_body_mode: BUFFERED\n                request_trailer_mode: SKIP",
+			"request_body_mode: BUFFERED\n                request_trailer_mode: SEND", 1,
+			"processing_mode.request_trailer_mode is SEND, want SKIP"},
+		{"response trailer mode left DEFAULT", "response_body_mode: BUFFERED\n                response_trailer_mode: SKIP",
+			"response_body_mode: BUFFERED\n                response_trailer_mode: DEFAULT", 1,
+			"processing_mode.response_trailer_mode is DEFAULT, want SKIP or SEND"},
 		{"trailer mode left DEFAULT", "request_trailer_mode: SKIP", "request_trailer_mode: DEFAULT", 1,
 			"processing_mode.request_trailer_mode is DEFAULT, want SKIP"},
 		{"fail open", "failure_mode_allow: false", "failure_mode_allow: true", 1,
@@ -433,6 +437,10 @@ func TestCheckSpecRules(t *testing.T) {
 	}{
 		{"STREAMED responses are allowed", func(f *filterextproc.ExternalProcessor) {
 			f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_STREAMED
+		}, nil},
+		{"STREAMED responses with their trailers sent are allowed", func(f *filterextproc.ExternalProcessor) {
+			f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_STREAMED
+			f.ProcessingMode.ResponseTrailerMode = filterextproc.ProcessingMode_SEND
 		}, nil},
 		{"empty allow-list is allowed", func(f *filterextproc.ExternalProcessor) {
 			f.AllowedOverrideModes = nil

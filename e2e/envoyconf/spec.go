@@ -59,7 +59,11 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	wantHeader("request_header_mode", pm.GetRequestHeaderMode(), filterextproc.ProcessingMode_SEND)
 	wantHeader("response_header_mode", pm.GetResponseHeaderMode(), filterextproc.ProcessingMode_SEND)
 	wantHeader("request_trailer_mode", pm.GetRequestTrailerMode(), filterextproc.ProcessingMode_SKIP)
-	wantHeader("response_trailer_mode", pm.GetResponseTrailerMode(), filterextproc.ProcessingMode_SKIP)
+	// SEND lets the processor see the end of a STREAMED response whose upstream sends trailers:
+	// its last chunk then has end_of_stream false (reference §2.4).
+	if m := pm.GetResponseTrailerMode(); m != filterextproc.ProcessingMode_SKIP && m != filterextproc.ProcessingMode_SEND {
+		bad("processing_mode.response_trailer_mode is %s, want SKIP or SEND", m)
+	}
 	if m := pm.GetRequestBodyMode(); m != filterextproc.ProcessingMode_BUFFERED {
 		bad("processing_mode.request_body_mode is %s, want BUFFERED", m)
 	}
