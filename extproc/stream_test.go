@@ -621,3 +621,55 @@ func TestStreamedResponseEndedByTrailers(t *testing.T) {
 	require.Equal(t, []string{"true"}, res.header(replayed))
 	require.Equal(t, created.body, res.body)
 }
+
+// The policy fields that shape a request's record, each at the request level: key_prefix,
+// scope_headers, store_statuses, key_headers and methods.
+func TestPolicyFieldsAtTheRequest(t *testing.T) {
+	t.Run("key_prefix", func(t *testing.T) {
+		store, err := cache.NewMemory(cache.MemoryOptions{})
+		require.NoError(t, err)
+		a := newHarness(t, harnessOptions{store: store, policy: "defaults: {key_prefix: 'a:'}"})
+		b := newHarness(t, harnessOptions{store: store, policy: "defaults: {key_prefix: 'b:'}"})
+		require.True(t, a.do(post("/v1/payments", "k", `{}`), created).executed)
+		require.True(t, b.do(post("/v1/payments", "k", `{}`), created).executed, "another prefix is another record on a shared store")
+		require.False(t, b.do(post("/v1/payments", "k", `{}`), created).executed)
+		require.True(t, strings.HasPrefix(extproc.StoredKey(a.policy, "/v1/payments", "k"), "a:"))
+	})
+	t.Run("scope_headers", func(t *testing.T) {
+		h := newHarness(t, harnessOptions{policy: "defaults: {scope_headers: [x-api-key]}"})
+		require.True(t, h.do(post("/v1/payments", "k", `{}`, "x-api-key", "one"), created).executed)
+		require.True(t, h.do(post("/v1/payments", "k", `{}`, "x-api-key", "two"), created).executed, "another API key is another scope")
+		res := h.do(post("/v1/payments", "k", `{}`, "x-api-key", "one", "authorization", "Bearer other"), created)
+		require.Equal(t, []string{"true"}, res.header(replayed), "authorization is no longer part of the scope")
+	})
+	t.Run("store_statuses", func(t *testing.T) {
+		h := newHarness(t, harnessOptions{policy: "defaults: {store_statuses: [2xx, 409]}"})
+		conflict := upstream{status: 409, headers: []string{"content-type", "application/json"}, body: []byte(`{"error":"taken"}`)}
+		require.True(t, h.do(post("/v1/payments", "k", `{}`), conflict).executed)
+		res := h.do(post("/v1/payments", "k", `{}`), created)
+		require.Equal(t, 409, res.status, "a listed status is stored and replayed")
+		require.Equal(t, []string{"true"}, res.header(replayed))
+		failed := upstream{status: 500, body: []byte("boom")}
+		require.True(t, h.do(post("/v1/payments", "e", `{}`), failed).executed)
+		require.True(t, h.do(post("/v1/payments", "e", `{}`), created).executed, "an unlisted status is released")
+	})
+	t.Run("key_headers", func(t *testing.T) {
+		h := newHarness(t, harnessOptions{policy: "defaults: {key_headers: [x-request-key]}"})
+		req := request{method: "POST", path: "/v1/payments", headers: []string{"x-request-key", "k"}, body: []byte(`{}`)}
+		require.True(t, h.do(req, created).executed)
+		require.Equal(t, []string{"true"}, h.do(req, created).header(replayed))
+		other := post("/v1/payments", "k", `{}`) // idempotency-key is no longer a key header
+		res := h.do(other, created)
+		require.True(t, res.executed)
+		require.Empty(t, res.header(replayed), "without a key it is not covered")
+	})
+	t.Run("methods", func(t *testing.T) {
+		h := newHarness(t, harnessOptions{policy: "defaults: {methods: [DELETE]}"})
+		del := request{method: "DELETE", path: "/v1/payments/1", headers: []string{"idempotency-key", "k"}}
+		require.True(t, h.do(del, created).executed)
+		require.Equal(t, []string{"true"}, h.do(del, created).header(replayed))
+		res := h.do(post("/v1/payments", "k", `{}`), created)
+		require.True(t, res.executed)
+		require.Empty(t, res.header(replayed), "POST is no longer covered")
+	})
+}
