@@ -3,6 +3,7 @@ package cache
 import (
 	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -81,14 +82,21 @@ func (o *orphans) run(release func(Lease) error, firstWait time.Duration) {
 	}
 }
 
-// freeOnce tries each unexpired lease once and returns those to try again.
+// freeOnce tries each unexpired lease once and returns those to try again. Once a release finds
+// Redis unreachable, the pass stops starting new ones: they would fail alike, and an outage
+// should not cost a connection attempt per waiting lease every pass.
 func freeOnce(waiting []orphan, release func(Lease) error) []orphan {
 	now := time.Now()
 	again := make([]bool, len(waiting))
 	sem := make(chan struct{}, orphanConcurrency)
+	var down atomic.Bool
 	var wg sync.WaitGroup
 	for i, l := range waiting {
 		if now.After(l.until) {
+			continue
+		}
+		if down.Load() {
+			again[i] = true
 			continue
 		}
 		sem <- struct{}{}
@@ -99,6 +107,9 @@ func freeOnce(waiting []orphan, release func(Lease) error) []orphan {
 			// A reply of Redis' (freed, or not this lease's) settles it; anything else may
 			// not have reached Redis.
 			again[i] = err != nil && !errors.Is(err, ErrLeaseLost) && unanswered(err)
+			if unreachable(err) {
+				down.Store(true)
+			}
 		}()
 	}
 	wg.Wait()

@@ -29,7 +29,7 @@ const maxBatch = 128
 // queued then leaves the queue and is never sent. A call already sent, or taken into a batch,
 // may still run: once its reply is in (or its round trip failed), its undo, if it has one, runs
 // on a goroutine of its own. So an undo always comes after the command it undoes, and a slow
-// Redis is never sent work that nobody waits for.
+// Redis is never sent a queued call that nobody waits for any more.
 type pipeline struct {
 	client  redis.UniversalClient
 	timeout time.Duration
@@ -70,17 +70,22 @@ func (p *pipeline) finish(c *call, cmd *redis.Cmd) {
 }
 
 // unanswered tells whether err leaves unknown what a command did: every error but a reply of
-// the server's (redis.Nil among them), a refused connection, and the pipeline's own ErrClosed.
+// the server's (redis.Nil among them) and the pipeline's own ErrClosed. A refused connection is
+// unanswered too: go-redis retries a command whose connection broke and returns the last
+// attempt's error, so a refused dial may follow a first attempt that was written.
 func unanswered(err error) bool {
 	var reply redis.Error
-	var op *net.OpError
 	switch {
 	case err == nil, errors.As(err, &reply), errors.Is(err, ErrClosed), errors.Is(err, redis.ErrClosed):
 		return false
-	case errors.As(err, &op) && op.Op == "dial":
-		return false // never sent
 	}
 	return true
+}
+
+// unreachable tells whether err is a refused or failed connection: Redis is not there at all.
+func unreachable(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
 }
 
 // alone sends c in a round trip of its own; a script goes by SHA and is loaded if need be.

@@ -161,9 +161,14 @@ func parseRedisURL(raw string) (*redis.Options, error) {
 	if err == nil {
 		return o, nil
 	}
-	msg := err.Error()
-	if pw, ok := u.User.Password(); ok && pw != "" {
-		msg = strings.ReplaceAll(msg, pw, "xxxxx")
+	// go-redis ends its messages with the value it refused (a scheme, a path, a database), and
+	// a password with an unescaped '/' parses as part of the path: keep only what it refused.
+	msg, _, _ := strings.Cut(err.Error(), ": ")
+	if rest, ok := strings.CutPrefix(err.Error(), "redis: "); ok {
+		msg, _, _ = strings.Cut(rest, ": ")
+	}
+	if u.Scheme != "redis" && u.Scheme != "rediss" {
+		msg += fmt.Sprintf(" %q (want redis or rediss)", u.Scheme)
 	}
 	return nil, fmt.Errorf("cache: redis url: %s", msg)
 }
@@ -383,11 +388,19 @@ func (r *Redis) owned(ctx context.Context, op string, s *redis.Script, l Lease, 
 }
 
 // releaseOrphan releases a lease whose Acquire may have run unbeknown to its caller (see
-// orphans).
+// orphans). It goes alone, outside the pipeline and the store timeout, with a deadline of at
+// least a second: it matters most while Redis answers slower than the store timeout.
 func (r *Redis) releaseOrphan(l Lease) error {
 	ctx, cancel := context.WithTimeout(context.Background(), max(r.timeout, time.Second))
 	defer cancel()
-	return r.owned(ctx, "release", releaseScript, l)
+	n, err := releaseScript.Run(ctx, r.client, []string{l.key}, l.token).Int64()
+	switch {
+	case err != nil:
+		return redisError("release", err)
+	case n != 1:
+		return ErrLeaseLost
+	}
+	return nil
 }
 
 // Ping implements [Store.Ping]. For Cluster it pings every known master and, when one does not

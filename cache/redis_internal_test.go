@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -392,10 +393,11 @@ func holdBack(src, dst net.Conn, delay *atomic.Int64) {
 	}
 }
 
-// While Redis answers later than the store timeout, every Acquire fails; once it answers in time
-// again, none of them may have left a pending record behind, or retries would get 409 for a
-// whole lease although nothing runs. Some of those calls ran alone, some in batches their
-// callers stopped waiting for, some never left the queue.
+// While Redis answers later than the store timeout, every Acquire fails, and none of them may
+// leave a pending record behind, or retries would get 409 for a whole lease although nothing
+// runs. Some of those calls ran alone, some in batches their callers stopped waiting for, some
+// never left the queue. The records are freed while Redis is still slow: the releases have a
+// deadline of their own.
 func TestRedisSlowServerLeavesNoOrphans(t *testing.T) {
 	mr := miniredis.RunT(t)
 	var delay atomic.Int64
@@ -419,7 +421,7 @@ func TestRedisSlowServerLeavesNoOrphans(t *testing.T) {
 	delay.Store(int64(3 * timeout / 2))
 
 	var failed atomic.Int64
-	const bursts, each = 5, 200
+	const bursts, each = 5, 20
 	for b := range bursts {
 		for i := range each {
 			wg.Add(1)
@@ -437,10 +439,10 @@ func TestRedisSlowServerLeavesNoOrphans(t *testing.T) {
 	}
 	wg.Wait()
 	require.Equal(t, int64(bursts*each), failed.Load(), "every Acquire outlived its deadline")
-	delay.Store(0)
 	left := -1
-	assert.Eventually(t, func() bool { left = len(mr.Keys()); return left == 0 }, 5*time.Second, 10*time.Millisecond)
+	assert.Eventually(t, func() bool { left = len(mr.Keys()); return left == 0 }, 20*time.Second, 10*time.Millisecond)
 	require.Zero(t, left, "pending records left behind")
+	delay.Store(0)
 }
 
 // An undo runs only where a command may have run unbeknown to its caller.
@@ -454,8 +456,8 @@ func TestUnanswered(t *testing.T) {
 		{nil, false},
 		{redis.Nil, false},
 		{serverError("ERR wrong number of arguments"), false},
-		{dial, false},
-		{fmt.Errorf("wrapped: %w", dial), false},
+		{dial, true}, // go-redis may have written a first attempt
+		{fmt.Errorf("wrapped: %w", dial), true},
 		{ErrClosed, false},
 		{redis.ErrClosed, false},
 		{read, true},
@@ -465,4 +467,37 @@ func TestUnanswered(t *testing.T) {
 	} {
 		require.Equal(t, tc.want, unanswered(tc.err), "%v", tc.err)
 	}
+}
+
+// A pass over the orphans stops starting releases once Redis refuses connections, and keeps
+// every lease it did not settle for the next pass; expired leases are dropped.
+func TestOrphanPassStopsWhenRedisIsDown(t *testing.T) {
+	refused := &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")}
+	var calls atomic.Int32
+	release := func(l Lease) error {
+		calls.Add(1)
+		switch l.key {
+		case "freed":
+			return nil
+		case "gone":
+			return ErrLeaseLost
+		}
+		return refused
+	}
+	future := time.Now().Add(time.Hour)
+	var waiting []orphan
+	for _, k := range []string{"freed", "gone"} {
+		waiting = append(waiting, orphan{lease: Lease{key: k}, until: future})
+	}
+	waiting = append(waiting, orphan{lease: Lease{key: "expired"}, until: time.Now().Add(-time.Second)})
+	for i := range 3 * orphanConcurrency {
+		waiting = append(waiting, orphan{lease: Lease{key: "down" + strconv.Itoa(i)}, until: future})
+	}
+	kept := freeOnce(waiting, release)
+	require.Len(t, kept, 3*orphanConcurrency, "every lease Redis was down for is kept, and only those")
+	for _, o := range kept {
+		require.True(t, strings.HasPrefix(o.lease.key, "down"), o.lease.key)
+	}
+	require.LessOrEqual(t, int(calls.Load()), 2+orphanConcurrency+1,
+		"releases stop being started once one finds Redis down (at most the ones already in flight)")
 }

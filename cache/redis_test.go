@@ -105,7 +105,10 @@ func TestOpenRedisOptions(t *testing.T) {
 		// net/url quotes the whole URL in its errors; the password must not reach a log.
 		{"bad port", cache.RedisOptions{URL: "redis://user:s3cret-pw@host:63 79/0"}, "percent-encoded"},
 		{"unescaped #", cache.RedisOptions{URL: "redis://user:s3cret#pw@host:6379/0"}, "redis url"},
-		{"bad db", cache.RedisOptions{URL: "redis://user:s3cret-pw@host:6379/s3cret-pw"}, "redis url"},
+		{"bad db", cache.RedisOptions{URL: "redis://user:s3cret-pw@host:6379/s3cret-pw"}, "invalid database number"},
+		// A '/' in the password makes the rest of it the path.
+		{"password with a slash", cache.RedisOptions{URL: "redis://user:1234/s3cret@host/0"}, "invalid URL path"},
+		{"password with a slash, no user", cache.RedisOptions{URL: "redis://:6379/s3cret@host:6379/0"}, "invalid URL path"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

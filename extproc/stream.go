@@ -231,6 +231,9 @@ func (st *stream) claim(body []byte, atHeaders bool) *extprocv3.ProcessingRespon
 		// failure, and nobody waits for an answer. The request never went upstream.
 		st.event(st.s.log.Debug()).Err(err).Msg("stream ended during the store call")
 		st.phase = phaseDone
+		if atHeaders {
+			return continueRequestHeaders
+		}
 		return continueRequestBody
 	}
 	if err != nil {

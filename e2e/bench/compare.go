@@ -167,7 +167,8 @@ func (r result) print(w io.Writer) {
 	}
 }
 
-// latencyBudget is the p99 latency a target may add to the null processor's (issue 6).
+// latencyBudget is the p99 latency a target may add to the null processor's (issue 6); the
+// saturation table asks at which throughput the mean alone would add that much.
 const latencyBudget = time.Millisecond
 
 // printSaturation shows what the saturated cells' latency owes to their throughput alone. A
