@@ -26,8 +26,9 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 )
 
-// drainTimeout is how long open streams may finish after SIGTERM before they are cut.
-const drainTimeout = 15 * time.Second
+// drainTimeout is how long open streams may finish after SIGTERM before they are cut (a
+// variable for the test of the cut).
+var drainTimeout = 15 * time.Second
 
 // readinessInterval is how often the store is pinged for gRPC health; /readyz pings on demand.
 const readinessInterval = 500 * time.Millisecond

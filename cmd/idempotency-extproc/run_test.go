@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/stretchr/testify/require"
@@ -249,6 +250,37 @@ func TestHangingStoreTurnsUnreadyQuickly(t *testing.T) {
 	require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
 	cancel()
 	require.NoError(t, <-done)
+}
+
+// Streams still open when the drain ends are cut, and the leases they hold are released
+// (unknown_outcome: release, the default), so that a retry on another replica runs.
+func TestRunCutStreamsReleaseTheirLeases(t *testing.T) {
+	saved := drainTimeout
+	drainTimeout = 200 * time.Millisecond
+	t.Cleanup(func() { drainTimeout = saved })
+	mr := miniredis.RunT(t)
+	logs := newLogLines()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"--store", "redis", "--redis-url", "redis://" + mr.Addr() + "/0",
+			"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, env(nil), logs)
+	}()
+	ready := logs.wait(t, "ready", 10*time.Second)
+	conn := dial(t, ready["grpc_addr"].(string))
+	s, err := extprocv3.NewExternalProcessorClient(conn).Process(t.Context())
+	require.NoError(t, err)
+	require.NoError(t, s.Send(bodilessPost("k")))
+	resp, err := s.Recv()
+	require.NoError(t, err)
+	require.NotNil(t, resp.GetRequestHeaders(), "claimed: the request runs upstream under a lease")
+	require.Len(t, mr.Keys(), 1, "the lease")
+
+	cancel() // as SIGTERM does; the stream never ends by itself
+	require.NoError(t, <-done)
+	logs.wait(t, "drain timeout: cutting the streams still open", time.Second)
+	require.Empty(t, mr.Keys(), "the cut stream's lease was released before the process exited")
 }
 
 // A mistyped Unix socket path must not delete the file it names; a stale socket is replaced.
