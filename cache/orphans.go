@@ -3,7 +3,6 @@ package cache
 import (
 	"errors"
 	"sync"
-	"sync/atomic"
 	"time"
 )
 
@@ -11,8 +10,9 @@ const (
 	// maxOrphans bounds the leases waiting to be freed; beyond it, a lease expires by itself at
 	// its lock TTL, as it would have without this.
 	maxOrphans = 10_000
-	// orphanConcurrency bounds the releases in flight at once (the pipeline batches them).
-	orphanConcurrency = 256
+	// orphanBatch is how many releases go in one pipelined round trip. The batches of a pass go
+	// one after the other, on one connection at a time, so that live calls keep the pool.
+	orphanBatch = 256
 	// orphanMaxWait is the longest pause between two attempts while Redis fails.
 	orphanMaxWait = time.Second
 )
@@ -48,9 +48,13 @@ func (o *orphans) add(l Lease, lockTTL time.Duration) {
 // stop ends run; the leases still waiting expire by themselves.
 func (o *orphans) stop() { o.once.Do(func() { close(o.done) }) }
 
+// releaseFunc releases leases in one round trip and returns each one's error.
+type releaseFunc func([]Lease) []error
+
 // run frees the queued leases with release until stop, retrying those whose release could not
-// tell what happened, with a growing pause, until they expire.
-func (o *orphans) run(release func(Lease) error, firstWait time.Duration) {
+// tell what happened, with a growing pause, until they expire. Each pass takes every lease
+// queued by then.
+func (o *orphans) run(release releaseFunc, firstWait time.Duration) {
 	var waiting []orphan
 	var next time.Time
 	wait := firstWait
@@ -66,12 +70,11 @@ func (o *orphans) run(release func(Lease) error, firstWait time.Duration) {
 			if len(waiting) == 0 {
 				next = time.Now()
 			}
-			if len(waiting) < maxOrphans {
-				waiting = append(waiting, l)
-			}
+			waiting = append(waiting, l)
 			continue
 		case <-retry:
 		}
+		waiting = o.drain(waiting)
 		waiting = freeOnce(waiting, release)
 		if len(waiting) == 0 {
 			wait = firstWait
@@ -82,42 +85,58 @@ func (o *orphans) run(release func(Lease) error, firstWait time.Duration) {
 	}
 }
 
-// freeOnce tries each unexpired lease once and returns those to try again. Once a release finds
-// Redis unreachable, the pass stops starting new ones: they would fail alike, and an outage
-// should not cost a connection attempt per waiting lease every pass.
-func freeOnce(waiting []orphan, release func(Lease) error) []orphan {
+// drain moves what is queued into waiting, up to maxOrphans.
+func (o *orphans) drain(waiting []orphan) []orphan {
+	for len(waiting) < maxOrphans {
+		select {
+		case l := <-o.queue:
+			waiting = append(waiting, l)
+		default:
+			return waiting
+		}
+	}
+	return waiting
+}
+
+// freeOnce tries each unexpired lease once, in batches, and returns those to try again. Once a
+// batch finds Redis unreachable, the pass stops: the rest would fail alike, and an outage
+// should not cost a connection attempt per batch every pass.
+func freeOnce(waiting []orphan, release releaseFunc) []orphan {
 	now := time.Now()
-	again := make([]bool, len(waiting))
-	sem := make(chan struct{}, orphanConcurrency)
-	var down atomic.Bool
-	var wg sync.WaitGroup
-	for i, l := range waiting {
+	var kept, batch []orphan
+	leases := make([]Lease, 0, orphanBatch)
+	down := false
+	flush := func() {
+		if len(batch) == 0 {
+			return
+		}
+		if down {
+			kept = append(kept, batch...)
+			batch = batch[:0]
+			return
+		}
+		leases = leases[:0]
+		for _, l := range batch {
+			leases = append(leases, l.lease)
+		}
+		for i, err := range release(leases) {
+			// A reply of Redis' (freed, or not this lease's) settles it; anything else may
+			// not have reached Redis.
+			if err != nil && !errors.Is(err, ErrLeaseLost) && unanswered(err) {
+				kept = append(kept, batch[i])
+			}
+			down = down || unreachable(err)
+		}
+		batch = batch[:0]
+	}
+	for _, l := range waiting {
 		if now.After(l.until) {
 			continue
 		}
-		if down.Load() {
-			again[i] = true
-			continue
-		}
-		sem <- struct{}{}
-		wg.Add(1)
-		go func() {
-			defer func() { <-sem; wg.Done() }()
-			err := release(l.lease)
-			// A reply of Redis' (freed, or not this lease's) settles it; anything else may
-			// not have reached Redis.
-			again[i] = err != nil && !errors.Is(err, ErrLeaseLost) && unanswered(err)
-			if unreachable(err) {
-				down.Store(true)
-			}
-		}()
-	}
-	wg.Wait()
-	kept := waiting[:0]
-	for i, l := range waiting {
-		if again[i] {
-			kept = append(kept, l)
+		if batch = append(batch, l); len(batch) == orphanBatch {
+			flush()
 		}
 	}
+	flush()
 	return kept
 }

@@ -28,8 +28,9 @@ const maxBatch = 128
 // A caller may stop waiting (its context ends) before its call's reply is in. A call still
 // queued then leaves the queue and is never sent. A call already sent, or taken into a batch,
 // may still run: once its reply is in (or its round trip failed), its undo, if it has one, runs
-// on a goroutine of its own. So an undo always comes after the command it undoes, and a slow
-// Redis is never sent a queued call that nobody waits for any more.
+// on a goroutine of its own. So an undo is sent after the command it undoes (on another
+// connection, so Redis runs them in that order unless it reads its sockets out of order), and a
+// slow Redis is never sent a queued call that nobody waits for any more.
 type pipeline struct {
 	client  redis.UniversalClient
 	timeout time.Duration

@@ -134,7 +134,7 @@ func NewRedis(client redis.UniversalClient, timeout time.Duration) *Redis {
 		timeout = DefaultRedisTimeout
 	}
 	r := &Redis{client: client, timeout: timeout, pipe: newPipeline(client, timeout, pipelineSlots), orphans: newOrphans()}
-	go r.orphans.run(r.releaseOrphan, timeout)
+	go r.orphans.run(r.releaseOrphans, timeout)
 	return r
 }
 
@@ -150,8 +150,8 @@ func CheckRedisOptions(opts RedisOptions) error {
 }
 
 // parseRedisURL is redis.ParseURL with errors that never hold raw's password. net/url quotes
-// the URL, or a piece of it, in its errors, and a password with an unescaped '#', '/' or '@'
-// is a common way to get one: such a URL gets a message of its own instead.
+// the URL, or a piece of it, in its errors, and a password with an unescaped '#' or '/' is a
+// common way to get one: such a URL gets a message of its own instead.
 func parseRedisURL(raw string) (*redis.Options, error) {
 	u, err := url.Parse(raw)
 	if err != nil {
@@ -167,7 +167,7 @@ func parseRedisURL(raw string) (*redis.Options, error) {
 	if rest, ok := strings.CutPrefix(err.Error(), "redis: "); ok {
 		msg, _, _ = strings.Cut(rest, ": ")
 	}
-	if u.Scheme != "redis" && u.Scheme != "rediss" {
+	if msg == "invalid URL scheme" {
 		msg += fmt.Sprintf(" %q (want redis or rediss)", u.Scheme)
 	}
 	return nil, fmt.Errorf("cache: redis url: %s", msg)
@@ -387,20 +387,34 @@ func (r *Redis) owned(ctx context.Context, op string, s *redis.Script, l Lease, 
 	return nil
 }
 
-// releaseOrphan releases a lease whose Acquire may have run unbeknown to its caller (see
-// orphans). It goes alone, outside the pipeline and the store timeout, with a deadline of at
-// least a second: it matters most while Redis answers slower than the store timeout.
-func (r *Redis) releaseOrphan(l Lease) error {
+// releaseOrphans releases leases whose Acquire may have run unbeknown to their callers (see
+// orphans), in one pipelined round trip on one connection. It goes outside the pipeline and the
+// store timeout, with a deadline of at least a second: it matters most while Redis answers
+// slower than the store timeout.
+func (r *Redis) releaseOrphans(ls []Lease) []error {
 	ctx, cancel := context.WithTimeout(context.Background(), max(r.timeout, time.Second))
 	defer cancel()
-	n, err := releaseScript.Run(ctx, r.client, []string{l.key}, l.token).Int64()
-	switch {
-	case err != nil:
-		return redisError("release", err)
-	case n != 1:
-		return ErrLeaseLost
+	pipe := r.client.Pipeline()
+	cmds := make([]*redis.Cmd, len(ls))
+	for i, l := range ls {
+		cmds[i] = pipe.EvalSha(ctx, releaseScript.Hash(), []string{l.key}, l.token)
 	}
-	return nil
+	_, _ = pipe.Exec(ctx)
+	errs := make([]error, len(ls))
+	for i, cmd := range cmds {
+		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+			// This node has not seen the script yet: Run loads it.
+			cmd = releaseScript.Run(ctx, r.client, []string{ls[i].key}, ls[i].token)
+		}
+		n, err := cmd.Int64()
+		switch {
+		case err != nil:
+			errs[i] = redisError("release", err)
+		case n != 1:
+			errs[i] = ErrLeaseLost
+		}
+	}
+	return errs
 }
 
 // Ping implements [Store.Ping]. For Cluster it pings every known master and, when one does not

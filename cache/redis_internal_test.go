@@ -421,7 +421,7 @@ func TestRedisSlowServerLeavesNoOrphans(t *testing.T) {
 	delay.Store(int64(3 * timeout / 2))
 
 	var failed atomic.Int64
-	const bursts, each = 5, 20
+	const bursts, each = 5, 200
 	for b := range bursts {
 		for i := range each {
 			wg.Add(1)
@@ -469,35 +469,91 @@ func TestUnanswered(t *testing.T) {
 	}
 }
 
-// A pass over the orphans stops starting releases once Redis refuses connections, and keeps
-// every lease it did not settle for the next pass; expired leases are dropped.
+// A pass over the orphans stops once a batch finds Redis refusing connections, and keeps every
+// lease it did not settle for the next pass; expired leases are dropped.
 func TestOrphanPassStopsWhenRedisIsDown(t *testing.T) {
 	refused := &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")}
-	var calls atomic.Int32
-	release := func(l Lease) error {
-		calls.Add(1)
-		switch l.key {
-		case "freed":
-			return nil
-		case "gone":
-			return ErrLeaseLost
+	var batches int
+	release := func(ls []Lease) []error {
+		batches++
+		errs := make([]error, len(ls))
+		for i, l := range ls {
+			switch {
+			case l.key == "gone":
+				errs[i] = ErrLeaseLost
+			case strings.HasPrefix(l.key, "down"):
+				errs[i] = refused
+			}
 		}
-		return refused
+		return errs
 	}
 	future := time.Now().Add(time.Hour)
-	var waiting []orphan
-	for _, k := range []string{"freed", "gone"} {
-		waiting = append(waiting, orphan{lease: Lease{key: k}, until: future})
+	waiting := []orphan{
+		{lease: Lease{key: "freed"}, until: future},
+		{lease: Lease{key: "gone"}, until: future},
+		{lease: Lease{key: "expired"}, until: time.Now().Add(-time.Second)},
 	}
-	waiting = append(waiting, orphan{lease: Lease{key: "expired"}, until: time.Now().Add(-time.Second)})
-	for i := range 3 * orphanConcurrency {
+	for i := range 3 * orphanBatch {
 		waiting = append(waiting, orphan{lease: Lease{key: "down" + strconv.Itoa(i)}, until: future})
 	}
 	kept := freeOnce(waiting, release)
-	require.Len(t, kept, 3*orphanConcurrency, "every lease Redis was down for is kept, and only those")
+	require.Len(t, kept, 3*orphanBatch, "every lease Redis was down for is kept, and only those")
 	for _, o := range kept {
 		require.True(t, strings.HasPrefix(o.lease.key, "down"), o.lease.key)
 	}
-	require.LessOrEqual(t, int(calls.Load()), 2+orphanConcurrency+1,
-		"releases stop being started once one finds Redis down (at most the ones already in flight)")
+	require.Equal(t, 1, batches, "no batch is sent after one found Redis down")
+}
+
+// A pass takes every lease queued by then and sends them in full batches, however the leases
+// trickled in.
+func TestOrphansGoInFullBatches(t *testing.T) {
+	o := newOrphans()
+	const n = 3*orphanBatch + 100
+	for i := range n {
+		o.add(Lease{key: strconv.Itoa(i)}, time.Hour)
+	}
+	var mu sync.Mutex
+	var sizes []int
+	freed := 0
+	done := make(chan struct{})
+	release := func(ls []Lease) []error {
+		mu.Lock()
+		defer mu.Unlock()
+		sizes = append(sizes, len(ls))
+		if freed += len(ls); freed == n {
+			close(done)
+		}
+		return make([]error, len(ls))
+	}
+	go o.run(release, time.Millisecond)
+	defer o.stop()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the orphans were not all released")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	require.Equal(t, []int{orphanBatch, orphanBatch, orphanBatch, 100}, sizes)
+}
+
+// Freeing thousands of orphans while Redis is slow leaves the connection pool to live calls:
+// the releases go in pipelined batches on one connection at a time.
+func TestOrphanReleasesLeaveThePoolToLiveCalls(t *testing.T) {
+	mr := miniredis.RunT(t)
+	var delay atomic.Int64
+	const timeout = 100 * time.Millisecond
+	s, err := OpenRedis(RedisOptions{URL: "redis://" + slowServer(t, mr.Addr(), &delay), Timeout: timeout, PoolSize: 8})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+	delay.Store(int64(timeout * 2 / 5))
+	for i := range 4 * maxOrphans / 5 {
+		s.orphans.add(Lease{key: "orphan" + strconv.Itoa(i), token: "t"}, time.Hour)
+	}
+	for i := range 20 {
+		ctx, cancel := context.WithTimeout(t.Context(), timeout)
+		_, _, err := s.Acquire(ctx, "live"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
+		cancel()
+		require.NoError(t, err, "live call %d", i)
+	}
 }
