@@ -70,7 +70,9 @@ func (o *orphans) run(release releaseFunc, firstWait time.Duration) {
 			if len(waiting) == 0 {
 				next = time.Now()
 			}
-			waiting = append(waiting, l)
+			if len(waiting) < maxOrphans {
+				waiting = append(waiting, l)
+			}
 			continue
 		case <-retry:
 		}
