@@ -11,7 +11,8 @@ const (
 	// its lock TTL, as it would have without this.
 	maxOrphans = 10_000
 	// orphanBatch is how many releases go in one pipelined round trip. The batches of a pass go
-	// one after the other, on one connection at a time, so that live calls keep the pool.
+	// one after the other, on one connection at a time (one per node under Cluster), so that
+	// live calls keep the pool.
 	orphanBatch = 256
 	// orphanMaxWait is the longest pause between two attempts while Redis fails.
 	orphanMaxWait = time.Second
@@ -51,8 +52,8 @@ func (o *orphans) stop() { o.once.Do(func() { close(o.done) }) }
 // releaseFunc releases leases in one round trip and returns each one's error.
 type releaseFunc func([]Lease) []error
 
-// run frees the queued leases with release until stop, retrying those whose release could not
-// tell what happened, with a growing pause, until they expire. Each pass takes every lease
+// run frees the queued leases with release until stop, retrying those whose release did not
+// answer, with a growing pause, until they expire. Each pass takes every lease
 // queued by then.
 func (o *orphans) run(release releaseFunc, firstWait time.Duration) {
 	var waiting []orphan
@@ -122,9 +123,10 @@ func freeOnce(waiting []orphan, release releaseFunc) []orphan {
 			leases = append(leases, l.lease)
 		}
 		for i, err := range release(leases) {
-			// A reply of Redis' (freed, or not this lease's) settles it; anything else may
-			// not have reached Redis.
-			if err != nil && !errors.Is(err, ErrLeaseLost) && unanswered(err) {
+			// Only the script's answer settles a lease: freed, or not this lease's. Any other
+			// error, a reply such as LOADING, READONLY or TRYAGAIN included, means it did not
+			// run; retrying is safe, as the release checks the owner.
+			if err != nil && !errors.Is(err, ErrLeaseLost) && !errors.Is(err, ErrClosed) {
 				kept = append(kept, batch[i])
 			}
 			down = down || unreachable(err)

@@ -400,12 +400,23 @@ func (r *Redis) releaseOrphans(ls []Lease) []error {
 		cmds[i] = pipe.EvalSha(ctx, releaseScript.Hash(), []string{l.key}, l.token)
 	}
 	_, _ = pipe.Exec(ctx)
-	errs := make([]error, len(ls))
+	var unknown []int // the releases a node refused for not knowing the script
 	for i, cmd := range cmds {
 		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-			// This node has not seen the script yet: Run loads it.
-			cmd = releaseScript.Run(ctx, r.client, []string{ls[i].key}, ls[i].token)
+			unknown = append(unknown, i)
 		}
+	}
+	if len(unknown) > 0 && releaseScript.Load(ctx, r.client).Err() == nil {
+		// A restart or a failover: load the script once (on every node under Cluster), then
+		// send those again together.
+		pipe := r.client.Pipeline()
+		for _, i := range unknown {
+			cmds[i] = pipe.EvalSha(ctx, releaseScript.Hash(), []string{ls[i].key}, ls[i].token)
+		}
+		_, _ = pipe.Exec(ctx)
+	}
+	errs := make([]error, len(ls))
+	for i, cmd := range cmds {
 		n, err := cmd.Int64()
 		switch {
 		case err != nil:

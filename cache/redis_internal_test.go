@@ -470,7 +470,8 @@ func TestUnanswered(t *testing.T) {
 }
 
 // A pass over the orphans stops once a batch finds Redis refusing connections, and keeps every
-// lease it did not settle for the next pass; expired leases are dropped.
+// lease whose release did not run for the next pass; freed, foreign, closed and expired leases
+// are dropped.
 func TestOrphanPassStopsWhenRedisIsDown(t *testing.T) {
 	refused := &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")}
 	var batches int
@@ -481,6 +482,10 @@ func TestOrphanPassStopsWhenRedisIsDown(t *testing.T) {
 			switch {
 			case l.key == "gone":
 				errs[i] = ErrLeaseLost
+			case l.key == "closed":
+				errs[i] = ErrClosed
+			case l.key == "loading":
+				errs[i] = serverError("LOADING Redis is loading the dataset in memory")
 			case strings.HasPrefix(l.key, "down"):
 				errs[i] = refused
 			}
@@ -491,14 +496,17 @@ func TestOrphanPassStopsWhenRedisIsDown(t *testing.T) {
 	waiting := []orphan{
 		{lease: Lease{key: "freed"}, until: future},
 		{lease: Lease{key: "gone"}, until: future},
+		{lease: Lease{key: "closed"}, until: future},
+		{lease: Lease{key: "loading"}, until: future},
 		{lease: Lease{key: "expired"}, until: time.Now().Add(-time.Second)},
 	}
 	for i := range 3 * orphanBatch {
 		waiting = append(waiting, orphan{lease: Lease{key: "down" + strconv.Itoa(i)}, until: future})
 	}
 	kept := freeOnce(waiting, release)
-	require.Len(t, kept, 3*orphanBatch, "every lease Redis was down for is kept, and only those")
-	for _, o := range kept {
+	require.Len(t, kept, 1+3*orphanBatch, "every lease whose release did not run is kept, and only those")
+	require.Equal(t, "loading", kept[0].lease.key, "an error reply is not an answer")
+	for _, o := range kept[1:] {
 		require.True(t, strings.HasPrefix(o.lease.key, "down"), o.lease.key)
 	}
 	require.Equal(t, 1, batches, "no batch is sent after one found Redis down")
@@ -546,6 +554,9 @@ func TestOrphanReleasesLeaveThePoolToLiveCalls(t *testing.T) {
 	s, err := OpenRedis(RedisOptions{URL: "redis://" + slowServer(t, mr.Addr(), &delay), Timeout: timeout, PoolSize: 8})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = s.Close() })
+	// A connection made while Redis is fast, so that a live call's handshake is not timed.
+	_, _, err = s.Acquire(t.Context(), "warm", Claim{LockTTL: time.Hour, TTL: time.Hour})
+	require.NoError(t, err)
 	delay.Store(int64(timeout * 2 / 5))
 	for i := range 4 * maxOrphans / 5 {
 		s.orphans.add(Lease{key: "orphan" + strconv.Itoa(i), token: "t"}, time.Hour)
@@ -556,4 +567,65 @@ func TestOrphanReleasesLeaveThePoolToLiveCalls(t *testing.T) {
 		cancel()
 		require.NoError(t, err, "live call %d", i)
 	}
+}
+
+// scriptCounter counts the pipelined batches of EVALSHA and the commands sent alone, by name.
+type scriptCounter struct {
+	passHook
+	mu      sync.Mutex
+	batches int
+	alone   []string
+}
+
+func (h *scriptCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.mu.Lock()
+		h.alone = append(h.alone, cmd.Name())
+		h.mu.Unlock()
+		return next(ctx, cmd)
+	}
+}
+
+func (h *scriptCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if cmds[0].Name() == "evalsha" {
+			h.mu.Lock()
+			h.batches++
+			h.mu.Unlock()
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// After a restart or failover, a node refuses every release of a batch for not knowing the
+// script: it is loaded once, and the refused releases go again in one round trip.
+func TestOrphanReleasesReloadTheScriptOnce(t *testing.T) {
+	hook := &scriptCounter{}
+	s, mr := hookedRedis(t, hook, time.Second)
+	var leases []Lease
+	for i := range 10 {
+		l, _, err := s.Acquire(t.Context(), "k"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
+		require.NoError(t, err)
+		leases = append(leases, l)
+	}
+	require.NoError(t, s.client.ScriptFlush(t.Context()).Err())
+	hook.mu.Lock()
+	hook.batches, hook.alone = 0, nil
+	hook.mu.Unlock()
+	for i, err := range s.releaseOrphans(leases) {
+		require.NoError(t, err, "lease %d", i)
+	}
+	require.Empty(t, mr.Keys())
+	hook.mu.Lock()
+	defer hook.mu.Unlock()
+	require.Equal(t, 2, hook.batches, "the batch, then the refused releases again")
+	require.NotContains(t, hook.alone, "evalsha", "no release alone")
+	require.NotContains(t, hook.alone, "eval", "no release alone")
+	loads := 0
+	for _, name := range hook.alone {
+		if name == "script" {
+			loads++
+		}
+	}
+	require.Equal(t, 1, loads, "the script loaded once")
 }
