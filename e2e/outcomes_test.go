@@ -239,6 +239,47 @@ func TestStreamedResponseReplayedByteForByte(t *testing.T) {
 	require.Equal(t, 1, s.up.Count("stream-1"))
 }
 
+// A STREAMED response whose upstream sends trailers ends only with its trailers: with
+// response_trailer_mode SEND it is stored and replayed; with SKIP the processor never sees it
+// end, and the key follows unknown_outcome (released: a retry runs again), as the README says.
+func TestStreamedResponseWithTrailers(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		mode   filterextproc.ProcessingMode_HeaderSendMode
+		stored bool
+	}{
+		{filterextproc.ProcessingMode_SEND, true},
+		{filterextproc.ProcessingMode_SKIP, false},
+	} {
+		t.Run(tc.mode.String(), func(t *testing.T) {
+			t.Parallel()
+			streamed := func(b *bootstrapv3.Bootstrap) error {
+				return envoyconf.MutateExtProc(b, func(f *filterextproc.ExternalProcessor) {
+					f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_STREAMED
+					f.ProcessingMode.ResponseTrailerMode = tc.mode
+				})
+			}
+			s := newStack(t, stackOptions{envoy: streamed})
+			h := map[string]string{"X-Test-Body-Bytes": "4096", "X-Test-Chunked": "true", "X-Test-Trailer-Grpc-Status": "0"}
+			first := s.do(call{key: "trailed", headers: h, body: `{}`})
+			require.Equal(t, 200, first.status)
+			require.True(t, bytes.Equal(upstream.Body(4096), first.body))
+			if !tc.stored {
+				require.Eventually(t, func() bool {
+					r := s.do(call{key: "trailed", headers: h, body: `{}`})
+					return r.status == 200 && r.header.Get(replayed) == "false"
+				}, 5*time.Second, 50*time.Millisecond, "released: the retry runs again")
+				require.Equal(t, 2, s.up.Count("trailed"))
+				return
+			}
+			second := s.do(call{key: "trailed", headers: h, body: `{}`})
+			require.Equal(t, "true", second.header.Get(replayed))
+			require.True(t, bytes.Equal(first.body, second.body))
+			require.Equal(t, 1, s.up.Count("trailed"))
+		})
+	}
+}
+
 func TestBufferedResponseOverEnvoyLimitIsReleased(t *testing.T) {
 	t.Parallel()
 	// Envoy answers 500 for a BUFFERED response over its limit and never sends the body

@@ -91,6 +91,7 @@ const (
 	phaseRequestBody
 	phaseResponseHeaders
 	phaseResponseBody
+	phaseResponseTrailers
 )
 
 // direction is 0 for the request, 1 for the response.
@@ -112,6 +113,8 @@ func (ph phase) answers(resp *extprocv3.ProcessingResponse) bool {
 		return ph == phaseResponseHeaders
 	case *extprocv3.ProcessingResponse_ResponseBody:
 		return ph == phaseResponseBody
+	case *extprocv3.ProcessingResponse_ResponseTrailers:
+		return ph == phaseResponseTrailers
 	}
 	return false
 }
@@ -150,6 +153,8 @@ type response struct {
 	status  int
 	headers headerList // starts with :status
 	body    io.ReadCloser
+	// trailer holds the trailers the upstream announced, their values once body is read.
+	trailer http.Header
 	length  int64 // -1 when unknown
 	details string
 	flags   uint64
@@ -544,7 +549,7 @@ func (x *exchange) upstreamResult(start time.Time, resp *http.Response, err erro
 	// (reference §2.8).
 	h.add("x-envoy-upstream-service-time", strconv.FormatInt(time.Since(start).Milliseconds(), 10))
 	return &response{
-		status: resp.StatusCode, headers: h, body: resp.Body, length: resp.ContentLength,
+		status: resp.StatusCode, headers: h, body: resp.Body, trailer: resp.Trailer, length: resp.ContentLength,
 		details: "via_upstream", flagStr: "-",
 	}, nil
 }
@@ -673,10 +678,15 @@ func (x *exchange) respondBuffered(res *response) error {
 		// (reference §0.5, §9).
 		return localReply(http.StatusInternalServerError, "Internal Server Error", "response_payload_too_large", "-")
 	}
-	data, err = x.bodyPhase(phaseResponseBody, data, true, &res.headers)
+	// With trailers, the buffered body goes with end_of_stream false (reference §2.4).
+	data, err = x.bodyPhase(phaseResponseBody, data, len(res.trailer) == 0, &res.headers)
 	if err != nil {
 		return err
 	}
+	if err := x.trailersPhase(res); err != nil {
+		return err
+	}
+	// Sent with a content-length, the body can carry no trailers downstream.
 	return x.writeBody(res.headers, data)
 }
 
@@ -716,7 +726,8 @@ func (x *exchange) respondStreamed(res *response) error {
 		n, rerr := res.body.Read(buf)
 		read += int64(n)
 		// With a known length the chunk that completes it ends the stream; otherwise an empty
-		// last chunk does, as for HTTP/1 chunked encoding (reference §2.4).
+		// last chunk does, as for HTTP/1 chunked encoding; with trailers, they end it instead
+		// (reference §2.4).
 		last := rerr == io.EOF || (res.length >= 0 && read >= res.length)
 		if rerr != nil && rerr != io.EOF {
 			return x.upstreamBodyError()
@@ -724,10 +735,14 @@ func (x *exchange) respondStreamed(res *response) error {
 		if n == 0 && !last {
 			continue
 		}
+		if n == 0 && len(res.trailer) > 0 {
+			// The trailers end the stream: no empty last chunk (reference §2.4).
+			return x.endWithTrailers(res)
+		}
 		chunk := slices.Clone(buf[:n])
 		if x.processing() {
 			var err error
-			if chunk, err = x.bodyPhase(phaseResponseBody, chunk, last, nil); err != nil {
+			if chunk, err = x.bodyPhase(phaseResponseBody, chunk, last && len(res.trailer) == 0, nil); err != nil {
 				return err
 			}
 		}
@@ -738,9 +753,41 @@ func (x *exchange) respondStreamed(res *response) error {
 			x.flush()
 		}
 		if last {
-			return nil
+			return x.endWithTrailers(res)
 		}
 	}
+}
+
+// endWithTrailers ends a STREAMED response: its trailers phase, then its trailers downstream.
+func (x *exchange) endWithTrailers(res *response) error {
+	if err := x.trailersPhase(res); err != nil {
+		return err
+	}
+	for name, values := range res.trailer {
+		x.w.Header()[http.TrailerPrefix+name] = values
+	}
+	return nil
+}
+
+// trailersPhase sends the response's trailers, if it has any, when response_trailer_mode is
+// SEND; with SKIP, Envoy sends nothing, and the body's last message did not end the stream
+// (reference §2.4, §3). Trailer mutations are not applied.
+func (x *exchange) trailersPhase(res *response) error {
+	if len(res.trailer) == 0 || !x.processing() || x.mode.GetResponseTrailerMode() != filterextproc.ProcessingMode_SEND {
+		return nil
+	}
+	var t headerList
+	t.fromHTTP(res.trailer)
+	resp, err := x.call(phaseResponseTrailers, &extprocv3.ProcessingRequest{
+		Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{Trailers: t.headerMap()}},
+	})
+	if err != nil || resp == nil {
+		return err
+	}
+	if ir := resp.GetImmediateResponse(); ir != nil {
+		return x.immediate(ir)
+	}
+	return nil
 }
 
 // copyBody streams src downstream unprocessed.

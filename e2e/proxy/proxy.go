@@ -49,7 +49,12 @@ const (
 // Config describes one proxy: an HTTP listener with a single ext_proc filter in front of a
 // router with one upstream cluster.
 //
-// Not implemented: request and response trailers (no trailer message is ever sent, as if no
+// Response trailers: a response whose upstream sent trailers ends its body with end_of_stream
+// false, then a response_trailers message when response_trailer_mode is SEND (trailer mutations
+// are not applied); downstream, a STREAMED response carries the trailers, a BUFFERED one (sent
+// with a content-length) does not.
+//
+// Not implemented: request trailers (no request_trailers message is ever sent, as if no
 // request had trailers), FULL_DUPLEX_STREAMED and GRPC body modes, observability_mode,
 // send_body_without_waiting_for_header_response pipelining (the flag is reported in
 // protocol_config and disables mode_override, but bodies still wait for the header answer),

@@ -519,6 +519,52 @@ func TestStreamedResponse(t *testing.T) {
 	}
 }
 
+// A response whose upstream sends trailers ends its body with end_of_stream false, with no
+// empty last chunk; the trailers then come in a response_trailers message only with
+// response_trailer_mode SEND (reference §2.4). A STREAMED response carries them downstream.
+func TestResponseTrailers(t *testing.T) {
+	for _, tc := range []struct {
+		bodyMode filterextproc.ProcessingMode_BodySendMode
+		trailers filterextproc.ProcessingMode_HeaderSendMode
+	}{
+		{bodySTR, filterextproc.ProcessingMode_SEND},
+		{bodySTR, filterextproc.ProcessingMode_SKIP},
+		{filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_SEND},
+		{filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_SKIP},
+	} {
+		t.Run(fmt.Sprintf("%s/%s", tc.bodyMode, tc.trailers), func(t *testing.T) {
+			f := bufferedFilter()
+			f.ProcessingMode.ResponseBodyMode = tc.bodyMode
+			f.ProcessingMode.ResponseTrailerMode = tc.trailers
+			e := newEnv(t, f, continueAll)
+			resp, got := e.do(t, http.MethodPost, "/grpcish", []byte("x"), "X-Test-Body-Bytes", "100", "X-Test-Trailer-Grpc-Status", "0")
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+			require.Equal(t, upstream.Body(100), got)
+			msgs := e.proc.next(t).msgs
+			require.Equal(t, []string{"request_headers", "request_body", "response_headers"}, kinds(msgs[:3]))
+			var body []byte
+			rest := msgs[3:]
+			for len(rest) > 0 && kind(rest[0]) == "response_body" {
+				b := rest[0].GetResponseBody()
+				require.NotEmpty(t, b.GetBody(), "no empty chunk")
+				require.False(t, b.GetEndOfStream(), "the trailers end the stream, not the body")
+				body = append(body, b.GetBody()...)
+				rest = rest[1:]
+			}
+			require.Equal(t, upstream.Body(100), body)
+			if tc.trailers == filterextproc.ProcessingMode_SEND {
+				require.Equal(t, []string{"response_trailers"}, kinds(rest))
+				require.Equal(t, []string{"0"}, values(t, rest[0].GetResponseTrailers().GetTrailers(), "grpc-status"))
+			} else {
+				require.Empty(t, rest, "with SKIP no message says the response ended")
+			}
+			if tc.bodyMode == bodySTR {
+				require.Equal(t, "0", resp.Trailer.Get("Grpc-Status"), "a STREAMED response carries its trailers downstream")
+			}
+		})
+	}
+}
+
 func TestStreamedResponseFailureResets(t *testing.T) {
 	f := bufferedFilter()
 	f.ProcessingMode.ResponseBodyMode = bodySTR

@@ -13,6 +13,8 @@
 //	x-test-chunk-size: 16384  the chunk size for x-test-chunked (default: a quarter of the body)
 //	x-test-hang: true         never answer; return when the client goes away or on Close
 //	x-test-header-<name>: v   add the response header <name>: v (each value, in order)
+//	x-test-trailer-<name>: v  send the trailer <name>: v after the body (chunked, announced in
+//	                          a Trailer header)
 //
 // The default body is a JSON Summary with Content-Type application/json.
 package upstream
@@ -37,8 +39,12 @@ import (
 // of precedence.
 var keyHeaders = [...]string{"Idempotency-Key", "X-Idempotency-Key", "X-Idempotency"}
 
-// headerPrefix marks request headers echoed as response headers.
-const headerPrefix = "X-Test-Header-"
+// headerPrefix marks request headers echoed as response headers, trailerPrefix those sent as
+// trailers.
+const (
+	headerPrefix  = "X-Test-Header-"
+	trailerPrefix = "X-Test-Trailer-"
+)
 
 // Summary is the default JSON body: enough to tell executions apart.
 type Summary struct {
@@ -257,7 +263,22 @@ func (u *Upstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(code)
 		return
 	}
-	if r.Header.Get("X-Test-Chunked") != "true" {
+	trailers := map[string][]string{}
+	for name, values := range r.Header {
+		if rest, ok := strings.CutPrefix(name, trailerPrefix); ok && rest != "" {
+			trailers[rest] = values
+			out.Add("Trailer", rest)
+		}
+	}
+	if len(trailers) > 0 {
+		// Trailers need a chunked body: no content-length.
+		defer func() {
+			for name, values := range trailers {
+				out[http.CanonicalHeaderKey(name)] = values
+			}
+		}()
+	}
+	if r.Header.Get("X-Test-Chunked") != "true" && len(trailers) == 0 {
 		out.Set("Content-Length", strconv.Itoa(len(body)))
 		w.WriteHeader(code)
 		_, _ = w.Write(body)

@@ -109,6 +109,11 @@ func TestBehaviourHeaders(t *testing.T) {
 			require.Equal(t, []string{"a", "b"}, resp.Header.Values("X-Custom"))
 			require.Equal(t, "text/csv", resp.Header.Get("Content-Type"))
 		}},
+		{"trailers", []string{"X-Test-Trailer-Grpc-Status", "0", "X-Test-Body-Bytes", "1000"}, func(t *testing.T, resp *http.Response, body []byte) {
+			require.Equal(t, int64(-1), resp.ContentLength, "trailers need a chunked body")
+			require.Equal(t, upstream.Body(1000), body)
+			require.Equal(t, "0", resp.Trailer.Get("Grpc-Status"), "sent after the body")
+		}},
 		{"delay", []string{"X-Test-Delay", "100ms"}, func(t *testing.T, resp *http.Response, _ []byte) {
 			require.Equal(t, http.StatusOK, resp.StatusCode)
 		}},
