@@ -254,6 +254,10 @@ func TestStreamedResponseWithTrailers(t *testing.T) {
 		t.Run(tc.mode.String(), func(t *testing.T) {
 			t.Parallel()
 			streamed := func(b *bootstrapv3.Bootstrap) error {
+				// The upstream speaks HTTP/1, whose trailers Envoy drops unless enabled.
+				if err := envoyconf.EnableHTTP1Trailers(b); err != nil {
+					return err
+				}
 				return envoyconf.MutateExtProc(b, func(f *filterextproc.ExternalProcessor) {
 					f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_STREAMED
 					f.ProcessingMode.ResponseTrailerMode = tc.mode

@@ -258,6 +258,8 @@ func newStack(t *testing.T, o stackOptions) *stack {
 		Upstream:              upURL,
 		ListenerBufferLimit:   settings.ListenerBufferLimit,
 		UpstreamBufferLimit:   settings.UpstreamBufferLimit,
+		UpstreamTrailers:      settings.UpstreamTrailers,
+		DownstreamTrailers:    settings.DownstreamTrailers,
 		RouteTimeout:          settings.RouteTimeout,
 		DisabledPrefixes:      settings.DisabledPrefixes,
 		LocalRepliesToExtProc: o.localReplies,

@@ -238,6 +238,22 @@ static_resources:
   - name: app
 `
 
+// EnableHTTP1Trailers turns on enable_trailers on both sides, and ProxySettings reads them.
+func TestEnableHTTP1Trailers(t *testing.T) {
+	b, err := Load(envoyFile(t, "envoy.yaml"))
+	require.NoError(t, err)
+	s, err := ProxySettings(b)
+	require.NoError(t, err)
+	require.False(t, s.UpstreamTrailers || s.DownstreamTrailers, "off in the shipped file, as in Envoy")
+	require.NoError(t, EnableHTTP1Trailers(b))
+	s, err = ProxySettings(b)
+	require.NoError(t, err)
+	require.True(t, s.UpstreamTrailers)
+	require.True(t, s.DownstreamTrailers)
+	require.NoError(t, b.ValidateAll(), "still a valid bootstrap")
+	require.Error(t, EnableHTTP1Trailers(b), "the cluster already has HTTP protocol options")
+}
+
 func TestProxySettingsDefaults(t *testing.T) {
 	b, err := Parse([]byte(minimal))
 	require.NoError(t, err)

@@ -21,6 +21,7 @@ import (
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 )
 
 // Envoy's defaults for what Settings reports when the bootstrap leaves it unset.
@@ -70,6 +71,9 @@ type Settings struct {
 	// StreamRetries is grpc_service.retry_policy.num_retries when retry_on covers streams that
 	// could not be opened (connect-failure or refused-stream), else 0.
 	StreamRetries int
+	// UpstreamTrailers and DownstreamTrailers are enable_trailers of the upstream cluster's and
+	// of the connection manager's HTTP/1 options: off by default, Envoy drops HTTP/1 trailers.
+	UpstreamTrailers, DownstreamTrailers bool
 }
 
 // ExtProc returns the ext_proc filter config of the first HTTP connection manager of the first
@@ -232,6 +236,14 @@ func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
 		return Settings{}, fmt.Errorf("upstream cluster %q is not a static cluster", s.UpstreamCluster)
 	}
 	s.UpstreamBufferLimit = bufferLimit(uc)
+	s.DownstreamTrailers = hcm.GetHttpProtocolOptions().GetEnableTrailers()
+	if a, ok := uc.GetTypedExtensionProtocolOptions()[upstreamHTTPOptions]; ok {
+		po := &httpv3.HttpProtocolOptions{}
+		if err := a.UnmarshalTo(po); err != nil {
+			return Settings{}, fmt.Errorf("upstream cluster %q: %w", s.UpstreamCluster, err)
+		}
+		s.UpstreamTrailers = po.GetExplicitHttpConfig().GetHttpProtocolOptions().GetEnableTrailers()
+	}
 	return s, nil
 }
 

@@ -548,10 +548,14 @@ func (x *exchange) upstreamResult(start time.Time, resp *http.Response, err erro
 	// The router adds x-envoy-upstream-service-time before the filters see the headers
 	// (reference §2.8).
 	h.add("x-envoy-upstream-service-time", strconv.FormatInt(time.Since(start).Milliseconds(), 10))
-	return &response{
-		status: resp.StatusCode, headers: h, body: resp.Body, trailer: resp.Trailer, length: resp.ContentLength,
+	res := &response{
+		status: resp.StatusCode, headers: h, body: resp.Body, length: resp.ContentLength,
 		details: "via_upstream", flagStr: "-",
-	}, nil
+	}
+	if x.p.cfg.UpstreamTrailers {
+		res.trailer = resp.Trailer // Envoy's HTTP/1 codec drops them unless enable_trailers
+	}
+	return res, nil
 }
 
 // routerFailure maps a failed round trip to the router's local reply (reference §7).
@@ -662,7 +666,11 @@ func (x *exchange) respond(res *response) error {
 		return x.respondStreamed(res)
 	default:
 		x.writeHeaders(res.headers)
-		return x.copyBody(res.body)
+		if err := x.copyBody(res.body); err != nil {
+			return err
+		}
+		// Trailers are sent whatever the body mode (reference §3).
+		return x.endWithTrailers(res)
 	}
 }
 
@@ -678,10 +686,12 @@ func (x *exchange) respondBuffered(res *response) error {
 		// (reference §0.5, §9).
 		return localReply(http.StatusInternalServerError, "Internal Server Error", "response_payload_too_large", "-")
 	}
-	// With trailers, the buffered body goes with end_of_stream false (reference §2.4).
-	data, err = x.bodyPhase(phaseResponseBody, data, len(res.trailer) == 0, &res.headers)
-	if err != nil {
-		return err
+	// With trailers, the buffered body goes with end_of_stream false, and an empty one not at all
+	// (reference §2.4).
+	if len(data) > 0 || len(res.trailer) == 0 {
+		if data, err = x.bodyPhase(phaseResponseBody, data, len(res.trailer) == 0, &res.headers); err != nil {
+			return err
+		}
 	}
 	if err := x.trailersPhase(res); err != nil {
 		return err
@@ -701,18 +711,24 @@ func (x *exchange) respondPartial(res *response) error {
 	if over {
 		part = data[:x.p.responseLimit]
 	}
-	part, err = x.bodyPhase(phaseResponseBody, part, !over, &res.headers)
+	part, err = x.bodyPhase(phaseResponseBody, part, !over && len(res.trailer) == 0, &res.headers)
 	if err != nil {
 		return err
 	}
 	if !over {
+		if err := x.trailersPhase(res); err != nil {
+			return err
+		}
 		return x.writeBody(res.headers, part)
 	}
 	x.writeHeaders(res.headers)
 	if _, err := x.w.Write(part); err != nil {
 		return errClientGone
 	}
-	return x.copyBody(io.MultiReader(bytes.NewReader(data[x.p.responseLimit:]), res.body))
+	if err := x.copyBody(io.MultiReader(bytes.NewReader(data[x.p.responseLimit:]), res.body)); err != nil {
+		return err
+	}
+	return x.endWithTrailers(res)
 }
 
 // respondStreamed sends the headers downstream without content-length, then each upstream chunk
@@ -758,13 +774,16 @@ func (x *exchange) respondStreamed(res *response) error {
 	}
 }
 
-// endWithTrailers ends a STREAMED response: its trailers phase, then its trailers downstream.
+// endWithTrailers ends a response whose headers went downstream without a content-length: its
+// trailers phase, then its trailers downstream when the connection manager enables them.
 func (x *exchange) endWithTrailers(res *response) error {
 	if err := x.trailersPhase(res); err != nil {
 		return err
 	}
-	for name, values := range res.trailer {
-		x.w.Header()[http.TrailerPrefix+name] = values
+	if x.p.cfg.DownstreamTrailers {
+		for name, values := range res.trailer {
+			x.w.Header()[http.TrailerPrefix+name] = values
+		}
 	}
 	return nil
 }

@@ -49,10 +49,11 @@ const (
 // Config describes one proxy: an HTTP listener with a single ext_proc filter in front of a
 // router with one upstream cluster.
 //
-// Response trailers: a response whose upstream sent trailers ends its body with end_of_stream
-// false, then a response_trailers message when response_trailer_mode is SEND (trailer mutations
-// are not applied); downstream, a STREAMED response carries the trailers, a BUFFERED one (sent
-// with a content-length) does not.
+// Response trailers, kept only with UpstreamTrailers: a response whose upstream sent trailers
+// ends its body with end_of_stream false (no empty last chunk), then a response_trailers
+// message when response_trailer_mode is SEND, in every body mode (trailer mutations are not
+// applied); downstream, with DownstreamTrailers, a response without a content-length carries
+// them.
 //
 // Not implemented: request trailers (no request_trailers message is ever sent, as if no
 // request had trailers), FULL_DUPLEX_STREAMED and GRPC body modes, observability_mode,
@@ -88,6 +89,11 @@ type Config struct {
 	// UpstreamBufferLimit bounds BUFFERED response bodies (the upstream cluster's
 	// per_connection_buffer_limit_bytes); 0 means DefaultBufferLimit.
 	UpstreamBufferLimit uint32
+	// UpstreamTrailers and DownstreamTrailers are the enable_trailers of the upstream cluster's
+	// and of the connection manager's HTTP/1 options: without the first, the upstream's trailers
+	// are dropped (the body ends as if there were none); without the second, they do not go
+	// downstream.
+	UpstreamTrailers, DownstreamTrailers bool
 	// RouteTimeout bounds the upstream exchange, from sending the request to the end of the
 	// response body; 0 means DefaultRouteTimeout.
 	RouteTimeout time.Duration

@@ -521,22 +521,28 @@ func TestStreamedResponse(t *testing.T) {
 
 // A response whose upstream sends trailers ends its body with end_of_stream false, with no
 // empty last chunk; the trailers then come in a response_trailers message only with
-// response_trailer_mode SEND (reference §2.4). A STREAMED response carries them downstream.
+// response_trailer_mode SEND, in every body mode (reference §2.4, §3). Without the upstream's
+// enable_trailers, Envoy's HTTP/1 codec drops them: the body ends the stream as usual.
 func TestResponseTrailers(t *testing.T) {
+	bodyKinds := map[filterextproc.ProcessingMode_BodySendMode]bool{bodySTR: true, filterextproc.ProcessingMode_BUFFERED: true, filterextproc.ProcessingMode_BUFFERED_PARTIAL: true}
 	for _, tc := range []struct {
 		bodyMode filterextproc.ProcessingMode_BodySendMode
 		trailers filterextproc.ProcessingMode_HeaderSendMode
+		enabled  bool // the upstream cluster's and the connection manager's enable_trailers
 	}{
-		{bodySTR, filterextproc.ProcessingMode_SEND},
-		{bodySTR, filterextproc.ProcessingMode_SKIP},
-		{filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_SEND},
-		{filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_SKIP},
+		{bodySTR, filterextproc.ProcessingMode_SEND, true},
+		{bodySTR, filterextproc.ProcessingMode_SKIP, true},
+		{filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_SEND, true},
+		{filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_SKIP, true},
+		{filterextproc.ProcessingMode_BUFFERED_PARTIAL, filterextproc.ProcessingMode_SEND, true},
+		{filterextproc.ProcessingMode_NONE, filterextproc.ProcessingMode_SEND, true},
+		{bodySTR, filterextproc.ProcessingMode_SEND, false},
 	} {
-		t.Run(fmt.Sprintf("%s/%s", tc.bodyMode, tc.trailers), func(t *testing.T) {
+		t.Run(fmt.Sprintf("%s/%s/enabled=%v", tc.bodyMode, tc.trailers, tc.enabled), func(t *testing.T) {
 			f := bufferedFilter()
 			f.ProcessingMode.ResponseBodyMode = tc.bodyMode
 			f.ProcessingMode.ResponseTrailerMode = tc.trailers
-			e := newEnv(t, f, continueAll)
+			e := newEnv(t, f, continueAll, func(c *proxy.Config) { c.UpstreamTrailers, c.DownstreamTrailers = tc.enabled, tc.enabled })
 			resp, got := e.do(t, http.MethodPost, "/grpcish", []byte("x"), "X-Test-Body-Bytes", "100", "X-Test-Trailer-Grpc-Status", "0")
 			require.Equal(t, http.StatusOK, resp.StatusCode)
 			require.Equal(t, upstream.Body(100), got)
@@ -546,20 +552,31 @@ func TestResponseTrailers(t *testing.T) {
 			rest := msgs[3:]
 			for len(rest) > 0 && kind(rest[0]) == "response_body" {
 				b := rest[0].GetResponseBody()
-				require.NotEmpty(t, b.GetBody(), "no empty chunk")
-				require.False(t, b.GetEndOfStream(), "the trailers end the stream, not the body")
+				last := !tc.enabled && len(rest) == 1
+				require.Equal(t, last, b.GetEndOfStream(), "with trailers they end the stream, not the body")
+				if !last {
+					require.NotEmpty(t, b.GetBody(), "no empty chunk but one that ends the stream")
+				}
 				body = append(body, b.GetBody()...)
 				rest = rest[1:]
 			}
-			require.Equal(t, upstream.Body(100), body)
-			if tc.trailers == filterextproc.ProcessingMode_SEND {
+			if bodyKinds[tc.bodyMode] {
+				require.Equal(t, upstream.Body(100), body)
+			} else {
+				require.Empty(t, body)
+			}
+			if tc.enabled && tc.trailers == filterextproc.ProcessingMode_SEND {
 				require.Equal(t, []string{"response_trailers"}, kinds(rest))
 				require.Equal(t, []string{"0"}, values(t, rest[0].GetResponseTrailers().GetTrailers(), "grpc-status"))
 			} else {
-				require.Empty(t, rest, "with SKIP no message says the response ended")
+				require.Empty(t, rest, "no message says the response ended")
 			}
 			if tc.bodyMode == bodySTR {
-				require.Equal(t, "0", resp.Trailer.Get("Grpc-Status"), "a STREAMED response carries its trailers downstream")
+				want := ""
+				if tc.enabled {
+					want = "0"
+				}
+				require.Equal(t, want, resp.Trailer.Get("Grpc-Status"), "a STREAMED response carries its trailers downstream when enabled")
 			}
 		})
 	}
