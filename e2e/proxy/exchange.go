@@ -942,7 +942,7 @@ func (x *exchange) immediate(ir *extprocv3.ImmediateResponse) error {
 
 // overrideMode applies a mode_override from a header answer (reference §4.3): only with
 // allow_mode_override and without send_body_without_waiting_for_header_response;
-// request_header_mode is ignored; header and trailer modes left DEFAULT mean no change; body
+// request_header_mode is ignored; header and trailer modes left DEFAULT keep the configured mode; body
 // modes are taken literally; with allowed_override_modes the merged mode must equal one entry
 // on the five other fields.
 func (x *exchange) overrideMode(o *filterextproc.ProcessingMode) {
@@ -954,13 +954,16 @@ func (x *exchange) overrideMode(o *filterextproc.ProcessingMode) {
 		x.p.stats.modeOverridesIgnored.Add(1)
 		return
 	}
+	// Envoy merges an override with the configured mode, not with an earlier override
+	// (effectiveModeOverride(…, config_->processingMode())).
+	base := x.p.mode
 	m := &filterextproc.ProcessingMode{
-		RequestHeaderMode:   x.mode.GetRequestHeaderMode(),
-		ResponseHeaderMode:  x.mode.GetResponseHeaderMode(),
+		RequestHeaderMode:   base.GetRequestHeaderMode(),
+		ResponseHeaderMode:  base.GetResponseHeaderMode(),
 		RequestBodyMode:     o.GetRequestBodyMode(),
 		ResponseBodyMode:    o.GetResponseBodyMode(),
-		RequestTrailerMode:  x.mode.GetRequestTrailerMode(),
-		ResponseTrailerMode: x.mode.GetResponseTrailerMode(),
+		RequestTrailerMode:  base.GetRequestTrailerMode(),
+		ResponseTrailerMode: base.GetResponseTrailerMode(),
 	}
 	if o.GetResponseHeaderMode() != filterextproc.ProcessingMode_DEFAULT {
 		m.ResponseHeaderMode = o.GetResponseHeaderMode()

@@ -582,6 +582,37 @@ func TestResponseTrailers(t *testing.T) {
 	}
 }
 
+// Envoy merges each mode_override with the configured mode, not with an earlier override: a
+// header or trailer mode left DEFAULT at response_headers falls back to the configuration.
+func TestModeOverrideMergesWithTheConfiguredMode(t *testing.T) {
+	f := bufferedFilter() // response_trailer_mode SKIP
+	override := func(req *extprocv3.ProcessingRequest, m *filterextproc.ProcessingMode) *extprocv3.ProcessingResponse {
+		resp := cont(req)
+		resp.ModeOverride = m
+		return resp
+	}
+	h := func(st extprocv3.ExternalProcessor_ProcessServer, req *extprocv3.ProcessingRequest) error {
+		switch kind(req) {
+		case "request_headers":
+			return st.Send(override(req, &filterextproc.ProcessingMode{
+				RequestBodyMode: filterextproc.ProcessingMode_BUFFERED, ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED,
+				ResponseTrailerMode: filterextproc.ProcessingMode_SEND,
+			}))
+		case "response_headers":
+			return st.Send(override(req, &filterextproc.ProcessingMode{
+				RequestBodyMode: filterextproc.ProcessingMode_BUFFERED, ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED,
+			}))
+		}
+		return continueAll(st, req)
+	}
+	e := newEnv(t, f, h, func(c *proxy.Config) { c.UpstreamTrailers = true })
+	resp, _ := e.do(t, http.MethodPost, "/pay", []byte("x"), "X-Test-Body-Bytes", "10", "X-Test-Trailer-Grpc-Status", "0")
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.Equal(t, []string{"request_headers", "request_body", "response_headers", "response_body"}, kinds(e.proc.next(t).msgs),
+		"the second override's DEFAULT trailer mode is the configured SKIP, not the first override's SEND")
+	require.Equal(t, int64(2), e.proxy.Stats().ModeOverrides)
+}
+
 func TestStreamedResponseFailureResets(t *testing.T) {
 	f := bufferedFilter()
 	f.ProcessingMode.ResponseBodyMode = bodySTR
