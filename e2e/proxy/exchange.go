@@ -942,9 +942,9 @@ func (x *exchange) immediate(ir *extprocv3.ImmediateResponse) error {
 
 // overrideMode applies a mode_override from a header answer (reference §4.3): only with
 // allow_mode_override and without send_body_without_waiting_for_header_response;
-// request_header_mode is ignored; header and trailer modes left DEFAULT keep the configured mode; body
-// modes are taken literally; with allowed_override_modes the merged mode must equal one entry
-// on the five other fields.
+// request_header_mode is ignored; header and trailer modes left DEFAULT keep the configured
+// mode; body modes are taken literally; with allowed_override_modes the merged mode must equal
+// one entry on the five other fields.
 func (x *exchange) overrideMode(o *filterextproc.ProcessingMode) {
 	if o == nil {
 		return
