@@ -546,27 +546,29 @@ func TestOrphansGoInFullBatches(t *testing.T) {
 }
 
 // Freeing thousands of orphans while Redis is slow leaves the connection pool to live calls:
-// the releases go in pipelined batches on one connection at a time.
+// the releases go in pipelined batches on one connection at a time, so the pool never grows
+// past what the live calls and that one connection need.
 func TestOrphanReleasesLeaveThePoolToLiveCalls(t *testing.T) {
 	mr := miniredis.RunT(t)
 	var delay atomic.Int64
-	const timeout = 100 * time.Millisecond
-	s, err := OpenRedis(RedisOptions{URL: "redis://" + slowServer(t, mr.Addr(), &delay), Timeout: timeout, PoolSize: 8})
+	s, err := OpenRedis(RedisOptions{URL: "redis://" + slowServer(t, mr.Addr(), &delay), Timeout: time.Second, PoolSize: 8})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = s.Close() })
-	// A connection made while Redis is fast, so that a live call's handshake is not timed.
 	_, _, err = s.Acquire(t.Context(), "warm", Claim{LockTTL: time.Hour, TTL: time.Hour})
 	require.NoError(t, err)
-	delay.Store(int64(timeout * 2 / 5))
-	for i := range 4 * maxOrphans / 5 {
+	delay.Store(int64(40 * time.Millisecond))
+	const n = 4 * maxOrphans / 5
+	for i := range n {
 		s.orphans.add(Lease{key: "orphan" + strconv.Itoa(i), token: "t"}, time.Hour)
 	}
 	for i := range 20 {
-		ctx, cancel := context.WithTimeout(t.Context(), timeout)
-		_, _, err := s.Acquire(ctx, "live"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
-		cancel()
+		_, _, err := s.Acquire(t.Context(), "live"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
 		require.NoError(t, err, "live call %d", i)
 	}
+	require.Eventually(t, func() bool { return len(s.orphans.queue) == 0 }, 10*time.Second, 10*time.Millisecond)
+	st := s.client.PoolStats()
+	require.LessOrEqual(t, st.TotalConns, uint32(3), "the releases hold one connection at a time (live calls one more)")
+	require.Zero(t, st.Timeouts, "no call waited for a connection in vain")
 }
 
 // scriptCounter counts the pipelined batches of EVALSHA and the commands sent alone, by name.
