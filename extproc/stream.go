@@ -429,26 +429,28 @@ func (st *stream) finish() {
 
 // renewal extends a lease every lock_ttl/3 while the stream lives.
 type renewal struct {
-	cancel context.CancelFunc // ends a renewal in flight
-
 	mu      sync.Mutex
 	stopped bool
 	timer   clock.Timer
+	cancel  context.CancelFunc // ends the renewal in flight, if any
 }
 
 func (st *stream) startRenewal() {
-	ctx, cancel := context.WithCancel(st.ctx)
-	r := &renewal{cancel: cancel}
+	r := &renewal{}
 	lease, lockTTL := st.lease, st.route.LockTTL
 	interval := lockTTL / 3
 	var tick func()
 	tick = func() {
+		// The context exists only while a renewal runs: most requests end before their first.
+		ctx, cancel := context.WithCancel(st.ctx)
+		defer cancel()
 		r.mu.Lock()
-		stopped := r.stopped
-		r.mu.Unlock()
-		if stopped {
+		if r.stopped {
+			r.mu.Unlock()
 			return
 		}
+		r.cancel = cancel
+		r.mu.Unlock()
 		// Outside the lock, so that stop never waits for a store call: a renewal that lands
 		// after the completion or release is refused by the store (the record is no longer
 		// pending), and one cut short by stop changes nothing.
@@ -464,6 +466,7 @@ func (st *stream) startRenewal() {
 		}
 		r.mu.Lock()
 		defer r.mu.Unlock()
+		r.cancel = nil
 		if !r.stopped {
 			r.timer = st.s.clock.AfterFunc(interval, tick)
 		}
@@ -485,8 +488,11 @@ func (r *renewal) stop() {
 	if r.timer != nil {
 		r.timer.Stop()
 	}
+	cancel := r.cancel
 	r.mu.Unlock()
-	r.cancel()
+	if cancel != nil {
+		cancel()
+	}
 }
 
 func parseStatus(v []byte) int {
