@@ -194,24 +194,50 @@ func (p *pipeline) exec(ctx context.Context, batch []*call) {
 		p.finish(batch[0], batch[0].alone(ctx, p.client))
 		return
 	}
-	pipe := p.client.Pipeline()
-	cmds := make([]*redis.Cmd, len(batch))
-	for i, c := range batch {
-		if c.script != nil {
+	for i, cmd := range sendBatch(ctx, p.client, batch) {
+		p.finish(batch[i], cmd)
+	}
+}
+
+// sendBatch sends calls in one pipelined round trip and returns their replies. Scripts go by
+// SHA; those a node refuses for not knowing them (a first call, a restart, a failover) are
+// loaded once each (on every node under Cluster) and the refused calls sent again together.
+func sendBatch(ctx context.Context, client redis.UniversalClient, calls []*call) []*redis.Cmd {
+	cmds := make([]*redis.Cmd, len(calls))
+	add := func(pipe redis.Pipeliner, i int) {
+		if c := calls[i]; c.script != nil {
 			cmds[i] = pipe.EvalSha(ctx, c.script.Hash(), c.keys, c.args...)
 		} else {
 			cmds[i] = pipe.Do(ctx, c.args...)
 		}
 	}
-	_, _ = pipe.Exec(ctx)
-	for i, c := range batch {
-		if err := cmds[i].Err(); c.script != nil && err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-			// This node has not seen the script yet (a first call, a restart, a failover):
-			// Run loads it.
-			cmds[i] = c.script.Run(ctx, p.client, c.keys, c.args...)
-		}
-		p.finish(c, cmds[i])
+	pipe := client.Pipeline()
+	for i := range calls {
+		add(pipe, i)
 	}
+	_, _ = pipe.Exec(ctx)
+	var refused []int
+	loaded := map[*redis.Script]bool{}
+	for i, cmd := range cmds {
+		s := calls[i].script
+		if err := cmd.Err(); s == nil || err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
+			continue
+		}
+		if _, tried := loaded[s]; !tried {
+			loaded[s] = s.Load(ctx, client).Err() == nil
+		}
+		if loaded[s] {
+			refused = append(refused, i)
+		}
+	}
+	if len(refused) > 0 {
+		pipe := client.Pipeline()
+		for _, i := range refused {
+			add(pipe, i)
+		}
+		_, _ = pipe.Exec(ctx)
+	}
+	return cmds
 }
 
 // close fails the calls still queued with ErrClosed; batches in flight finish.

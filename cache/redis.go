@@ -394,27 +394,11 @@ func (r *Redis) owned(ctx context.Context, op string, s *redis.Script, l Lease, 
 func (r *Redis) releaseOrphans(ls []Lease) []error {
 	ctx, cancel := context.WithTimeout(context.Background(), max(r.timeout, time.Second))
 	defer cancel()
-	pipe := r.client.Pipeline()
-	cmds := make([]*redis.Cmd, len(ls))
+	calls := make([]*call, len(ls))
 	for i, l := range ls {
-		cmds[i] = pipe.EvalSha(ctx, releaseScript.Hash(), []string{l.key}, l.token)
+		calls[i] = &call{script: releaseScript, keys: []string{l.key}, args: []any{l.token}}
 	}
-	_, _ = pipe.Exec(ctx)
-	var unknown []int // the releases a node refused for not knowing the script
-	for i, cmd := range cmds {
-		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-			unknown = append(unknown, i)
-		}
-	}
-	if len(unknown) > 0 && releaseScript.Load(ctx, r.client).Err() == nil {
-		// A restart or a failover: load the script once (on every node under Cluster), then
-		// send those again together.
-		pipe := r.client.Pipeline()
-		for _, i := range unknown {
-			cmds[i] = pipe.EvalSha(ctx, releaseScript.Hash(), []string{ls[i].key}, ls[i].token)
-		}
-		_, _ = pipe.Exec(ctx)
-	}
+	cmds := sendBatch(ctx, r.client, calls)
 	errs := make([]error, len(ls))
 	for i, cmd := range cmds {
 		n, err := cmd.Int64()
