@@ -163,10 +163,7 @@ func parseRedisURL(raw string) (*redis.Options, error) {
 	}
 	// go-redis ends its messages with the value it refused (a scheme, a path, a database), and
 	// a password with an unescaped '/' parses as part of the path: keep only what it refused.
-	msg, _, _ := strings.Cut(err.Error(), ": ")
-	if rest, ok := strings.CutPrefix(err.Error(), "redis: "); ok {
-		msg, _, _ = strings.Cut(rest, ": ")
-	}
+	msg, _, _ := strings.Cut(strings.TrimPrefix(err.Error(), "redis: "), ": ")
 	if msg == "invalid URL scheme" {
 		msg += fmt.Sprintf(" %q (want redis or rediss)", u.Scheme)
 	}

@@ -231,20 +231,14 @@ func (st *stream) claim(body []byte, atHeaders bool) *extprocv3.ProcessingRespon
 		// failure, and nobody waits for an answer. The request never went upstream.
 		st.event(st.s.log.Debug()).Err(err).Msg("stream ended during the store call")
 		st.phase = phaseDone
-		if atHeaders {
-			return continueRequestHeaders
-		}
-		return continueRequestBody
+		return continueClaimed(atHeaders)
 	}
 	if err != nil {
 		st.storeFailed("acquire", err)
 		if st.s.policy.FailMode == policy.FailOpen {
 			// Its response headers still come, for the replay header.
 			st.phase = phaseUnprotected
-			if atHeaders {
-				return continueRequestHeaders
-			}
-			return continueRequestBody
+			return continueClaimed(atHeaders)
 		}
 		return st.reject(problemStoreUnavailable)
 	}
@@ -267,6 +261,12 @@ func (st *stream) claim(body []byte, atHeaders bool) *extprocv3.ProcessingRespon
 	st.outcome = Executed
 	st.s.metrics.inflight.Inc()
 	st.startRenewal()
+	return continueClaimed(atHeaders)
+}
+
+// continueClaimed continues the message a claim answers: the request headers of a bodiless
+// request, else its body.
+func continueClaimed(atHeaders bool) *extprocv3.ProcessingResponse {
 	if atHeaders {
 		return continueRequestHeaders
 	}
