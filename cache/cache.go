@@ -82,11 +82,15 @@ type Local interface {
 type Claim struct {
 	// Fingerprint identifies the request's payload. It may be empty.
 	Fingerprint []byte
-	// LockTTL is the lease: how long the pending record lives unless renewed. At least 1ms.
+	// LockTTL is the lease: how long the pending record lives unless renewed. 1ms to [MaxTTL].
 	LockTTL time.Duration
-	// TTL is how long the completed record will live once Complete is called. At least 1ms.
+	// TTL is how long the completed record will live once Complete is called. 1ms to [MaxTTL].
 	TTL time.Duration
 }
+
+// MaxTTL is the longest lease or record life a store accepts: ten years. A deadline further out
+// would overflow a clock in nanoseconds (the memory store) or Redis' limit on expiry times.
+const MaxTTL = 10 * 365 * 24 * time.Hour
 
 // Lease proves ownership of a pending record. Its zero value owns nothing.
 type Lease struct {

@@ -223,8 +223,8 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 
 // Renew implements [Store.Renew].
 func (m *Memory) Renew(ctx context.Context, l Lease, d time.Duration) error {
-	if d < time.Millisecond {
-		return fmt.Errorf("cache: renew: lease duration must be at least 1ms, got %v", d)
+	if err := checkRenewal(d); err != nil {
+		return err
 	}
 	return m.update(ctx, l, func(i int32, now int64) {
 		m.entry(i).deadline = now + int64(d)
@@ -582,8 +582,17 @@ func (h *deadlineHeap) remove(k int) {
 func (h *deadlineHeap) fix(k int) { heap.Fix(h, k) }
 
 func checkClaim(c Claim) error {
-	if c.LockTTL < time.Millisecond || c.TTL < time.Millisecond {
-		return fmt.Errorf("cache: acquire: lock TTL and TTL must be at least 1ms, got %v and %v", c.LockTTL, c.TTL)
+	if !validTTL(c.LockTTL) || !validTTL(c.TTL) {
+		return fmt.Errorf("cache: acquire: lock TTL and TTL must be 1ms to %v, got %v and %v", MaxTTL, c.LockTTL, c.TTL)
 	}
 	return nil
 }
+
+func checkRenewal(d time.Duration) error {
+	if !validTTL(d) {
+		return fmt.Errorf("cache: renew: lease duration must be 1ms to %v, got %v", MaxTTL, d)
+	}
+	return nil
+}
+
+func validTTL(d time.Duration) bool { return d >= time.Millisecond && d <= MaxTTL }

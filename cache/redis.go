@@ -347,8 +347,8 @@ func decodeRecord(v string) (*Record, string, error) {
 
 // Renew implements [Store.Renew].
 func (r *Redis) Renew(ctx context.Context, l Lease, d time.Duration) error {
-	if d < time.Millisecond {
-		return fmt.Errorf("cache: renew: lease duration must be at least 1ms, got %v", d)
+	if err := checkRenewal(d); err != nil {
+		return err
 	}
 	return r.owned(ctx, "renew", renewScript, l, d.Milliseconds())
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
@@ -254,6 +255,18 @@ func TestKeyForms(t *testing.T) {
 	}
 	require.True(t, h.do(post("/v1/payments", "", `{}`, "idempotency-key", `"a\"b"`), created).executed)
 	require.False(t, h.do(post("/v1/payments", "", `{}`, "idempotency-key", `a"b`), created).executed, `an escaped quote unquotes to a"b`)
+}
+
+// TestLongestDurations runs a request under the longest ttl, max_ttl and lock_ttl the policy
+// takes: the store must take them too, and keep the record.
+func TestLongestDurations(t *testing.T) {
+	require.Equal(t, cache.MaxTTL, policy.MaxDuration, "the policy must refuse what the stores refuse")
+	h := newHarness(t, harnessOptions{policy: "defaults: {ttl: 87600h, max_ttl: 87600h, lock_ttl: 87600h}"})
+	require.True(t, h.do(post("/v1/payments", "k", `{}`, "x-ttl", "999999999999999999999999"), created).executed)
+	h.clock.Advance(24 * time.Hour)
+	res := h.do(post("/v1/payments", "k", `{}`), created)
+	require.False(t, res.executed)
+	require.Equal(t, 201, res.status)
 }
 
 func TestTTLHeader(t *testing.T) {

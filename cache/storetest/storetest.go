@@ -59,6 +59,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"KeysAreIndependent", testKeysAreIndependent},
 		{"ZeroLease", testZeroLease},
 		{"InvalidArguments", testInvalidArguments},
+		{"LongestTTL", testLongestTTL},
 		{"CancelledContext", testCancelledContext},
 		{"Outage", testOutage},
 	}
@@ -320,9 +321,29 @@ func testInvalidArguments(t *testing.T, h Harness) {
 	require.Error(t, err)
 	_, _, err = s.Acquire(t.Context(), "k", cache.Claim{LockTTL: lockTTL, TTL: 0})
 	require.Error(t, err)
+	_, _, err = s.Acquire(t.Context(), "k", cache.Claim{LockTTL: cache.MaxTTL + 1, TTL: ttl})
+	require.ErrorContains(t, err, "1ms to", "a lease past MaxTTL is refused, not left to overflow a deadline")
+	_, _, err = s.Acquire(t.Context(), "k", cache.Claim{LockTTL: lockTTL, TTL: cache.MaxTTL + 1})
+	require.Error(t, err)
 	l := mustOwn(t, s, "k", claim("a"))
 	require.Error(t, s.Renew(t.Context(), l, 0))
 	require.NotErrorIs(t, s.Renew(t.Context(), l, 0), cache.ErrLeaseLost)
+	require.Error(t, s.Renew(t.Context(), l, cache.MaxTTL+1))
+	require.NotErrorIs(t, s.Renew(t.Context(), l, cache.MaxTTL+1), cache.ErrLeaseLost)
+}
+
+// testLongestTTL checks that the longest lease and record life a store takes keep their records:
+// their deadlines neither overflow nor pass Redis' limit on expiry times.
+func testLongestTTL(t *testing.T, h Harness) {
+	s := h.Store
+	longest := cache.Claim{Fingerprint: []byte("a"), LockTTL: cache.MaxTTL, TTL: cache.MaxTTL}
+	l := mustOwn(t, s, "pending", longest)
+	require.NoError(t, s.Renew(t.Context(), l, cache.MaxTTL))
+	done := mustOwn(t, s, "completed", longest)
+	require.NoError(t, s.Complete(t.Context(), done, cache.Response{Status: 200}))
+	h.Advance(lockTTL * 2)
+	require.Equal(t, cache.Pending, mustFind(t, s, "pending").State)
+	require.Equal(t, cache.Completed, mustFind(t, s, "completed").State)
 }
 
 func testCancelledContext(t *testing.T, h Harness) {

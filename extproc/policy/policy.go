@@ -63,6 +63,9 @@ const (
 	DefaultMaxResponseBytes = 1 << 20
 	// MaxResponseBytesLimit is the largest max_response_bytes accepted.
 	MaxResponseBytesLimit = 256 << 20
+	// MaxDuration is the longest ttl, max_ttl and lock_ttl accepted: ten years, the stores' limit
+	// (cache.MaxTTL).
+	MaxDuration = 10 * 365 * 24 * time.Hour
 )
 
 // Document is the policy file as written. Every field of a route is optional: unset fields are
@@ -392,6 +395,8 @@ func (c *compiler) duration(field, s string) time.Duration {
 		c.errorf(field, "invalid duration %q (use units such as 300ms, 30s, 24h)", s)
 	case d < time.Millisecond:
 		c.errorf(field, "must be at least 1ms, got %s", s)
+	case d > MaxDuration:
+		c.errorf(field, "must be at most %v (ten years), got %s", MaxDuration, s)
 	}
 	return d
 }

@@ -184,6 +184,8 @@ func TestInvalidFiles(t *testing.T) {
 		{"unknown route field", "routes: [{name: a, match: {path_prefix: /}, colour: red}]\n", []string{"field colour not found"}},
 		{"bad duration", "defaults: {ttl: 5 minutes}\n", []string{"defaults.ttl", `invalid duration "5 minutes"`}},
 		{"negative duration", "defaults: {lock_ttl: -1s}\n", []string{"defaults.lock_ttl", "at least 1ms"}},
+		{"ttl past ten years", "defaults: {ttl: 87601h, max_ttl: 87601h}\n", []string{"defaults.ttl", "defaults.max_ttl", "at most 87600h0m0s"}},
+		{"route lock_ttl past ten years", "routes: [{name: a, match: {path_prefix: /}, lock_ttl: 2562047h}]\n", []string{"routes[0] (a).lock_ttl", "at most"}},
 		{"bad store_timeout", "store_timeout: soon\n", []string{"store_timeout", "invalid duration"}},
 		{"bad regex", "routes: [{name: a, match: {path_regex: '^/v1/(?P<x'}}]\n", []string{"routes[0] (a).match.path_regex", "invalid regular expression"}},
 		{"unknown missing_key", "defaults: {missing_key: sometimes}\n", []string{"defaults.missing_key", `"sometimes"`}},
