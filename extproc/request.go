@@ -215,10 +215,14 @@ func (d *digest) finish() []byte { return d.h.Sum(d.sum[:0]) }
 // nil when the route lists no part: an empty fingerprint turns the mismatch check off (SPEC §4),
 // and the policy refuses fingerprint headers beside it.
 func (d *digest) fingerprint(r *policy.Route, method, path, body []byte, h headers) []byte {
-	if len(r.Fingerprint) == 0 {
-		return nil
-	}
 	d.reset()
+	if len(r.Fingerprint) == 0 {
+		// No payload check within the route; a key reused from another route is still another
+		// endpoint's (SPEC §4: 422), so the record carries the route's name instead.
+		d.fieldString("route")
+		d.fieldString(r.Name)
+		return append([]byte(nil), d.finish()...)
+	}
 	for _, p := range r.Fingerprint {
 		d.fieldString(string(p))
 		switch p {

@@ -245,7 +245,7 @@ func (st *stream) claim(body []byte, atHeaders bool) *extprocv3.ProcessingRespon
 	if rec != nil {
 		// The mismatch check comes before the in-flight and replay checks (SPEC §4).
 		switch {
-		case fp != nil && !bytes.Equal(fp, rec.Fingerprint):
+		case !bytes.Equal(fp, rec.Fingerprint):
 			return st.reject(problemReused)
 		case rec.State == cache.Pending:
 			return st.reject(problemInProgress)

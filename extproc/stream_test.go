@@ -613,6 +613,23 @@ func TestFingerprintPolicy(t *testing.T) {
 		require.Equal(t, []string{"true"}, res.header(replayed), "another body under the same key is replayed")
 		require.Equal(t, 1, h.executions("k"))
 	})
+	t.Run("off on one route", func(t *testing.T) {
+		// A key reused on another endpoint is a mismatch, whichever of the two checks payloads.
+		h := newHarness(t, harnessOptions{policy: `
+routes:
+  - {name: loose, match: {path_prefix: /v1/loose}, fingerprint: []}
+  - {name: other-loose, match: {path_prefix: /v1/other}, fingerprint: []}
+`})
+		require.True(t, h.do(post("/v1/payments", "a", `{}`), created).executed)
+		requireProblem(t, h.do(post("/v1/loose", "a", `{}`), created), 422, "idempotency-key-reused")
+		require.True(t, h.do(post("/v1/loose/x", "b", `{"amount":1}`), created).executed)
+		require.Equal(t, []string{"true"}, h.do(post("/v1/loose/y", "b", `{"amount":2}`), created).header(replayed),
+			"within the route nothing is checked")
+		requireProblem(t, h.do(post("/v1/payments", "b", `{}`), created), 422, "idempotency-key-reused")
+		requireProblem(t, h.do(post("/v1/other", "b", `{}`), created), 422, "idempotency-key-reused")
+		require.Equal(t, 1, h.executions("a"))
+		require.Equal(t, 1, h.executions("b"))
+	})
 }
 
 // A STREAMED response whose upstream sends trailers ends its last chunk with end_of_stream false;
