@@ -308,6 +308,13 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 		st.complete()
 		return st.rs.stored
 	}
+	if st.knownBodyModes && st.responseBodyMode == filterextproc.ProcessingMode_NONE {
+		// Envoy will not send the body: record the outcome now, without it, so that the request
+		// still runs at most once (duplicates get 409 response-not-replayable).
+		st.omitted = true
+		st.complete()
+		return st.rs.stored
+	}
 	st.phase = phaseCapture
 	return st.rs.stored
 }

@@ -632,6 +632,22 @@ routes:
 	})
 }
 
+// With response_body_mode NONE the body never comes: the outcome is recorded at the response
+// headers, without the body, so a duplicate never runs.
+func TestResponseBodyModeNone(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	s := h.open()
+	first := requestHeaders(post("/v1/payments", "k", `{}`))
+	first.ProtocolConfig.ResponseBodyMode = filterextproc.ProcessingMode_NONE
+	s.send(first)
+	s.send(requestBody([]byte(`{}`)))
+	res := s.send(responseHeaders(created))
+	require.NotNil(t, res.GetResponseHeaders())
+	s.end()
+	requireProblem(t, h.do(post("/v1/payments", "k", `{}`), created), 409, "response-not-replayable")
+	require.Zero(t, h.executions("k"), "the duplicate never went upstream")
+}
+
 // A STREAMED response whose upstream sends trailers ends its last chunk with end_of_stream false;
 // with response_trailer_mode SEND, the trailers message ends it, and the record is written then.
 func TestStreamedResponseEndedByTrailers(t *testing.T) {
