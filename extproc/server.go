@@ -5,7 +5,9 @@ package extproc
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"runtime/debug"
 	"sync"
 	"time"
 
@@ -125,9 +127,18 @@ func NewServer(opts Options) (*Server, error) {
 
 // Process implements [extprocv3.ExternalProcessorServer.Process]: it answers each message of
 // one HTTP request in lock-step until Envoy ends the stream.
-func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
+func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err error) {
 	s.streams.Add(1)
 	defer s.streams.Done()
+	// A panic ends this stream only: grpc-go does not recover handlers, and the whole process,
+	// with its memory store and every other stream's lease, must not go down with one request.
+	// It runs after finish, which has released or kept the lease as for any stream cut short.
+	defer func() {
+		if p := recover(); p != nil {
+			s.log.Error().Str("panic", fmt.Sprint(p)).Bytes("stack", debug.Stack()).Msg("stream handler panicked; the stream is ended")
+			err = status.Error(codes.Internal, "idempotency-extproc: internal error")
+		}
+	}()
 	st := newStream(s, srv.Context())
 	defer st.finish()
 	for {

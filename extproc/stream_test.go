@@ -540,6 +540,33 @@ func TestObservabilityModeIsRefused(t *testing.T) {
 	require.Equal(t, 1, strings.Count(h.logs.String(), "observability_mode"), "said once")
 }
 
+// panickyCompletions is a store whose Complete panics, standing for any bug in a stream's path.
+type panickyCompletions struct{ cache.Store }
+
+func (panickyCompletions) Complete(context.Context, cache.Lease, cache.Response) error {
+	panic("boom")
+}
+
+// A panic in one stream ends that stream with an error, releases its lease and leaves the
+// process serving the others: grpc-go would let it take the process, and the memory store, down.
+func TestPanicEndsOnlyItsStream(t *testing.T) {
+	m, err := cache.NewMemory(cache.MemoryOptions{})
+	require.NoError(t, err)
+	h := newHarness(t, harnessOptions{store: panickyCompletions{m}})
+	s := h.open()
+	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+	s.send(requestBody([]byte(`{}`)))
+	s.send(responseHeaders(created))
+	require.NoError(t, s.s.Send(responseBody(created.body, true)))
+	_, err = s.s.Recv()
+	require.Equal(t, codes.Internal, status.Code(err), "the stream ends with an error: %v", err)
+	require.Contains(t, h.logs.String(), "stream handler panicked")
+
+	// The lease was released (unknown outcome), and the process still serves.
+	require.Nil(t, h.record(t, "k"))
+	require.True(t, h.do(post("/v1/payments", "", `{}`), created).executed)
+}
+
 // slowRenewals is a store whose renewals hang until their context ends.
 type slowRenewals struct {
 	cache.Store
