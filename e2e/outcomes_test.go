@@ -203,7 +203,13 @@ func TestEnvoyMadeResponsesRelease(t *testing.T) {
 				s := newStack(t, stackOptions{envoy: withRouteTimeout(300 * time.Millisecond), localReplies: local})
 				r := s.do(call{key: "to-1", headers: map[string]string{"X-Test-Delay": "2s"}, body: `{}`})
 				require.Equal(t, 504, r.status)
-				r = s.do(call{key: "to-1", body: `{}`})
+				// Without local replies the processor learns of the 504 only when Envoy ends the
+				// stream, which may be just after the client has it: until the release, a retry
+				// meets the lease (409).
+				require.Eventually(t, func() bool {
+					r = s.do(call{key: "to-1", body: `{}`})
+					return r.status != 409
+				}, 5*time.Second, 20*time.Millisecond)
 				require.Equal(t, 200, r.status, "Envoy's 504 is not the outcome: the retry runs")
 				require.Equal(t, "false", r.header.Get(replayed))
 				require.Equal(t, 2, s.up.Count("to-1"))

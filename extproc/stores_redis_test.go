@@ -15,7 +15,8 @@ import (
 func init() {
 	stores["redis"] = func(t *testing.T) testStore {
 		srv := redistest.Start(t, redistest.Options{})
-		s, err := cache.OpenRedis(cache.RedisOptions{URL: srv.URL(), Timeout: time.Second})
+		// As long as the longest store_timeout a test sets: the store applies its own bound too.
+		s, err := cache.OpenRedis(cache.RedisOptions{URL: srv.URL(), Timeout: 5 * time.Second})
 		require.NoError(t, err)
 		return testStore{store: s, advance: time.Sleep}
 	}

@@ -424,16 +424,19 @@ func TestCleanCloseContinuesWithoutProcessing(t *testing.T) {
 
 func TestOverrideMessageTimeout(t *testing.T) {
 	h := on("request_headers", func(st extprocv3.ExternalProcessor_ProcessServer, req *extprocv3.ProcessingRequest) error {
-		if err := st.Send(&extprocv3.ProcessingResponse{OverrideMessageTimeout: durationpb.New(2 * time.Second)}); err != nil {
+		if err := st.Send(&extprocv3.ProcessingResponse{OverrideMessageTimeout: durationpb.New(20 * time.Second)}); err != nil {
 			return err
 		}
-		time.Sleep(300 * time.Millisecond)
+		time.Sleep(3 * time.Second)
 		return st.Send(cont(req))
 	})
-	for _, max := range []time.Duration{0, 5 * time.Second} {
+	// The override must reach the proxy within the configured timeout (1 s) on a loaded machine;
+	// the answer comes 3 s later, past the configured timeout and within the override.
+	for _, max := range []time.Duration{0, 30 * time.Second} {
 		t.Run(fmt.Sprintf("max_message_timeout=%v", max), func(t *testing.T) {
+			t.Parallel()
 			f := bufferedFilter()
-			f.MessageTimeout = durationpb.New(100 * time.Millisecond)
+			f.MessageTimeout = durationpb.New(time.Second)
 			if max > 0 {
 				f.MaxMessageTimeout = durationpb.New(max)
 			}
@@ -1011,15 +1014,25 @@ func TestHealthCheckSteersNewStreams(t *testing.T) {
 	a.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	require.Eventually(t, func() bool { return served() == a.addr }, 5*time.Second, 10*time.Millisecond)
 
-	// With no healthy processor, all are used (Envoy's panic threshold).
-	a.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	// With no healthy processor, all are used (Envoy's panic threshold). b is seen unhealthy
+	// first, so that from then on requests reach both only once a is seen unhealthy too.
 	b.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
-	time.Sleep(100 * time.Millisecond)
-	seen := map[string]bool{}
-	for range 4 {
-		seen[served()] = true
-	}
-	require.Len(t, seen, 2)
+	require.Eventually(t, func() bool {
+		for range 4 {
+			if served() != a.addr {
+				return false
+			}
+		}
+		return true
+	}, 5*time.Second, 10*time.Millisecond)
+	a.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	require.Eventually(t, func() bool {
+		seen := map[string]bool{}
+		for range 4 {
+			seen[served()] = true
+		}
+		return len(seen) == 2
+	}, 5*time.Second, 10*time.Millisecond, "with none healthy, every processor gets streams")
 }
 
 func TestStreamRetriesOnRefusedProcessor(t *testing.T) {

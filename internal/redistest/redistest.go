@@ -18,6 +18,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/url"
 	"os"
@@ -544,14 +545,24 @@ func (s *Server) tailSince(p *process) []byte {
 }
 
 // freePort returns a loopback port that was free a moment ago. With bus, port+10000 (the cluster
-// bus port) was free as well.
+// bus port) was free as well. The ports lie below the kernel's ephemeral range when it leaves
+// room: a server stopped and restarted on its port (Restart) could otherwise find it taken as
+// the local port of some outgoing connection meanwhile.
 func freePort(bus bool) (int, error) {
+	lo, hi := 10000, ephemeralLow()-1
+	if bus {
+		hi -= 10000
+	}
 	for range 100 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return 0, err
+		port := 0
+		if hi > lo {
+			port = lo + rand.IntN(hi-lo+1)
 		}
-		port := l.Addr().(*net.TCPAddr).Port
+		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err != nil {
+			continue
+		}
+		port = l.Addr().(*net.TCPAddr).Port
 		if !bus {
 			_ = l.Close()
 			return port, nil
@@ -568,7 +579,24 @@ func freePort(bus bool) (int, error) {
 		_ = lb.Close()
 		return port, nil
 	}
-	return 0, errors.New("no port with a free cluster bus port (port+10000) after 100 attempts")
+	return 0, errors.New("no free port (with a free cluster bus port, port+10000, for a cluster node) after 100 attempts")
+}
+
+// ephemeralLow is the first port of the kernel's ephemeral range (Linux), or 32768.
+func ephemeralLow() int {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return 32768
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 2 {
+		return 32768
+	}
+	n, err := strconv.Atoi(f[0])
+	if err != nil {
+		return 32768
+	}
+	return n
 }
 
 // waitFor polls cond until it returns nil and fails the test, naming what was waited for and the
