@@ -82,6 +82,7 @@ func startProcessor(t *testing.T, env []string, args ...string) *processor {
 	logs := &logBuffer{}
 	cmd := exec.Command(binaryPath, full...)
 	cmd.Env = append(os.Environ(), env...)
+	cmd.SysProcAttr = childAttr()
 	cmd.Stderr = logs
 	cmd.Stdout = logs
 	require.NoError(t, cmd.Start())
