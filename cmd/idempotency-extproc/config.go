@@ -200,18 +200,18 @@ func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*c
 	explicit := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { explicit[f.Name] = true })
 
-	path := getenv("IDEMPOTENCY_CONFIG")
+	path, pathSource := getenv("IDEMPOTENCY_CONFIG"), "environment variable IDEMPOTENCY_CONFIG"
 	if explicit["config"] {
-		path = *configPath
+		path, pathSource = *configPath, "flag --config"
 	}
 	var errs []error
 	var doc file
 	if path != "" {
 		data, err := os.ReadFile(path)
 		if err != nil {
-			return nil, fmt.Errorf("config file: %w", err)
-		}
-		if err := policy.Decode(data, &doc); err != nil {
+			// The other settings are still checked, so that every bad one is reported at once.
+			errs = append(errs, fmt.Errorf("config (%s): %w", pathSource, err))
+		} else if err := policy.Decode(data, &doc); err != nil {
 			errs = append(errs, fmt.Errorf("config file %s: %w", path, err))
 		}
 	}
@@ -241,7 +241,8 @@ func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*c
 	}
 	switch {
 	case len(c.redisClusterAddrs) > 0 && len(c.redisSentinelAddrs) > 0:
-		errs = append(errs, errors.New("redis-cluster-addrs and redis-sentinel-addrs: choose Cluster or Sentinel, not both"))
+		errs = append(errs, fmt.Errorf("redis-cluster-addrs (%s) and redis-sentinel-addrs (%s): choose Cluster or Sentinel, not both",
+			sources["redis-cluster-addrs"], sources["redis-sentinel-addrs"]))
 	case c.store == "redis":
 		// What the Redis client would refuse at start-up, reported with the rest.
 		if err := cache.CheckRedisOptions(c.redisOptions(0)); err != nil {

@@ -124,7 +124,8 @@ func TestConfigInvalid(t *testing.T) {
 		{"bad file setting and policy together", nil, nil, "store: disk\ndefaults: {ttl: soon}\nroutes: [{name: a, match: {path_regex: '('}}]\n",
 			[]string{"store (config file key store)", "defaults.ttl", "routes[0] (a).match.path_regex"}},
 		{"unknown file field", nil, nil, "grpc_address: :1\n", []string{"field grpc_address not found"}},
-		{"cluster and sentinel", []string{"--redis-cluster-addrs", "a:1", "--redis-sentinel-addrs", "b:2"}, nil, "", []string{"not both"}},
+		{"cluster and sentinel", []string{"--redis-cluster-addrs", "a:1"}, map[string]string{"IDEMPOTENCY_REDIS_SENTINEL_ADDRS": "b:2"}, "",
+			[]string{"redis-cluster-addrs (flag --redis-cluster-addrs) and redis-sentinel-addrs (environment variable IDEMPOTENCY_REDIS_SENTINEL_ADDRS): choose Cluster or Sentinel, not both"}},
 		{"bad addresses and redis url at once", []string{"--grpc-addr", "nonsense", "--admin-addr", "host:port", "--store", "redis", "--log-level", "nope"},
 			map[string]string{"IDEMPOTENCY_REDIS_URL": "redis://user:s3cret#pw@host:6379/0"}, "",
 			[]string{`grpc-addr (flag --grpc-addr): must be host:port or unix:///path, got "nonsense"`, `admin-addr (flag --admin-addr)`,
@@ -134,7 +135,10 @@ func TestConfigInvalid(t *testing.T) {
 		{"empty unix socket path", []string{"--grpc-addr", "unix://"}, nil, "", []string{"grpc-addr (flag --grpc-addr): must be host:port or unix:///path, got an empty path"}},
 		{"unknown flag", []string{"--colour"}, nil, "", []string{"flag provided but not defined: -colour"}},
 		{"stray argument", []string{"serve"}, nil, "", []string{"unexpected arguments"}},
-		{"missing file", []string{"--config", "/nonexistent/policy.yaml"}, nil, "", []string{"config file", "no such file"}},
+		{"missing file, with the rest", []string{"--config", "/nonexistent/policy.yaml", "--store", "disk"}, nil, "",
+			[]string{"config (flag --config): open /nonexistent/policy.yaml: no such file", "store (flag --store)"}},
+		{"missing file from the environment", nil, map[string]string{"IDEMPOTENCY_CONFIG": "/nonexistent/policy.yaml"}, "",
+			[]string{"config (environment variable IDEMPOTENCY_CONFIG): open /nonexistent/policy.yaml"}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
