@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -11,15 +12,20 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 )
 
-// adminHandler serves /metrics, /healthz (the process runs) and /readyz (the store answers a
-// ping within pingTimeout).
-func adminHandler(reg *prometheus.Registry, store cache.Store, pingTimeout time.Duration) http.Handler {
+// adminHandler serves /metrics, /healthz (the process runs) and /readyz (the process is not
+// shutting down, and the store answers a ping within pingTimeout).
+func adminHandler(reg *prometheus.Registry, store cache.Store, pingTimeout time.Duration, draining *atomic.Bool) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
 	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		if draining.Load() {
+			// As gRPC health says NOT_SERVING: the listener takes no new stream.
+			http.Error(w, "shutting down", http.StatusServiceUnavailable)
+			return
+		}
 		ctx, cancel := context.WithTimeout(r.Context(), pingTimeout)
 		defer cancel()
 		if err := store.Ping(ctx); err != nil {

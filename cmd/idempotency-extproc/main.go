@@ -11,8 +11,17 @@ import (
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	signalled, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
+	// The first signal starts the drain; a second one ends the process at once, as the default
+	// action does: the drain begins only once the signals are no longer caught.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		<-signalled.Done()
+		stop()
+		cancel()
+	}()
 	if err := run(ctx, os.Args[1:], os.Getenv, os.Stderr); err != nil {
 		fmt.Fprintln(os.Stderr, "idempotency-extproc:", err)
 		os.Exit(1)

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -29,6 +30,15 @@ import (
 // drainTimeout is how long open streams may finish after SIGTERM before they are cut (a
 // variable for the test of the cut).
 var drainTimeout = 15 * time.Second
+
+// The processor pings each Envoy connection that has been silent for keepaliveTime and closes it
+// when the ping is not answered within keepaliveTimeout (variables for the test). A stream whose
+// Envoy vanished without a reset (a lost host, a partition) then ends, and its lease is released,
+// instead of being renewed for as long as TCP takes to notice: minutes.
+var (
+	keepaliveTime    = 30 * time.Second
+	keepaliveTimeout = 10 * time.Second
+)
 
 // readinessInterval is how often the store is pinged for gRPC health; /readyz pings on demand.
 const readinessInterval = 500 * time.Millisecond
@@ -92,14 +102,16 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		// may send (reference §0.8, §9).
 		grpc.MaxRecvMsgSize(maxRecvMsgSize(cfg)),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: keepaliveTime, Timeout: keepaliveTimeout}),
 	)
 	extprocv3.RegisterExternalProcessorServer(gs, srv)
 	healthSrv := health.NewServer()
 	healthpb.RegisterHealthServer(gs, healthSrv)
 	setHealth(healthSrv, healthpb.HealthCheckResponse_NOT_SERVING)
 
+	var draining atomic.Bool
 	admin := &http.Server{
-		Handler:           adminHandler(reg, store, pingTimeout(cfg.policy.StoreTimeout)),
+		Handler:           adminHandler(reg, store, pingTimeout(cfg.policy.StoreTimeout), &draining),
 		ReadHeaderTimeout: 5 * time.Second,
 	}
 
@@ -125,6 +137,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	log.Info().Dur("drain_timeout", drainTimeout).Msg("shutting down: draining open streams")
 	stopWatch()
 	healthSrv.Shutdown()
+	draining.Store(true)
 	drained := make(chan struct{})
 	go func() {
 		gs.GracefulStop()

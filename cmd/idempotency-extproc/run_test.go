@@ -256,7 +256,7 @@ func TestHangingStoreTurnsUnreadyQuickly(t *testing.T) {
 // (unknown_outcome: release, the default), so that a retry on another replica runs.
 func TestRunCutStreamsReleaseTheirLeases(t *testing.T) {
 	saved := drainTimeout
-	drainTimeout = 200 * time.Millisecond
+	drainTimeout = 2 * time.Second
 	t.Cleanup(func() { drainTimeout = saved })
 	mr := miniredis.RunT(t)
 	logs := newLogLines()
@@ -277,10 +277,119 @@ func TestRunCutStreamsReleaseTheirLeases(t *testing.T) {
 	require.NotNil(t, resp.GetRequestHeaders(), "claimed: the request runs upstream under a lease")
 	require.Len(t, mr.Keys(), 1, "the lease")
 
+	readyz := "http://" + ready["admin_addr"].(string) + "/readyz"
+	require.Equal(t, http.StatusOK, get(t, readyz))
 	cancel() // as SIGTERM does; the stream never ends by itself
+	require.Eventually(t, func() bool { return get(t, readyz) == http.StatusServiceUnavailable }, time.Second, 10*time.Millisecond,
+		"/readyz says unready during the drain, as gRPC health does")
 	require.NoError(t, <-done)
 	logs.wait(t, "drain timeout: cutting the streams still open", time.Second)
 	require.Empty(t, mr.Keys(), "the cut stream's lease was released before the process exited")
+}
+
+// get returns the status of a GET to url, or 0 if it got no answer.
+func get(t *testing.T, url string) int {
+	client := http.Client{Timeout: 5 * time.Second}
+	resp, err := client.Get(url)
+	if err != nil {
+		return 0
+	}
+	_ = resp.Body.Close()
+	return resp.StatusCode
+}
+
+// freezer is a TCP proxy that can stop passing bytes without closing anything: a host that
+// vanished, or a partition, as its peer sees it.
+type freezer struct {
+	lis    net.Listener
+	frozen chan struct{}
+}
+
+func newFreezer(t *testing.T, target string) *freezer {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	f := &freezer{lis: lis, frozen: make(chan struct{})}
+	var wg sync.WaitGroup
+	t.Cleanup(func() {
+		_ = lis.Close()
+		wg.Wait()
+	})
+	pipe := func(dst, src net.Conn) {
+		defer wg.Done()
+		buf := make([]byte, 32<<10)
+		for {
+			n, err := src.Read(buf)
+			if n > 0 {
+				select {
+				case <-f.frozen:
+					// Hold the bytes until the test ends, as a black hole does.
+					<-t.Context().Done()
+					return
+				default:
+				}
+				if _, err := dst.Write(buf[:n]); err != nil {
+					return
+				}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			up, err := net.Dial("tcp", target)
+			if err != nil {
+				_ = c.Close()
+				continue
+			}
+			t.Cleanup(func() { _ = c.Close(); _ = up.Close() })
+			wg.Add(2)
+			go pipe(up, c)
+			go pipe(c, up)
+		}
+	}()
+	return f
+}
+
+// A stream whose Envoy vanished without a reset ends once the processor's keepalive ping goes
+// unanswered, and its lease is released: it is not renewed for as long as TCP takes to notice.
+func TestRunEndsStreamsOfAVanishedEnvoy(t *testing.T) {
+	savedTime, savedTimeout := keepaliveTime, keepaliveTimeout
+	keepaliveTime, keepaliveTimeout = time.Second, 500*time.Millisecond // grpc-go's least Time is 1 s
+	t.Cleanup(func() { keepaliveTime, keepaliveTimeout = savedTime, savedTimeout })
+	mr := miniredis.RunT(t)
+	logs := newLogLines()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"--config", writeFile(t, "defaults: {lock_ttl: 3s}\n"), "--store", "redis", "--redis-url", "redis://" + mr.Addr() + "/0",
+			"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, env(nil), logs)
+	}()
+	ready := logs.wait(t, "ready", 10*time.Second)
+	f := newFreezer(t, ready["grpc_addr"].(string))
+	conn := dial(t, f.lis.Addr().String())
+	s, err := extprocv3.NewExternalProcessorClient(conn).Process(t.Context())
+	require.NoError(t, err)
+	require.NoError(t, s.Send(bodilessPost("k")))
+	resp, err := s.Recv()
+	require.NoError(t, err)
+	require.NotNil(t, resp.GetRequestHeaders(), "claimed: the request runs upstream under a lease")
+	require.Len(t, mr.Keys(), 1, "the lease")
+
+	close(f.frozen)
+	// Renewed every second (lock_ttl/3) while the stream lives; released once the ping fails.
+	require.Eventually(t, func() bool { return len(mr.Keys()) == 0 }, 10*time.Second, 50*time.Millisecond,
+		"the vanished stream's lease is released")
+	cancel()
+	require.NoError(t, <-done)
 }
 
 // A mistyped Unix socket path must not delete the file it names; a stale socket is replaced.
@@ -324,6 +433,38 @@ type buildError struct {
 }
 
 func (e *buildError) Error() string { return e.err.Error() + "\n" + e.out }
+
+// A second signal during the drain ends the process at once: an operator's second Ctrl-C.
+func TestBinarySecondSignalEndsTheDrain(t *testing.T) {
+	bin, err := binary()
+	require.NoError(t, err)
+	logs := newLogLines()
+	cmd := exec.Command(bin, "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0")
+	cmd.Stderr = logs
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	ready := logs.wait(t, "ready", 30*time.Second)
+	s, err := extprocv3.NewExternalProcessorClient(dial(t, ready["grpc_addr"].(string))).Process(t.Context())
+	require.NoError(t, err)
+	require.NoError(t, s.Send(bodilessPost("held")))
+	_, err = s.Recv()
+	require.NoError(t, err)
+
+	require.NoError(t, cmd.Process.Signal(syscall.SIGINT))
+	logs.wait(t, "shutting down: draining open streams", 5*time.Second) // the stream holds the drain for 15 s
+	require.NoError(t, cmd.Process.Signal(syscall.SIGINT))
+	waitErr := make(chan error, 1)
+	go func() { waitErr <- cmd.Wait() }()
+	select {
+	case err := <-waitErr:
+		var exit *exec.ExitError
+		require.ErrorAs(t, err, &exit)
+		ws := exit.Sys().(syscall.WaitStatus)
+		require.True(t, ws.Signaled() && ws.Signal() == syscall.SIGINT, "killed by the second signal: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatalf("the second signal did not end the drain; log:\n%s", logs.String())
+	}
+}
 
 func TestBinaryDrainsOnSIGTERM(t *testing.T) {
 	bin, err := binary()

@@ -5,6 +5,7 @@ import (
 	"os"
 	"strconv"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"go.yaml.in/yaml/v3"
@@ -24,6 +25,7 @@ type composeService struct {
 		Dockerfile string `yaml:"dockerfile"`
 	} `yaml:"build"`
 	Command     []string          `yaml:"command"`
+	StopGrace   string            `yaml:"stop_grace_period"`
 	Environment map[string]string `yaml:"environment"`
 	Volumes     []string          `yaml:"volumes"`
 	Ports       []string          `yaml:"ports"`
@@ -58,6 +60,9 @@ func TestComposeMatchesEnvoyYAML(t *testing.T) {
 
 	proc := c.Services["extproc"]
 	require.NotNil(t, proc.Build)
+	grace, err := time.ParseDuration(proc.StopGrace)
+	require.NoError(t, err, "stop_grace_period")
+	require.Greater(t, grace, 15*time.Second, "compose must let the 15 s drain finish before SIGKILL")
 	require.Equal(t, "..", proc.Build.Context)
 	require.Equal(t, "Dockerfile", proc.Build.Dockerfile)
 	require.Contains(t, proc.Command, "--store=redis")
