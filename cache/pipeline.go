@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -74,13 +75,29 @@ func (p *pipeline) finish(c *call, cmd *redis.Cmd) {
 // the server's (redis.Nil among them) and the pipeline's own ErrClosed. A refused connection is
 // unanswered too: go-redis retries a command whose connection broke and returns the last
 // attempt's error, so a refused dial may follow a first attempt that was written.
+//
+// So is an error reply that go-redis retries (LOADING, READONLY and the others of its
+// shouldRetry): it may be the answer to a second attempt, after a first one ran and its reply
+// was lost.
 func unanswered(err error) bool {
 	var reply redis.Error
 	switch {
-	case err == nil, errors.As(err, &reply), errors.Is(err, ErrClosed), errors.Is(err, redis.ErrClosed):
+	case err == nil, errors.Is(err, ErrClosed), errors.Is(err, redis.ErrClosed):
 		return false
+	case errors.As(err, &reply):
+		return retriedReply(reply.Error())
 	}
 	return true
+}
+
+// retriedReply tells whether go-redis retries a command that got the error reply msg.
+func retriedReply(msg string) bool {
+	for _, prefix := range []string{"LOADING ", "READONLY ", "CLUSTERDOWN ", "TRYAGAIN ", "MASTERDOWN ", "NOREPLICAS ", "ERR max number of clients reached"} {
+		if strings.HasPrefix(msg, prefix) {
+			return true
+		}
+	}
+	return false
 }
 
 // unreachable tells whether err is a refused or failed connection: Redis is not there at all.
@@ -201,7 +218,8 @@ func (p *pipeline) exec(ctx context.Context, batch []*call) {
 
 // sendBatch sends calls in one pipelined round trip and returns their replies. Scripts go by
 // SHA; those a node refuses for not knowing them (a first call, a restart, a failover) are
-// loaded once each (on every node under Cluster) and the refused calls sent again together.
+// loaded once each (on every node under Cluster) and the refused calls sent again together, by
+// SHA, or whole (EVAL) if the load failed: under Cluster one node down or slow fails it.
 func sendBatch(ctx context.Context, client redis.UniversalClient, calls []*call) []*redis.Cmd {
 	cmds := make([]*redis.Cmd, len(calls))
 	add := func(pipe redis.Pipeliner, i int) {
@@ -226,14 +244,16 @@ func sendBatch(ctx context.Context, client redis.UniversalClient, calls []*call)
 		if _, tried := loaded[s]; !tried {
 			loaded[s] = s.Load(ctx, client).Err() == nil
 		}
-		if loaded[s] {
-			refused = append(refused, i)
-		}
+		refused = append(refused, i)
 	}
 	if len(refused) > 0 {
 		pipe := client.Pipeline()
 		for _, i := range refused {
-			add(pipe, i)
+			if c := calls[i]; loaded[c.script] {
+				add(pipe, i)
+			} else {
+				cmds[i] = c.script.Eval(ctx, pipe, c.keys, c.args...)
+			}
 		}
 		_, _ = pipe.Exec(ctx)
 	}

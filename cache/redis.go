@@ -185,8 +185,14 @@ func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
 	if len(opts.ClusterAddrs) > 0 && base.DB != 0 {
 		return nil, fmt.Errorf("cache: redis: Cluster has only database 0, the url selects %d", base.DB)
 	}
-	if opts.TLSConfig != nil {
+	switch {
+	case opts.TLSConfig != nil:
 		base.TLSConfig = opts.TLSConfig
+	case base.TLSConfig != nil && (len(opts.ClusterAddrs) > 0 || len(opts.SentinelAddrs) > 0):
+		// ParseURL names the URL's host as the certificate to expect; under Cluster and Sentinel
+		// that host is not dialled, and each node is checked against the address it is dialled at.
+		base.TLSConfig = base.TLSConfig.Clone()
+		base.TLSConfig.ServerName = ""
 	}
 	// Deadlines come from each call's context, which Redis methods always bound.
 	base.ContextTimeoutEnabled = true

@@ -151,6 +151,29 @@ func TestRedisAcquireWithLostReplyFreesTheKey(t *testing.T) {
 		"the record the failed call created must not block the key for its lease")
 }
 
+// retriedToLoading runs every SET, then answers LOADING, as go-redis reports a command whose first
+// attempt ran and lost its reply and whose retry met a server still loading.
+type retriedToLoading struct{ passHook }
+
+func (retriedToLoading) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if cmd.Name() == "set" && (err == nil || errors.Is(err, redis.Nil)) {
+			cmd.SetErr(serverError("LOADING Redis is loading the dataset in memory"))
+			return cmd.Err()
+		}
+		return err
+	}
+}
+
+func TestRedisAcquireRetriedToAnErrorReplyFreesTheKey(t *testing.T) {
+	s, mr := hookedRedis(t, retriedToLoading{}, time.Second)
+	_, _, err := s.Acquire(t.Context(), "k", Claim{LockTTL: time.Hour, TTL: time.Hour})
+	require.ErrorContains(t, err, "LOADING")
+	require.Eventually(t, func() bool { return !mr.Exists("k") }, 5*time.Second, 10*time.Millisecond,
+		"the record the first attempt created must not block the key for its lease")
+}
+
 // pipelineCounter counts the script calls sent alone and in pipelines. While hold is set,
 // every command waits for release to be closed, so that both slots stay busy and later calls
 // queue; held counts the script calls waiting so.
@@ -456,6 +479,13 @@ func TestUnanswered(t *testing.T) {
 		{nil, false},
 		{redis.Nil, false},
 		{serverError("ERR wrong number of arguments"), false},
+		{serverError("WRONGTYPE Operation against a key holding the wrong kind of value"), false},
+		// Replies go-redis retries: an earlier attempt may have run.
+		{serverError("LOADING Redis is loading the dataset in memory"), true},
+		{serverError("READONLY You can't write against a read only replica."), true},
+		{serverError("TRYAGAIN Multiple keys request during rehashing of slot"), true},
+		{serverError("CLUSTERDOWN The cluster is down"), true},
+		{serverError("ERR max number of clients reached"), true},
 		{dial, true}, // go-redis may have written a first attempt
 		{fmt.Errorf("wrapped: %w", dial), true},
 		{ErrClosed, false},
@@ -571,6 +601,35 @@ func TestOrphanReleasesLeaveThePoolToLiveCalls(t *testing.T) {
 	require.Zero(t, st.Timeouts, "no call waited for a connection in vain")
 }
 
+// failedLoads fails every SCRIPT LOAD, as a Cluster does when one of its nodes is down.
+type failedLoads struct{ passHook }
+
+func (failedLoads) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if args := cmd.Args(); cmd.Name() == "script" && len(args) > 1 && strings.EqualFold(fmt.Sprint(args[1]), "load") {
+			cmd.SetErr(errors.New("CLUSTERDOWN a node is unreachable"))
+			return cmd.Err()
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// A batch refused for NOSCRIPT whose script cannot be loaded goes again with the script whole.
+func TestBatchSendsScriptsWholeWhenTheyCannotBeLoaded(t *testing.T) {
+	s, mr := hookedRedis(t, failedLoads{}, time.Second)
+	var leases []Lease
+	for i := range 10 {
+		l, _, err := s.Acquire(t.Context(), "k"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
+		require.NoError(t, err)
+		leases = append(leases, l)
+	}
+	require.NoError(t, s.client.ScriptFlush(t.Context()).Err())
+	for i, err := range s.releaseOrphans(leases) {
+		require.NoError(t, err, "lease %d", i)
+	}
+	require.Empty(t, mr.Keys())
+}
+
 // scriptCounter counts the pipelined batches of EVALSHA and the commands sent alone, by name.
 type scriptCounter struct {
 	passHook
@@ -630,4 +689,26 @@ func TestOrphanReleasesReloadTheScriptOnce(t *testing.T) {
 		}
 	}
 	require.Equal(t, 1, loads, "the script loaded once")
+}
+
+// Under Cluster and Sentinel the URL's host is not dialled: with rediss://, each node's certificate
+// is checked against the address it is dialled at, not against that host.
+func TestTLSServerNameFollowsTheNode(t *testing.T) {
+	const url = "rediss://user:pass@ignored.example:6380/0"
+	c, err := newRedisClient(RedisOptions{URL: url})
+	require.NoError(t, err)
+	require.Equal(t, "ignored.example", c.(*redis.Client).Options().TLSConfig.ServerName, "standalone dials the URL's host")
+	_ = c.Close()
+
+	c, err = newRedisClient(RedisOptions{URL: url, ClusterAddrs: []string{"10.0.0.1:7000"}})
+	require.NoError(t, err)
+	require.NotNil(t, c.(*redis.ClusterClient).Options().TLSConfig)
+	require.Empty(t, c.(*redis.ClusterClient).Options().TLSConfig.ServerName)
+	_ = c.Close()
+
+	c, err = newRedisClient(RedisOptions{URL: url, SentinelAddrs: []string{"10.0.0.1:26379"}})
+	require.NoError(t, err)
+	require.NotNil(t, c.(*redis.Client).Options().TLSConfig)
+	require.Empty(t, c.(*redis.Client).Options().TLSConfig.ServerName)
+	_ = c.Close()
 }
