@@ -614,16 +614,24 @@ func (failedLoads) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	}
 }
 
+// leasesWithoutScripts acquires n keys, then flushes the scripts, as a restart or a failover
+// leaves a node: the next script calls find NOSCRIPT.
+func leasesWithoutScripts(t *testing.T, s *Redis, n int) []Lease {
+	t.Helper()
+	leases := make([]Lease, n)
+	for i := range leases {
+		var err error
+		leases[i], _, err = s.Acquire(t.Context(), "k"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
+		require.NoError(t, err)
+	}
+	require.NoError(t, s.client.ScriptFlush(t.Context()).Err())
+	return leases
+}
+
 // A batch refused for NOSCRIPT whose script cannot be loaded goes again with the script whole.
 func TestBatchSendsScriptsWholeWhenTheyCannotBeLoaded(t *testing.T) {
 	s, mr := hookedRedis(t, failedLoads{}, time.Second)
-	var leases []Lease
-	for i := range 10 {
-		l, _, err := s.Acquire(t.Context(), "k"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
-		require.NoError(t, err)
-		leases = append(leases, l)
-	}
-	require.NoError(t, s.client.ScriptFlush(t.Context()).Err())
+	leases := leasesWithoutScripts(t, s, 10)
 	for i, err := range s.releaseOrphans(leases) {
 		require.NoError(t, err, "lease %d", i)
 	}
@@ -663,13 +671,7 @@ func (h *scriptCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redi
 func TestOrphanReleasesReloadTheScriptOnce(t *testing.T) {
 	hook := &scriptCounter{}
 	s, mr := hookedRedis(t, hook, time.Second)
-	var leases []Lease
-	for i := range 10 {
-		l, _, err := s.Acquire(t.Context(), "k"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
-		require.NoError(t, err)
-		leases = append(leases, l)
-	}
-	require.NoError(t, s.client.ScriptFlush(t.Context()).Err())
+	leases := leasesWithoutScripts(t, s, 10)
 	hook.mu.Lock()
 	hook.batches, hook.alone = 0, nil
 	hook.mu.Unlock()

@@ -252,6 +252,20 @@ func TestHangingStoreTurnsUnreadyQuickly(t *testing.T) {
 	require.NoError(t, <-done)
 }
 
+// runOnMiniredis runs the program on mr's Redis with args added, on free loopback ports, until
+// cancel; done has run's result.
+func runOnMiniredis(t *testing.T, mr *miniredis.Miniredis, args ...string) (logs *logLines, ready map[string]any, cancel func(), done chan error) {
+	t.Helper()
+	logs = newLogLines()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	done = make(chan error, 1)
+	args = append([]string{"--store", "redis", "--redis-url", "redis://" + mr.Addr() + "/0",
+		"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, args...)
+	go func() { done <- run(ctx, args, env(nil), logs) }()
+	return logs, logs.wait(t, "ready", 10*time.Second), cancel, done
+}
+
 // Streams still open when the drain ends are cut, and the leases they hold are released
 // (unknown_outcome: release, the default), so that a retry on another replica runs.
 func TestRunCutStreamsReleaseTheirLeases(t *testing.T) {
@@ -259,22 +273,8 @@ func TestRunCutStreamsReleaseTheirLeases(t *testing.T) {
 	drainTimeout = 2 * time.Second
 	t.Cleanup(func() { drainTimeout = saved })
 	mr := miniredis.RunT(t)
-	logs := newLogLines()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"--store", "redis", "--redis-url", "redis://" + mr.Addr() + "/0",
-			"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, env(nil), logs)
-	}()
-	ready := logs.wait(t, "ready", 10*time.Second)
-	conn := dial(t, ready["grpc_addr"].(string))
-	s, err := extprocv3.NewExternalProcessorClient(conn).Process(t.Context())
-	require.NoError(t, err)
-	require.NoError(t, s.Send(bodilessPost("k")))
-	resp, err := s.Recv()
-	require.NoError(t, err)
-	require.NotNil(t, resp.GetRequestHeaders(), "claimed: the request runs upstream under a lease")
+	logs, ready, cancel, done := runOnMiniredis(t, mr)
+	openClaim(t, ready["grpc_addr"].(string), "k")
 	require.Len(t, mr.Keys(), 1, "the lease")
 
 	readyz := "http://" + ready["admin_addr"].(string) + "/readyz"
@@ -365,23 +365,9 @@ func TestRunEndsStreamsOfAVanishedEnvoy(t *testing.T) {
 	keepaliveTime, keepaliveTimeout = time.Second, 500*time.Millisecond // grpc-go's least Time is 1 s
 	t.Cleanup(func() { keepaliveTime, keepaliveTimeout = savedTime, savedTimeout })
 	mr := miniredis.RunT(t)
-	logs := newLogLines()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"--config", writeFile(t, "defaults: {lock_ttl: 3s}\n"), "--store", "redis", "--redis-url", "redis://" + mr.Addr() + "/0",
-			"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, env(nil), logs)
-	}()
-	ready := logs.wait(t, "ready", 10*time.Second)
+	_, ready, cancel, done := runOnMiniredis(t, mr, "--config", writeFile(t, "defaults: {lock_ttl: 3s}\n"))
 	f := newFreezer(t, ready["grpc_addr"].(string))
-	conn := dial(t, f.lis.Addr().String())
-	s, err := extprocv3.NewExternalProcessorClient(conn).Process(t.Context())
-	require.NoError(t, err)
-	require.NoError(t, s.Send(bodilessPost("k")))
-	resp, err := s.Recv()
-	require.NoError(t, err)
-	require.NotNil(t, resp.GetRequestHeaders(), "claimed: the request runs upstream under a lease")
+	openClaim(t, f.lis.Addr().String(), "k")
 	require.Len(t, mr.Keys(), 1, "the lease")
 
 	close(f.frozen)
@@ -436,20 +422,7 @@ func (e *buildError) Error() string { return e.err.Error() + "\n" + e.out }
 
 // A second signal during the drain ends the process at once: an operator's second Ctrl-C.
 func TestBinarySecondSignalEndsTheDrain(t *testing.T) {
-	bin, err := binary()
-	require.NoError(t, err)
-	logs := newLogLines()
-	cmd := exec.Command(bin, "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0")
-	cmd.Stderr = logs
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() { _ = cmd.Process.Kill() })
-	ready := logs.wait(t, "ready", 30*time.Second)
-	s, err := extprocv3.NewExternalProcessorClient(dial(t, ready["grpc_addr"].(string))).Process(t.Context())
-	require.NoError(t, err)
-	require.NoError(t, s.Send(bodilessPost("held")))
-	_, err = s.Recv()
-	require.NoError(t, err)
-
+	cmd, logs, _, _ := startBinaryWithClaim(t, "held")
 	require.NoError(t, cmd.Process.Signal(syscall.SIGINT))
 	logs.wait(t, "shutting down: draining open streams", 5*time.Second) // the stream holds the drain for 15 s
 	require.NoError(t, cmd.Process.Signal(syscall.SIGINT))
@@ -466,7 +439,10 @@ func TestBinarySecondSignalEndsTheDrain(t *testing.T) {
 	}
 }
 
-func TestBinaryDrainsOnSIGTERM(t *testing.T) {
+// startBinaryWithClaim starts the race-built binary with the memory store and opens a stream
+// that claims key and stays open, its request running upstream.
+func startBinaryWithClaim(t *testing.T, key string) (*exec.Cmd, *logLines, map[string]any, extprocv3.ExternalProcessor_ProcessClient) {
+	t.Helper()
 	bin, err := binary()
 	require.NoError(t, err)
 	logs := newLogLines()
@@ -475,16 +451,24 @@ func TestBinaryDrainsOnSIGTERM(t *testing.T) {
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() { _ = cmd.Process.Kill() })
 	ready := logs.wait(t, "ready", 30*time.Second)
+	return cmd, logs, ready, openClaim(t, ready["grpc_addr"].(string), key)
+}
 
-	conn := dial(t, ready["grpc_addr"].(string))
-	client := extprocv3.NewExternalProcessorClient(conn)
-	s, err := client.Process(t.Context())
+// openClaim opens a stream to addr whose bodiless POST claims key, and leaves it open: the
+// request runs upstream under a lease.
+func openClaim(t *testing.T, addr, key string) extprocv3.ExternalProcessor_ProcessClient {
+	t.Helper()
+	s, err := extprocv3.NewExternalProcessorClient(dial(t, addr)).Process(t.Context())
 	require.NoError(t, err)
-	require.NoError(t, s.Send(bodilessPost("draining")))
+	require.NoError(t, s.Send(bodilessPost(key)))
 	resp, err := s.Recv()
 	require.NoError(t, err)
-	require.NotNil(t, resp.GetRequestHeaders(), "the request runs under a lease")
+	require.NotNil(t, resp.GetRequestHeaders(), "claimed: the request runs upstream under a lease")
+	return s
+}
 
+func TestBinaryDrainsOnSIGTERM(t *testing.T) {
+	cmd, logs, ready, s := startBinaryWithClaim(t, "draining")
 	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
 	logs.wait(t, "shutting down: draining open streams", 5*time.Second)
 
@@ -494,7 +478,7 @@ func TestBinaryDrainsOnSIGTERM(t *testing.T) {
 		5*time.Second, 10*time.Millisecond, "a draining process takes no new stream")
 
 	require.NoError(t, s.Send(created()))
-	resp, err = s.Recv()
+	resp, err := s.Recv()
 	require.NoError(t, err, "the open stream finishes")
 	require.NotNil(t, resp.GetResponseHeaders())
 	require.NoError(t, s.CloseSend())
