@@ -3,6 +3,7 @@ package extproc_test
 import (
 	"context"
 	"net"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -256,9 +257,11 @@ func requestHeaders(r request) *extprocv3.ProcessingRequest {
 	hs := []*corev3.HeaderValue{
 		{Key: ":method", RawValue: []byte(r.method)},
 		{Key: ":path", RawValue: []byte(r.path)},
-		{Key: ":authority", RawValue: []byte("api.example.com")},
 		{Key: ":scheme", RawValue: []byte("https")},
 		{Key: "x-request-id", RawValue: []byte("req-" + strconv.Itoa(len(r.body)))},
+	}
+	if !slices.Contains(r.headers, ":authority") {
+		hs = append(hs, &corev3.HeaderValue{Key: ":authority", RawValue: []byte("api.example.com")})
 	}
 	for i := 0; i < len(r.headers); i += 2 {
 		hs = append(hs, &corev3.HeaderValue{Key: r.headers[i], RawValue: []byte(r.headers[i+1])})

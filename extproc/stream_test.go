@@ -632,6 +632,16 @@ func TestRenewalInFlightDoesNotDelayCompletion(t *testing.T) {
 	require.NotContains(t, h.logs.String(), `"op":"renew"`, "a renewal cut short is not a store failure")
 }
 
+// Where each tenant has a host of its own, scope_headers may name :authority, Envoy's name for
+// the request's host: equal keys on two hosts are two records.
+func TestScopeByAuthority(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: `defaults: {scope_headers: [authorization, ":authority"]}`})
+	require.True(t, h.do(post("/v1/payments", "k", `{}`, ":authority", "a.example.com"), created).executed)
+	require.True(t, h.do(post("/v1/payments", "k", `{}`, ":authority", "b.example.com"), created).executed,
+		"another host is another scope")
+	require.Equal(t, []string{"true"}, h.do(post("/v1/payments", "k", `{}`, ":authority", "a.example.com"), created).header(replayed))
+}
+
 // fingerprint_headers join the payload; an empty fingerprint turns the mismatch check off.
 func TestFingerprintPolicy(t *testing.T) {
 	t.Run("headers", func(t *testing.T) {

@@ -276,6 +276,39 @@ func nameField(data []byte, msg string) string {
 	return found + " (" + msg + ")"
 }
 
+// nullFields reports every mapping value of data that is null, by its path.
+func nullFields(data []byte) []error {
+	var root yaml.Node
+	if yaml.Unmarshal(data, &root) != nil {
+		return nil // the decoder reports it
+	}
+	var errs []error
+	var walk func(n *yaml.Node, path string)
+	walk = func(n *yaml.Node, path string) {
+		switch n.Kind {
+		case yaml.DocumentNode:
+			for _, c := range n.Content {
+				walk(c, path)
+			}
+		case yaml.MappingNode:
+			for i := 0; i+1 < len(n.Content); i += 2 {
+				field, value := join(path, n.Content[i].Value), n.Content[i+1]
+				if value.Kind == yaml.ScalarNode && value.Tag == "!!null" {
+					errs = append(errs, fmt.Errorf("policy: %s: has no value (leave the field out to inherit it; \"\" is the empty string)", field))
+					continue
+				}
+				walk(value, field)
+			}
+		case yaml.SequenceNode:
+			for i, c := range n.Content {
+				walk(c, fmt.Sprintf("%s[%d]", path, i))
+			}
+		}
+	}
+	walk(&root, "")
+	return errs
+}
+
 func join(path, key string) string {
 	if path == "" {
 		return key
@@ -285,6 +318,10 @@ func join(path, key string) string {
 
 // Decode decodes YAML into v (a Document, or a struct that inlines one), rejecting unknown
 // fields. An empty document leaves v unchanged.
+//
+// A field written without a value (`ttl_header:` or `ttl_header: ~`) is an error: YAML reads it
+// as null, which would leave the field unset and so inherited, the opposite of what an empty
+// value suggests.
 func Decode(data []byte, v any) error {
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	dec.KnownFields(true)
@@ -292,16 +329,19 @@ func Decode(data []byte, v any) error {
 	if errors.Is(err, io.EOF) {
 		return nil
 	}
+	errs := nullFields(data)
 	var te *yaml.TypeError
 	if errors.As(err, &te) {
-		errs := make([]error, len(te.Errors))
-		for i, e := range te.Errors {
-			errs[i] = errors.New("policy: " + nameField(data, e))
+		for _, e := range te.Errors {
+			errs = append(errs, errors.New("policy: "+nameField(data, e)))
 		}
 		return errors.Join(errs...)
 	}
 	if err != nil {
 		return fmt.Errorf("policy: %w", err)
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...)
 	}
 	var extra any
 	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
@@ -469,7 +509,7 @@ func (c *compiler) route(field string, parent *Route, spec Spec) *Route {
 		}
 	}
 	if spec.FingerprintHeaders != nil {
-		r.FingerprintHeaders = c.headerNames(f("fingerprint_headers"), *spec.FingerprintHeaders)
+		r.FingerprintHeaders = c.requestHeaderNames(f("fingerprint_headers"), *spec.FingerprintHeaders)
 	}
 	if len(r.Fingerprint) == 0 && len(r.FingerprintHeaders) > 0 && (spec.Fingerprint != nil || spec.FingerprintHeaders != nil) {
 		// An empty fingerprint turns the mismatch check off (SPEC §4): headers alone would
@@ -477,7 +517,7 @@ func (c *compiler) route(field string, parent *Route, spec Spec) *Route {
 		c.errorf(f("fingerprint_headers"), "set while fingerprint is [], which turns the mismatch check off; list the parts to hash too, or drop the headers")
 	}
 	if spec.ScopeHeaders != nil {
-		r.ScopeHeaders = c.headerNames(f("scope_headers"), *spec.ScopeHeaders)
+		r.ScopeHeaders = c.requestHeaderNames(f("scope_headers"), *spec.ScopeHeaders)
 	}
 	if spec.StoreStatuses != nil {
 		r.StoreStatuses = c.statuses(f("store_statuses"), *spec.StoreStatuses)
@@ -561,6 +601,11 @@ func (c *compiler) match(field string, r *Route, spec Spec) {
 			c.errorf(field+".scope_path_params", "%q is not a named group of path_regex", name)
 			continue
 		}
+		if n := countOf(r.regex.SubexpNames(), name); n > 1 {
+			// Only the first would be read: a path matched by another branch would scope by "".
+			c.errorf(field+".scope_path_params", "%q names %d groups of path_regex; give each a name of its own", name, n)
+			continue
+		}
 		r.scopeGroups = append(r.scopeGroups, i)
 		r.ScopePathParams = append(r.ScopePathParams, name)
 	}
@@ -574,6 +619,24 @@ func (c *compiler) headerNames(field string, names []string) []string {
 			continue
 		}
 		out = append(out, strings.ToLower(n))
+	}
+	return out
+}
+
+// requestHeaderNames is headerNames for the request headers a route reads as scope or payload.
+// Envoy gives the processor the request's host as :authority, never as host, so that name is
+// refused and :authority taken instead.
+func (c *compiler) requestHeaderNames(field string, names []string) []string {
+	out := make([]string, 0, len(names))
+	for _, n := range names {
+		switch strings.ToLower(n) {
+		case ":authority":
+			out = append(out, ":authority")
+		case "host":
+			c.errorf(field, "%q never reaches the processor: Envoy passes the request's host as \":authority\"; name that instead", n)
+		default:
+			out = append(out, c.headerNames(field, []string{n})...)
+		}
 	}
 	return out
 }
@@ -607,6 +670,16 @@ func (c *compiler) statuses(field string, values []any) StatusSet {
 		}
 	}
 	return s
+}
+
+func countOf(names []string, name string) int {
+	n := 0
+	for _, s := range names {
+		if s == name {
+			n++
+		}
+	}
+	return n
 }
 
 // isToken reports whether s is a non-empty RFC 9110 token, the syntax of header names and methods.
