@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
@@ -31,7 +32,7 @@ func TestMain(m *testing.M) {
 // cell too, and the Redis round trips alone make as many commands per request as the store.
 func TestCompare(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
-	res, err := compare(t.Context(), options{duration: 300 * time.Millisecond, rounds: 1, streams: 8, redisAddr: srv.Addr(), load: 0.5, memoryBytes: 8 << 20})
+	res, err := compare(t.Context(), options{duration: 300 * time.Millisecond, rounds: 2, streams: 8, redisAddr: srv.Addr(), load: 0.5, memoryBytes: 8 << 20})
 	require.NoError(t, err)
 	var out bytes.Buffer
 	res.print(&out)
@@ -45,7 +46,9 @@ func TestCompare(t *testing.T) {
 			c, ok := res.find(w, target)
 			require.True(t, ok, "%s, %s", w, target)
 			require.Positive(t, c.requests)
-			require.LessOrEqual(t, c.p50, c.p99)
+			require.Len(t, c.roundP99, 2, "%s, %s: a p99 per round", w, target)
+			require.Len(t, c.roundRPS, 2, "%s, %s: a rate per round", w, target)
+			require.Zero(t, c.failures, "%s, %s: every request settled as a clean run settles it", w, target)
 			// Each of the 8 streams has at most one request in flight: their latencies add up to
 			// no more than 8 times the time the cell ran (Little's law's bound).
 			require.Positive(t, c.latency)
@@ -60,7 +63,7 @@ func TestCompare(t *testing.T) {
 			p, ok := res.findPaced(w, target)
 			require.True(t, ok, "%s, %s at a fixed rate", w, target)
 			require.Positive(t, p.requests)
-			require.LessOrEqual(t, p.p50, p.p99)
+			require.Zero(t, p.failures, "%s, %s at a fixed rate: every request settled as a clean run settles it", w, target)
 			if target == targetNull {
 				continue
 			}
@@ -76,13 +79,21 @@ func TestCompare(t *testing.T) {
 			require.Equal(t, want[w], p.storeCalls, "%s, %s at a fixed rate: store calls per request", w, target)
 			require.Equal(t, wantLines[w], p.logLines, "%s, %s at a fixed rate: log lines per request", w, target)
 			if target == targetRedis {
-				require.Equal(t, want[w], c.redisCommands, "%s: Redis commands per request", w)
-				require.LessOrEqual(t, c.redisTrips, want[w], "%s: pipelining never adds round trips", w)
+				for _, rc := range []cell{c, p} {
+					require.Equal(t, want[w], rc.redisCommands, "%s%s: Redis commands per request", w, pacedSuffix(rc))
+					require.LessOrEqual(t, rc.redisTrips, want[w], "%s%s: pipelining never adds round trips", w, pacedSuffix(rc))
+					if want[w] > 0 {
+						require.Positive(t, rc.redisTrips, "%s%s: round trips are counted", w, pacedSuffix(rc))
+					}
+				}
 			}
 		}
 	}
 	require.True(t, strings.Contains(out.String(), "| replay | redis store |"))
 	require.Contains(t, out.String(), "Little's law")
+	require.Contains(t, out.String(), "Every request of every cell was settled as a clean run settles it")
+	require.Regexp(t, `\| first execution \| memory store \| \d+ \| [^|]+ \| [^|]+ \| \d\.\d\d \[\d\.\d\d, \d\.\d\d\] \|`, out.String(),
+		"each ratio comes with the range of its rounds'")
 
 	// The Redis round trips alone: as many per request as the Redis store makes, beside a null
 	// processor that served the same workload meanwhile.
@@ -121,6 +132,21 @@ func TestTargetWritesProfileAndTrace(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, bytes.HasPrefix(tr, []byte("go 1.")), "an execution trace starts with its header")
 	require.Greater(t, len(tr), 1<<10, "and holds the process' events")
+}
+
+// TestFailuresAreCounted checks that the counters a target reports count the store_error
+// outcome and every released lease, from the metrics the processor keeps.
+func TestFailuresAreCounted(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	requests := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "idempotency_requests_total"}, []string{"route", "outcome"})
+	releases := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "idempotency_releases_total"}, []string{"route", "reason"})
+	reg.MustRegister(requests, releases)
+	requests.WithLabelValues("default", "executed").Add(5)
+	requests.WithLabelValues("default", "store_error").Add(2)
+	releases.WithLabelValues("default", "unknown_outcome").Inc()
+	var c counters
+	require.NoError(t, storeCalls(reg, &c))
+	require.Equal(t, int64(3), c.Failures)
 }
 
 // TestRatioFor checks the saturated latency arithmetic: 32 streams at 8,000 requests/s wait 4 ms

@@ -55,6 +55,9 @@ type counters struct {
 	Trips     int64
 	// LogLines are the lines the processor logged.
 	LogLines int64
+	// Failures are the requests the processor settled otherwise than a clean run does: the
+	// store_error outcome, and every lease released (a first execution that did not complete).
+	Failures int64
 	// MemoryBytes is what the memory store holds (cache.Memory.Bytes), 0 for other targets.
 	MemoryBytes int64
 	// PeakRSS is the most memory the process has held resident so far, in bytes.
@@ -318,15 +321,32 @@ func (c *lineCounter) Write(p []byte) (int, error) {
 	return c.w.Write(p)
 }
 
-// storeCalls sets c's store calls and slow calls from the processor's store-duration histogram:
-// every call it made, and those over its 1 ms bucket.
+// storeCalls sets c's store calls and slow calls from the processor's store-duration histogram
+// (every call it made, and those over its 1 ms bucket), and its failures from its outcome and
+// release counters.
 func storeCalls(g prometheus.Gatherer, c *counters) error {
 	families, err := g.Gather()
 	if err != nil {
 		return err
 	}
 	for _, f := range families {
-		if f.GetName() != "idempotency_store_duration_seconds" {
+		switch f.GetName() {
+		case "idempotency_requests_total":
+			for _, m := range f.GetMetric() {
+				for _, l := range m.GetLabel() {
+					if l.GetName() == "outcome" && l.GetValue() == string(extproc.StoreError) {
+						c.Failures += int64(m.GetCounter().GetValue())
+					}
+				}
+			}
+			continue
+		case "idempotency_releases_total":
+			for _, m := range f.GetMetric() {
+				c.Failures += int64(m.GetCounter().GetValue())
+			}
+			continue
+		case "idempotency_store_duration_seconds":
+		default:
 			continue
 		}
 		for _, m := range f.GetMetric() {
