@@ -211,14 +211,14 @@ func (d *digest) headerValues(h headers, name string) {
 // finish returns the hash of what was written; it is valid until the next reset.
 func (d *digest) finish() []byte { return d.h.Sum(d.sum[:0]) }
 
-// fingerprint returns the SHA-256 over the route's fingerprint parts and fingerprint headers, or
-// nil when the route lists no part: an empty fingerprint turns the mismatch check off (SPEC §4),
-// and the policy refuses fingerprint headers beside it.
+// fingerprint returns the SHA-256 over the route's fingerprint parts and fingerprint headers.
+// A route that lists no part (SPEC §4: the mismatch check is off; the policy refuses fingerprint
+// headers beside it) gets the hash of its name instead: nothing is checked within the route,
+// and a key reused from another route is still another endpoint's (422). Renaming such a route
+// makes its records mismatch until they expire.
 func (d *digest) fingerprint(r *policy.Route, method, path, body []byte, h headers) []byte {
 	d.reset()
 	if len(r.Fingerprint) == 0 {
-		// No payload check within the route; a key reused from another route is still another
-		// endpoint's (SPEC §4: 422), so the record carries the route's name instead.
 		d.fieldString("route")
 		d.fieldString(r.Name)
 		return append([]byte(nil), d.finish()...)

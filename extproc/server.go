@@ -130,17 +130,23 @@ func NewServer(opts Options) (*Server, error) {
 func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err error) {
 	s.streams.Add(1)
 	defer s.streams.Done()
-	// A panic ends this stream only: grpc-go does not recover handlers, and the whole process,
-	// with its memory store and every other stream's lease, must not go down with one request.
-	// It runs after finish, which has released or kept the lease as for any stream cut short.
+	st := newStream(s, srv.Context())
 	defer func() {
-		if p := recover(); p != nil {
+		// A panic in the stream's own code ends this stream only: grpc-go does not recover
+		// handlers, and the whole process, with its memory store and every other stream's
+		// lease, must not go down with one request. finish then releases or keeps the lease as
+		// for any stream cut short. A panic inside a store call goes on and ends the process,
+		// without a further store call: the store may be left locked or half changed.
+		p := recover()
+		if sp, ok := p.(storePanic); ok {
+			panic(sp)
+		}
+		st.finish()
+		if p != nil {
 			s.log.Error().Str("panic", fmt.Sprint(p)).Bytes("stack", debug.Stack()).Msg("stream handler panicked; the stream is ended")
 			err = status.Error(codes.Internal, "idempotency-extproc: internal error")
 		}
 	}()
-	st := newStream(s, srv.Context())
-	defer st.finish()
 	for {
 		req, err := srv.Recv()
 		if err != nil {
@@ -207,23 +213,49 @@ func (s *Server) bounded(ctx context.Context, obs prometheus.Observer) (context.
 func (s *Server) acquire(ctx context.Context, key string, c cache.Claim) (cache.Lease, *cache.Record, error) {
 	ctx, done := s.bounded(ctx, s.acquireObs)
 	defer done()
+	defer markStorePanic()
 	return s.store.Acquire(ctx, key, c)
 }
 
 func (s *Server) renew(ctx context.Context, l cache.Lease, d time.Duration) error {
 	ctx, done := s.bounded(ctx, s.renewObs)
 	defer done()
+	defer markStorePanic()
 	return s.store.Renew(ctx, l, d)
 }
 
 func (s *Server) complete(ctx context.Context, l cache.Lease, r cache.Response) error {
 	ctx, done := s.bounded(ctx, s.completeObs)
 	defer done()
+	defer markStorePanic()
 	return s.store.Complete(ctx, l, r)
 }
 
 func (s *Server) release(ctx context.Context, l cache.Lease) error {
 	ctx, done := s.bounded(ctx, s.releaseObs)
 	defer done()
+	defer markStorePanic()
 	return s.store.Release(ctx, l)
+}
+
+// storePanic is a panic raised inside a store call, with the stack it was raised on. Process
+// lets it end the process: the store may be left locked (the memory store's mutex) or half
+// changed, and a process that went on would hang or serve from a broken store.
+type storePanic struct {
+	value any
+	stack []byte
+}
+
+func (p storePanic) Error() string {
+	return fmt.Sprintf("idempotency-extproc: panic in a store call: %v\n\n%s", p.value, p.stack)
+}
+
+// markStorePanic, deferred around a store call, turns a panic raised in it into a storePanic.
+func markStorePanic() {
+	if p := recover(); p != nil {
+		if sp, ok := p.(storePanic); ok {
+			panic(sp)
+		}
+		panic(storePanic{value: p, stack: debug.Stack()})
+	}
 }

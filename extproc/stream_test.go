@@ -4,9 +4,12 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
 	"io"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -548,31 +551,69 @@ func TestObservabilityModeIsRefused(t *testing.T) {
 	require.Equal(t, 1, strings.Count(h.logs.String(), "observability_mode"), "said once")
 }
 
-// panickyCompletions is a store whose Complete panics, standing for any bug in a stream's path.
-type panickyCompletions struct{ cache.Store }
+// panickyCompletions is a store whose Complete panics, standing for a bug inside a store; it
+// counts the calls made after.
+type panickyCompletions struct {
+	cache.Store
+	after atomic.Int32
+}
 
-func (panickyCompletions) Complete(context.Context, cache.Lease, cache.Response) error {
+func (p *panickyCompletions) Complete(context.Context, cache.Lease, cache.Response) error {
 	panic("boom")
 }
 
-// A panic in one stream ends that stream with an error, releases its lease and leaves the
-// process serving the others: grpc-go would let it take the process, and the memory store, down.
+func (p *panickyCompletions) Release(ctx context.Context, l cache.Lease) error {
+	p.after.Add(1)
+	return p.Store.Release(ctx, l)
+}
+
+// panickyTimers is a clock whose AfterFunc panics, standing for a bug in the stream's own code:
+// the renewal timer is set once the claim holds its lease.
+type panickyTimers struct{ clock.Clock }
+
+func (panickyTimers) AfterFunc(time.Duration, func()) clock.Timer { panic("boom") }
+
+// newPanicServer is a server on store and clk, its logs in logs.
+func newPanicServer(t *testing.T, store cache.Store, clk clock.Clock, logs io.Writer) *extproc.Server {
+	t.Helper()
+	metrics, err := extproc.NewMetrics(prometheus.NewRegistry())
+	require.NoError(t, err)
+	logger := zerolog.New(logs)
+	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: policy.Default(), Logger: &logger, Metrics: metrics, Clock: clk})
+	require.NoError(t, err)
+	return srv
+}
+
+// A panic in a stream's own code ends that stream with an error and releases its lease; the
+// process goes on: grpc-go would let the panic take it, and the memory store, down.
 func TestPanicEndsOnlyItsStream(t *testing.T) {
 	m, err := cache.NewMemory(cache.MemoryOptions{})
 	require.NoError(t, err)
-	h := newHarness(t, harnessOptions{store: panickyCompletions{m}})
-	s := h.open()
-	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
-	s.send(requestBody([]byte(`{}`)))
-	s.send(responseHeaders(created))
-	require.NoError(t, s.s.Send(responseBody(created.body, true)))
-	_, err = s.s.Recv()
+	logs := &syncBuffer{}
+	srv := newPanicServer(t, m, panickyTimers{clock.Real{}}, logs)
+	msgs := []*extprocv3.ProcessingRequest{requestHeaders(post("/v1/payments", "k", `{}`)), requestBody([]byte(`{}`))}
+	err = srv.Process(&memStream{ctx: t.Context(), msgs: msgs, script: true})
 	require.Equal(t, codes.Internal, status.Code(err), "the stream ends with an error: %v", err)
-	require.Contains(t, h.logs.String(), "stream handler panicked")
+	require.Contains(t, logs.String(), "stream handler panicked")
+	require.Nil(t, storedRecord(t, m, policy.Default(), "k"), "the lease was released (unknown outcome)")
+}
 
-	// The lease was released (unknown outcome), and the process still serves.
-	require.Nil(t, h.record(t, "k"))
-	require.True(t, h.do(post("/v1/payments", "", `{}`), created).executed)
+// A panic inside a store call ends the process, and no further store call is made: the store
+// may be left locked or half changed, and a process that went on would hang or serve from it.
+func TestPanicInTheStoreEndsTheProcess(t *testing.T) {
+	m, err := cache.NewMemory(cache.MemoryOptions{})
+	require.NoError(t, err)
+	store := &panickyCompletions{Store: m}
+	srv := newPanicServer(t, store, clock.Real{}, io.Discard)
+	msgs := []*extprocv3.ProcessingRequest{requestHeaders(post("/v1/payments", "k", `{}`)), requestBody([]byte(`{}`)),
+		responseHeaders(created), responseBody(created.body, true)}
+	defer func() {
+		p := recover()
+		require.NotNil(t, p, "the panic goes on")
+		require.ErrorContains(t, p.(error), "panic in a store call: boom")
+		require.Zero(t, store.after.Load(), "no store call after the panic")
+	}()
+	_ = srv.Process(&memStream{ctx: t.Context(), msgs: msgs, script: true})
 }
 
 // slowRenewals is a store whose renewals hang until their context ends.
@@ -674,6 +715,16 @@ routes:
 		requireProblem(t, h.do(post("/v1/other", "b", `{}`), created), 422, "idempotency-key-reused")
 		require.Equal(t, 1, h.executions("a"))
 		require.Equal(t, 1, h.executions("b"))
+	})
+	t.Run("records of older builds", func(t *testing.T) {
+		// Builds before the route's name was the fingerprint stored none for such a route.
+		h := newHarness(t, harnessOptions{policy: "routes: [{name: loose, match: {path_prefix: /v1/loose}, fingerprint: []}]"})
+		l, _, err := h.store.Acquire(t.Context(), extproc.StoredKey(h.policy, "/v1/loose", "old"), cache.Claim{LockTTL: time.Minute, TTL: time.Hour})
+		require.NoError(t, err)
+		require.NoError(t, h.store.Complete(t.Context(), l, cache.Response{Status: 201, Body: []byte("stored")}))
+		res := h.do(post("/v1/loose", "old", `{}`), created)
+		require.Equal(t, []string{"true"}, res.header(replayed), "the route accepts its old record")
+		require.Equal(t, []byte("stored"), res.body)
 	})
 }
 
