@@ -86,12 +86,12 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		return err
 	}
 
-	grpcLis, err := listen(cfg.grpcAddr)
+	grpcLis, err := listenOn(cfg.grpcAddr)
 	if err != nil {
 		return fmt.Errorf("grpc-addr: %w", err)
 	}
 	defer grpcLis.Close()
-	adminLis, err := listen(cfg.adminAddr)
+	adminLis, err := listenOn(cfg.adminAddr)
 	if err != nil {
 		return fmt.Errorf("admin-addr: %w", err)
 	}
@@ -125,13 +125,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	log.Info().Str("grpc_addr", addrString(grpcLis)).Str("admin_addr", adminLis.Addr().String()).
 		Str("store", cfg.store).Msg("ready")
 
+	// A listener that fails for good ends the process as SIGTERM does, through the drain, so
+	// that the streams still open finish or release what they hold; run then returns its error.
+	var failed error
 	select {
 	case <-ctx.Done():
-	case err := <-errc:
-		log.Error().Err(err).Msg("listener failed")
-		gs.Stop()
-		_ = admin.Close()
-		return err
+	case failed = <-errc:
+		log.Error().Err(failed).Msg("listener failed")
 	}
 
 	log.Info().Dur("drain_timeout", drainTimeout).Msg("shutting down: draining open streams")
@@ -159,7 +159,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	defer cancel2()
 	_ = admin.Shutdown(shutdownCtx)
 	log.Info().Msg("stopped")
-	return nil
+	return failed
 }
 
 func newLogger(cfg *config, stderr io.Writer) zerolog.Logger {
@@ -216,6 +216,9 @@ func maxRecvMsgSize(cfg *config) int {
 
 // listen opens host:port, or a Unix socket for unix:///path (replacing a stale socket file,
 // never another kind of file).
+// listenOn is listen, a variable for the test of a listener that fails after start.
+var listenOn = listen
+
 func listen(addr string) (net.Listener, error) {
 	if path, ok := strings.CutPrefix(addr, "unix://"); ok {
 		if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() != os.ModeSocket {

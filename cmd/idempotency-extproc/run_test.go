@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -285,6 +286,65 @@ func TestRunCutStreamsReleaseTheirLeases(t *testing.T) {
 	require.NoError(t, <-done)
 	logs.wait(t, "drain timeout: cutting the streams still open", time.Second)
 	require.Empty(t, mr.Keys(), "the cut stream's lease was released before the process exited")
+}
+
+// failingListener is a listener whose Accept fails for good once fail is closed.
+type failingListener struct {
+	net.Listener
+	fail chan struct{}
+}
+
+func (l failingListener) Accept() (net.Conn, error) {
+	accepted := make(chan struct{})
+	var c net.Conn
+	var err error
+	go func() { c, err = l.Listener.Accept(); close(accepted) }()
+	select {
+	case <-accepted:
+		return c, err
+	case <-l.fail:
+		return nil, errors.New("accept: the listener broke")
+	}
+}
+
+// A listener that fails after start ends the process through the drain, as SIGTERM does: a
+// stream still open is cut and its lease released, and run returns the listener's error.
+func TestRunDrainsWhenAListenerFails(t *testing.T) {
+	savedDrain, savedListen := drainTimeout, listenOn
+	t.Cleanup(func() { drainTimeout, listenOn = savedDrain, savedListen })
+	drainTimeout = 200 * time.Millisecond
+	// The admin listener is the one that breaks, told apart by its address.
+	fail := make(chan struct{})
+	adminAddr := freeLoopbackAddr(t)
+	listenOn = func(addr string) (net.Listener, error) {
+		l, err := listen(addr)
+		if err != nil || addr != adminAddr {
+			return l, err
+		}
+		return failingListener{Listener: l, fail: fail}, nil
+	}
+	mr := miniredis.RunT(t)
+	_, ready, _, done := runOnMiniredis(t, mr, "--admin-addr", adminAddr)
+	openClaim(t, ready["grpc_addr"].(string), "k")
+	require.Len(t, mr.Keys(), 1, "the lease")
+
+	close(fail)
+	select {
+	case err := <-done:
+		require.ErrorContains(t, err, "the listener broke")
+	case <-time.After(10 * time.Second):
+		t.Fatal("run did not end after its listener failed")
+	}
+	require.Empty(t, mr.Keys(), "the open stream was cut and its lease released")
+}
+
+// freeLoopbackAddr returns a loopback address whose port was free a moment ago.
+func freeLoopbackAddr(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := l.Addr().String()
+	require.NoError(t, l.Close())
+	return addr
 }
 
 // get returns the status of a GET to url, or 0 if it got no answer.
