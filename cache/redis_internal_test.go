@@ -435,7 +435,13 @@ func TestRedisSlowServerLeavesNoOrphans(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			_, _, err := s.Acquire(t.Context(), "warm"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
+			// A first dial can outlast the 100 ms timeout on a loaded machine: try again.
+			var err error
+			for range 20 {
+				if _, _, err = s.Acquire(t.Context(), "warm"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour}); err == nil {
+					return
+				}
+			}
 			assert.NoError(t, err)
 		}()
 	}

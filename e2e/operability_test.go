@@ -88,13 +88,15 @@ func TestRedisOutage(t *testing.T) {
 		r := closed.do(call{key: "during-" + itoa(i), body: `{}`})
 		requireProblem(t, r, 503, "store-unavailable")
 		require.Equal(t, "1", r.header.Get("Retry-After"))
-		require.Less(t, time.Since(start), 600*time.Millisecond, "store_timeout (100ms) plus a margin for a loaded machine")
+		// Bounded by store_timeout (100 ms), not by the 5 s message_timeout: the margin is for
+		// the other packages' tests on the same two cores.
+		require.Less(t, time.Since(start), 2*time.Second, "store_timeout (100ms) plus a margin for a loaded machine")
 
 		start = time.Now()
 		r = open.do(call{key: "open-" + itoa(i), body: `{}`})
 		require.Equal(t, 200, r.status, "fail open passes the request through")
 		require.Equal(t, "false", r.header.Get(replayed), "untouched but for the replay header (SPEC §4)")
-		require.Less(t, time.Since(start), 600*time.Millisecond)
+		require.Less(t, time.Since(start), 2*time.Second)
 	}
 	require.Equal(t, 0, closed.up.Count("during-0"), "fail closed never reaches the upstream")
 	within(t, time.Now(), 2*time.Second, "fail-open requests counted as store_error", func() bool {
