@@ -195,9 +195,10 @@ func (s *Server) Wait(ctx context.Context) error {
 	}
 }
 
-// The store calls, each bounded by store_timeout (a store in this process needs no bound) and
-// timed.
+// The store calls, each bounded by store_timeout (a store in this process needs no bound),
+// timed, and guarded: a panic inside one goes on as a storePanic.
 
+// bounded returns ctx bounded for one store call, and the function to defer around the call.
 func (s *Server) bounded(ctx context.Context, obs prometheus.Observer) (context.Context, func()) {
 	cancel := context.CancelFunc(func() {})
 	if !s.local {
@@ -207,34 +208,34 @@ func (s *Server) bounded(ctx context.Context, obs prometheus.Observer) (context.
 	return ctx, func() {
 		cancel()
 		obs.Observe(time.Since(start).Seconds())
+		// Deferred itself, so that recover sees the call's panic.
+		if p := recover(); p != nil {
+			panic(storePanic{value: p, stack: debug.Stack()})
+		}
 	}
 }
 
 func (s *Server) acquire(ctx context.Context, key string, c cache.Claim) (cache.Lease, *cache.Record, error) {
 	ctx, done := s.bounded(ctx, s.acquireObs)
 	defer done()
-	defer markStorePanic()
 	return s.store.Acquire(ctx, key, c)
 }
 
 func (s *Server) renew(ctx context.Context, l cache.Lease, d time.Duration) error {
 	ctx, done := s.bounded(ctx, s.renewObs)
 	defer done()
-	defer markStorePanic()
 	return s.store.Renew(ctx, l, d)
 }
 
 func (s *Server) complete(ctx context.Context, l cache.Lease, r cache.Response) error {
 	ctx, done := s.bounded(ctx, s.completeObs)
 	defer done()
-	defer markStorePanic()
 	return s.store.Complete(ctx, l, r)
 }
 
 func (s *Server) release(ctx context.Context, l cache.Lease) error {
 	ctx, done := s.bounded(ctx, s.releaseObs)
 	defer done()
-	defer markStorePanic()
 	return s.store.Release(ctx, l)
 }
 
@@ -248,14 +249,4 @@ type storePanic struct {
 
 func (p storePanic) Error() string {
 	return fmt.Sprintf("idempotency-extproc: panic in a store call: %v\n\n%s", p.value, p.stack)
-}
-
-// markStorePanic, deferred around a store call, turns a panic raised in it into a storePanic.
-func markStorePanic() {
-	if p := recover(); p != nil {
-		if sp, ok := p.(storePanic); ok {
-			panic(sp)
-		}
-		panic(storePanic{value: p, stack: debug.Stack()})
-	}
 }
