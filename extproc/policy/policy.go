@@ -226,9 +226,9 @@ func Parse(data []byte) (*Policy, error) {
 var typeError = regexp.MustCompile("^line (\\d+): cannot unmarshal !!(\\w+)(?: `(.*)`)? into ")
 
 // nameField puts the path of the field a yaml.v3 type error is about in front of it, such as
-// defaults.max_response_bytes, found by the error's line and value; it leaves other errors as
-// they are.
-func nameField(data []byte, msg string) string {
+// defaults.max_response_bytes, found in root by the error's line and value; it leaves other
+// errors as they are.
+func nameField(root *yaml.Node, msg string) string {
 	m := typeError.FindStringSubmatch(msg)
 	if m == nil {
 		return msg
@@ -239,74 +239,52 @@ func nameField(data []byte, msg string) string {
 		kind = yaml.ScalarNode
 	}
 	value, short := strings.CutSuffix(m[3], "...")
-	var root yaml.Node
-	if yaml.Unmarshal(data, &root) != nil {
-		return msg
-	}
 	var found string
-	var walk func(n *yaml.Node, path string)
-	walk = func(n *yaml.Node, path string) {
-		if found != "" {
-			return
-		}
-		if n.Kind == kind && n.Line == line && path != "" &&
+	walkFields(root, "", func(n *yaml.Node, path string) bool {
+		if found == "" && n.Kind == kind && n.Line == line && path != "" &&
 			(kind != yaml.ScalarNode || n.Value == value || short && strings.HasPrefix(n.Value, value)) {
 			found = path
-			return
 		}
-		switch n.Kind {
-		case yaml.DocumentNode:
-			for _, c := range n.Content {
-				walk(c, path)
-			}
-		case yaml.MappingNode:
-			for i := 0; i+1 < len(n.Content); i += 2 {
-				walk(n.Content[i+1], join(path, n.Content[i].Value))
-			}
-		case yaml.SequenceNode:
-			for i, c := range n.Content {
-				walk(c, fmt.Sprintf("%s[%d]", path, i))
-			}
-		}
-	}
-	walk(&root, "")
+		return found == ""
+	})
 	if found == "" {
 		return msg
 	}
 	return found + " (" + msg + ")"
 }
 
-// nullFields reports every mapping value of data that is null, by its path.
-func nullFields(data []byte) []error {
-	var root yaml.Node
-	if yaml.Unmarshal(data, &root) != nil {
-		return nil // the decoder reports it
-	}
+// nullFields reports every value in root that is null, by its path.
+func nullFields(root *yaml.Node) []error {
 	var errs []error
-	var walk func(n *yaml.Node, path string)
-	walk = func(n *yaml.Node, path string) {
-		switch n.Kind {
-		case yaml.DocumentNode:
-			for _, c := range n.Content {
-				walk(c, path)
-			}
-		case yaml.MappingNode:
-			for i := 0; i+1 < len(n.Content); i += 2 {
-				field, value := join(path, n.Content[i].Value), n.Content[i+1]
-				if value.Kind == yaml.ScalarNode && value.Tag == "!!null" {
-					errs = append(errs, fmt.Errorf("policy: %s: has no value (leave the field out to inherit it; \"\" is the empty string)", field))
-					continue
-				}
-				walk(value, field)
-			}
-		case yaml.SequenceNode:
-			for i, c := range n.Content {
-				walk(c, fmt.Sprintf("%s[%d]", path, i))
-			}
+	walkFields(root, "", func(n *yaml.Node, path string) bool {
+		if path != "" && n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
+			errs = append(errs, fmt.Errorf("policy: %s: has no value (leave the field out to inherit it; \"\" is the empty string)", path))
+		}
+		return true
+	})
+	return errs
+}
+
+// walkFields calls visit on n, at path, and on what n holds, each at its own path (defaults.ttl,
+// routes[0].match), as long as visit returns true.
+func walkFields(n *yaml.Node, path string, visit func(n *yaml.Node, path string) bool) {
+	if !visit(n, path) {
+		return
+	}
+	switch n.Kind {
+	case yaml.DocumentNode:
+		for _, c := range n.Content {
+			walkFields(c, path, visit)
+		}
+	case yaml.MappingNode:
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			walkFields(n.Content[i+1], join(path, n.Content[i].Value), visit)
+		}
+	case yaml.SequenceNode:
+		for i, c := range n.Content {
+			walkFields(c, fmt.Sprintf("%s[%d]", path, i), visit)
 		}
 	}
-	walk(&root, "")
-	return errs
 }
 
 func join(path, key string) string {
@@ -329,11 +307,17 @@ func Decode(data []byte, v any) error {
 	if errors.Is(err, io.EOF) {
 		return nil
 	}
-	errs := nullFields(data)
+	// The file's fields as a node tree, parsed once, to name them in errors; none if it does not
+	// parse (the decoder has said why).
+	var root yaml.Node
+	if yaml.Unmarshal(data, &root) != nil {
+		root = yaml.Node{}
+	}
+	errs := nullFields(&root)
 	var te *yaml.TypeError
 	if errors.As(err, &te) {
 		for _, e := range te.Errors {
-			errs = append(errs, errors.New("policy: "+nameField(data, e)))
+			errs = append(errs, errors.New("policy: "+nameField(&root, e)))
 		}
 		return errors.Join(errs...)
 	}
