@@ -1,7 +1,6 @@
 package cache
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -18,6 +17,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/slowlink"
 )
 
 // passHook passes everything through: the test hooks below embed it and override what they
@@ -356,66 +357,6 @@ func TestRedisAbandonedQueuedCallIsNeverSent(t *testing.T) {
 	require.True(t, mr.Exists("a") && mr.Exists("b"))
 }
 
-// slowServer forwards connections to addr and holds each reply back by delay (as read when the
-// reply comes from addr), as a congested Redis does: commands run at once, answers come late.
-func slowServer(t *testing.T, addr string, delay *atomic.Int64) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = l.Close() })
-	go func() {
-		for {
-			client, err := l.Accept()
-			if err != nil {
-				return
-			}
-			server, err := net.Dial("tcp", addr)
-			if err != nil {
-				_ = client.Close()
-				continue
-			}
-			go func() {
-				_, _ = io.Copy(server, client)
-				_ = server.Close()
-			}()
-			go holdBack(server, client, delay)
-		}
-	}()
-	return l.Addr().String()
-}
-
-// holdBack copies src to dst in order, each read delay after it arrived.
-func holdBack(src, dst net.Conn, delay *atomic.Int64) {
-	type chunk struct {
-		b   []byte
-		due time.Time
-	}
-	chunks := make(chan chunk, 1024)
-	go func() {
-		defer dst.Close()
-		for c := range chunks {
-			time.Sleep(time.Until(c.due))
-			if _, err := dst.Write(c.b); err != nil {
-				_ = src.Close()
-				for range chunks {
-				}
-				return
-			}
-		}
-	}()
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		if n > 0 {
-			chunks <- chunk{bytes.Clone(buf[:n]), time.Now().Add(time.Duration(delay.Load()))}
-		}
-		if err != nil {
-			close(chunks)
-			return
-		}
-	}
-}
-
 // While Redis answers later than the store timeout, every Acquire fails, and none of them may
 // leave a pending record behind, or retries would get 409 for a whole lease although nothing
 // runs. Some of those calls ran alone, some in batches their callers stopped waiting for, some
@@ -425,7 +366,7 @@ func TestRedisSlowServerLeavesNoOrphans(t *testing.T) {
 	mr := miniredis.RunT(t)
 	var delay atomic.Int64
 	const timeout = 100 * time.Millisecond
-	s, err := OpenRedis(RedisOptions{URL: "redis://" + slowServer(t, mr.Addr(), &delay), Timeout: timeout})
+	s, err := OpenRedis(RedisOptions{URL: "redis://" + slowlink.Start(t, mr.Addr(), &delay), Timeout: timeout})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = s.Close() })
 	// Connections made while Redis is fast, so that the slow phase finds them open (a new one's
@@ -587,7 +528,7 @@ func TestOrphansGoInFullBatches(t *testing.T) {
 func TestOrphanReleasesLeaveThePoolToLiveCalls(t *testing.T) {
 	mr := miniredis.RunT(t)
 	var delay atomic.Int64
-	s, err := OpenRedis(RedisOptions{URL: "redis://" + slowServer(t, mr.Addr(), &delay), Timeout: time.Second, PoolSize: 8})
+	s, err := OpenRedis(RedisOptions{URL: "redis://" + slowlink.Start(t, mr.Addr(), &delay), Timeout: time.Second, PoolSize: 8})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = s.Close() })
 	_, _, err = s.Acquire(t.Context(), "warm", Claim{LockTTL: time.Hour, TTL: time.Hour})

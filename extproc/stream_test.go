@@ -158,11 +158,7 @@ func TestStreamedResponseBody(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newHarness(t, harnessOptions{policy: tc.policy})
 			body := bytes.Repeat([]byte("0123456789abcdef"), 1024) // 16 KiB in 4 chunks
-			s := h.open()
-			first := requestHeaders(post("/v1/payments", "k", `{}`))
-			first.ProtocolConfig.ResponseBodyMode = filterextproc.ProcessingMode_STREAMED
-			s.send(first)
-			s.send(requestBody([]byte(`{}`)))
+			s := claimWithResponseMode(h, filterextproc.ProcessingMode_STREAMED)
 			s.send(responseHeaders(upstream{status: 200, headers: []string{"content-type", "text/plain"}, body: body}))
 			for i := 0; i < 4; i++ {
 				chunk := body[i*4096 : (i+1)*4096]
@@ -728,15 +724,22 @@ routes:
 	})
 }
 
+// claimWithResponseMode opens a stream that claims key k with a POST of {}, Envoy announcing mode
+// as its response_body_mode; the request is running upstream.
+func claimWithResponseMode(h *harness, mode filterextproc.ProcessingMode_BodySendMode) *stream {
+	s := h.open()
+	first := requestHeaders(post("/v1/payments", "k", `{}`))
+	first.ProtocolConfig.ResponseBodyMode = mode
+	s.send(first)
+	s.send(requestBody([]byte(`{}`)))
+	return s
+}
+
 // With response_body_mode NONE the body never comes: the outcome is recorded at the response
 // headers, without the body, so a duplicate never runs.
 func TestResponseBodyModeNone(t *testing.T) {
 	h := newHarness(t, harnessOptions{})
-	s := h.open()
-	first := requestHeaders(post("/v1/payments", "k", `{}`))
-	first.ProtocolConfig.ResponseBodyMode = filterextproc.ProcessingMode_NONE
-	s.send(first)
-	s.send(requestBody([]byte(`{}`)))
+	s := claimWithResponseMode(h, filterextproc.ProcessingMode_NONE)
 	res := s.send(responseHeaders(created))
 	require.NotNil(t, res.GetResponseHeaders())
 	s.end()
@@ -748,11 +751,7 @@ func TestResponseBodyModeNone(t *testing.T) {
 // with response_trailer_mode SEND, the trailers message ends it, and the record is written then.
 func TestStreamedResponseEndedByTrailers(t *testing.T) {
 	h := newHarness(t, harnessOptions{})
-	s := h.open()
-	first := requestHeaders(post("/v1/payments", "k", `{}`))
-	first.ProtocolConfig.ResponseBodyMode = filterextproc.ProcessingMode_STREAMED
-	s.send(first)
-	s.send(requestBody([]byte(`{}`)))
+	s := claimWithResponseMode(h, filterextproc.ProcessingMode_STREAMED)
 	s.send(responseHeaders(created))
 	s.send(responseBody(created.body[:5], false))
 	s.send(responseBody(created.body[5:], false))

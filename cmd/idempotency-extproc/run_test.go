@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -27,6 +28,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/slowlink"
 )
 
 // logLines collects the process log and reports the first line with a given message.
@@ -358,66 +361,6 @@ func get(t *testing.T, url string) int {
 	return resp.StatusCode
 }
 
-// freezer is a TCP proxy that can stop passing bytes without closing anything: a host that
-// vanished, or a partition, as its peer sees it.
-type freezer struct {
-	lis    net.Listener
-	frozen chan struct{}
-}
-
-func newFreezer(t *testing.T, target string) *freezer {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	f := &freezer{lis: lis, frozen: make(chan struct{})}
-	var wg sync.WaitGroup
-	t.Cleanup(func() {
-		_ = lis.Close()
-		wg.Wait()
-	})
-	pipe := func(dst, src net.Conn) {
-		defer wg.Done()
-		buf := make([]byte, 32<<10)
-		for {
-			n, err := src.Read(buf)
-			if n > 0 {
-				select {
-				case <-f.frozen:
-					// Hold the bytes until the test ends, as a black hole does.
-					<-t.Context().Done()
-					return
-				default:
-				}
-				if _, err := dst.Write(buf[:n]); err != nil {
-					return
-				}
-			}
-			if err != nil {
-				return
-			}
-		}
-	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := lis.Accept()
-			if err != nil {
-				return
-			}
-			up, err := net.Dial("tcp", target)
-			if err != nil {
-				_ = c.Close()
-				continue
-			}
-			t.Cleanup(func() { _ = c.Close(); _ = up.Close() })
-			wg.Add(2)
-			go pipe(up, c)
-			go pipe(c, up)
-		}
-	}()
-	return f
-}
-
 // A stream whose Envoy vanished without a reset ends once the processor's keepalive ping goes
 // unanswered, and its lease is released: it is not renewed for as long as TCP takes to notice.
 func TestRunEndsStreamsOfAVanishedEnvoy(t *testing.T) {
@@ -426,11 +369,13 @@ func TestRunEndsStreamsOfAVanishedEnvoy(t *testing.T) {
 	t.Cleanup(func() { keepaliveTime, keepaliveTimeout = savedTime, savedTimeout })
 	mr := miniredis.RunT(t)
 	_, ready, cancel, done := runOnMiniredis(t, mr, "--config", writeFile(t, "defaults: {lock_ttl: 3s}\n"))
-	f := newFreezer(t, ready["grpc_addr"].(string))
-	openClaim(t, f.lis.Addr().String(), "k")
+	var delay atomic.Int64
+	openClaim(t, slowlink.Start(t, ready["grpc_addr"].(string), &delay), "k")
 	require.Len(t, mr.Keys(), 1, "the lease")
 
-	close(f.frozen)
+	// From now on nothing the processor sends gets through, its keepalive pings included: an
+	// Envoy that vanished without closing anything.
+	delay.Store(int64(time.Hour))
 	// Renewed every second (lock_ttl/3) while the stream lives; released once the ping fails.
 	require.Eventually(t, func() bool { return len(mr.Keys()) == 0 }, 10*time.Second, 50*time.Millisecond,
 		"the vanished stream's lease is released")
