@@ -142,9 +142,14 @@ type Response struct {
 	Headers []Header
 	// Body is the response body. It is empty when BodyOmitted is set.
 	Body []byte
-	// BodyOmitted marks a response whose body was too large to keep: the request ran and
-	// completed, but it cannot be replayed.
+	// BodyOmitted marks a response whose body was not kept (too large, never seen whole, or not
+	// to be stored): the request ran and completed, but it cannot be replayed.
 	BodyOmitted bool
+	// OutcomeUnknown marks a record of a request whose outcome nobody knows: it may or may not
+	// have run upstream (SPEC §8, unknown_outcome: record). Such a response has no headers and no
+	// body (BodyOmitted is set with it); Status is the status Envoy made, or 0 when the stream
+	// ended before any response.
+	OutcomeUnknown bool
 }
 
 // Header is one header field. Value holds the raw bytes, which need not be UTF-8.

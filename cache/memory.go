@@ -234,9 +234,7 @@ func (m *Memory) Renew(ctx context.Context, l Lease, d time.Duration) error {
 
 // Complete implements [Store.Complete].
 func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
-	if resp.BodyOmitted {
-		resp.Body = nil
-	}
+	resp = resp.normalized()
 	// Encode the record outside the lock: its key, its response, and room for a usual fingerprint
 	// (a SHA-256). The arena keeps a record too big for a segment as it is, and copies one that
 	// fits; the latter is encoded into a pooled buffer, so a completion leaves no garbage of its

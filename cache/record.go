@@ -9,7 +9,23 @@ import (
 // that changes the layout writes a new byte and keeps decoding this one.
 const responseFormat byte = 1
 
-const flagBodyOmitted byte = 1 << 0
+// The flags byte of an encoded response.
+const (
+	flagBodyOmitted    byte = 1 << 0
+	flagOutcomeUnknown byte = 1 << 1 // implies flagBodyOmitted; status may be 0
+)
+
+// normalized returns r as stores keep it: no body when it is omitted, and neither headers nor
+// body for an outcome-unknown record.
+func (r Response) normalized() Response {
+	if r.OutcomeUnknown {
+		r.BodyOmitted, r.Headers = true, nil
+	}
+	if r.BodyOmitted {
+		r.Body = nil
+	}
+	return r
+}
 
 // appendResponse appends the encoding of r to dst:
 //
@@ -19,8 +35,11 @@ func appendResponse(dst []byte, r Response) []byte {
 	dst = append(dst, responseFormat)
 	dst = binary.AppendUvarint(dst, uint64(r.Status))
 	var flags byte
-	if r.BodyOmitted {
+	if r.BodyOmitted || r.OutcomeUnknown {
 		flags |= flagBodyOmitted
+	}
+	if r.OutcomeUnknown {
+		flags |= flagOutcomeUnknown
 	}
 	dst = append(dst, flags)
 	dst = binary.AppendUvarint(dst, uint64(len(r.Headers)))
@@ -30,7 +49,7 @@ func appendResponse(dst []byte, r Response) []byte {
 		dst = binary.AppendUvarint(dst, uint64(len(h.Value)))
 		dst = append(dst, h.Value...)
 	}
-	if !r.BodyOmitted {
+	if flags&flagBodyOmitted == 0 {
 		dst = append(dst, r.Body...)
 	}
 	return dst
@@ -42,7 +61,7 @@ func encodedResponseSize(r Response) int {
 	for _, h := range r.Headers {
 		n += uvarintLen(uint64(len(h.Name))) + len(h.Name) + uvarintLen(uint64(len(h.Value))) + len(h.Value)
 	}
-	if !r.BodyOmitted {
+	if !r.BodyOmitted && !r.OutcomeUnknown {
 		n += len(r.Body)
 	}
 	return n
@@ -74,11 +93,15 @@ func decodeResponse(b []byte) (Response, error) {
 	if d.err != nil {
 		return r, d.err
 	}
-	if status < 100 || status > 999 {
-		return r, fmt.Errorf("%w: status %d", ErrCorrupt, status)
-	}
-	if flags&^flagBodyOmitted != 0 {
+	if flags&^(flagBodyOmitted|flagOutcomeUnknown) != 0 {
 		return r, fmt.Errorf("%w: unknown flags %#x", ErrCorrupt, flags)
+	}
+	unknown := flags&flagOutcomeUnknown != 0
+	if unknown && flags&flagBodyOmitted == 0 {
+		return r, fmt.Errorf("%w: an outcome-unknown response with a body", ErrCorrupt)
+	}
+	if (status < 100 || status > 999) && !(unknown && status == 0) {
+		return r, fmt.Errorf("%w: status %d", ErrCorrupt, status)
 	}
 	// Every header takes at least two bytes, which bounds the allocation for hostile input.
 	if n > uint64(len(d.b))/2 {
@@ -86,6 +109,7 @@ func decodeResponse(b []byte) (Response, error) {
 	}
 	r.Status = int(status)
 	r.BodyOmitted = flags&flagBodyOmitted != 0
+	r.OutcomeUnknown = unknown
 	if n > 0 {
 		r.Headers = make([]Header, n)
 		for i := range r.Headers {

@@ -361,9 +361,7 @@ func (r *Redis) Renew(ctx context.Context, l Lease, d time.Duration) error {
 
 // Complete implements [Store.Complete].
 func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
-	if resp.BodyOmitted {
-		resp.Body = nil
-	}
+	resp = resp.normalized()
 	blob := appendResponse(make([]byte, 0, encodedResponseSize(resp)), resp)
 	return r.owned(ctx, "complete", completeScript, l, blob)
 }

@@ -61,6 +61,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"RoundTripExact", testRoundTripExact},
 		{"LargeBody", testLargeBody},
 		{"BodyOmitted", testBodyOmitted},
+		{"OutcomeUnknown", testOutcomeUnknown},
 		{"KeysAreIndependent", testKeysAreIndependent},
 		{"ZeroLease", testZeroLease},
 		{"InvalidArguments", testInvalidArguments},
@@ -281,6 +282,28 @@ func testLargeBody(t *testing.T, h Harness) {
 	rec := mustFind(t, s, "k")
 	require.Equal(t, 200, rec.Response.Status)
 	require.True(t, bytes.Equal(body, rec.Response.Body), "1 MiB body must round-trip exactly")
+}
+
+func testOutcomeUnknown(t *testing.T, h Harness) {
+	s := h.Store
+	for i, status := range []int{0, 504} {
+		key := fmt.Sprintf("k%d", i)
+		l := mustOwn(t, s, key, h.claim("a"))
+		require.NoError(t, s.Complete(t.Context(), l, cache.Response{
+			Status:         status,
+			Headers:        []cache.Header{{Name: "content-type", Value: []byte("text/plain")}},
+			Body:           []byte("dropped"),
+			OutcomeUnknown: true,
+		}))
+		rec := mustFind(t, s, key)
+		require.Equal(t, cache.Completed, rec.State)
+		require.True(t, rec.Response.OutcomeUnknown)
+		require.True(t, rec.Response.BodyOmitted)
+		require.Empty(t, rec.Response.Body)
+		require.Empty(t, rec.Response.Headers)
+		require.Equal(t, status, rec.Response.Status)
+		require.Equal(t, []byte("a"), rec.Fingerprint)
+	}
 }
 
 func testBodyOmitted(t *testing.T, h Harness) {

@@ -34,6 +34,9 @@ type UnknownOutcome string
 const (
 	UnknownOutcomeRelease UnknownOutcome = "release" // free the key: a retry runs again
 	UnknownOutcomeKeep    UnknownOutcome = "keep"    // leave the lease to expire after lock_ttl
+	// UnknownOutcomeRecord stores an outcome-unknown record for the record's TTL: duplicates get
+	// 409 outcome-unknown until an operator purges the key or the TTL ends (SPEC §8).
+	UnknownOutcomeRecord UnknownOutcome = "record"
 )
 
 // FailMode says what happens to a covered request when the store fails.
@@ -61,6 +64,11 @@ const (
 	DefaultLockTTL          = 30 * time.Second
 	DefaultStoreTimeout     = 100 * time.Millisecond
 	DefaultMaxResponseBytes = 1 << 20
+	// DefaultMaxRequestBytes bounds the request bodies the processor holds itself (STREAMED,
+	// FULL_DUPLEX_STREAMED; SPEC §8).
+	DefaultMaxRequestBytes = 1 << 20
+	// MaxRequestBytesLimit is the largest max_request_bytes accepted.
+	MaxRequestBytesLimit = 256 << 20
 	// MaxResponseBytesLimit is the largest max_response_bytes accepted.
 	MaxResponseBytesLimit = 256 << 20
 	// MaxDuration is the longest ttl, max_ttl and lock_ttl accepted: ten years, the stores' limit
@@ -96,6 +104,7 @@ type Spec struct {
 	StoreStatuses          *[]any     `yaml:"store_statuses"`
 	UnknownOutcome         *string    `yaml:"unknown_outcome"`
 	MaxResponseBytes       *int64     `yaml:"max_response_bytes"`
+	MaxRequestBytes        *int64     `yaml:"max_request_bytes"`
 	ReplayHeader           *string    `yaml:"replay_header"`
 	ExcludeResponseHeaders *[]string  `yaml:"exclude_response_headers"`
 	KeyPrefix              *string    `yaml:"key_prefix"`
@@ -142,6 +151,7 @@ type Route struct {
 	StoreStatuses          StatusSet
 	UnknownOutcome         UnknownOutcome
 	MaxResponseBytes       int
+	MaxRequestBytes        int
 	ReplayHeader           string
 	ExcludeResponseHeaders []string
 	KeyPrefix              string
@@ -181,6 +191,15 @@ func (p *Policy) MaxResponseBytes() int {
 	n := p.Default.MaxResponseBytes
 	for _, r := range p.Routes {
 		n = max(n, r.MaxResponseBytes)
+	}
+	return n
+}
+
+// MaxRequestBytes returns the largest max_request_bytes of any route.
+func (p *Policy) MaxRequestBytes() int {
+	n := p.Default.MaxRequestBytes
+	for _, r := range p.Routes {
+		n = max(n, r.MaxRequestBytes)
 	}
 	return n
 }
@@ -401,6 +420,7 @@ func builtin() *Route {
 		StoreStatuses:    statuses,
 		UnknownOutcome:   UnknownOutcomeRelease,
 		MaxResponseBytes: DefaultMaxResponseBytes,
+		MaxRequestBytes:  DefaultMaxRequestBytes,
 		ReplayHeader:     "x-idempotency-replayed",
 		KeyPrefix:        "idempotency:",
 	}
@@ -508,10 +528,10 @@ func (c *compiler) route(field string, parent *Route, spec Spec) *Route {
 	}
 	if spec.UnknownOutcome != nil {
 		switch v := UnknownOutcome(*spec.UnknownOutcome); v {
-		case UnknownOutcomeRelease, UnknownOutcomeKeep:
+		case UnknownOutcomeRelease, UnknownOutcomeKeep, UnknownOutcomeRecord:
 			r.UnknownOutcome = v
 		default:
-			c.errorf(f("unknown_outcome"), "must be release or keep, got %q", *spec.UnknownOutcome)
+			c.errorf(f("unknown_outcome"), "must be release, keep or record, got %q", *spec.UnknownOutcome)
 		}
 	}
 	if spec.MaxResponseBytes != nil {
@@ -520,6 +540,14 @@ func (c *compiler) route(field string, parent *Route, spec Spec) *Route {
 			c.errorf(f("max_response_bytes"), "must be between 0 and %d, got %d", MaxResponseBytesLimit, n)
 		} else {
 			r.MaxResponseBytes = int(n)
+		}
+	}
+	if spec.MaxRequestBytes != nil {
+		n := *spec.MaxRequestBytes
+		if n < 0 || n > MaxRequestBytesLimit {
+			c.errorf(f("max_request_bytes"), "must be between 0 and %d, got %d", MaxRequestBytesLimit, n)
+		} else {
+			r.MaxRequestBytes = int(n)
 		}
 	}
 	if spec.ReplayHeader != nil {

@@ -23,7 +23,7 @@ defaults:                          # every route inherits these; a route overrid
   fingerprint_headers: []
   scope_headers: [authorization]
   store_statuses: ["2xx"]          # classes ("2xx") or codes (409)
-  unknown_outcome: release         # release | keep
+  unknown_outcome: release         # release | keep | record
   max_response_bytes: 1048576
   replay_header: x-idempotency-replayed
   exclude_response_headers: []
@@ -168,6 +168,18 @@ routes: [{name: pay, match: {path_prefix: /pay}, enabled: true, unknown_outcome:
 			require.Equal(t, 0, r.MaxResponseBytes)
 			require.Equal(t, 1048576, p.MaxResponseBytes())
 		}},
+		{"outcome-unknown records and the request body bound", `
+defaults: {unknown_outcome: record, max_request_bytes: 4096}
+routes: [{name: up, match: {path_prefix: /up}, max_request_bytes: 8388608}]
+`, func(t *testing.T, p *policy.Policy) {
+			require.Equal(t, policy.UnknownOutcomeRecord, p.Default.UnknownOutcome)
+			require.Equal(t, 4096, p.Default.MaxRequestBytes)
+			r, _ := p.Match("/up")
+			require.Equal(t, policy.UnknownOutcomeRecord, r.UnknownOutcome)
+			require.Equal(t, 8<<20, r.MaxRequestBytes)
+			require.Equal(t, 8<<20, p.MaxRequestBytes())
+			require.Equal(t, policy.DefaultMaxRequestBytes, policy.Default().Default.MaxRequestBytes)
+		}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) { c.check(t, mustParse(t, c.src)) })
@@ -214,6 +226,7 @@ func TestInvalidFiles(t *testing.T) {
 		{"scope param not a group", "routes: [{name: a, match: {path_regex: '^/(?P<org>[^/]+)'}, scope_path_params: [ledger]}]\n", []string{`"ledger" is not a named group`}},
 		{"match in defaults", "defaults: {match: {path_prefix: /}}\n", []string{"defaults", "belong to routes"}},
 		{"max_response_bytes out of range", "defaults: {max_response_bytes: -1}\n", []string{"max_response_bytes"}},
+		{"max_request_bytes out of range", "defaults: {max_request_bytes: 268435457}\n", []string{"defaults.max_request_bytes", "between 0 and 268435456"}},
 		{"type error", "defaults: {max_response_bytes: lots}\n", []string{"cannot unmarshal"}},
 		{"two documents", "fail_mode: open\n---\nfail_mode: closed\n", []string{"one YAML document"}},
 		{"every error at once", `
