@@ -247,7 +247,8 @@ func TestStreamedResponseReplayedByteForByte(t *testing.T) {
 
 // A STREAMED response whose upstream sends trailers ends only with its trailers: with
 // response_trailer_mode SEND it is stored and replayed; with SKIP the processor never sees it
-// end, and the key follows unknown_outcome (released: a retry runs again), as the README says.
+// end, so the record is completed without its body: the upstream ran, and a retry gets 409
+// response-not-replayable instead of running again (SPEC §4).
 func TestStreamedResponseWithTrailers(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -276,10 +277,9 @@ func TestStreamedResponseWithTrailers(t *testing.T) {
 			require.True(t, bytes.Equal(upstream.Body(4096), first.body))
 			if !tc.stored {
 				require.Eventually(t, func() bool {
-					r := s.do(call{key: "trailed", headers: h, body: `{}`})
-					return r.status == 200 && r.header.Get(replayed) == "false"
-				}, 5*time.Second, 50*time.Millisecond, "released: the retry runs again")
-				require.Equal(t, 2, s.up.Count("trailed"))
+					return s.do(call{key: "trailed", headers: h, body: `{}`}).problemCode() == "response-not-replayable"
+				}, 5*time.Second, 50*time.Millisecond, "completed without its body once the stream ends")
+				require.Equal(t, 1, s.up.Count("trailed"), "the retry never runs")
 				return
 			}
 			second := s.do(call{key: "trailed", headers: h, body: `{}`})
@@ -290,18 +290,19 @@ func TestStreamedResponseWithTrailers(t *testing.T) {
 	}
 }
 
-func TestBufferedResponseOverEnvoyLimitIsReleased(t *testing.T) {
+func TestBufferedResponseOverEnvoyLimitCompletesWithoutBody(t *testing.T) {
 	t.Parallel()
 	// Envoy answers 500 for a BUFFERED response over its limit and never sends the body
-	// (reference §9): the outcome is unknown, so the key is released.
+	// (reference §9): the upstream ran all the same, so the record is completed without its
+	// body and a retry gets 409 response-not-replayable instead of running again (SPEC §4).
 	s := newStack(t, stackOptions{})
 	h := map[string]string{"X-Test-Body-Bytes": itoa(2 << 20)}
 	r := s.do(call{key: "over-1", headers: h, body: `{}`})
 	require.Equal(t, 500, r.status)
 	require.Eventually(t, func() bool {
-		return s.do(call{key: "over-1", body: `{}`}).status == 200
+		return s.do(call{key: "over-1", body: `{}`}).problemCode() == "response-not-replayable"
 	}, 5*time.Second, 50*time.Millisecond)
-	require.Equal(t, 2, s.up.Count("over-1"))
+	require.Equal(t, 1, s.up.Count("over-1"))
 }
 
 func itoa(n int) string { return strconv.Itoa(n) }

@@ -74,7 +74,7 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 	require.NoError(t, err)
 
 	lis := bufconn.Listen(4 << 20)
-	gs := grpc.NewServer()
+	gs := grpc.NewServer(grpc.ChainStreamInterceptor(srv.StreamInterceptor()))
 	extprocv3.RegisterExternalProcessorServer(gs, srv)
 	go func() { _ = gs.Serve(lis) }()
 	conn, err := grpc.NewClient("passthrough:///bufconn",
@@ -220,12 +220,17 @@ func post(path, key string, body string, extra ...string) request {
 	return request{method: "POST", path: path, headers: h, body: []byte(body)}
 }
 
-// upstream is the response the upstream gives when it runs.
+// upstream is the response the upstream gives when it runs, or the one Envoy makes.
 type upstream struct {
 	status  int
 	headers []string
 	body    []byte
 	details string // response.code_details; "" means via_upstream
+	// attempts is upstream.request_attempt_count, sent for an Envoy-made response (an upstream
+	// response always counts one); noAttempts leaves the attribute out, as a filter that does not
+	// request it.
+	attempts   int
+	noAttempts bool
 }
 
 var created = upstream{
@@ -287,11 +292,15 @@ func responseHeaders(u upstream) *extprocv3.ProcessingRequest {
 	for i := 0; i < len(u.headers); i += 2 {
 		hs = append(hs, &corev3.HeaderValue{Key: u.headers[i], RawValue: []byte(u.headers[i+1])})
 	}
-	details := u.details
+	details, attempts := u.details, u.attempts
 	if details == "" {
-		details = "via_upstream"
+		details, attempts = "via_upstream", 1
 	}
-	attrs, err := structpb.NewStruct(map[string]any{"response.code_details": details})
+	fields := map[string]any{"response.code_details": details, "upstream.request_attempt_count": attempts}
+	if u.noAttempts {
+		delete(fields, "upstream.request_attempt_count")
+	}
+	attrs, err := structpb.NewStruct(fields)
 	if err != nil {
 		panic(err)
 	}
@@ -362,18 +371,21 @@ func (h *harness) executions(key string) int {
 	return h.executed[key]
 }
 
-// immediateResult turns an ImmediateResponse into what Envoy's local reply sends (reference
-// §2.6): the status, a content-type of text/plain when there is a body, then the mutations.
+// immediateResult turns an ImmediateResponse into what Envoy's local reply sends, in
+// Utility::sendLocalReply's order (reference §17.1): a header map with only the status, the
+// processor's mutations, then content-type text/plain if none is set and the body is not empty,
+// or content-type and content-length removed if it is empty.
 func immediateResult(resp *extprocv3.ProcessingResponse) (result, bool) {
 	ir := resp.GetImmediateResponse()
 	if ir == nil {
 		return result{}, false
 	}
-	var hs []string
-	if len(ir.GetBody()) > 0 {
-		hs = []string{"content-type", "text/plain"}
+	hs := applyMutation(nil, ir.GetHeaders())
+	if len(ir.GetBody()) == 0 {
+		hs = removeHeader(removeHeader(hs, "content-type"), "content-length")
+	} else if !slices.Contains(hs, "content-type") {
+		hs = append(hs, "content-type", "text/plain")
 	}
-	hs = applyMutation(hs, ir.GetHeaders())
 	return result{status: int(ir.GetStatus().GetCode()), headers: hs, body: ir.GetBody(), final: resp}, true
 }
 

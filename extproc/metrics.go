@@ -4,22 +4,14 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Release reasons, the reason label of idempotency_releases_total.
-const (
-	// ReleaseStatus: the response's status is not in store_statuses.
-	ReleaseStatus = "status"
-	// ReleaseEnvoyResponse: Envoy generated the response (response.code_details is not via_upstream).
-	ReleaseEnvoyResponse = "envoy_response"
-	// ReleaseUnknownOutcome: the stream ended before the whole response was seen.
-	ReleaseUnknownOutcome = "unknown_outcome"
-)
-
-// Metrics are the Prometheus metrics of SPEC §7. Create them once per registry.
+// Metrics are the Prometheus metrics of SPEC §7 and §8. Create them once per registry.
 type Metrics struct {
-	requests      *prometheus.CounterVec
-	releases      *prometheus.CounterVec
-	storeDuration *prometheus.HistogramVec
-	inflight      prometheus.Gauge
+	requests        *prometheus.CounterVec
+	releases        *prometheus.CounterVec
+	unknownOutcomes *prometheus.CounterVec
+	misconfig       *prometheus.CounterVec
+	storeDuration   *prometheus.HistogramVec
+	inflight        prometheus.Gauge
 }
 
 // NewMetrics creates the metrics and registers them with reg.
@@ -33,6 +25,14 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "idempotency_releases_total",
 			Help: "Leases released so that a retry with the same key runs again, by route and reason.",
 		}, []string{"route", "reason"}),
+		unknownOutcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_unknown_outcomes_total",
+			Help: "Requests that may or may not have run upstream (the stream ended before any response headers, or Envoy made the response after sending the request upstream), by route and what unknown_outcome did: release, keep or record.",
+		}, []string{"route", "action"}),
+		misconfig: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_envoy_misconfig_total",
+			Help: "Requests that showed an Envoy setting which keeps the processor from protecting requests, by kind.",
+		}, []string{"kind"}),
 		storeDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "idempotency_store_duration_seconds",
 			Help:    "Duration of store operations, by operation, including failed ones.",
@@ -43,7 +43,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Requests running upstream under a lease held by this process.",
 		}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.releases, m.storeDuration, m.inflight} {
+	for _, kind := range misconfigKinds {
+		m.misconfig.WithLabelValues(kind)
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 )
 
 // TestMetricsCountEveryOutcome sends known traffic and checks exact increments per outcome and
@@ -19,19 +21,21 @@ routes:
 	small := upstream{status: 201, body: []byte("ok")}
 	big := upstream{status: 200, body: []byte("more than eight")}
 
-	h.do(request{method: "GET", path: "/v1/payments"}, small)                 // default passthrough
-	h.do(post("/v1/payments", "", `{}`), small)                               // default passthrough (no key)
-	h.do(post("/v1/payments", "a", `{}`), small)                              // default executed
-	h.do(post("/v1/payments", "a", `{}`), small)                              // default replayed
-	h.do(post("/v1/payments", "a", `{"x":1}`), small)                         // default mismatch
-	h.do(post("/v1/payments", "", `{}`, "idempotency-key", "bad key"), small) // default invalid
-	h.do(post("/v1/payments", "t", `{}`, "x-ttl", "0"), small)                // default invalid
-	h.do(post("/v1/payments", "big", `{}`), big)                              // default executed
-	h.do(post("/v1/payments", "big", `{}`), big)                              // default not_replayable
-	h.do(post("/v1/payments", "fail", `{}`), upstream{status: 500})           // default executed, released: status
-	h.do(post("/v1/payments", "gw", `{}`), upstream{status: 200, details: "upstream_reset_before_response_started{connection_termination}"})
-	h.do(post("/v1/strict", "", `{}`), small)  // strict missing_key
-	h.do(post("/v1/strict", "s", `{}`), small) // strict executed
+	h.do(request{method: "GET", path: "/v1/payments"}, small)                                                        // default passthrough
+	h.do(post("/v1/payments", "", `{}`), small)                                                                      // default passthrough (no key)
+	h.do(post("/v1/payments", "a", `{}`), small)                                                                     // default executed
+	h.do(post("/v1/payments", "a", `{}`), small)                                                                     // default replayed
+	h.do(post("/v1/payments", "a", `{"x":1}`), small)                                                                // default mismatch
+	h.do(post("/v1/payments", "", `{}`, "idempotency-key", "bad key"), small)                                        // default invalid
+	h.do(post("/v1/payments", "t", `{}`, "x-ttl", "0"), small)                                                       // default invalid
+	h.do(post("/v1/payments", "big", `{}`), big)                                                                     // default executed
+	h.do(post("/v1/payments", "big", `{}`), big)                                                                     // default not_replayable
+	h.do(post("/v1/payments", "fail", `{}`), upstream{status: 500})                                                  // default executed, released: status
+	h.do(post("/v1/payments", "gw", `{}`), upstream{status: 200, details: "direct_response"})                        // default executed, released: envoy_response
+	h.do(post("/v1/payments", "to", `{}`), upstream{status: 504, details: "upstream_response_timeout", attempts: 1}) // default executed, released: unknown_outcome
+	h.do(post("/v1/payments", "big", `{"y":1}`, "idempotency-key", "big"), small)                                    // default mismatch
+	h.do(post("/v1/strict", "", `{}`), small)                                                                        // strict missing_key
+	h.do(post("/v1/strict", "s", `{}`), small)                                                                       // strict executed
 
 	running := h.open()
 	running.send(requestHeaders(post("/v1/strict", "r", `{}`)))
@@ -43,21 +47,22 @@ routes:
 	h.waitIdle(t)
 
 	want := map[string]map[string]float64{
-		"default": {"passthrough": 2, "executed": 4, "replayed": 1, "mismatch": 1, "invalid": 2, "not_replayable": 1},
+		"default": {"passthrough": 2, "executed": 5, "replayed": 1, "mismatch": 2, "invalid": 2, "not_replayable": 1},
 		"strict":  {"missing_key": 1, "executed": 2, "in_progress": 1},
 	}
 	for route, outcomes := range want {
-		for _, o := range []string{"passthrough", "executed", "replayed", "in_progress", "mismatch", "missing_key", "invalid", "not_replayable", "store_error"} {
-			require.Equal(t, outcomes[o], h.counter("idempotency_requests_total", "route", route, "outcome", o), "%s %s", route, o)
+		for _, o := range extproc.Outcomes {
+			require.Equal(t, outcomes[string(o)], h.counter("idempotency_requests_total", "route", route, "outcome", string(o)), "%s %s", route, o)
 		}
 	}
 	require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "default", "reason", "status"))
 	require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "default", "reason", "envoy_response"))
+	require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "default", "reason", "unknown_outcome"))
 	require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "strict", "reason", "unknown_outcome"))
 	require.Equal(t, 0.0, h.counter("idempotency_inflight"))
 
 	// Every covered request with a valid key made exactly one acquire.
-	ops := map[string]uint64{"acquire": 10, "complete": 3, "release": 3, "renew": 1}
+	ops := map[string]uint64{"acquire": 12, "complete": 3, "release": 4, "renew": 1}
 	families, err := h.registry.Gather()
 	require.NoError(t, err)
 	seen := map[string]uint64{}

@@ -1,5 +1,11 @@
 // Package extproc is the Envoy external-processing server: one gRPC stream per HTTP request, and
-// on it the idempotency state machine of SPEC §3–4.
+// on it the idempotency state machine of SPEC §3, §4 and §8.
+//
+// A request's path through the package: Server.Process receives each ProcessingRequest and hands
+// it to its stream (stream.go), whose state moves along one transition table; the request
+// headers choose the route and key (request.go), the claim makes the one store round trip, the
+// response phases record the outcome, and every answer is rendered by one function
+// (answer.go). The lease of a running request is renewed in the background (renewal.go).
 package extproc
 
 import (
@@ -9,23 +15,29 @@ import (
 	"io"
 	"runtime/debug"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
+// DefaultMetadataNamespace is the dynamic metadata namespace the processor writes (SPEC §9).
+const DefaultMetadataNamespace = "idempotency"
+
 // Options configures a Server. Store is required; the zero value of every other field gives its
 // default.
 type Options struct {
-	// Store holds the records.
+	// Store holds the records. It bounds each call by its own timeout (cache.Store).
 	Store cache.Store
 	// Policy decides which requests are covered and how (default policy.Default()).
 	Policy *policy.Policy
@@ -51,12 +63,13 @@ type Server struct {
 	routes map[*policy.Route]*routeState
 	// The store-duration series of each operation.
 	acquireObs, renewObs, completeObs, releaseObs prometheus.Observer
-	// local is set for a store in this process, whose calls need no deadline.
-	local bool
+	metadataNamespace                             string
 
 	streams sync.WaitGroup
-	// observabilityOnce logs once that Envoy runs the filter in observability mode.
-	observabilityOnce sync.Once
+	// misconfigLogs logs each kind of Envoy misconfiguration once per process.
+	misconfigLogs map[string]*sync.Once
+	// storeBroken is set once a store call panicked: the store may be locked or half changed.
+	storeBroken atomic.Bool
 }
 
 // routeState is what a route needs per request, built once: its metric series and the answers
@@ -64,9 +77,13 @@ type Server struct {
 type routeState struct {
 	outcomes map[Outcome]prometheus.Counter
 	releases map[string]prometheus.Counter
+	unknown  map[policy.UnknownOutcome]prometheus.Counter
 	// stored continues a response that will be stored; notStored also turns its body phase off.
 	stored, notStored *extprocv3.ProcessingResponse
-	problems          map[*problem]*extprocv3.ProcessingResponse
+	// passThrough and passContinue answer the request headers of an uncovered request, with
+	// and without the pass-through mode_override, carrying the route's dynamic metadata.
+	passThrough, passContinue *extprocv3.ProcessingResponse
+	problems                  map[*problem]*extprocv3.ProcessingResponse
 }
 
 // NewServer returns a Server.
@@ -92,61 +109,71 @@ func NewServer(opts Options) (*Server, error) {
 		opts.Clock = clock.Real{}
 	}
 	s := &Server{
-		store:   opts.Store,
-		policy:  opts.Policy,
-		log:     *opts.Logger,
-		metrics: opts.Metrics,
-		clock:   opts.Clock,
-		routes:  make(map[*policy.Route]*routeState),
+		store:             opts.Store,
+		policy:            opts.Policy,
+		log:               *opts.Logger,
+		metrics:           opts.Metrics,
+		clock:             opts.Clock,
+		routes:            make(map[*policy.Route]*routeState),
+		metadataNamespace: DefaultMetadataNamespace,
+		misconfigLogs:     make(map[string]*sync.Once),
+	}
+	for _, kind := range misconfigKinds {
+		s.misconfigLogs[kind] = &sync.Once{}
 	}
 	for _, r := range append([]*policy.Route{opts.Policy.Default}, opts.Policy.Routes...) {
+		passMeta := metadataFields(s.metadataNamespace, r.Name, Passthrough, "", "")
 		rs := &routeState{
-			outcomes:  map[Outcome]prometheus.Counter{},
-			releases:  map[string]prometheus.Counter{},
-			stored:    markResponseHeaders(r.ReplayHeader, nil),
-			notStored: markResponseHeaders(r.ReplayHeader, noStoreMode),
-			problems:  map[*problem]*extprocv3.ProcessingResponse{},
+			outcomes:     map[Outcome]prometheus.Counter{},
+			releases:     map[string]prometheus.Counter{},
+			unknown:      map[policy.UnknownOutcome]prometheus.Counter{},
+			stored:       markResponseHeaders(r.ReplayHeader, nil),
+			notStored:    markResponseHeaders(r.ReplayHeader, noStoreMode),
+			passThrough:  withMetadata(passThroughRequestHeaders, passMeta),
+			passContinue: withMetadata(continues[kindRequestHeaders], passMeta),
+			problems:     map[*problem]*extprocv3.ProcessingResponse{},
 		}
 		for _, o := range Outcomes {
 			rs.outcomes[o] = s.metrics.requests.WithLabelValues(r.Name, string(o))
 		}
-		for _, reason := range []string{ReleaseStatus, ReleaseEnvoyResponse, ReleaseUnknownOutcome} {
+		for _, reason := range releaseReasons {
 			rs.releases[reason] = s.metrics.releases.WithLabelValues(r.Name, reason)
+		}
+		for _, u := range []policy.UnknownOutcome{policy.UnknownOutcomeRelease, policy.UnknownOutcomeKeep, policy.UnknownOutcomeRecord} {
+			rs.unknown[u] = s.metrics.unknownOutcomes.WithLabelValues(r.Name, string(u))
 		}
 		for _, p := range problems {
 			rs.problems[p] = problemResponse(p, r.ReplayHeader)
 		}
 		s.routes[r] = rs
 	}
-	_, s.local = opts.Store.(cache.Local)
 	d := s.metrics.storeDuration
 	s.acquireObs, s.renewObs = d.WithLabelValues("acquire"), d.WithLabelValues("renew")
 	s.completeObs, s.releaseObs = d.WithLabelValues("complete"), d.WithLabelValues("release")
 	return s, nil
 }
 
-// Process implements [extprocv3.ExternalProcessorServer.Process]: it answers each message of
-// one HTTP request in lock-step until Envoy ends the stream.
-func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err error) {
+func withMetadata(r *extprocv3.ProcessingResponse, md *structpb.Struct) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: r.Response, ModeOverride: r.ModeOverride, DynamicMetadata: md}
+}
+
+// misconfigured counts a request that showed an Envoy misconfiguration of kind, and calls log the
+// first time the process sees that kind.
+func (s *Server) misconfigured(kind string, log func()) {
+	s.metrics.misconfig.WithLabelValues(kind).Inc()
+	s.misconfigLogs[kind].Do(log)
+}
+
+// Process implements [extprocv3.ExternalProcessorServer.Process]: it answers the messages of one
+// HTTP request until Envoy ends the stream. Outside FULL_DUPLEX_STREAMED each message has one
+// answer, except the body chunks whose answers the claim withholds and then sends together.
+func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	s.streams.Add(1)
 	defer s.streams.Done()
 	st := newStream(s, srv.Context())
-	defer func() {
-		// A panic in the stream's own code ends this stream only: grpc-go does not recover
-		// handlers, and the whole process, with its memory store and every other stream's
-		// lease, must not go down with one request. finish then releases or keeps the lease as
-		// for any stream cut short. A panic inside a store call goes on and ends the process,
-		// without a further store call: the store may be left locked or half changed.
-		p := recover()
-		if sp, ok := p.(storePanic); ok {
-			panic(sp)
-		}
-		st.finish()
-		if p != nil {
-			s.log.Error().Str("panic", fmt.Sprint(p)).Bytes("stack", debug.Stack()).Msg("stream handler panicked; the stream is ended")
-			err = status.Error(codes.Internal, "idempotency-extproc: internal error")
-		}
-	}()
+	// Runs on a panic too (see StreamInterceptor): the lease is released or kept as for any
+	// stream cut short.
+	defer st.finish()
 	for {
 		req, err := srv.Recv()
 		if err != nil {
@@ -160,22 +187,48 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err err
 		if req.GetObservabilityMode() {
 			// Envoy ignores every answer (reference §4.1): nothing can be protected, and no
 			// lease may be taken for a request that runs whatever the store says.
-			s.observabilityOnce.Do(func() {
+			s.misconfigured(MisconfigObservabilityMode, func() {
 				s.log.Error().Msg("Envoy's ext_proc filter has observability_mode on: it ignores this processor's answers, so no request is protected; turn it off")
 			})
 			continue
 		}
-		resp := st.handle(req)
-		if resp == nil {
+		answers, ok := st.handle(req)
+		if !ok {
 			return nil
 		}
-		if err := srv.Send(resp); err != nil {
-			return nil // Envoy is gone; finish decides what happens to the lease.
+		for _, resp := range answers {
+			if err := srv.Send(resp); err != nil {
+				return nil // Envoy is gone; finish decides what happens to the lease.
+			}
+			if resp.GetImmediateResponse() != nil {
+				// Envoy processes nothing more for this request (reference §0.4).
+				return nil
+			}
 		}
-		if resp.GetImmediateResponse() != nil {
-			// Envoy processes nothing more for this request (reference §0.4).
-			return nil
-		}
+	}
+}
+
+// StreamInterceptor returns the gRPC stream interceptor that keeps one stream's panic from ending
+// the process: grpc-go does not recover handlers, and the whole process, with its memory store
+// and every other stream's lease, must not go down with one request. The stream ends with
+// codes.Internal, and its lease is released or kept as for any stream cut short. A panic inside a
+// store call goes on and ends the process, and no further store call is made: the store may be
+// left locked (the memory store's mutex) or half changed, and a process that went on would hang
+// or serve from a broken store. Install it on the gRPC server that serves s.
+func (s *Server) StreamInterceptor() grpc.StreamServerInterceptor {
+	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) (err error) {
+		defer func() {
+			p := recover()
+			if p == nil {
+				return
+			}
+			if s.storeBroken.Load() {
+				panic(fmt.Sprintf("idempotency-extproc: panic in a store call: %v", p))
+			}
+			s.log.Error().Str("panic", fmt.Sprint(p)).Bytes("stack", debug.Stack()).Msg("stream handler panicked; the stream is ended")
+			err = status.Error(codes.Internal, "idempotency-extproc: internal error")
+		}()
+		return handler(srv, ss)
 	}
 }
 
@@ -195,58 +248,42 @@ func (s *Server) Wait(ctx context.Context) error {
 	}
 }
 
-// The store calls, each bounded by store_timeout (a store in this process needs no bound),
-// timed, and guarded: a panic inside one goes on as a storePanic.
+// The store calls of a stream, each timed. The store bounds each by its own timeout. While one
+// runs, st.inStore is set, and only a call that returns clears it: a panic from inside the store
+// leaves it set, so that the stream's finish makes no further store call and StreamInterceptor
+// lets the panic end the process. Nothing here recovers.
 
-// bounded returns ctx bounded for one store call, and the function to defer around the call.
-func (s *Server) bounded(ctx context.Context, obs prometheus.Observer) (context.Context, func()) {
-	cancel := context.CancelFunc(func() {})
-	if !s.local {
-		ctx, cancel = context.WithTimeout(ctx, s.policy.StoreTimeout)
-	}
+func (s *Server) acquire(st *stream, c cache.Claim) (cache.Lease, *cache.Record, error) {
 	start := time.Now()
-	return ctx, func() {
-		cancel()
-		obs.Observe(time.Since(start).Seconds())
-		// Deferred itself, so that recover sees the call's panic.
-		if p := recover(); p != nil {
-			panic(storePanic{value: p, stack: debug.Stack()})
-		}
-	}
+	st.inStore = true
+	l, rec, err := s.store.Acquire(st.ctx, st.storeKey, c)
+	st.inStore = false
+	s.acquireObs.Observe(time.Since(start).Seconds())
+	return l, rec, err
 }
 
-func (s *Server) acquire(ctx context.Context, key string, c cache.Claim) (cache.Lease, *cache.Record, error) {
-	ctx, done := s.bounded(ctx, s.acquireObs)
-	defer done()
-	return s.store.Acquire(ctx, key, c)
+func (s *Server) complete(st *stream, ctx context.Context, l cache.Lease, r cache.Response) error {
+	start := time.Now()
+	st.inStore = true
+	err := s.store.Complete(ctx, l, r)
+	st.inStore = false
+	s.completeObs.Observe(time.Since(start).Seconds())
+	return err
 }
 
+func (s *Server) release(st *stream, ctx context.Context, l cache.Lease) error {
+	start := time.Now()
+	st.inStore = true
+	err := s.store.Release(ctx, l)
+	st.inStore = false
+	s.releaseObs.Observe(time.Since(start).Seconds())
+	return err
+}
+
+// renew runs on a renewal's timer goroutine, where a panic ends the process by itself.
 func (s *Server) renew(ctx context.Context, l cache.Lease, d time.Duration) error {
-	ctx, done := s.bounded(ctx, s.renewObs)
-	defer done()
-	return s.store.Renew(ctx, l, d)
-}
-
-func (s *Server) complete(ctx context.Context, l cache.Lease, r cache.Response) error {
-	ctx, done := s.bounded(ctx, s.completeObs)
-	defer done()
-	return s.store.Complete(ctx, l, r)
-}
-
-func (s *Server) release(ctx context.Context, l cache.Lease) error {
-	ctx, done := s.bounded(ctx, s.releaseObs)
-	defer done()
-	return s.store.Release(ctx, l)
-}
-
-// storePanic is a panic raised inside a store call, with the stack it was raised on. Process
-// lets it end the process: the store may be left locked (the memory store's mutex) or half
-// changed, and a process that went on would hang or serve from a broken store.
-type storePanic struct {
-	value any
-	stack []byte
-}
-
-func (p storePanic) Error() string {
-	return fmt.Sprintf("idempotency-extproc: panic in a store call: %v\n\n%s", p.value, p.stack)
+	start := time.Now()
+	err := s.store.Renew(ctx, l, d)
+	s.renewObs.Observe(time.Since(start).Seconds())
+	return err
 }

@@ -1,11 +1,9 @@
 package extproc
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"strconv"
-	"sync"
 	"time"
 
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -15,79 +13,192 @@ import (
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
-	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
-// phase is where a stream is in the lock-step exchange.
-type phase uint8
+// state is where one request is in its life. It is the stream's only state: everything else a
+// stream holds is data about the request, or what it owes Envoy.
+type state uint8
 
 const (
-	// phaseStart: nothing seen yet.
-	phaseStart phase = iota
-	// phasePass: the request is not handled; every later message gets a plain CONTINUE.
-	phasePass
-	// phaseAwaitBody: covered, to be claimed at request_body.
-	phaseAwaitBody
-	// phaseRunning: the lease is held and the request went upstream.
-	phaseRunning
-	// phaseCapture: the response will be stored; its body is being collected.
-	phaseCapture
-	// phaseUnprotected: covered, but it went upstream without a lease (the store failed under
-	// fail_mode: open, or its body could not be claimed whole): its response gets the replay
-	// header and nothing is stored.
-	phaseUnprotected
-	// phaseDone: the outcome is settled; later messages get a plain CONTINUE.
-	phaseDone
+	// stateStart: nothing seen yet.
+	stateStart state = iota
+	// statePass: not covered. Every later message is answered with CONTINUE (or, in a
+	// FULL_DUPLEX_STREAMED direction, echoed).
+	statePass
+	// stateCollect: covered, and claimed at the end of the request body, which is being
+	// collected; the answers that would let any of it reach the upstream are withheld.
+	stateCollect
+	// stateRunning: claimed; the lease is held and the request goes upstream.
+	stateRunning
+	// stateCapture: the upstream's response will be stored; its body is being captured.
+	stateCapture
+	// stateUnprotected: covered, but it went upstream without a lease (the store failed under
+	// fail_mode: open, or its body never reached the processor): its response gets the replay
+	// header, and nothing is stored.
+	stateUnprotected
+	// stateSettled: the outcome is settled; later messages are answered with CONTINUE (or
+	// echoed).
+	stateSettled
 )
+
+var stateNames = [...]string{"start", "pass", "collect", "running", "capture", "unprotected", "settled"}
+
+func (s state) String() string { return stateNames[s] }
+
+// event is what moves a stream from one state to the next.
+type event uint8
+
+const (
+	evPass        event = iota // the request is not covered
+	evAnswer                   // the server answered the request itself: a problem or a replay
+	evAwaitBody                // covered; the claim waits for the end of the body
+	evRun                      // claimed: the lease is held
+	evUnprotected              // it goes upstream without a lease
+	evStore                    // a storable response whose body follows
+	evSettle                   // the response was recorded, or the lease released or left
+)
+
+var eventNames = [...]string{"pass", "answer", "await-body", "run", "unprotected", "store", "settle"}
+
+func (e event) String() string { return eventNames[e] }
+
+// transitions is the stream's whole state machine (SPEC §4, §8). A move not listed here is a
+// bug: fire logs it and settles the request, whose lease finish then handles.
+//
+//	from         on           to           when
+//	start        pass         pass         request_headers: not covered (route, method, no key, gRPC)
+//	start        answer       settled      request_headers: 400, or the claim at the headers answered
+//	start        await-body   collect      request_headers: the claim needs the whole body
+//	start        run          running      request_headers: claimed (no body, or the route needs none)
+//	start        unprotected  unprotected  request_headers: store failed under fail_mode: open, or NONE body mode under open
+//	collect      answer       settled      the body's end: 409/422/replay/503; 413 over max_request_bytes or partial
+//	collect      run          running      the body's end: claimed
+//	collect      unprotected  unprotected  the body's end: store failed under fail_mode: open; response headers before the body's end
+//	running      store        capture      response_headers: a storable status via the upstream, body follows
+//	running      settle       settled      response_headers: stored whole (no body), or released, or an ambiguous outcome
+//	running      settle       settled      the stream ends before response headers: unknown_outcome
+//	capture      settle       settled      the body's end (or trailers): completed; the stream ends first: completed without body
+//	unprotected  settle       settled      response_headers
+var transitions = []struct {
+	from state
+	on   event
+	to   state
+}{
+	{stateStart, evPass, statePass},
+	{stateStart, evAnswer, stateSettled},
+	{stateStart, evAwaitBody, stateCollect},
+	{stateStart, evRun, stateRunning},
+	{stateStart, evUnprotected, stateUnprotected},
+	{stateCollect, evAnswer, stateSettled},
+	{stateCollect, evRun, stateRunning},
+	{stateCollect, evUnprotected, stateUnprotected},
+	{stateRunning, evStore, stateCapture},
+	{stateRunning, evSettle, stateSettled},
+	{stateCapture, evSettle, stateSettled},
+	{stateUnprotected, evSettle, stateSettled},
+}
+
+// next returns the state e moves from to, and whether the move is in the table.
+func next(from state, e event) (state, bool) {
+	for _, t := range transitions {
+		if t.from == from && t.on == e {
+			return t.to, true
+		}
+	}
+	return stateSettled, false
+}
 
 // extProcAttributes is the key of Envoy's attributes map (reference §2.2).
 const extProcAttributes = "envoy.filters.http.ext_proc"
 
-// stream is the state of one HTTP request. Its methods run on the stream's goroutine, except the
-// renewal, which shares only the lease and is stopped before the lease changes.
+// The attributes the processor reads (reference §17.2).
+const (
+	attrCodeDetails  = "response.code_details"
+	attrAttemptCount = "upstream.request_attempt_count"
+)
+
+// maxStreamedChunk bounds the chunks the processor sends back in a FULL_DUPLEX_STREAMED request
+// body (reference §17.2 recommends at most 64 KiB).
+const maxStreamedChunk = 64 << 10
+
+// stream is one HTTP request. Its methods run on the stream's goroutine, except the renewal,
+// which shares only the lease and is stopped before the lease changes.
 type stream struct {
 	s     *Server
 	ctx   context.Context
 	start time.Time
 
-	phase     phase
-	outcome   Outcome
-	covered   bool
-	requestID string
+	state   state
+	outcome Outcome
+	covered bool
+	// out collects the answers of the message being handled, in order.
+	out []*extprocv3.ProcessingResponse
 
-	route    *policy.Route
-	rs       *routeState // the route's metric series and fixed answers
-	params   []string
-	headers  headers
-	method   []byte
-	path     []byte
-	bodyHash bool
-	key      string
-	ttl      time.Duration
+	requestID string
+	route     *policy.Route
+	rs        *routeState // the route's metric series and fixed answers
+	params    []string
+	headers   headers
+	method    []byte
+	path      []byte
+	bodyHash  bool
+	key       string
+	ttl       time.Duration
 
 	storeKey string
 	keyHash  string
 	lease    cache.Lease
 	renewal  *renewal
 
-	// The body modes Envoy announced in the stream's first message; known is false when it
-	// announced none (Envoy before 1.32), and the shipped BUFFERED modes are assumed.
+	// The body modes Envoy announced in the stream's first message (they include per-route
+	// overrides); when it announced none (Envoy before 1.32), the shipped BUFFERED modes are
+	// assumed.
+	seen             bool
 	requestBodyMode  filterextproc.ProcessingMode_BodySendMode
 	responseBodyMode filterextproc.ProcessingMode_BodySendMode
-	knownBodyModes   bool
-	status           int
-	respHeaders      []cache.Header
-	body             []byte
-	omitted          bool
-	completed        bool
+	bodyBeforeAnswer bool // send_body_without_waiting_for_header_response
+
+	// What the claim at the body's end owes Envoy: the header answer (when Envoy sends the body
+	// without waiting for it), the body chunks' answers, the trailers' answer. reqBody holds the
+	// body collected so far.
+	owedHeaders  bool
+	owedChunks   int
+	owedTrailers bool
+	reqBody      []byte
+
+	// The response being captured.
+	status      int
+	respHeaders []cache.Header
+	body        []byte
+	omitted     bool
+
+	completed     bool
+	releaseReason string
+	// overrideSent is the mode_override this stream sent, to tell when Envoy refused it.
+	overrideSent *filterextproc.ProcessingMode
+	// sentOutcome and sentReason are what the dynamic metadata last told Envoy.
+	sentOutcome Outcome
+	sentReason  string
+	// inStore is set while a store call runs on the stream's goroutine: a panic that leaves it
+	// set came from inside the store (see Server.recoverStream).
+	inStore bool
 }
 
 func newStream(s *Server, ctx context.Context) *stream {
 	return &stream{s: s, ctx: ctx, start: time.Now(), outcome: Passthrough}
 }
 
-// event adds the request's identity to a log event: its request id, route and the short hash of
-// its stored key, never the key itself. It is safe on a disabled (nil) event.
+// fire moves the stream on e, following transitions.
+func (st *stream) fire(e event) {
+	to, ok := next(st.state, e)
+	if !ok {
+		st.event(st.s.log.Error()).Stringer("state", st.state).Stringer("event", e).Msg("stream state machine: move not in the table; the request is settled")
+	}
+	st.state = to
+}
+
+// event adds the request's identity to a log event: its request id, route and the hash of its
+// stored key, never the key itself. It is safe on a disabled (nil) event.
 func (st *stream) event(e *zerolog.Event) *zerolog.Event {
 	if e == nil {
 		return nil
@@ -102,37 +213,65 @@ func (st *stream) event(e *zerolog.Event) *zerolog.Event {
 	return e
 }
 
-// handle answers one message. It never panics on a message out of order: it answers CONTINUE of
-// the matching kind, or nil (end the stream) for a message of no known kind.
-func (st *stream) handle(req *extprocv3.ProcessingRequest) *extprocv3.ProcessingResponse {
-	if pc := req.GetProtocolConfig(); pc != nil && !st.knownBodyModes {
-		st.requestBodyMode, st.responseBodyMode = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
-		st.knownBodyModes = true
+// send queues the answer r.
+func (st *stream) send(r reply) { st.out = append(st.out, st.render(r)) }
+
+// handle answers one message: zero answers (withheld until the claim), one, or several (the
+// withheld ones, in order). It never panics on a message out of order; a message of no known
+// kind gets ok false, which ends the stream.
+func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3.ProcessingResponse, ok bool) {
+	st.out = st.out[:0]
+	if !st.seen {
+		// protocol_config comes on the stream's first message only (reference §2.2).
+		st.seen = true
+		st.requestBodyMode, st.responseBodyMode = filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_BUFFERED
+		if pc := req.GetProtocolConfig(); pc != nil {
+			st.requestBodyMode, st.responseBodyMode = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
+			st.bodyBeforeAnswer = pc.GetSendBodyWithoutWaitingForHeaderResponse()
+		}
 	}
 	switch r := req.GetRequest().(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
-		return st.requestHeaders(r.RequestHeaders)
+		st.requestHeaders(r.RequestHeaders)
 	case *extprocv3.ProcessingRequest_RequestBody:
-		return st.requestBody(r.RequestBody)
-	case *extprocv3.ProcessingRequest_ResponseHeaders:
-		return st.responseHeaders(r.ResponseHeaders, req.GetAttributes())
-	case *extprocv3.ProcessingRequest_ResponseBody:
-		return st.responseBody(r.ResponseBody)
+		st.requestBody(r.RequestBody.GetBody(), r.RequestBody.GetEndOfStream())
 	case *extprocv3.ProcessingRequest_RequestTrailers:
-		return continueRequestTrailers
+		st.requestTrailers()
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		st.responseHeaders(r.ResponseHeaders, req.GetAttributes())
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		st.responseBody(r.ResponseBody.GetBody(), r.ResponseBody.GetEndOfStream())
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
-		// Trailers end the response body of a STREAMED response.
-		if st.phase == phaseCapture {
-			st.complete()
-		}
-		return continueResponseTrailers
+		st.responseTrailers()
+	default:
+		return nil, false
 	}
-	return nil
+	return st.out, true
 }
 
-func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) *extprocv3.ProcessingResponse {
-	if st.phase != phaseStart {
-		return continueRequestHeaders
+// fullDuplex reports whether a direction's body travels in FULL_DUPLEX_STREAMED mode.
+func (st *stream) fullDuplex(k msgKind) bool {
+	mode := st.requestBodyMode
+	if k >= kindResponseHeaders {
+		mode = st.responseBodyMode
+	}
+	return mode == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+}
+
+// pass answers a message that needs nothing from the processor: CONTINUE, or the same chunk
+// back in a FULL_DUPLEX_STREAMED direction.
+func (st *stream) pass(k msgKind, chunk []byte, eos bool) {
+	if (k == kindRequestBody || k == kindResponseBody) && st.fullDuplex(k) {
+		st.send(reply{kind: k, stream: true, chunk: chunk, eos: eos})
+		return
+	}
+	st.send(reply{kind: k})
+}
+
+func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) {
+	if st.state != stateStart {
+		st.pass(kindRequestHeaders, nil, false)
+		return
 	}
 	h := headers(m.GetHeaders().GetHeaders())
 	st.headers = h
@@ -142,17 +281,23 @@ func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) *extprocv3.Processing
 	r, params := st.s.policy.Match(string(splitPath(st.path)))
 	st.route, st.rs, st.params = r, st.s.routes[r], params
 
-	if !r.Enabled || !r.Covers(string(st.method)) {
-		return st.passThrough()
+	if !r.Enabled || !r.Covers(string(st.method)) || isGRPC(h) {
+		// A gRPC request is never covered: Envoy turns every ImmediateResponse into a
+		// trailers-only gRPC reply, so a replay could not be faithful (SPEC §8).
+		st.passThrough()
+		return
 	}
 	key, present, err := parseKey(h, r.KeyHeaders)
 	switch {
 	case err != nil:
-		return st.reject(problemInvalidKey)
+		st.reject(problemInvalidKey)
+		return
 	case !present && r.MissingKey == policy.MissingKeyOptional:
-		return st.passThrough()
+		st.passThrough()
+		return
 	case !present && r.MissingKey == policy.MissingKeyRequired:
-		return st.reject(problemMissingKey)
+		st.reject(problemMissingKey)
+		return
 	case !present:
 		st.bodyHash = true
 	}
@@ -163,60 +308,176 @@ func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) *extprocv3.Processing
 		if v, ok := h.lookup(r.TTLHeader); ok {
 			ttl, err := parseTTL(v, r.MaxTTL)
 			if err != nil {
-				return st.reject(problemInvalidTTL)
+				st.reject(problemInvalidTTL)
+				return
 			}
 			st.ttl = ttl
 		}
 	}
-	if m.GetEndOfStream() {
-		return st.claim(nil, true)
+	if m.GetEndOfStream() || !st.needsBody() {
+		// Nothing to wait for: claim now, so that a duplicate's answer comes before its body is
+		// uploaded (SPEC §8).
+		st.owedHeaders = true
+		st.claim(nil)
+		return
 	}
-	// Envoy sends the buffered body only after this answer (reference §3).
-	st.phase = phaseAwaitBody
-	return continueRequestHeaders
+	switch st.requestBodyMode {
+	case filterextproc.ProcessingMode_NONE:
+		st.bodyNotAvailable()
+		return
+	case filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
+		// Envoy sends the body without waiting for this answer, and may be kept waiting for it
+		// (reference §17.2): withheld, the headers do not reach the upstream before the claim.
+		st.owedHeaders = true
+	case filterextproc.ProcessingMode_STREAMED:
+		st.owedHeaders = st.bodyBeforeAnswer
+	}
+	st.fire(evAwaitBody)
+	if !st.owedHeaders {
+		// Envoy sends the body only after this answer (reference §3).
+		st.send(reply{kind: kindRequestHeaders})
+	}
 }
 
-func (st *stream) requestBody(m *extprocv3.HttpBody) *extprocv3.ProcessingResponse {
-	if st.phase != phaseAwaitBody {
-		return continueRequestBody
-	}
-	// In BUFFERED mode the one body message holds the whole body, whatever end_of_stream says
-	// (reference §2.4). In STREAMED and BUFFERED_PARTIAL modes only a first message that ends
-	// the stream does; otherwise it is the body's first part, which could neither fingerprint
-	// the request nor stand for its body-hash key.
-	if mode := st.requestBodyMode; st.knownBodyModes && mode != filterextproc.ProcessingMode_BUFFERED &&
-		(mode == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED || !m.GetEndOfStream()) {
-		st.unprotected("the request body did not come whole (request_body_mode " + mode.String() + "); set request_body_mode: BUFFERED")
-		return continueRequestBody
-	}
-	return st.claim(m.GetBody(), false)
+// isGRPC reports whether the request is gRPC (content-type application/grpc, +proto, …).
+func isGRPC(h headers) bool {
+	ct := h.get(headerCT)
+	const grpc = "application/grpc"
+	return len(ct) >= len(grpc) && string(ct[:len(grpc)]) == grpc && (len(ct) == len(grpc) || ct[len(grpc)] == '+' || ct[len(grpc)] == ';')
 }
 
-// unprotected lets a covered request go upstream without a lease, with a warning: its body
-// could not be claimed. Its response gets the replay header, and nothing is stored.
-func (st *stream) unprotected(why string) {
-	st.event(st.s.log.Warn()).Msg(why + "; this request ran unprotected")
-	st.phase, st.outcome, st.covered = phaseUnprotected, Passthrough, false
+// needsBody reports whether the claim needs the request body: to fingerprint it or to derive its
+// key from it.
+func (st *stream) needsBody() bool {
+	if st.bodyHash {
+		return true
+	}
+	for _, p := range st.route.Fingerprint {
+		if p == policy.PartBody {
+			return true
+		}
+	}
+	return false
 }
 
-// passThrough leaves the request alone and asks Envoy to skip every later phase.
-func (st *stream) passThrough() *extprocv3.ProcessingResponse {
-	st.phase = phasePass
+// bodyNotAvailable settles a covered request whose body the processor will never see
+// (request_body_mode NONE): 500, or unprotected under fail_mode: open (SPEC §8).
+func (st *stream) bodyNotAvailable() {
+	st.s.misconfigured(MisconfigBodyNotAvailable, func() {
+		st.event(st.s.log.Error()).Msg("request_body_mode is NONE, so the processor never sees the bodies of covered requests that need them (fingerprint: body, or missing_key: body-hash); set request_body_mode BUFFERED, or drop body from this route's fingerprint")
+	})
+	if st.s.policy.FailMode == policy.FailOpen {
+		st.outcome = Passthrough
+		st.fire(evUnprotected)
+		st.send(reply{kind: kindRequestHeaders})
+		return
+	}
+	st.reject(problemBodyNotAvailable)
+}
+
+func (st *stream) requestBody(chunk []byte, eos bool) {
+	if st.state != stateCollect {
+		st.pass(kindRequestBody, chunk, eos)
+		return
+	}
+	switch st.requestBodyMode {
+	case filterextproc.ProcessingMode_BUFFERED:
+		// The one body message holds the whole body, whatever end_of_stream says (reference
+		// §2.4: it is false when trailers follow).
+		st.owedChunks = 1
+		st.claim(chunk)
+		return
+	case filterextproc.ProcessingMode_BUFFERED_PARTIAL:
+		// A partial buffer (end_of_stream false: Envoy's buffer limit was reached, the rest
+		// would pass unseen) can neither fingerprint the request nor stand for its key.
+		// Trailers also make end_of_stream false: such requests are refused too, rather than
+		// let one run unclaimed.
+		if !eos {
+			st.reject(problemTooLarge)
+			return
+		}
+		st.owedChunks = 1
+		st.claim(chunk)
+		return
+	}
+	// STREAMED and FULL_DUPLEX_STREAMED: Envoy may send the body as one message or as many,
+	// pipelined (reference §17.1). Collect it, withholding every answer, and claim at its end.
+	if len(st.reqBody)+len(chunk) > st.route.MaxRequestBytes {
+		st.reqBody = nil
+		st.reject(problemTooLarge)
+		return
+	}
+	st.reqBody = append(st.reqBody, chunk...)
+	st.owedChunks++
+	if eos {
+		st.claim(st.reqBody)
+	}
+}
+
+func (st *stream) requestTrailers() {
+	if st.state != stateCollect {
+		st.send(reply{kind: kindRequestTrailers})
+		return
+	}
+	// Trailers end the body (SPEC §8): in the streamed modes after its chunks, and in the
+	// buffered modes for a request that had trailers and no data.
+	st.owedTrailers = true
+	st.claim(st.reqBody)
+}
+
+// passThrough leaves the request alone and asks Envoy to skip every later phase. In a
+// FULL_DUPLEX_STREAMED request Envoy ignores mode_override (reference §17.1): none is sent, and
+// every later message is answered.
+func (st *stream) passThrough() {
 	st.outcome = Passthrough
-	return passThroughRequestHeaders
+	st.fire(evPass)
+	if st.fullDuplex(kindRequestBody) || st.fullDuplex(kindResponseBody) {
+		st.send(reply{kind: kindRequestHeaders})
+		return
+	}
+	st.overrideSent = passThroughMode
+	st.send(reply{kind: kindRequestHeaders, mode: passThroughMode})
 }
 
 // reject settles a covered request with a problem answered by the server.
-func (st *stream) reject(p *problem) *extprocv3.ProcessingResponse {
+func (st *stream) reject(p *problem) {
 	st.covered = true
-	st.phase = phaseDone
 	st.outcome = p.outcome
-	return st.rs.problems[p]
+	st.fire(evAnswer)
+	st.send(reply{problem: p})
 }
 
-// claim makes the one store round trip of a covered request and decides its fate: 422, 409,
-// a replay, or running it under a fresh lease.
-func (st *stream) claim(body []byte, atHeaders bool) *extprocv3.ProcessingResponse {
+// flushOwed sends the answers the claim withheld, in Envoy's order: the headers, the body (the
+// chunks' answers, or in FULL_DUPLEX_STREAMED the body itself, streamed back), the trailers.
+func (st *stream) flushOwed() {
+	if st.owedHeaders {
+		st.send(reply{kind: kindRequestHeaders})
+	}
+	if st.fullDuplex(kindRequestBody) && st.owedChunks > 0 {
+		body := st.reqBody
+		for {
+			n := min(len(body), maxStreamedChunk)
+			last := n == len(body)
+			st.send(reply{kind: kindRequestBody, stream: true, chunk: body[:n], eos: last && !st.owedTrailers})
+			body = body[n:]
+			if last {
+				break
+			}
+		}
+	} else {
+		for range st.owedChunks {
+			st.send(reply{kind: kindRequestBody})
+		}
+	}
+	if st.owedTrailers {
+		st.send(reply{kind: kindRequestTrailers})
+	}
+	st.owedHeaders, st.owedChunks, st.owedTrailers = false, 0, false
+}
+
+// claim makes the one store round trip of a covered request and decides its fate: 422, 409, a
+// replay, or running it under a fresh lease.
+func (st *stream) claim(body []byte) {
 	r := st.route
 	d := newDigest()
 	if st.bodyHash {
@@ -224,122 +485,184 @@ func (st *stream) claim(body []byte, atHeaders bool) *extprocv3.ProcessingRespon
 	}
 	st.storeKey, st.keyHash = d.storeKey(r, st.headers, st.params, st.key)
 	fp := d.fingerprint(r, st.method, st.path, body, st.headers)
+	if !st.fullDuplex(kindRequestBody) {
+		st.reqBody = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
+	}
 
-	lease, rec, err := st.s.acquire(st.ctx, st.storeKey, cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.ttl})
-	if err != nil && st.ctx.Err() != nil {
+	lease, rec, err := st.s.acquire(st, cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.ttl})
+	switch {
+	case err != nil && st.ctx.Err() != nil:
 		// Envoy ended the stream during the call (the client went away): not the store's
 		// failure, and nobody waits for an answer. The request never went upstream.
 		st.event(st.s.log.Debug()).Err(err).Msg("stream ended during the store call")
-		st.phase = phaseDone
-		return continueClaimed(atHeaders)
-	}
-	if err != nil {
+		st.fire(evAnswer)
+		return
+	case errors.Is(err, cache.ErrCorrupt):
+		// The record is there but cannot be read (a tampered or unknown-key sealed record, a
+		// layout this build does not know): the request ran once, so it must not run again.
+		st.event(st.s.log.Error()).Err(err).Msg("stored record cannot be read; answering response-not-replayable")
+		st.reject(problemNotReplayable)
+		return
+	case err != nil:
 		st.storeFailed("acquire", err)
 		if st.s.policy.FailMode == policy.FailOpen {
 			// Its response headers still come, for the replay header.
-			st.phase = phaseUnprotected
-			return continueClaimed(atHeaders)
+			st.fire(evUnprotected)
+			st.flushOwed()
+			return
 		}
-		return st.reject(problemStoreUnavailable)
-	}
-	if rec != nil {
-		// The mismatch check comes before the in-flight and replay checks (SPEC §4).
-		switch {
-		case !bytes.Equal(fp, rec.Fingerprint) &&
-			// A record without a fingerprint comes from a build before b740924, for a route
-			// with none: such a route accepts it, as that build did, until it expires.
-			(len(r.Fingerprint) > 0 || len(rec.Fingerprint) > 0):
-			return st.reject(problemReused)
-		case rec.State == cache.Pending:
-			return st.reject(problemInProgress)
-		case rec.Response.BodyOmitted:
-			return st.reject(problemNotReplayable)
-		}
-		st.phase = phaseDone
-		st.outcome = Replayed
-		return replayResponse(&rec.Response, r.ReplayHeader)
+		st.reject(problemStoreUnavailable)
+		return
+	case rec != nil:
+		st.answerExisting(fp, rec)
+		return
 	}
 	st.lease = lease
-	st.phase = phaseRunning
 	st.outcome = Executed
 	st.s.metrics.inflight.Inc()
 	st.startRenewal()
-	return continueClaimed(atHeaders)
+	st.fire(evRun)
+	st.flushOwed()
 }
 
-// continueClaimed continues the message a claim answers: the request headers of a bodiless
-// request, else its body.
-func continueClaimed(atHeaders bool) *extprocv3.ProcessingResponse {
-	if atHeaders {
-		return continueRequestHeaders
-	}
-	return continueRequestBody
-}
-
-func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*structpb.Struct) *extprocv3.ProcessingResponse {
-	switch st.phase {
-	case phaseRunning:
-	case phaseAwaitBody:
-		// The request went upstream without its body phase: Envoy's request_body_mode is not
-		// BUFFERED, or the request had trailers and no body data (reference §2.4).
-		st.unprotected("the request body never reached the processor (request_body_mode is not BUFFERED, or the request had trailers but no data)")
-		st.phase = phaseDone
-		return st.rs.notStored
-	case phaseUnprotected:
-		st.phase = phaseDone
-		return st.rs.notStored
+// answerExisting answers a request whose key already has a record. The mismatch check comes
+// before the in-flight and replay checks (SPEC §4).
+func (st *stream) answerExisting(fp []byte, rec *cache.Record) {
+	switch {
+	case !fingerprintMatches(st.route, fp, rec.Fingerprint):
+		st.reject(problemReused)
+	case rec.State == cache.Pending:
+		st.reject(problemInProgress)
+	case rec.Response.OutcomeUnknown:
+		st.reject(problemOutcomeUnknown)
+	case rec.Response.BodyOmitted:
+		st.reject(problemNotReplayable)
 	default:
-		return continueResponseHeaders
+		st.outcome = Replayed
+		st.fire(evAnswer)
+		st.send(reply{replay: &rec.Response})
+	}
+}
+
+// fingerprintMatches reports whether a record's fingerprint is this request's. A record without
+// a fingerprint comes from a build before b740924, for a route with none: such a route accepts
+// it, as that build did, until it expires.
+func fingerprintMatches(r *policy.Route, fp, stored []byte) bool {
+	return string(fp) == string(stored) || (len(r.Fingerprint) == 0 && len(stored) == 0)
+}
+
+func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*structpb.Struct) {
+	switch st.state {
+	case stateRunning:
+	case stateCollect:
+		// The upstream answered before the request body ended (it may answer early), or Envoy
+		// sent the request on without the body phase (trailers and no data under a trailer mode
+		// of SKIP): the request ran without a lease. What was withheld is answered first.
+		st.event(st.s.log.Warn()).Msg("the response began before the request body reached the processor whole; this request ran unprotected")
+		st.fire(evUnprotected)
+		st.flushOwed()
+		fallthrough
+	case stateUnprotected:
+		st.fire(evSettle)
+		st.markResponse(false)
+		return
+	case statePass:
+		if st.overrideSent == passThroughMode {
+			st.overrideRefused()
+		}
+		st.pass(kindResponseHeaders, nil, false)
+		return
+	default:
+		st.pass(kindResponseHeaders, nil, false)
+		return
 	}
 	r := st.route
 	h := headers(m.GetHeaders().GetHeaders())
 	st.status = parseStatus(h.get(":status"))
-	if details, ok := codeDetails(attrs); ok && details != "via_upstream" {
-		// Envoy made this response (a timeout, a refused connection): it is not the outcome of
-		// the request (SPEC §4).
-		st.release(ReleaseEnvoyResponse)
-		st.phase = phaseDone
-		return st.rs.notStored
+	if details, ok := stringAttribute(attrs, attrCodeDetails); ok && details != "via_upstream" {
+		// Envoy made this response (a timeout, a refused connection, an overflow): it is not the
+		// outcome of the request. Only when the request never reached the upstream is it known
+		// that nothing ran (SPEC §8).
+		attempts, known := numberAttribute(attrs, attrAttemptCount)
+		switch {
+		case known && attempts == 0:
+			st.release(ReleaseEnvoyResponse)
+		default:
+			if !known {
+				st.s.misconfigured(MisconfigAttemptCountMissing, func() {
+					st.event(st.s.log.Warn()).Msg("an Envoy-made response came without upstream.request_attempt_count; add it to the ext_proc filter's response_attributes, or every such response is treated as an unknown outcome")
+				})
+			}
+			st.unknownOutcome(st.status)
+		}
+		st.fire(evSettle)
+		st.markResponse(false)
+		return
 	}
 	if !r.StoreStatuses.Has(st.status) {
 		st.release(ReleaseStatus)
-		st.phase = phaseDone
-		return st.rs.notStored
+		st.fire(evSettle)
+		st.markResponse(false)
+		return
 	}
 	st.respHeaders = replayableHeaders(h, r)
-	if m.GetEndOfStream() {
+	switch {
+	case m.GetEndOfStream():
 		st.complete()
-		return st.rs.stored
-	}
-	if st.knownBodyModes && st.responseBodyMode == filterextproc.ProcessingMode_NONE {
+		st.fire(evSettle)
+	case st.responseBodyMode == filterextproc.ProcessingMode_NONE:
 		// Envoy will not send the body: record the outcome now, without it, so that the request
 		// still runs at most once (duplicates get 409 response-not-replayable).
 		st.omitted = true
 		st.complete()
-		return st.rs.stored
+		st.fire(evSettle)
+	default:
+		st.fire(evStore)
 	}
-	st.phase = phaseCapture
-	return st.rs.stored
+	st.markResponse(true)
 }
 
-func (st *stream) responseBody(m *extprocv3.HttpBody) *extprocv3.ProcessingResponse {
-	if st.phase != phaseCapture {
-		return continueResponseBody
+// markResponse answers response headers of a covered request with the replay header set to
+// false; a response whose body the processor need not see also has its body phase turned off,
+// unless Envoy would ignore the override (FULL_DUPLEX_STREAMED, reference §17.1) or sends no
+// body anyway.
+func (st *stream) markResponse(wantBody bool) {
+	if wantBody || st.fullDuplex(kindResponseBody) || st.responseBodyMode == filterextproc.ProcessingMode_NONE {
+		st.send(reply{kind: kindResponseHeaders, mark: true})
+		return
 	}
-	chunk := m.GetBody()
-	last := m.GetEndOfStream()
-	if st.knownBodyModes {
-		switch st.responseBodyMode {
-		case filterextproc.ProcessingMode_BUFFERED:
-			// The one message holds the whole body, even when trailers follow (reference §2.4).
-			last = true
-		case filterextproc.ProcessingMode_BUFFERED_PARTIAL:
-			// A partial buffer that does not end the body means the rest passed unseen.
-			if !last {
-				st.omitted = true
-			}
-			last = true
+	st.overrideSent = noStoreMode
+	st.send(reply{kind: kindResponseHeaders, mark: true, mode: noStoreMode})
+}
+
+// overrideRefused notes that Envoy sent a phase a mode_override had turned off: every request
+// then goes through every phase, buffered (SPEC §8).
+func (st *stream) overrideRefused() {
+	st.overrideSent = nil // once per stream
+	st.s.misconfigured(MisconfigModeOverrideRefused, func() {
+		st.event(st.s.log.Warn()).Msg("Envoy ignored this processor's mode_override: set allow_mode_override: true, list exactly the two SPEC §5 modes in allowed_override_modes (or none), and turn send_body_without_waiting_for_header_response off; until then every request's bodies go through the processor")
+	})
+}
+
+func (st *stream) responseBody(chunk []byte, eos bool) {
+	if st.state != stateCapture {
+		if st.overrideSent == noStoreMode {
+			st.overrideRefused()
 		}
+		st.pass(kindResponseBody, chunk, eos)
+		return
+	}
+	last := eos
+	switch st.responseBodyMode {
+	case filterextproc.ProcessingMode_BUFFERED:
+		// The one message holds the whole body, even when trailers follow (reference §2.4).
+		last = true
+	case filterextproc.ProcessingMode_BUFFERED_PARTIAL:
+		// A partial buffer that does not end the body means the rest passed unseen.
+		if !eos {
+			st.omitted = true
+		}
+		last = true
 	}
 	switch {
 	case st.omitted:
@@ -351,19 +674,29 @@ func (st *stream) responseBody(m *extprocv3.HttpBody) *extprocv3.ProcessingRespo
 		st.body = append(st.body, chunk...)
 	}
 	if last {
-		// Durability: the record is written before Envoy may pass the response on (SPEC §4).
+		// Durability: the record is written before Envoy may pass the response's end on
+		// (SPEC §4).
 		st.complete()
+		st.fire(evSettle)
 	}
-	return continueResponseBody
+	st.pass(kindResponseBody, chunk, eos)
+}
+
+func (st *stream) responseTrailers() {
+	if st.state == stateCapture {
+		// Trailers end the body of a streamed response (reference §2.4).
+		st.complete()
+		st.fire(evSettle)
+	}
+	st.send(reply{kind: kindResponseTrailers})
 }
 
 // complete records the response and gives up the lease.
 func (st *stream) complete() {
-	st.phase = phaseDone
 	st.renewal.stop()
 	resp := cache.Response{Status: st.status, Headers: st.respHeaders, Body: st.body, BodyOmitted: st.omitted}
 	// The client may already be gone; the record must still be written.
-	err := st.s.complete(context.WithoutCancel(st.ctx), st.lease, resp)
+	err := st.s.complete(st, context.WithoutCancel(st.ctx), st.lease, resp)
 	st.dropLease()
 	if err != nil {
 		st.storeFailed("complete", err)
@@ -375,14 +708,39 @@ func (st *stream) complete() {
 // release frees the key so that a retry runs again.
 func (st *stream) release(reason string) {
 	st.renewal.stop()
-	err := st.s.release(context.WithoutCancel(st.ctx), st.lease)
+	err := st.s.release(st, context.WithoutCancel(st.ctx), st.lease)
 	st.dropLease()
 	if err != nil {
 		st.storeFailed("release", err)
 		return
 	}
+	st.releaseReason = reason
 	st.rs.releases[reason].Inc()
 	st.event(st.s.log.Debug()).Str("reason", reason).Msg("lease released")
+}
+
+// unknownOutcome handles a lease whose request may or may not have run upstream, as the route's
+// unknown_outcome says (SPEC §8); status is Envoy's, or 0 when no response was seen.
+func (st *stream) unknownOutcome(status int) {
+	r := st.route
+	st.rs.unknown[r.UnknownOutcome].Inc()
+	switch r.UnknownOutcome {
+	case policy.UnknownOutcomeRelease:
+		st.release(ReleaseUnknownOutcome)
+	case policy.UnknownOutcomeRecord:
+		st.renewal.stop()
+		err := st.s.complete(st, context.WithoutCancel(st.ctx), st.lease, cache.Response{Status: status, OutcomeUnknown: true})
+		st.dropLease()
+		if err != nil {
+			st.storeFailed("complete", err)
+			return
+		}
+		st.event(st.s.log.Info()).Int("status", status).Msg("outcome unknown; recorded so that duplicates get 409 outcome-unknown")
+	default:
+		st.renewal.stop()
+		st.dropLease()
+		st.event(st.s.log.Info()).Dur("lock_ttl", r.LockTTL).Int("status", status).Msg("outcome unknown; lease kept until it expires")
+	}
 }
 
 func (st *stream) dropLease() {
@@ -403,16 +761,38 @@ func (st *stream) storeFailed(op string, err error) {
 	ev.Str("op", op).Err(err).Msg("store operation failed")
 }
 
-// finish runs when the stream ends, however it ends: a lease still held means the response was
-// not seen whole, so the outcome is unknown.
+// newMetadata reports whether the request's dynamic metadata has news for Envoy: an outcome or a
+// release reason that it has not been told. The first answer that settles, claims or passes a
+// request carries it (SPEC §9).
+func (st *stream) newMetadata() bool {
+	if st.route == nil || (st.outcome == st.sentOutcome && st.releaseReason == st.sentReason) {
+		return false
+	}
+	st.sentOutcome, st.sentReason = st.outcome, st.releaseReason
+	return true
+}
+
+// metadata returns the request's dynamic metadata.
+func (st *stream) metadata() *structpb.Struct {
+	return metadataFields(st.s.metadataNamespace, st.route.Name, st.outcome, st.keyHash, st.releaseReason)
+}
+
+// finish runs when the stream ends, however it ends. A lease still held means the response was
+// not seen whole: with storable response headers seen, the request ran and its record is
+// completed without a body; with none, its outcome is unknown.
 func (st *stream) finish() {
+	if st.inStore {
+		// The stream's goroutine is unwinding a panic from inside the store: make no further
+		// store call (Server.recoverStream ends the process).
+		st.s.storeBroken.Store(true)
+		return
+	}
 	if st.lease.Held() {
-		st.renewal.stop()
-		if st.route.UnknownOutcome == policy.UnknownOutcomeRelease {
-			st.release(ReleaseUnknownOutcome)
+		if st.state == stateCapture {
+			st.omitted = true
+			st.complete()
 		} else {
-			st.event(st.s.log.Info()).Dur("lock_ttl", st.route.LockTTL).Msg("stream ended before the response; lease kept until it expires")
-			st.dropLease()
+			st.unknownOutcome(0)
 		}
 	}
 	if st.route == nil {
@@ -433,76 +813,13 @@ func (st *stream) finish() {
 	}
 	if st.outcome == Executed && !st.completed {
 		ev = ev.Bool("response_seen", false)
+	} else if st.completed && st.omitted {
+		ev = ev.Bool("body_kept", false)
+	}
+	if st.releaseReason != "" {
+		ev = ev.Str("release_reason", st.releaseReason)
 	}
 	ev.Float64("duration_ms", float64(time.Since(st.start).Microseconds())/1000).Msg("request")
-}
-
-// renewal extends a lease every lock_ttl/3 while the stream lives.
-type renewal struct {
-	mu      sync.Mutex
-	stopped bool
-	timer   clock.Timer
-	cancel  context.CancelFunc // ends the renewal in flight, if any
-}
-
-func (st *stream) startRenewal() {
-	r := &renewal{}
-	lease, lockTTL := st.lease, st.route.LockTTL
-	interval := lockTTL / 3
-	var tick func()
-	tick = func() {
-		// The context exists only while a renewal runs: most requests end before their first.
-		ctx, cancel := context.WithCancel(st.ctx)
-		defer cancel()
-		r.mu.Lock()
-		if r.stopped {
-			r.mu.Unlock()
-			return
-		}
-		r.cancel = cancel
-		r.mu.Unlock()
-		// Outside the lock, so that stop never waits for a store call: a renewal that lands
-		// after the completion or release is refused by the store (the record is no longer
-		// pending), and one cut short by stop changes nothing.
-		err := st.s.renew(ctx, lease, lockTTL)
-		switch {
-		case ctx.Err() != nil:
-			return
-		case errors.Is(err, cache.ErrLeaseLost):
-			st.event(st.s.log.Warn()).Msg("lease lost while the request was running; its completion will not be recorded")
-			return
-		case err != nil:
-			st.event(st.s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
-		}
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		r.cancel = nil
-		if !r.stopped {
-			r.timer = st.s.clock.AfterFunc(interval, tick)
-		}
-	}
-	r.mu.Lock()
-	r.timer = st.s.clock.AfterFunc(interval, tick)
-	r.mu.Unlock()
-	st.renewal = r
-}
-
-// stop prevents further renewals and cuts short one in flight, without waiting for it: the
-// stream's next store call is its only one in the phase (SPEC §4). It is safe on a nil renewal.
-func (r *renewal) stop() {
-	if r == nil {
-		return
-	}
-	r.mu.Lock()
-	r.stopped = true
-	if r.timer != nil {
-		r.timer.Stop()
-	}
-	cancel := r.cancel
-	r.mu.Unlock()
-	if cancel != nil {
-		cancel()
-	}
 }
 
 func parseStatus(v []byte) int {
@@ -513,9 +830,9 @@ func parseStatus(v []byte) int {
 	return n
 }
 
-// codeDetails returns Envoy's response.code_details attribute, if Envoy sent it.
-func codeDetails(attrs map[string]*structpb.Struct) (string, bool) {
-	v, ok := attrs[extProcAttributes].GetFields()["response.code_details"]
+// stringAttribute returns the string attribute name, if Envoy sent it.
+func stringAttribute(attrs map[string]*structpb.Struct, name string) (string, bool) {
+	v, ok := attrs[extProcAttributes].GetFields()[name]
 	if !ok {
 		return "", false
 	}
@@ -524,4 +841,21 @@ func codeDetails(attrs map[string]*structpb.Struct) (string, bool) {
 		return "", false
 	}
 	return s.StringValue, true
+}
+
+// numberAttribute returns the integer attribute name, if Envoy sent it. Envoy sends CEL integers
+// as JSON numbers (reference §17.2); a decimal string is accepted too.
+func numberAttribute(attrs map[string]*structpb.Struct, name string) (int64, bool) {
+	v, ok := attrs[extProcAttributes].GetFields()[name]
+	if !ok {
+		return 0, false
+	}
+	switch k := v.GetKind().(type) {
+	case *structpb.Value_NumberValue:
+		return int64(k.NumberValue), true
+	case *structpb.Value_StringValue:
+		n, err := strconv.ParseInt(k.StringValue, 10, 64)
+		return n, err == nil
+	}
+	return 0, false
 }

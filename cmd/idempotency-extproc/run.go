@@ -98,6 +98,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	defer adminLis.Close()
 
 	gs := grpc.NewServer(
+		// One stream's panic ends that stream, not the process (unless it came from the store).
+		grpc.ChainStreamInterceptor(srv.StreamInterceptor()),
 		// A BUFFERED body arrives in one message: the limit must exceed the largest body Envoy
 		// may send (reference §0.8, §9).
 		grpc.MaxRecvMsgSize(maxRecvMsgSize(cfg)),
@@ -209,9 +211,9 @@ func openStore(cfg *config) (cache.Store, error) {
 	return s, nil
 }
 
-// maxRecvMsgSize is 64 MiB, or more when the policy keeps larger responses.
+// maxRecvMsgSize is 64 MiB, or more when the policy keeps larger responses or requests.
 func maxRecvMsgSize(cfg *config) int {
-	return max(64<<20, 2*cfg.policy.MaxResponseBytes()+1<<20)
+	return max(64<<20, 2*max(cfg.policy.MaxResponseBytes(), cfg.policy.MaxRequestBytes())+1<<20)
 }
 
 // listen opens host:port, or a Unix socket for unix:///path (replacing a stale socket file,

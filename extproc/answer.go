@@ -1,0 +1,259 @@
+package extproc
+
+import (
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/structpb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+)
+
+// msgKind is the kind of a ProcessingRequest, and of the answer it needs.
+type msgKind uint8
+
+const (
+	kindRequestHeaders msgKind = iota
+	kindRequestBody
+	kindRequestTrailers
+	kindResponseHeaders
+	kindResponseBody
+	kindResponseTrailers
+)
+
+// reply is one answer the stream decided on. Every answer the server sends is a reply rendered
+// by stream.render, the one place where a decision becomes Envoy's message.
+type reply struct {
+	kind msgKind
+	// mode is a mode_override for a header answer, or nil.
+	mode *filterextproc.ProcessingMode
+	// mark sets the replay header to false on a response header answer.
+	mark bool
+	// stream answers a body message of a FULL_DUPLEX_STREAMED direction, whose answers must
+	// carry the body back (reference §17.2): chunk, ending the body when eos is set.
+	stream bool
+	chunk  []byte
+	eos    bool
+	// problem or replay, when set, makes the answer an ImmediateResponse.
+	problem *problem
+	replay  *cache.Response
+}
+
+// The two mode_override values of SPEC §5, every field spelled out so that Envoy's
+// allowed_override_modes comparison matches them (reference §4.3).
+var (
+	// passThroughMode turns off every phase after request_headers.
+	passThroughMode = &filterextproc.ProcessingMode{
+		RequestHeaderMode:   filterextproc.ProcessingMode_SEND,
+		RequestBodyMode:     filterextproc.ProcessingMode_NONE,
+		RequestTrailerMode:  filterextproc.ProcessingMode_SKIP,
+		ResponseHeaderMode:  filterextproc.ProcessingMode_SKIP,
+		ResponseBodyMode:    filterextproc.ProcessingMode_NONE,
+		ResponseTrailerMode: filterextproc.ProcessingMode_SKIP,
+	}
+	// noStoreMode, sent at response_headers of a response that will not be stored, turns off the
+	// response body phase.
+	noStoreMode = &filterextproc.ProcessingMode{
+		RequestHeaderMode:   filterextproc.ProcessingMode_SEND,
+		RequestBodyMode:     filterextproc.ProcessingMode_NONE,
+		RequestTrailerMode:  filterextproc.ProcessingMode_SKIP,
+		ResponseHeaderMode:  filterextproc.ProcessingMode_SEND,
+		ResponseBodyMode:    filterextproc.ProcessingMode_NONE,
+		ResponseTrailerMode: filterextproc.ProcessingMode_SKIP,
+	}
+)
+
+// PassThroughMode returns a copy of the mode_override sent for requests that are not covered.
+func PassThroughMode() *filterextproc.ProcessingMode {
+	return proto.Clone(passThroughMode).(*filterextproc.ProcessingMode)
+}
+
+// NoStoreMode returns a copy of the mode_override sent at response_headers of a response that is
+// not stored.
+func NoStoreMode() *filterextproc.ProcessingMode {
+	return proto.Clone(noStoreMode).(*filterextproc.ProcessingMode)
+}
+
+var (
+	valueTrue    = []byte("true")
+	valueFalse   = []byte("false")
+	valueOne     = []byte("1")
+	problemType  = []byte("application/problem+json")
+	appendHeader = wrapperspb.Bool(true)
+)
+
+const (
+	headerCT         = "content-type"
+	headerRetryAfter = "retry-after"
+)
+
+// render turns r into Envoy's message, with the request's dynamic metadata when there is news
+// for Envoy's access log (SPEC §9; see stream.newMetadata). Answers that never vary are built
+// once and shared: gRPC only reads a message it sends.
+func (st *stream) render(r reply) *extprocv3.ProcessingResponse {
+	rs := st.rs
+	if r.kind == kindRequestHeaders && st.outcome == Passthrough && r.problem == nil && st.newMetadata() {
+		// An uncovered request's metadata is its route's alone: its answers are built once.
+		if r.mode != nil {
+			return rs.passThrough
+		}
+		return rs.passContinue
+	}
+	var resp *extprocv3.ProcessingResponse
+	switch {
+	case r.problem != nil:
+		resp = rs.problems[r.problem]
+	case r.replay != nil:
+		resp = replayResponse(r.replay, st.route.ReplayHeader)
+	case r.stream:
+		resp = streamedBody(r.kind, r.chunk, r.eos)
+	case r.kind == kindResponseHeaders && r.mark && r.mode != nil:
+		resp = rs.notStored
+	case r.kind == kindResponseHeaders && r.mark:
+		resp = rs.stored
+	case r.kind == kindRequestHeaders && r.mode != nil:
+		resp = passThroughRequestHeaders
+	default:
+		resp = continues[r.kind]
+	}
+	if !st.newMetadata() {
+		return resp
+	}
+	md := st.metadata()
+	if resp.DynamicMetadata == nil && (r.replay != nil || r.stream) {
+		// Built for this answer alone: it can carry the metadata itself.
+		resp.DynamicMetadata = md
+		return resp
+	}
+	return &extprocv3.ProcessingResponse{Response: resp.Response, ModeOverride: resp.ModeOverride, DynamicMetadata: md}
+}
+
+// streamedBody answers a body message of a FULL_DUPLEX_STREAMED direction with chunk as the body
+// Envoy sends on (reference §17.2: a plain BodyResponse is refused in that mode).
+func streamedBody(k msgKind, chunk []byte, eos bool) *extprocv3.ProcessingResponse {
+	br := &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{
+		Mutation: &extprocv3.BodyMutation_StreamedResponse{StreamedResponse: &extprocv3.StreamedBodyResponse{Body: chunk, EndOfStream: eos}},
+	}}}
+	if k == kindRequestBody {
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: br}}
+	}
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: br}}
+}
+
+// metadataFields builds the dynamic metadata of SPEC §9 under namespace.
+func metadataFields(namespace, route string, o Outcome, keyHash, releaseReason string) *structpb.Struct {
+	f := map[string]*structpb.Value{
+		"outcome":  structpb.NewStringValue(string(o)),
+		"route":    structpb.NewStringValue(route),
+		"replayed": structpb.NewBoolValue(o == Replayed),
+	}
+	if keyHash != "" {
+		f["key_hash"] = structpb.NewStringValue(keyHash)
+	}
+	if releaseReason != "" {
+		f["release_reason"] = structpb.NewStringValue(releaseReason)
+	}
+	return &structpb.Struct{Fields: map[string]*structpb.Value{
+		namespace: structpb.NewStructValue(&structpb.Struct{Fields: f}),
+	}}
+}
+
+// setHeader is a header mutation that overwrites name; Envoy reads raw_value only (reference
+// §2.7), so value stays empty.
+func setHeader(name string, value []byte) *corev3.HeaderValueOption {
+	return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: name, RawValue: value}}
+}
+
+// problemResponse answers a covered request with p.
+func problemResponse(p *problem, replayHeader string) *extprocv3.ProcessingResponse {
+	set := make([]*corev3.HeaderValueOption, 0, 3)
+	set = append(set, setHeader(headerCT, problemType), setHeader(replayHeader, valueFalse))
+	if p.retryAfter {
+		set = append(set, setHeader(headerRetryAfter, valueOne))
+	}
+	return immediate(p.status, set, p.body, "idempotency_"+p.code)
+}
+
+// replayResponse answers a duplicate with the stored response: its status, every header in order
+// (the second and later values of a repeated header with append, so that they add rather than
+// overwrite) and its body, plus the replay header.
+//
+// Envoy builds the local reply from the status alone, applies these mutations, and only then adds
+// content-type: text/plain where none is set and the body is not empty, or removes content-type
+// and content-length where the body is empty (reference §17.1, Utility::sendLocalReply). So a
+// stored content-type is kept, a stored response without one replays as text/plain, and an
+// empty-bodied one loses its content-type: nothing the processor sends can change that.
+func replayResponse(r *cache.Response, replayHeader string) *extprocv3.ProcessingResponse {
+	n := len(r.Headers) + 1
+	// One allocation each for the options, the values and the pointers, whatever the count.
+	opts := make([]corev3.HeaderValueOption, n)
+	values := make([]corev3.HeaderValue, n)
+	set := make([]*corev3.HeaderValueOption, n)
+	for i, h := range r.Headers {
+		values[i].Key, values[i].RawValue = h.Name, h.Value
+		opts[i].Header = &values[i]
+		for _, prev := range r.Headers[:i] {
+			if prev.Name == h.Name {
+				// ext_proc honours only the deprecated append flag (reference §2.7).
+				//lint:ignore SA1019 append_action is not implemented for ext_proc mutations
+				opts[i].Append = appendHeader
+				break
+			}
+		}
+		set[i] = &opts[i]
+	}
+	values[n-1].Key, values[n-1].RawValue = replayHeader, valueTrue
+	opts[n-1].Header = &values[n-1]
+	set[n-1] = &opts[n-1]
+	return immediate(r.Status, set, r.Body, "idempotency_replayed")
+}
+
+func immediate(status int, set []*corev3.HeaderValueOption, body []byte, details string) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_ImmediateResponse{
+			ImmediateResponse: &extprocv3.ImmediateResponse{
+				Status:  &typev3.HttpStatus{Code: typev3.StatusCode(status)},
+				Headers: &extprocv3.HeaderMutation{SetHeaders: set},
+				Body:    body,
+				Details: details,
+			},
+		},
+	}
+}
+
+// The answers that never vary.
+var (
+	passThroughRequestHeaders = &extprocv3.ProcessingResponse{
+		Response:     &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}},
+		ModeOverride: passThroughMode,
+	}
+	// continues are the plain CONTINUE answers, by message kind.
+	continues = [...]*extprocv3.ProcessingResponse{
+		kindRequestHeaders: {Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}}},
+		kindRequestBody:    {Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{}}},
+		kindRequestTrailers: {Response: &extprocv3.ProcessingResponse_RequestTrailers{
+			RequestTrailers: &extprocv3.TrailersResponse{},
+		}},
+		kindResponseHeaders: {Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}},
+		kindResponseBody:    {Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}},
+		kindResponseTrailers: {Response: &extprocv3.ProcessingResponse_ResponseTrailers{
+			ResponseTrailers: &extprocv3.TrailersResponse{},
+		}},
+	}
+)
+
+// markResponseHeaders continues the response with the replay header set to false, and with a
+// mode_override when mode is not nil.
+func markResponseHeaders(replayHeader string, mode *filterextproc.ProcessingMode) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{
+			Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
+				SetHeaders: []*corev3.HeaderValueOption{setHeader(replayHeader, valueFalse)},
+			}},
+		}},
+		ModeOverride: mode,
+	}
+}

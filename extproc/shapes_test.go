@@ -1,0 +1,149 @@
+package extproc_test
+
+import (
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// randomShape draws how Envoy delivers one request (reference §17): its body modes, how the body
+// is cut, whether it came whole during the header call, trailers, and how the exchange ends.
+// Shapes that fail by design are left out: request_body_mode NONE on a route that needs the body
+// (500 body-not-available), trailers under BUFFERED_PARTIAL (413), bodies over a limit.
+func randomShape(rng *rand.Rand, bodyRoute bool) shape {
+	reqModes := []bodyMode{modeBuffered, modePartial, modeStreamed, modeDuplex}
+	if !bodyRoute {
+		reqModes = append(reqModes, modeNone)
+	}
+	respModes := []bodyMode{modeBuffered, modePartial, modeStreamed, modeDuplex, modeNone}
+	sh := shape{
+		reqMode:     reqModes[rng.IntN(len(reqModes))],
+		respMode:    respModes[rng.IntN(len(respModes))],
+		whole:       rng.IntN(3) == 0,
+		trailerSend: true,
+	}
+	for range rng.IntN(4) {
+		sh.chunks = append(sh.chunks, 1+rng.IntN(40))
+	}
+	for range rng.IntN(3) {
+		sh.respChunks = append(sh.respChunks, 1+rng.IntN(8))
+	}
+	sh.trailers = rng.IntN(5) == 0 && sh.reqMode != modePartial && sh.respMode != modePartial
+	sh.bodyBeforeAnswer = sh.reqMode == modeStreamed && rng.IntN(4) == 0
+	switch n := rng.IntN(20); {
+	case n < 3:
+		sh.end, sh.ranUpstream = endBeforeResponse, rng.IntN(2) == 0
+	case n < 5:
+		sh.end = endMidBody
+	case n < 8:
+		sh.end, sh.envoyStatus = endEnvoyMade, []int{503, 504, 200}[rng.IntN(3)]
+		sh.attempts, sh.ranUpstream = rng.IntN(3), rng.IntN(2) == 0
+		sh.noAttempts = rng.IntN(6) == 0
+	}
+	return sh
+}
+
+// shapesSeed is the seed of TestRandomStreamShapes: IDEMPOTENCY_SHAPES_SEED, or a fixed one so
+// that every run is the same unless asked otherwise.
+func shapesSeed(t *testing.T) uint64 {
+	if v := os.Getenv("IDEMPOTENCY_SHAPES_SEED"); v != "" {
+		seed, err := strconv.ParseUint(v, 10, 64)
+		require.NoError(t, err, "IDEMPOTENCY_SHAPES_SEED")
+		return seed
+	}
+	return 20261201
+}
+
+// TestRandomStreamShapes sends concurrent requests under a few keys, each in a random stream shape
+// (body modes × chunkings × bodies whole during the header call × trailers × early ends ×
+// Envoy-made responses × attempt counts), on both stores, and holds the processor to SPEC §8:
+// while the store is healthy, each key reaches the upstream at most once, except ambiguous
+// outcomes under unknown_outcome: release, each of which is counted; no request with a body
+// fails because of its mode; a replay is always its own key's response.
+func TestRandomStreamShapes(t *testing.T) {
+	seed := shapesSeed(t)
+	t.Logf("seed %d (set IDEMPOTENCY_SHAPES_SEED to replay another)", seed)
+	const workers, perWorker = 4, 40
+	keys := []string{"k0", "k1", "k2", "k3", "k4"}
+	forEachStore(t, func(t *testing.T, newStore func(t *testing.T) testStore) {
+		ts := newStore(t)
+		h := newHarness(t, harnessOptions{store: ts.store, advance: ts.advance, policy: `
+defaults: {lock_ttl: 30s}
+routes:
+  - {name: orders, match: {path_prefix: /v1/orders}, fingerprint: [method, path]}
+`})
+		var mu sync.Mutex
+		ambiguous := map[string]int{} // ambiguous outcomes released, by key
+		total := 0
+		statuses := map[int]int{}
+		var wg sync.WaitGroup
+		for w := range workers {
+			rng := rand.New(rand.NewPCG(seed, uint64(w)))
+			wg.Go(func() {
+				for range perWorker {
+					ki := rng.IntN(len(keys))
+					key := keys[ki]
+					bodyRoute := rng.IntN(3) != 0
+					path := "/v1/payments"
+					if !bodyRoute {
+						path = "/v1/orders"
+					}
+					// One body per key: the same request, however Envoy cuts it.
+					body := `{"for":"` + key + `","pad":"` + bigBody(70*ki) + `"}`
+					if !bodyRoute {
+						body = `{"for":"` + key + `"}`
+					}
+					sh := randomShape(rng, bodyRoute)
+					up := upstream{status: 201, headers: []string{"content-type", "application/json"}, body: []byte(`{"key":"` + key + path + `"}`)}
+					res := h.run(post(path, key+path, body), sh, up)
+					require.False(t, res.stalled, "no request stalls because of its mode (%+v)", sh)
+					switch {
+					case res.status == 0 && (sh.end == endBeforeResponse):
+					case sh.end == endEnvoyMade && res.ran == (sh.attempts > 0 && sh.ranUpstream) && res.status == sh.envoyStatus:
+					case res.status == 201 || res.status == 409:
+					default:
+						t.Errorf("status %d for a request in shape %+v: no request fails because of its mode", res.status, sh)
+					}
+					if v := res.header(replayed); len(v) == 1 && v[0] == "true" {
+						require.Equal(t, up.body, res.body, "a replay is its own key's response")
+					}
+					mu.Lock()
+					statuses[res.status]++
+					mu.Unlock()
+					if res.ambiguous {
+						mu.Lock()
+						ambiguous[key+path]++
+						total++
+						mu.Unlock()
+					}
+				}
+			})
+		}
+		wg.Wait()
+		h.waitIdle(t)
+		ran := 0
+		for _, n := range h.executed {
+			ran += n
+		}
+		t.Logf("%d requests: %d ran upstream, %d ambiguous outcomes released, statuses %v", workers*perWorker, ran, total, statuses)
+		require.Greater(t, statuses[409], 0, "the mix must include duplicates in flight or not replayable")
+		require.Greater(t, total, 0, "the mix must include ambiguous outcomes")
+		for _, k := range keys {
+			for _, path := range []string{"/v1/payments", "/v1/orders"} {
+				key := k + path
+				require.LessOrEqual(t, h.executions(key), 1+ambiguous[key],
+					"%s reached the upstream %d times with %d ambiguous outcomes released", key, h.executions(key), ambiguous[key])
+			}
+		}
+		released := h.counter("idempotency_releases_total", "route", "default", "reason", "unknown_outcome") +
+			h.counter("idempotency_releases_total", "route", "orders", "reason", "unknown_outcome")
+		require.Equal(t, float64(total), released, "every ambiguous outcome released is counted")
+		require.Zero(t, h.counter("idempotency_requests_total", "route", "default", "outcome", "store_error"))
+		require.NotContains(t, h.logs.String(), "move not in the table")
+		require.NotContains(t, h.logs.String(), "ran unprotected")
+	})
+}
