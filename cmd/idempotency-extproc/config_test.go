@@ -1,9 +1,11 @@
 package main
 
 import (
+	"flag"
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -38,6 +40,7 @@ func TestConfigDefaults(t *testing.T) {
 	require.Equal(t, zerolog.InfoLevel, c.logLevel)
 	require.Equal(t, "json", c.logFormat)
 	require.Equal(t, policy.Default().Default, c.policy.Default)
+	require.Empty(t, c.configPath)
 }
 
 func TestConfigPrecedence(t *testing.T) {
@@ -92,6 +95,10 @@ store_timeout: 250ms
 			require.Equal(t, "unix:///tmp/x.sock", c.grpcAddr)
 			require.Equal(t, int64(1024), c.memoryMaxBytes)
 		}},
+		{"an empty variable counts as unset", []string{"--config", file}, map[string]string{"IDEMPOTENCY_STORE": "", "IDEMPOTENCY_LOG_LEVEL": ""}, func(t *testing.T, c *config) {
+			require.Equal(t, "redis", c.store, "from the file")
+			require.Equal(t, zerolog.WarnLevel, c.logLevel)
+		}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -123,7 +130,12 @@ func TestConfigInvalid(t *testing.T) {
 			[]string{`log-format (environment variable IDEMPOTENCY_LOG_FORMAT): must be json or console, got "xml"`}},
 		{"bad file setting and policy together", nil, nil, "store: disk\ndefaults: {ttl: soon}\nroutes: [{name: a, match: {path_regex: '('}}]\n",
 			[]string{"store (config file key store)", "defaults.ttl", "routes[0] (a).match.path_regex"}},
-		{"unknown file field", nil, nil, "grpc_address: :1\n", []string{"field grpc_address not found"}},
+		{"unknown file field", nil, nil, "grpc_address: :1\n", []string{"policy: grpc_address: unknown field (line 1)"}},
+		{"a misspelt file setting", nil, nil, "redis_ulr: redis://x\n", []string{"policy: redis_ulr: unknown field (did you mean redis_url?)"}},
+		{"a list for a single setting", nil, nil, "grpc_addr: [a, b]\nredis_sentinel_addrs: {a: 1}\n",
+			[]string{"policy: grpc_addr: must be a string, got a list (line 1)", "policy: redis_sentinel_addrs: must be a string, got a mapping (line 2)"}},
+		{"a setting without a value in the file", nil, nil, "store:\n", []string{"policy: store: has no value"}},
+		{"the file cannot name itself", nil, nil, "config: other.yaml\n", []string{"policy: config: unknown field"}},
 		{"cluster and sentinel", []string{"--redis-cluster-addrs", "a:1"}, map[string]string{"IDEMPOTENCY_REDIS_SENTINEL_ADDRS": "b:2"}, "",
 			[]string{"redis-cluster-addrs (flag --redis-cluster-addrs) and redis-sentinel-addrs (environment variable IDEMPOTENCY_REDIS_SENTINEL_ADDRS): choose Cluster or Sentinel, not both"}},
 		{"bad addresses and redis url at once", []string{"--grpc-addr", "nonsense", "--admin-addr", "host:port", "--store", "redis", "--log-level", "nope"},
@@ -153,5 +165,19 @@ func TestConfigInvalid(t *testing.T) {
 			}
 			require.NotContains(t, err.Error(), "s3cret", "a password never reaches an error")
 		})
+	}
+}
+
+// -h lists every setting with its environment variable and default, and is flag.ErrHelp.
+func TestConfigHelp(t *testing.T) {
+	var out strings.Builder
+	_, err := loadConfig([]string{"-h"}, env(nil), &out)
+	require.ErrorIs(t, err, flag.ErrHelp)
+	for _, s := range settings() {
+		require.Contains(t, out.String(), "-"+s.name+" ", s.name)
+		require.Contains(t, out.String(), "(env "+s.env()+")", s.name)
+		if s.def != "" {
+			require.Contains(t, out.String(), s.def, s.name)
+		}
 	}
 }
