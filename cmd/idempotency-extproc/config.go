@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"errors"
 	"flag"
 	"fmt"
@@ -18,7 +19,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
-// config is the whole configuration: the settings of SPEC §2 and the policy of
+// config is the whole configuration: the settings of SPEC §2, §10 and §12 and the policy of
 // SPEC §6.
 type config struct {
 	configPath          string
@@ -32,6 +33,15 @@ type config struct {
 	memoryMaxBytes      int64
 	logLevel            zerolog.Level
 	logFormat           string
+	// adminToken is the records API's bearer token, without the file's trailing newline; nil
+	// without --admin-token-file.
+	adminToken []byte
+	// recordKeys is the content of --record-keys-file, for the sealing package to parse; nil
+	// without it.
+	recordKeys []byte
+	// keyHashSecret is the HMAC secret of stored keys, without the file's trailing newline; nil
+	// without --key-hash-secret-file.
+	keyHashSecret []byte
 
 	policy *policy.Policy
 }
@@ -56,6 +66,10 @@ func (s setting) env() string {
 }
 
 func (s setting) fileKey() string { return strings.ReplaceAll(s.name, "-", "_") }
+
+// minKeyHashSecret is the shortest --key-hash-secret-file accepted: HMAC-SHA256's block of
+// entropy.
+const minKeyHashSecret = 32
 
 func settings() []setting {
 	return []setting{
@@ -131,7 +145,67 @@ func settings() []setting {
 				c.logFormat = v
 				return nil
 			}},
+		{name: "admin-token-file", doc: "a file holding the bearer token of the records API on the admin listener (one line, no spaces); without it `/v1/records/` answers 404",
+			apply: func(c *config, v string) error {
+				b, err := readSecretFile(v)
+				if err != nil || b == nil {
+					return err
+				}
+				if bytes.ContainsFunc(b, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
+					return fmt.Errorf("%s: the token holds spaces or control characters; write it alone on one line", v)
+				}
+				c.adminToken = b
+				return nil
+			}},
+		{name: "record-keys-file", doc: "a file of lines `<id>:<base64 of 32 bytes>`, the first the active key: stored responses are sealed with AES-256-GCM; records sealed with any listed key are read",
+			apply: func(c *config, v string) error {
+				b, err := readFile(v)
+				if err != nil {
+					return err
+				}
+				c.recordKeys = b
+				return nil
+			}},
+		{name: "key-hash-secret-file", doc: "a file of at least 32 bytes: stored keys are HMAC-SHA256 with it instead of SHA-256; changing it re-keys every record",
+			apply: func(c *config, v string) error {
+				b, err := readSecretFile(v)
+				if err != nil || b == nil {
+					return err
+				}
+				if len(b) < minKeyHashSecret {
+					return fmt.Errorf("%s holds %d bytes; at least %d are needed (for example from head -c 32 /dev/urandom)", v, len(b), minKeyHashSecret)
+				}
+				c.keyHashSecret = b
+				return nil
+			}},
 	}
+}
+
+// readFile reads the file a setting names at start-up: nil for "" (the setting is off), an
+// error naming the path when it cannot be read or holds nothing but spaces. The error never
+// holds the file's content.
+func readFile(path string) ([]byte, error) {
+	if path == "" {
+		return nil, nil
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err // an *fs.PathError: it names the path
+	}
+	if len(bytes.TrimSpace(b)) == 0 {
+		return nil, fmt.Errorf("%s is empty", path)
+	}
+	return b, nil
+}
+
+// readSecretFile is readFile without the one trailing newline that editors and echo write, so
+// that a secret written by hand and one mounted from a Kubernetes Secret are the same bytes.
+func readSecretFile(path string) ([]byte, error) {
+	b, err := readFile(path)
+	if b != nil {
+		b = bytes.TrimSuffix(bytes.TrimSuffix(b, []byte("\n")), []byte("\r"))
+	}
+	return b, err
 }
 
 // checkAddr checks a listener address: host:port (the host may be empty, the port a number or

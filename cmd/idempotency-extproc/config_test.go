@@ -41,6 +41,9 @@ func TestConfigDefaults(t *testing.T) {
 	require.Equal(t, "json", c.logFormat)
 	require.Equal(t, policy.Default().Default, c.policy.Default)
 	require.Empty(t, c.configPath)
+	require.Nil(t, c.adminToken)
+	require.Nil(t, c.recordKeys)
+	require.Nil(t, c.keyHashSecret)
 }
 
 func TestConfigPrecedence(t *testing.T) {
@@ -167,6 +170,74 @@ func TestConfigInvalid(t *testing.T) {
 		})
 	}
 }
+
+func writeNamed(t *testing.T, name, content string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), name)
+	require.NoError(t, os.WriteFile(p, []byte(content), 0o600))
+	return p
+}
+
+func TestConfigSecretFiles(t *testing.T) {
+	token := writeNamed(t, "token", "tok-3f9a\n")
+	keys := writeNamed(t, "keys", "k2:"+strings.Repeat("A", 43)+"=\nk1:"+strings.Repeat("B", 43)+"=\n")
+	secret := writeNamed(t, "secret", strings.Repeat("s", 32)+"\r\n")
+
+	c, err := loadConfig([]string{"--admin-token-file", token}, env(map[string]string{
+		"IDEMPOTENCY_RECORD_KEYS_FILE": keys, "IDEMPOTENCY_KEY_HASH_SECRET_FILE": secret,
+	}), io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, []byte("tok-3f9a"), c.adminToken, "without the trailing newline")
+	require.Equal(t, "k2:"+strings.Repeat("A", 43)+"=\nk1:"+strings.Repeat("B", 43)+"=\n", string(c.recordKeys), "as written, for the sealing package")
+	require.Equal(t, []byte(strings.Repeat("s", 32)), c.keyHashSecret, "without the trailing CRLF")
+
+	other := writeNamed(t, "other-token", "tok-other")
+	c, err = loadConfig([]string{"--config", writeFile(t, "admin_token_file: "+token+"\nkey_hash_secret_file: "+secret+"\n"), "--admin-token-file", other}, env(nil), io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, []byte("tok-other"), c.adminToken, "the flag beats the file")
+	require.Equal(t, []byte(strings.Repeat("s", 32)), c.keyHashSecret, "from the file")
+}
+
+// A secret file that cannot be used stops start-up with the setting, where it came from and the
+// path; never the file's content.
+func TestConfigBadSecretFiles(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "absent")
+	cases := []struct {
+		name    string
+		setting string
+		content *string // nil: no such file
+		want    string
+	}{
+		{"a missing token file", "admin-token-file", nil, "admin-token-file (flag --admin-token-file): open " + missing + ": no such file or directory"},
+		{"a missing keys file", "record-keys-file", nil, "record-keys-file (flag --record-keys-file): open " + missing},
+		{"a missing secret file", "key-hash-secret-file", nil, "key-hash-secret-file (flag --key-hash-secret-file): open " + missing},
+		{"an empty token file", "admin-token-file", ptr("\n"), "is empty"},
+		{"an empty keys file", "record-keys-file", ptr(""), "is empty"},
+		{"an empty secret file", "key-hash-secret-file", ptr(" \n"), "is empty"},
+		{"a token with a space", "admin-token-file", ptr("s3cret-part other-part\n"), "the token holds spaces or control characters"},
+		{"a token on two lines", "admin-token-file", ptr("s3cret-part\nother-part\n"), "the token holds spaces or control characters"},
+		{"a short secret", "key-hash-secret-file", ptr("s3cret-but-short\n"), "holds 16 bytes; at least 32 are needed"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			path := missing
+			if tc.content != nil {
+				path = writeNamed(t, "file", *tc.content)
+			}
+			_, err := loadConfig([]string{"--" + tc.setting, path}, env(nil), io.Discard)
+			require.ErrorContains(t, err, tc.setting+" (flag --"+tc.setting+"): ")
+			require.ErrorContains(t, err, path)
+			require.ErrorContains(t, err, tc.want)
+			require.NotContains(t, err.Error(), "s3cret", "a secret never reaches an error")
+		})
+	}
+
+	dir := t.TempDir()
+	_, err := loadConfig(nil, env(map[string]string{"IDEMPOTENCY_ADMIN_TOKEN_FILE": dir}), io.Discard)
+	require.ErrorContains(t, err, "admin-token-file (environment variable IDEMPOTENCY_ADMIN_TOKEN_FILE): read "+dir)
+}
+
+func ptr(s string) *string { return &s }
 
 // -h lists every setting with its environment variable and default, and is flag.ErrHelp.
 func TestConfigHelp(t *testing.T) {
