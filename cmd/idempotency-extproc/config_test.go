@@ -252,3 +252,13 @@ func TestConfigHelp(t *testing.T) {
 		}
 	}
 }
+
+// A zero runOptions runs with the production settings.
+func TestRunOptionsDefaults(t *testing.T) {
+	o := runOptions{}.withDefaults()
+	require.Equal(t, 15*time.Second, o.drainTimeout)
+	require.Equal(t, 30*time.Second, o.keepaliveTime)
+	require.Equal(t, 10*time.Second, o.keepaliveTimeout)
+	require.NotNil(t, o.listen)
+	require.Equal(t, time.Second, runOptions{drainTimeout: time.Second}.withDefaults().drainTimeout, "a set field stays")
+}
