@@ -87,7 +87,7 @@ func lineOf(err error) int {
 }
 
 // maxSteps bounds the values one file may expand to through its aliases.
-const maxSteps = 1 << 20
+const maxSteps = 1 << 18
 
 // decoder walks one YAML node tree and collects every error with the path of its field.
 type decoder struct {
