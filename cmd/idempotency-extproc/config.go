@@ -1,12 +1,14 @@
 package main
 
 import (
+	"bytes"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -17,8 +19,10 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
-// config is the whole configuration: the settings of SPEC §2 and the policy of SPEC §6.
+// config is the whole configuration: the settings of SPEC §2, §10 and §12 and the policy of
+// SPEC §6.
 type config struct {
+	configPath          string
 	grpcAddr            string
 	adminAddr           string
 	store               string
@@ -29,82 +33,179 @@ type config struct {
 	memoryMaxBytes      int64
 	logLevel            zerolog.Level
 	logFormat           string
+	// adminToken is the records API's bearer token, without the file's trailing newline; nil
+	// without --admin-token-file.
+	adminToken []byte
+	// recordKeys is the content of --record-keys-file, for the sealing package to parse; nil
+	// without it.
+	recordKeys []byte
+	// keyHashSecret is the HMAC secret of stored keys, without the file's trailing newline; nil
+	// without --key-hash-secret-file.
+	keyHashSecret []byte
 
 	policy *policy.Policy
 }
 
-// setting is one row of SPEC §2: a flag, its environment variable, the policy file key that may
-// also set it, and its default. Flags beat the environment, which beats the file, which beats
-// the default.
+// setting is one setting of the program: the flag --name, the environment variable
+// IDEMPOTENCY_NAME, the policy file key name (with underscores), its default, what it does (for
+// -h and the README) and apply, which validates a value and sets it. Flags beat the
+// environment, which beats the file, which beats the default; an empty variable counts as unset.
 type setting struct {
-	name  string // the flag, without dashes; the file key is the same with underscores
-	def   string
-	usage string
-	apply func(c *config, v string) error
+	name string
+	def  string // "" is shown as none
+	doc  string
+	// list takes a YAML list in the policy file as well as a comma-separated string.
+	list bool
+	// notInFile is for the setting that names the file.
+	notInFile bool
+	apply     func(c *config, v string) error
 }
 
 func (s setting) env() string {
 	return "IDEMPOTENCY_" + strings.ToUpper(strings.ReplaceAll(s.name, "-", "_"))
 }
 
-var settings = []setting{
-	{"grpc-addr", ":9002", "ext_proc gRPC listener; unix:///path.sock for a Unix socket", func(c *config, v string) error {
-		c.grpcAddr = v
-		return checkAddr(v)
-	}},
-	{"admin-addr", ":9003", "HTTP listener for /metrics, /healthz and /readyz", func(c *config, v string) error {
-		c.adminAddr = v
-		return checkAddr(v)
-	}},
-	{"store", "memory", "memory or redis", func(c *config, v string) error {
-		if v != "memory" && v != "redis" {
-			return fmt.Errorf("must be memory or redis, got %q", v)
-		}
-		c.store = v
-		return nil
-	}},
-	{"redis-url", "redis://localhost:6379/0", "standalone redis:// or TLS rediss:// URL, user and password in the URL", func(c *config, v string) error {
-		c.redisURL = v
-		return nil
-	}},
-	{"redis-cluster-addrs", "", "comma-separated seed nodes; selects Redis Cluster", func(c *config, v string) error {
-		c.redisClusterAddrs = splitList(v)
-		return nil
-	}},
-	{"redis-sentinel-addrs", "", "comma-separated sentinels; selects Sentinel", func(c *config, v string) error {
-		c.redisSentinelAddrs = splitList(v)
-		return nil
-	}},
-	{"redis-sentinel-master", "mymaster", "the master name the sentinels watch", func(c *config, v string) error {
-		if v == "" {
-			return errors.New("must not be empty")
-		}
-		c.redisSentinelMaster = v
-		return nil
-	}},
-	{"memory-max-bytes", strconv.Itoa(cache.DefaultMemoryMaxBytes), "memory store bound; least recently used completed records go first", func(c *config, v string) error {
-		n, err := strconv.ParseInt(v, 10, 64)
-		if err != nil || n <= 0 {
-			return fmt.Errorf("must be a positive number of bytes, got %q", v)
-		}
-		c.memoryMaxBytes = n
-		return nil
-	}},
-	{"log-level", "info", "trace, debug, info, warn or error", func(c *config, v string) error {
-		l, err := zerolog.ParseLevel(v)
-		if err != nil || v == "" {
-			return fmt.Errorf("must be trace, debug, info, warn or error, got %q", v)
-		}
-		c.logLevel = l
-		return nil
-	}},
-	{"log-format", "json", "json or console", func(c *config, v string) error {
-		if v != "json" && v != "console" {
-			return fmt.Errorf("must be json or console, got %q", v)
-		}
-		c.logFormat = v
-		return nil
-	}},
+func (s setting) fileKey() string { return strings.ReplaceAll(s.name, "-", "_") }
+
+// minKeyHashSecret is the shortest --key-hash-secret-file accepted: HMAC-SHA256's block of
+// entropy.
+const minKeyHashSecret = 32
+
+func settings() []setting {
+	return []setting{
+		{name: "config", notInFile: true, doc: "YAML policy file, which may also give the settings below under their file key; without one the defaults apply",
+			apply: func(c *config, v string) error {
+				c.configPath = v
+				return nil
+			}},
+		{name: "grpc-addr", def: ":9002", doc: "ext_proc gRPC listener; `unix:///path.sock` for a Unix socket (a stale socket there is replaced; any other file is left alone and refused)",
+			apply: func(c *config, v string) error {
+				c.grpcAddr = v
+				return checkAddr(v)
+			}},
+		{name: "admin-addr", def: ":9003", doc: "HTTP listener: `/metrics`, `/healthz`, `/readyz` and, with `--admin-token-file`, `/v1/records/`",
+			apply: func(c *config, v string) error {
+				c.adminAddr = v
+				return checkAddr(v)
+			}},
+		{name: "store", def: "memory", doc: "`memory` or `redis` (Redis 7.0 or later, or Valkey)",
+			apply: func(c *config, v string) error {
+				if v != "memory" && v != "redis" {
+					return fmt.Errorf("must be memory or redis, got %q", v)
+				}
+				c.store = v
+				return nil
+			}},
+		{name: "redis-url", def: "redis://localhost:6379/0", doc: "standalone `redis://` or TLS `rediss://`, user and password in the URL; for Cluster and Sentinel its user, password and TLS apply to the nodes, whose certificates are checked against the addresses they are dialled at (its host is ignored); a private CA is trusted through `SSL_CERT_FILE`; checked at start-up with `--store redis`, and its errors never show the password (percent-encode `#`, `/`, `@`, `:` and `%` in it)",
+			apply: func(c *config, v string) error {
+				c.redisURL = v
+				return nil
+			}},
+		{name: "redis-cluster-addrs", list: true, doc: "comma-separated seed nodes (a YAML list in the file); selects Redis Cluster",
+			apply: func(c *config, v string) error {
+				c.redisClusterAddrs = splitList(v)
+				return nil
+			}},
+		{name: "redis-sentinel-addrs", list: true, doc: "comma-separated sentinels (a YAML list in the file); selects Sentinel",
+			apply: func(c *config, v string) error {
+				c.redisSentinelAddrs = splitList(v)
+				return nil
+			}},
+		{name: "redis-sentinel-master", def: "mymaster", doc: "the master name the sentinels watch",
+			apply: func(c *config, v string) error {
+				if v == "" {
+					return errors.New("must not be empty")
+				}
+				c.redisSentinelMaster = v
+				return nil
+			}},
+		{name: "memory-max-bytes", def: strconv.Itoa(cache.DefaultMemoryMaxBytes), doc: "memory store bound; least recently used completed records go first",
+			apply: func(c *config, v string) error {
+				n, err := strconv.ParseInt(v, 10, 64)
+				if err != nil || n <= 0 {
+					return fmt.Errorf("must be a positive number of bytes, got %q", v)
+				}
+				c.memoryMaxBytes = n
+				return nil
+			}},
+		{name: "log-level", def: "info", doc: "`trace`, `debug`, `info`, `warn` or `error`",
+			apply: func(c *config, v string) error {
+				l, err := zerolog.ParseLevel(v)
+				if err != nil || v == "" {
+					return fmt.Errorf("must be trace, debug, info, warn or error, got %q", v)
+				}
+				c.logLevel = l
+				return nil
+			}},
+		{name: "log-format", def: "json", doc: "`json` or `console`",
+			apply: func(c *config, v string) error {
+				if v != "json" && v != "console" {
+					return fmt.Errorf("must be json or console, got %q", v)
+				}
+				c.logFormat = v
+				return nil
+			}},
+		{name: "admin-token-file", doc: "a file holding the bearer token of the records API on the admin listener (one line, no spaces); without it `/v1/records/` answers 404",
+			apply: func(c *config, v string) error {
+				b, err := readSecretFile(v)
+				if err != nil || b == nil {
+					return err
+				}
+				if bytes.ContainsFunc(b, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
+					return fmt.Errorf("%s: the token holds spaces or control characters; write it alone on one line", v)
+				}
+				c.adminToken = b
+				return nil
+			}},
+		{name: "record-keys-file", doc: "a file of lines `<id>:<base64 of 32 bytes>`, the first the active key: stored responses are sealed with AES-256-GCM; records sealed with any listed key are read",
+			apply: func(c *config, v string) error {
+				b, err := readFile(v)
+				if err != nil {
+					return err
+				}
+				c.recordKeys = b
+				return nil
+			}},
+		{name: "key-hash-secret-file", doc: "a file of at least 32 bytes: stored keys are HMAC-SHA256 with it instead of SHA-256; changing it re-keys every record",
+			apply: func(c *config, v string) error {
+				b, err := readSecretFile(v)
+				if err != nil || b == nil {
+					return err
+				}
+				if len(b) < minKeyHashSecret {
+					return fmt.Errorf("%s holds %d bytes; at least %d are needed (for example from head -c 32 /dev/urandom)", v, len(b), minKeyHashSecret)
+				}
+				c.keyHashSecret = b
+				return nil
+			}},
+	}
+}
+
+// readFile reads the file a setting names at start-up: nil for "" (the setting is off), an
+// error naming the path when it cannot be read or holds nothing but spaces. The error never
+// holds the file's content.
+func readFile(path string) ([]byte, error) {
+	if path == "" {
+		return nil, nil
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err // an *fs.PathError: it names the path
+	}
+	if len(bytes.TrimSpace(b)) == 0 {
+		return nil, fmt.Errorf("%s is empty", path)
+	}
+	return b, nil
+}
+
+// readSecretFile is readFile without the one trailing newline that editors and echo write, so
+// that a secret written by hand and one mounted from a Kubernetes Secret are the same bytes.
+func readSecretFile(path string) ([]byte, error) {
+	b, err := readFile(path)
+	if b != nil {
+		b = bytes.TrimSuffix(bytes.TrimSuffix(b, []byte("\n")), []byte("\r"))
+	}
+	return b, err
 }
 
 // checkAddr checks a listener address: host:port (the host may be empty, the port a number or
@@ -136,60 +237,27 @@ func splitList(v string) []string {
 	return out
 }
 
-// Settings are the settings of SPEC §2 as a policy file may give them, next to the policy.
-type Settings struct {
-	GRPCAddr            *string   `yaml:"grpc_addr"`
-	AdminAddr           *string   `yaml:"admin_addr"`
-	Store               *string   `yaml:"store"`
-	RedisURL            *string   `yaml:"redis_url"`
-	RedisClusterAddrs   *[]string `yaml:"redis_cluster_addrs"`
-	RedisSentinelAddrs  *[]string `yaml:"redis_sentinel_addrs"`
-	RedisSentinelMaster *string   `yaml:"redis_sentinel_master"`
-	MemoryMaxBytes      *string   `yaml:"memory_max_bytes"`
-	LogLevel            *string   `yaml:"log_level"`
-	LogFormat           *string   `yaml:"log_format"`
-}
-
-func (f *Settings) values() map[string]string {
-	v := map[string]string{}
-	str := func(name string, p *string) {
-		if p != nil {
-			v[name] = *p
+// fileSettings are the settings the policy file may give, for policy.ParseFile.
+func fileSettings(all []setting) []policy.Setting {
+	var out []policy.Setting
+	for _, s := range all {
+		if !s.notInFile {
+			out = append(out, policy.Setting{Key: s.fileKey(), List: s.list})
 		}
 	}
-	list := func(name string, p *[]string) {
-		if p != nil {
-			v[name] = strings.Join(*p, ",")
-		}
-	}
-	str("grpc-addr", f.GRPCAddr)
-	str("admin-addr", f.AdminAddr)
-	str("store", f.Store)
-	str("redis-url", f.RedisURL)
-	list("redis-cluster-addrs", f.RedisClusterAddrs)
-	list("redis-sentinel-addrs", f.RedisSentinelAddrs)
-	str("redis-sentinel-master", f.RedisSentinelMaster)
-	str("memory-max-bytes", f.MemoryMaxBytes)
-	str("log-level", f.LogLevel)
-	str("log-format", f.LogFormat)
-	return v
-}
-
-// file is the YAML file: the policy of SPEC §6 and, optionally, the settings of SPEC §2.
-type file struct {
-	policy.Document `yaml:",inline"`
-	Settings        `yaml:",inline"`
+	return out
 }
 
 // loadConfig builds the configuration from flags, the environment and the policy file. Its
-// error names every bad setting at once, each with where it came from.
+// error names every bad setting at once, each with where it came from; it is flag.ErrHelp
+// after -h.
 func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*config, error) {
+	all := settings()
 	fs := flag.NewFlagSet("idempotency-extproc", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	configPath := fs.String("config", "", "YAML policy file (env IDEMPOTENCY_CONFIG); without one the defaults apply")
 	flags := map[string]*string{}
-	for _, s := range settings {
-		flags[s.name] = fs.String(s.name, s.def, s.usage+" (env "+s.env()+")")
+	for _, s := range all {
+		flags[s.name] = fs.String(s.name, s.def, s.doc+" (env "+s.env()+")")
 	}
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -200,40 +268,43 @@ func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*c
 	explicit := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { explicit[f.Name] = true })
 
-	path, pathSource := getenv("IDEMPOTENCY_CONFIG"), "environment variable IDEMPOTENCY_CONFIG"
-	if explicit["config"] {
-		path, pathSource = *configPath, "flag --config"
-	}
-	var errs []error
-	var doc file
-	if path != "" {
-		data, err := os.ReadFile(path)
-		if err != nil {
-			// The other settings are still checked, so that every bad one is reported at once.
-			errs = append(errs, fmt.Errorf("config (%s): %w", pathSource, err))
-		} else if err := policy.Decode(data, &doc); err != nil {
-			errs = append(errs, fmt.Errorf("config file %s: %w", path, err))
-		}
-	}
-	p, err := policy.Compile(doc.Document)
-	if err != nil {
-		errs = append(errs, fmt.Errorf("config file %s: %w", path, err))
-	}
-
-	c := &config{policy: p}
-	fromFile := doc.Settings.values()
-	sources := map[string]string{}
-	for _, s := range settings {
+	// value is a setting's value and where it came from.
+	value := func(s setting, file map[string]string) (string, string) {
 		v, source := s.def, "default"
-		if fv, ok := fromFile[s.name]; ok {
-			v, source = fv, "config file key "+strings.ReplaceAll(s.name, "-", "_")
+		if fv, ok := file[s.fileKey()]; ok && !s.notInFile {
+			v, source = fv, "config file key "+s.fileKey()
 		}
-		if ev, ok := lookupEnv(getenv, s.env()); ok {
+		if ev := getenv(s.env()); ev != "" {
 			v, source = ev, "environment variable "+s.env()
 		}
 		if explicit[s.name] {
 			v, source = *flags[s.name], "flag --"+s.name
 		}
+		return v, source
+	}
+
+	c := &config{policy: policy.Default()}
+	var errs []error
+	var file map[string]string
+	path, pathSource := value(all[slices.IndexFunc(all, func(s setting) bool { return s.notInFile })], nil)
+	if path != "" {
+		data, err := os.ReadFile(path)
+		if err != nil {
+			// The other settings are still checked, so that every bad one is reported at once.
+			errs = append(errs, fmt.Errorf("config (%s): %w", pathSource, err))
+		} else {
+			var p *policy.Policy
+			p, file, err = policy.ParseFile(data, fileSettings(all))
+			if err != nil {
+				errs = append(errs, fmt.Errorf("config file %s: %w", path, err))
+			}
+			c.policy = p
+		}
+	}
+
+	sources := map[string]string{}
+	for _, s := range all {
+		v, source := value(s, file)
 		sources[s.name] = source
 		if err := s.apply(c, v); err != nil {
 			errs = append(errs, fmt.Errorf("%s (%s): %w", s.name, source, err))
@@ -264,10 +335,4 @@ func (c *config) redisOptions(timeout time.Duration) cache.RedisOptions {
 		SentinelMaster: c.redisSentinelMaster,
 		Timeout:        timeout,
 	}
-}
-
-// lookupEnv treats an empty variable as unset, as most deployment tools write unset values.
-func lookupEnv(getenv func(string) string, name string) (string, bool) {
-	v := getenv(name)
-	return v, v != ""
 }

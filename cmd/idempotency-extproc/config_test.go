@@ -1,9 +1,11 @@
 package main
 
 import (
+	"flag"
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -38,6 +40,10 @@ func TestConfigDefaults(t *testing.T) {
 	require.Equal(t, zerolog.InfoLevel, c.logLevel)
 	require.Equal(t, "json", c.logFormat)
 	require.Equal(t, policy.Default().Default, c.policy.Default)
+	require.Empty(t, c.configPath)
+	require.Nil(t, c.adminToken)
+	require.Nil(t, c.recordKeys)
+	require.Nil(t, c.keyHashSecret)
 }
 
 func TestConfigPrecedence(t *testing.T) {
@@ -92,6 +98,10 @@ store_timeout: 250ms
 			require.Equal(t, "unix:///tmp/x.sock", c.grpcAddr)
 			require.Equal(t, int64(1024), c.memoryMaxBytes)
 		}},
+		{"an empty variable counts as unset", []string{"--config", file}, map[string]string{"IDEMPOTENCY_STORE": "", "IDEMPOTENCY_LOG_LEVEL": ""}, func(t *testing.T, c *config) {
+			require.Equal(t, "redis", c.store, "from the file")
+			require.Equal(t, zerolog.WarnLevel, c.logLevel)
+		}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -123,7 +133,12 @@ func TestConfigInvalid(t *testing.T) {
 			[]string{`log-format (environment variable IDEMPOTENCY_LOG_FORMAT): must be json or console, got "xml"`}},
 		{"bad file setting and policy together", nil, nil, "store: disk\ndefaults: {ttl: soon}\nroutes: [{name: a, match: {path_regex: '('}}]\n",
 			[]string{"store (config file key store)", "defaults.ttl", "routes[0] (a).match.path_regex"}},
-		{"unknown file field", nil, nil, "grpc_address: :1\n", []string{"field grpc_address not found"}},
+		{"unknown file field", nil, nil, "grpc_address: :1\n", []string{"policy: grpc_address: unknown field (line 1)"}},
+		{"a misspelt file setting", nil, nil, "redis_ulr: redis://x\n", []string{"policy: redis_ulr: unknown field (did you mean redis_url?)"}},
+		{"a list for a single setting", nil, nil, "grpc_addr: [a, b]\nredis_sentinel_addrs: {a: 1}\n",
+			[]string{"policy: grpc_addr: must be a string, got a list (line 1)", "policy: redis_sentinel_addrs: must be a string, got a mapping (line 2)"}},
+		{"a setting without a value in the file", nil, nil, "store:\n", []string{"policy: store: has no value"}},
+		{"the file cannot name itself", nil, nil, "config: other.yaml\n", []string{"policy: config: unknown field"}},
 		{"cluster and sentinel", []string{"--redis-cluster-addrs", "a:1"}, map[string]string{"IDEMPOTENCY_REDIS_SENTINEL_ADDRS": "b:2"}, "",
 			[]string{"redis-cluster-addrs (flag --redis-cluster-addrs) and redis-sentinel-addrs (environment variable IDEMPOTENCY_REDIS_SENTINEL_ADDRS): choose Cluster or Sentinel, not both"}},
 		{"bad addresses and redis url at once", []string{"--grpc-addr", "nonsense", "--admin-addr", "host:port", "--store", "redis", "--log-level", "nope"},
@@ -154,4 +169,96 @@ func TestConfigInvalid(t *testing.T) {
 			require.NotContains(t, err.Error(), "s3cret", "a password never reaches an error")
 		})
 	}
+}
+
+func writeNamed(t *testing.T, name, content string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), name)
+	require.NoError(t, os.WriteFile(p, []byte(content), 0o600))
+	return p
+}
+
+func TestConfigSecretFiles(t *testing.T) {
+	token := writeNamed(t, "token", "tok-3f9a\n")
+	keys := writeNamed(t, "keys", "k2:"+strings.Repeat("A", 43)+"=\nk1:"+strings.Repeat("B", 43)+"=\n")
+	secret := writeNamed(t, "secret", strings.Repeat("s", 32)+"\r\n")
+
+	c, err := loadConfig([]string{"--admin-token-file", token}, env(map[string]string{
+		"IDEMPOTENCY_RECORD_KEYS_FILE": keys, "IDEMPOTENCY_KEY_HASH_SECRET_FILE": secret,
+	}), io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, []byte("tok-3f9a"), c.adminToken, "without the trailing newline")
+	require.Equal(t, "k2:"+strings.Repeat("A", 43)+"=\nk1:"+strings.Repeat("B", 43)+"=\n", string(c.recordKeys), "as written, for the sealing package")
+	require.Equal(t, []byte(strings.Repeat("s", 32)), c.keyHashSecret, "without the trailing CRLF")
+
+	other := writeNamed(t, "other-token", "tok-other")
+	c, err = loadConfig([]string{"--config", writeFile(t, "admin_token_file: "+token+"\nkey_hash_secret_file: "+secret+"\n"), "--admin-token-file", other}, env(nil), io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, []byte("tok-other"), c.adminToken, "the flag beats the file")
+	require.Equal(t, []byte(strings.Repeat("s", 32)), c.keyHashSecret, "from the file")
+}
+
+// A secret file that cannot be used stops start-up with the setting, where it came from and the
+// path; never the file's content.
+func TestConfigBadSecretFiles(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "absent")
+	cases := []struct {
+		name    string
+		setting string
+		content *string // nil: no such file
+		want    string
+	}{
+		{"a missing token file", "admin-token-file", nil, "admin-token-file (flag --admin-token-file): open " + missing + ": no such file or directory"},
+		{"a missing keys file", "record-keys-file", nil, "record-keys-file (flag --record-keys-file): open " + missing},
+		{"a missing secret file", "key-hash-secret-file", nil, "key-hash-secret-file (flag --key-hash-secret-file): open " + missing},
+		{"an empty token file", "admin-token-file", ptr("\n"), "is empty"},
+		{"an empty keys file", "record-keys-file", ptr(""), "is empty"},
+		{"an empty secret file", "key-hash-secret-file", ptr(" \n"), "is empty"},
+		{"a token with a space", "admin-token-file", ptr("s3cret-part other-part\n"), "the token holds spaces or control characters"},
+		{"a token on two lines", "admin-token-file", ptr("s3cret-part\nother-part\n"), "the token holds spaces or control characters"},
+		{"a short secret", "key-hash-secret-file", ptr("s3cret-but-short\n"), "holds 16 bytes; at least 32 are needed"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			path := missing
+			if tc.content != nil {
+				path = writeNamed(t, "file", *tc.content)
+			}
+			_, err := loadConfig([]string{"--" + tc.setting, path}, env(nil), io.Discard)
+			require.ErrorContains(t, err, tc.setting+" (flag --"+tc.setting+"): ")
+			require.ErrorContains(t, err, path)
+			require.ErrorContains(t, err, tc.want)
+			require.NotContains(t, err.Error(), "s3cret", "a secret never reaches an error")
+		})
+	}
+
+	dir := t.TempDir()
+	_, err := loadConfig(nil, env(map[string]string{"IDEMPOTENCY_ADMIN_TOKEN_FILE": dir}), io.Discard)
+	require.ErrorContains(t, err, "admin-token-file (environment variable IDEMPOTENCY_ADMIN_TOKEN_FILE): read "+dir)
+}
+
+func ptr(s string) *string { return &s }
+
+// -h lists every setting with its environment variable and default, and is flag.ErrHelp.
+func TestConfigHelp(t *testing.T) {
+	var out strings.Builder
+	_, err := loadConfig([]string{"-h"}, env(nil), &out)
+	require.ErrorIs(t, err, flag.ErrHelp)
+	for _, s := range settings() {
+		require.Contains(t, out.String(), "-"+s.name+" ", s.name)
+		require.Contains(t, out.String(), "(env "+s.env()+")", s.name)
+		if s.def != "" {
+			require.Contains(t, out.String(), s.def, s.name)
+		}
+	}
+}
+
+// A zero runOptions runs with the production settings.
+func TestRunOptionsDefaults(t *testing.T) {
+	o := runOptions{}.withDefaults()
+	require.Equal(t, 15*time.Second, o.drainTimeout)
+	require.Equal(t, 30*time.Second, o.keepaliveTime)
+	require.Equal(t, 10*time.Second, o.keepaliveTimeout)
+	require.NotNil(t, o.listen)
+	require.Equal(t, time.Second, runOptions{drainTimeout: time.Second}.withDefaults().drainTimeout, "a set field stays")
 }

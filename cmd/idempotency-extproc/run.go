@@ -27,18 +27,36 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 )
 
-// drainTimeout is how long open streams may finish after SIGTERM before they are cut (a
-// variable for the test of the cut).
-var drainTimeout = 15 * time.Second
+// runOptions are what tests change in run; a zero field takes its default.
+type runOptions struct {
+	// drainTimeout is how long open streams may finish after SIGTERM before they are cut
+	// (default 15 s).
+	drainTimeout time.Duration
+	// The processor pings each Envoy connection that has been silent for keepaliveTime (default
+	// 30 s) and closes it when the ping is not answered within keepaliveTimeout (default 10 s). A
+	// stream whose Envoy vanished without a reset (a lost host, a partition) then ends, and its
+	// lease is released, instead of being renewed for as long as TCP takes to notice: minutes.
+	keepaliveTime, keepaliveTimeout time.Duration
+	// listen opens the listeners (default listen).
+	listen func(addr string) (net.Listener, error)
+}
 
-// The processor pings each Envoy connection that has been silent for keepaliveTime and closes it
-// when the ping is not answered within keepaliveTimeout (variables for the test). A stream whose
-// Envoy vanished without a reset (a lost host, a partition) then ends, and its lease is released,
-// instead of being renewed for as long as TCP takes to notice: minutes.
-var (
-	keepaliveTime    = 30 * time.Second
-	keepaliveTimeout = 10 * time.Second
-)
+// withDefaults fills the zero fields of o with their defaults.
+func (o runOptions) withDefaults() runOptions {
+	if o.drainTimeout == 0 {
+		o.drainTimeout = 15 * time.Second
+	}
+	if o.keepaliveTime == 0 {
+		o.keepaliveTime = 30 * time.Second
+	}
+	if o.keepaliveTimeout == 0 {
+		o.keepaliveTimeout = 10 * time.Second
+	}
+	if o.listen == nil {
+		o.listen = listen
+	}
+	return o
+}
 
 // readinessInterval is how often the store is pinged for gRPC health; /readyz pings on demand.
 const readinessInterval = 500 * time.Millisecond
@@ -56,6 +74,12 @@ func pingTimeout(storeTimeout time.Duration) time.Duration { return min(storeTim
 // args are the command-line arguments without the program name; getenv reads the environment;
 // logs and usage go to stderr.
 func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) error {
+	return runWith(ctx, args, getenv, stderr, runOptions{})
+}
+
+// runWith is run with the options tests change.
+func runWith(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer, opts runOptions) error {
+	opts = opts.withDefaults()
 	cfg, err := loadConfig(args, getenv, stderr)
 	if errors.Is(err, flag.ErrHelp) {
 		return nil
@@ -86,12 +110,12 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		return err
 	}
 
-	grpcLis, err := listenOn(cfg.grpcAddr)
+	grpcLis, err := opts.listen(cfg.grpcAddr)
 	if err != nil {
 		return fmt.Errorf("grpc-addr: %w", err)
 	}
 	defer grpcLis.Close()
-	adminLis, err := listenOn(cfg.adminAddr)
+	adminLis, err := opts.listen(cfg.adminAddr)
 	if err != nil {
 		return fmt.Errorf("admin-addr: %w", err)
 	}
@@ -104,7 +128,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		// may send (reference §0.8, §9).
 		grpc.MaxRecvMsgSize(maxRecvMsgSize(cfg)),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: keepaliveTime, Timeout: keepaliveTimeout}),
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: opts.keepaliveTime, Timeout: opts.keepaliveTimeout}),
 	)
 	extprocv3.RegisterExternalProcessorServer(gs, srv)
 	healthSrv := health.NewServer()
@@ -136,7 +160,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		log.Error().Err(failed).Msg("listener failed")
 	}
 
-	log.Info().Dur("drain_timeout", drainTimeout).Msg("shutting down: draining open streams")
+	log.Info().Dur("drain_timeout", opts.drainTimeout).Msg("shutting down: draining open streams")
 	stopWatch()
 	healthSrv.Shutdown()
 	draining.Store(true)
@@ -147,7 +171,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}()
 	select {
 	case <-drained:
-	case <-time.After(drainTimeout):
+	case <-time.After(opts.drainTimeout):
 		log.Warn().Msg("drain timeout: cutting the streams still open")
 		gs.Stop()
 	}
@@ -218,9 +242,6 @@ func maxRecvMsgSize(cfg *config) int {
 
 // listen opens host:port, or a Unix socket for unix:///path (replacing a stale socket file,
 // never another kind of file).
-// listenOn is listen, a variable for the test of a listener that fails after start.
-var listenOn = listen
-
 func listen(addr string) (net.Listener, error) {
 	if path, ok := strings.CutPrefix(addr, "unix://"); ok {
 		if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() != os.ModeSocket {

@@ -256,9 +256,9 @@ func TestHangingStoreTurnsUnreadyQuickly(t *testing.T) {
 	require.NoError(t, <-done)
 }
 
-// runOnMiniredis runs the program on mr's Redis with args added, on free loopback ports, until
-// cancel; done has run's result.
-func runOnMiniredis(t *testing.T, mr *miniredis.Miniredis, args ...string) (logs *logLines, ready map[string]any, cancel func(), done chan error) {
+// runOnMiniredis runs the program with opts on mr's Redis with args added, on free loopback
+// ports, until cancel; done has run's result.
+func runOnMiniredis(t *testing.T, mr *miniredis.Miniredis, opts runOptions, args ...string) (logs *logLines, ready map[string]any, cancel func(), done chan error) {
 	t.Helper()
 	logs = newLogLines()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -266,18 +266,15 @@ func runOnMiniredis(t *testing.T, mr *miniredis.Miniredis, args ...string) (logs
 	done = make(chan error, 1)
 	args = append([]string{"--store", "redis", "--redis-url", "redis://" + mr.Addr() + "/0",
 		"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, args...)
-	go func() { done <- run(ctx, args, env(nil), logs) }()
+	go func() { done <- runWith(ctx, args, env(nil), logs, opts) }()
 	return logs, logs.wait(t, "ready", 10*time.Second), cancel, done
 }
 
 // Streams still open when the drain ends are cut, and the leases they hold are released
 // (unknown_outcome: release, the default), so that a retry on another replica runs.
 func TestRunCutStreamsReleaseTheirLeases(t *testing.T) {
-	saved := drainTimeout
-	drainTimeout = 2 * time.Second
-	t.Cleanup(func() { drainTimeout = saved })
 	mr := miniredis.RunT(t)
-	logs, ready, cancel, done := runOnMiniredis(t, mr)
+	logs, ready, cancel, done := runOnMiniredis(t, mr, runOptions{drainTimeout: 2 * time.Second})
 	openClaim(t, ready["grpc_addr"].(string), "k")
 	require.Len(t, mr.Keys(), 1, "the lease")
 
@@ -313,21 +310,18 @@ func (l failingListener) Accept() (net.Conn, error) {
 // A listener that fails after start ends the process through the drain, as SIGTERM does: a
 // stream still open is cut and its lease released, and run returns the listener's error.
 func TestRunDrainsWhenAListenerFails(t *testing.T) {
-	savedDrain, savedListen := drainTimeout, listenOn
-	t.Cleanup(func() { drainTimeout, listenOn = savedDrain, savedListen })
-	drainTimeout = 200 * time.Millisecond
 	// The admin listener is the one that breaks, told apart by its address.
 	fail := make(chan struct{})
 	adminAddr := freeLoopbackAddr(t)
-	listenOn = func(addr string) (net.Listener, error) {
+	opts := runOptions{drainTimeout: 200 * time.Millisecond, listen: func(addr string) (net.Listener, error) {
 		l, err := listen(addr)
 		if err != nil || addr != adminAddr {
 			return l, err
 		}
 		return failingListener{Listener: l, fail: fail}, nil
-	}
+	}}
 	mr := miniredis.RunT(t)
-	_, ready, _, done := runOnMiniredis(t, mr, "--admin-addr", adminAddr)
+	_, ready, _, done := runOnMiniredis(t, mr, opts, "--admin-addr", adminAddr)
 	openClaim(t, ready["grpc_addr"].(string), "k")
 	require.Len(t, mr.Keys(), 1, "the lease")
 
@@ -364,11 +358,9 @@ func get(t *testing.T, url string) int {
 // A stream whose Envoy vanished without a reset ends once the processor's keepalive ping goes
 // unanswered, and its lease is released: it is not renewed for as long as TCP takes to notice.
 func TestRunEndsStreamsOfAVanishedEnvoy(t *testing.T) {
-	savedTime, savedTimeout := keepaliveTime, keepaliveTimeout
-	keepaliveTime, keepaliveTimeout = time.Second, 500*time.Millisecond // grpc-go's least Time is 1 s
-	t.Cleanup(func() { keepaliveTime, keepaliveTimeout = savedTime, savedTimeout })
 	mr := miniredis.RunT(t)
-	_, ready, cancel, done := runOnMiniredis(t, mr, "--config", writeFile(t, "defaults: {lock_ttl: 3s}\n"))
+	opts := runOptions{keepaliveTime: time.Second, keepaliveTimeout: 500 * time.Millisecond} // grpc-go's least Time is 1 s
+	_, ready, cancel, done := runOnMiniredis(t, mr, opts, "--config", writeFile(t, "defaults: {lock_ttl: 3s}\n"))
 	var delay atomic.Int64
 	openClaim(t, slowlink.Start(t, ready["grpc_addr"].(string), &delay), "k")
 	require.Len(t, mr.Keys(), 1, "the lease")

@@ -69,6 +69,21 @@ func TestDefaults(t *testing.T) {
 			require.Equal(t, policy.FailClosed, p.FailMode)
 			require.Equal(t, 100*time.Millisecond, p.StoreTimeout)
 			require.Empty(t, p.Routes)
+
+			require.Equal(t, policy.ModeEnforce, d.Mode)
+			require.Equal(t, []policy.ScopeSource{{Kind: policy.ScopeHeader, Name: "authorization"}}, d.Scope)
+			require.Empty(t, d.ScopePathParams)
+			require.False(t, d.RequireScope)
+			require.Empty(t, d.JWTPayloadKey)
+			require.Zero(t, d.InFlightWait)
+			require.Equal(t, "x-idempotency-expires", d.ExpiresHeader)
+			require.Equal(t, "x-idempotency-first-sent", d.FirstSentHeader)
+			require.True(t, d.ReplayHeaderFresh)
+			require.True(t, d.StoreBody)
+			require.Equal(t, policy.DefaultMaxRequestBytes, d.MaxRequestBytes)
+			require.Nil(t, d.Problems)
+			require.Nil(t, p.Problems)
+			require.Equal(t, "idempotency", p.MetadataNamespace)
 		})
 	}
 }
@@ -192,8 +207,11 @@ func TestInvalidFiles(t *testing.T) {
 		src  string
 		want []string // each must appear in the error
 	}{
-		{"unknown top-level field", "retries: 3\n", []string{"field retries not found"}},
-		{"unknown route field", "routes: [{name: a, match: {path_prefix: /}, colour: red}]\n", []string{"field colour not found"}},
+		{"unknown top-level field", "retries: 3\n", []string{"policy: retries: unknown field (line 1)"}},
+		{"a misspelt field is named with the nearest", "defaults: {lock_tll: 3s}\n", []string{"defaults.lock_tll: unknown field (did you mean lock_ttl?)"}},
+		{"unknown route field", "routes: [{name: a, match: {path_prefix: /}, colour: red}]\n", []string{"routes[0] (a).colour: unknown field"}},
+		{"unknown match field", "routes: [{name: a, match: {path_suffix: /x}}]\n", []string{"routes[0] (a).match.path_suffix: unknown field", "routes[0] (a).match: needs exactly one"}},
+		{"a field given twice", "defaults:\n  ttl: 1h\n  ttl: 2h\n", []string{"defaults.ttl: is given twice (first on line 2) (line 3)"}},
 		{"bad duration", "defaults: {ttl: 5 minutes}\n", []string{"defaults.ttl", `invalid duration "5 minutes"`}},
 		{"negative duration", "defaults: {lock_ttl: -1s}\n", []string{"defaults.lock_ttl", "at least 1ms"}},
 		{"host as a scope header", "defaults: {scope_headers: [authorization, Host]}\n", []string{"defaults.scope_headers", `"Host" never reaches the processor`, ":authority"}},
@@ -210,7 +228,8 @@ func TestInvalidFiles(t *testing.T) {
 		{"unknown fail_mode", "fail_mode: maybe\n", []string{"fail_mode", `"maybe"`}},
 		{"unknown fingerprint part", "defaults: {fingerprint: [method, headers]}\n", []string{"defaults.fingerprint", `"headers"`}},
 		{"values of the wrong type name their field", "defaults:\n  max_response_bytes: 1MiB\n  methods: POST\n  ttl: {hours: 1}\nroutes:\n  - name: a\n    match: {path_prefix: /}\n    enabled: a-long-word-for-yes\n",
-			[]string{"defaults.max_response_bytes (line 2: cannot unmarshal !!str `1MiB`", "defaults.methods (line 3:", "defaults.ttl (line 4: cannot unmarshal !!map", "routes[0].enabled (line 8:"}},
+			[]string{`defaults.max_response_bytes: must be a whole number, got "1MiB" (line 2)`, `defaults.methods: must be a list, got "POST" (line 3)`,
+				"defaults.ttl: must be a string, got a mapping (line 4)", `routes[0] (a).enabled: must be true or false, got "a-long-word-for-yes" (line 8)`}},
 		{"fingerprint headers without a fingerprint", "defaults: {fingerprint: [], fingerprint_headers: [x-a]}\n", []string{"defaults.fingerprint_headers", "mismatch check off"}},
 		{"fingerprint headers on a route without a fingerprint", "defaults: {fingerprint: []}\nroutes: [{name: a, match: {path_prefix: /}, fingerprint_headers: [x-a]}]\n",
 			[]string{"routes[0] (a).fingerprint_headers", "mismatch check off"}},
@@ -224,10 +243,11 @@ func TestInvalidFiles(t *testing.T) {
 		{"two matchers", "routes: [{name: a, match: {path_prefix: /a, path_exact: /a}}]\n", []string{"exactly one"}},
 		{"scope params need a regex", "routes: [{name: a, match: {path_prefix: /a}, scope_path_params: [org]}]\n", []string{"scope_path_params", "path_regex"}},
 		{"scope param not a group", "routes: [{name: a, match: {path_regex: '^/(?P<org>[^/]+)'}, scope_path_params: [ledger]}]\n", []string{`"ledger" is not a named group`}},
-		{"match in defaults", "defaults: {match: {path_prefix: /}}\n", []string{"defaults", "belong to routes"}},
+		{"match in defaults", "defaults: {match: {path_prefix: /}}\n", []string{"defaults.match: belongs to routes, not defaults"}},
+		{"scope_path_params in defaults", "defaults: {scope_path_params: [org]}\n", []string{"defaults.scope_path_params: belongs to routes"}},
 		{"max_response_bytes out of range", "defaults: {max_response_bytes: -1}\n", []string{"max_response_bytes"}},
 		{"max_request_bytes out of range", "defaults: {max_request_bytes: 268435457}\n", []string{"defaults.max_request_bytes", "between 0 and 268435456"}},
-		{"type error", "defaults: {max_response_bytes: lots}\n", []string{"cannot unmarshal"}},
+		{"type error", "defaults: {max_response_bytes: lots}\n", []string{`defaults.max_response_bytes: must be a whole number, got "lots"`}},
 		{"two documents", "fail_mode: open\n---\nfail_mode: closed\n", []string{"one YAML document"}},
 		{"every error at once", `
 defaults: {ttl: forever, missing_key: never}
@@ -235,7 +255,7 @@ routes:
   - {name: a, match: {path_regex: '('}, lock_ttl: 1x}
 fail_mode: sideways
 unknown: 1
-`, []string{"defaults.ttl", "defaults.missing_key", "routes[0] (a).match.path_regex", "routes[0] (a).lock_ttl", "fail_mode", "field unknown not found"}},
+`, []string{"defaults.ttl", "defaults.missing_key", "routes[0] (a).match.path_regex", "routes[0] (a).lock_ttl", "fail_mode", "unknown: unknown field"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -1,0 +1,913 @@
+package policy
+
+import (
+	"fmt"
+	"maps"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// where says at which level of the file a field may be given.
+type where int
+
+const (
+	anywhere   where = iota // in defaults and in routes
+	routesOnly              // in routes only
+)
+
+// field is one field of a route (or of the defaults): its key, its built-in default as YAML ("":
+// none), the values it accepts when it is an enumeration, where it may be given, its
+// documentation, and set, which validates its value and applies it to the route being compiled.
+type field struct {
+	key    string
+	def    string
+	values []string
+	where  where
+	// inDefaults is what a routesOnly field given in the defaults is told; by default that it
+	// belongs to routes.
+	inDefaults string
+	doc        string
+	set        func(d *decoder, x *draft, v *yaml.Node, path string)
+}
+
+// topField is one top-level field of the file.
+type topField struct {
+	key    string
+	def    string
+	values []string
+	doc    string
+	set    func(d *decoder, p *Policy, v *yaml.Node, path string)
+}
+
+func names[T ~string](vs ...T) []string {
+	out := make([]string, len(vs))
+	for i, v := range vs {
+		out[i] = string(v)
+	}
+	return out
+}
+
+// topFields are the top-level fields besides defaults and routes.
+func topFields() []topField {
+	return []topField{
+		{key: "fail_mode", def: string(FailClosed), values: names(FailClosed, FailOpen),
+			doc: "what a covered request gets when the store fails: `closed` answers 503 `store-unavailable`, `open` passes it through, logged and counted",
+			set: func(_ *decoder, p *Policy, v *yaml.Node, _ string) { p.FailMode = FailMode(v.Value) }},
+		{key: "store_timeout", def: "100ms",
+			doc: "bounds each store operation; readiness pings are bounded by 1s whatever it says",
+			set: func(d *decoder, p *Policy, v *yaml.Node, path string) {
+				if t, ok := d.duration(v, path, time.Millisecond, MaxDuration, " (ten years)"); ok {
+					p.StoreTimeout = t
+				}
+			}},
+		{key: "metadata_namespace", def: DefaultMetadataNamespace,
+			doc: "the dynamic metadata namespace under which the settling answer reports `outcome`, `route`, `key_hash`, `replayed` and `release_reason` to Envoy's access log",
+			set: func(d *decoder, p *Policy, v *yaml.Node, path string) {
+				s, ok := d.str(v, path)
+				switch {
+				case !ok:
+				case s == "" || strings.ContainsFunc(s, func(r rune) bool { return r <= ' ' || r == 0x7f }):
+					d.fail(v, path, "must be a name without spaces, got %q", s)
+				default:
+					p.MetadataNamespace = s
+				}
+			}},
+		{key: "problems",
+			doc: "replaces built-in problem responses for every route, by problem code: `{status, content_type, body}`, see the per-route `problems`",
+			set: func(d *decoder, p *Policy, v *yaml.Node, path string) { p.Problems = d.problems(v, path) }},
+	}
+}
+
+// routeFields are the fields of a route and of the defaults, in the order the docs list them.
+func routeFields() []field {
+	return []field{
+		{key: "name", where: routesOnly,
+			doc: "required; unique, and not `default` (the defaults' name); the route label of metrics and logs, and what `x-idempotency-route` names",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				switch s, ok := d.str(v, path); {
+				case !ok:
+				case s == "":
+					d.fail(v, path, "must not be empty")
+				default:
+					x.r.Name = s
+				}
+			}},
+		{key: "match", where: routesOnly,
+			doc: "required; exactly one of `path_prefix`, `path_exact`, `path_regex` (the path without its query) or `route_name_exact`, `route_name_prefix`, `route_name_regex` (Envoy's `xds.route_name`); regexes are Go RE2 and match anywhere unless anchored",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.match(x, v, path) }},
+		{key: "enabled", def: "true",
+			doc: "`false` passes every request of the route through untouched",
+			set: setBool(func(r *Route, b bool) { r.Enabled = b })},
+		{key: "mode", def: string(ModeEnforce), values: names(ModeEnforce, ModeShadow),
+			doc: "`shadow` claims and records as `enforce` does, but every request reaches the upstream and every response the client untouched; `idempotency_shadow_total` counts what enforcing would have done",
+			set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.Mode = Mode(v.Value) }},
+		{key: "methods", def: "[POST, PUT, PATCH]",
+			doc: "the methods covered",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				methods := []string{}
+				ok := d.list(v, path, func(item *yaml.Node, at string) {
+					switch m, ok := d.str(item, at); {
+					case !ok:
+					case !isToken(m):
+						d.fail(item, at, "%q is not an HTTP method", m)
+					default:
+						methods = append(methods, strings.ToUpper(m))
+					}
+				})
+				if ok {
+					x.r.Methods = methods
+				}
+			}},
+		{key: "key_headers", def: "[idempotency-key, x-idempotency-key, x-idempotency]",
+			doc: "the headers the key is read from; at least one",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				if hs, ok := d.headerList(v, path, false); ok {
+					if len(hs) == 0 {
+						d.fail(v, path, "must name at least one header")
+					}
+					x.r.KeyHeaders = hs
+				}
+			}},
+		{key: "missing_key", def: string(MissingKeyOptional), values: names(MissingKeyOptional, MissingKeyRequired, MissingKeyBodyHash),
+			doc: "a request without a key: passed through, answered 400 `missing-idempotency-key`, or keyed by the hex SHA-256 of method, path and body",
+			set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.MissingKey = MissingKey(v.Value) }},
+		{key: "ttl", def: "24h",
+			doc: "how long a completed record lives; at least 1ms, at most `max_ttl`",
+			set: setDuration(func(r *Route, t time.Duration) { r.TTL = t })},
+		{key: "ttl_header", def: "x-ttl",
+			doc: "lets the first request choose its TTL in whole seconds, capped at `max_ttl`; `\"\"` turns it off",
+			set: setOptionalHeader(func(r *Route, h string) { r.TTLHeader = h })},
+		{key: "max_ttl", def: "24h",
+			doc: "the longest TTL `ttl` and `ttl_header` may give; at most `87600h` (ten years)",
+			set: setDuration(func(r *Route, t time.Duration) { r.MaxTTL = t })},
+		{key: "lock_ttl", def: "30s",
+			doc: "the lease of a request in flight, renewed every `lock_ttl`/3 while it runs",
+			set: setDuration(func(r *Route, t time.Duration) { r.LockTTL = t })},
+		{key: "in_flight_wait", def: "0s",
+			doc: "how long a duplicate of a request in flight waits for its replay before 409; at most `10s`; `Prefer: wait=N` asks for less; keep Envoy's `message_timeout` above it",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				if t, ok := d.duration(v, path, 0, MaxInFlightWait, ""); ok {
+					x.r.InFlightWait = t
+				}
+			}},
+		{key: "fingerprint", def: "[method, path, body]",
+			doc: "what a reused key must repeat (`method`, `path` with the query, `body`); `[]` turns the mismatch check off within the route, and then `fingerprint_headers` must be empty",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				parts := []Part{}
+				ok := d.list(v, path, func(item *yaml.Node, at string) {
+					p, ok := d.str(item, at)
+					switch part := Part(p); {
+					case !ok:
+					case part != PartMethod && part != PartPath && part != PartBody:
+						d.fail(item, at, "%q is not one of method, path, body", p)
+					case slices.Contains(parts, part):
+						d.fail(item, at, "%q is listed twice", p)
+					default:
+						parts = append(parts, part)
+					}
+				})
+				if ok {
+					x.r.Fingerprint = parts
+				}
+			}},
+		{key: "fingerprint_headers", def: "[]",
+			doc: "request headers a reused key must repeat too; `:authority` for the host (`host` is refused)",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				if hs, ok := d.headerList(v, path, true); ok {
+					x.r.FingerprintHeaders = hs
+				}
+			}},
+		{key: "scope", def: "[{header: authorization}]",
+			doc: "where the scope values come from, hashed in order into the stored key: `{header: name}`, `{jwt_claim: name}` (the payload jwt_authn verified), `peer_identity` (the mTLS peer's URI SAN), `{path_param: group}` (a named group of the route's `path_regex`); not together with `scope_headers` or `scope_path_params`",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.scope(x, v, path) }},
+		{key: "scope_headers",
+			doc: "shorthand for a `scope` of `header` entries",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				if hs, ok := d.headerList(v, path, true); ok {
+					x.scopeHeaders = hs
+				}
+			}},
+		{key: "scope_path_params", where: routesOnly,
+			doc: "named groups of the route's `path_regex`, added to the scope after the inherited or `scope_headers` entries; each must name one group",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				d.list(v, path, func(item *yaml.Node, at string) {
+					if s, ok := d.str(item, at); ok {
+						x.pathParams = append(x.pathParams, scopeEntry{ScopeSource{ScopePathParam, s}, item, at})
+					}
+				})
+			}},
+		{key: "require_scope", def: "false",
+			doc: "answers 401 `scope-missing` to a covered request whose scope values are all empty",
+			set: setBool(func(r *Route, b bool) { r.RequireScope = b })},
+		{key: "jwt_payload_key", def: `""`,
+			doc: "the jwt_authn payload that `jwt_claim` reads (its `payload_in_metadata` name); `\"\"` takes the only one there, and more than one is a 500 `scope-ambiguous`",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				if s, ok := d.str(v, path); ok {
+					x.r.JWTPayloadKey = s
+				}
+			}},
+		{key: "store_statuses", def: `["2xx"]`,
+			doc: "the statuses whose responses are stored: classes (`\"2xx\"`) or codes (`409`); any other releases the key",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				if s, ok := d.statuses(v, path); ok {
+					x.r.StoreStatuses = s
+				}
+			}},
+		{key: "unknown_outcome", def: string(UnknownOutcomeRelease), values: names(UnknownOutcomeRelease, UnknownOutcomeKeep, UnknownOutcomeRecord),
+			doc: "a lease whose outcome the processor cannot know: freed at once, left to expire after `lock_ttl`, or kept as an outcome-unknown record (409 `outcome-unknown`) for the TTL",
+			set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.UnknownOutcome = UnknownOutcome(v.Value) }},
+		{key: "max_response_bytes", def: strconv.Itoa(DefaultMaxResponseBytes),
+			doc: "the largest response body stored; a larger one completes without body (409 `response-not-replayable`); at most `268435456`",
+			set: setBytes(MaxResponseBytesLimit, func(r *Route, n int) { r.MaxResponseBytes = n })},
+		{key: "max_request_bytes", def: strconv.Itoa(DefaultMaxRequestBytes),
+			doc: "the largest request body the processor holds itself (STREAMED, FULL_DUPLEX_STREAMED); a larger one gets 413 `request-too-large`; at most `268435456`",
+			set: setBytes(MaxRequestBytesLimit, func(r *Route, n int) { r.MaxRequestBytes = n })},
+		{key: "store_body", def: "true",
+			doc: "`false` keeps status and headers only: the request still runs at most once, and duplicates get 409 `response-not-replayable`",
+			set: setBool(func(r *Route, b bool) { r.StoreBody = b })},
+		{key: "replay_header", def: "x-idempotency-replayed",
+			doc: "`true` on replays",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				if h, ok := d.header(v, path, false); ok {
+					x.r.ReplayHeader = h
+				}
+			}},
+		{key: "replay_header_fresh", def: "true",
+			doc: "also writes `replay_header: false` on every other answer to a keyed request; `false` writes the header on replays only",
+			set: setBool(func(r *Route, b bool) { r.ReplayHeaderFresh = b })},
+		{key: "expires_header", def: "x-idempotency-expires",
+			doc: "the record's expiry as an HTTP-date, on stored responses and replays; `\"\"` turns it off",
+			set: setOptionalHeader(func(r *Route, h string) { r.ExpiresHeader = h })},
+		{key: "first_sent_header", def: "x-idempotency-first-sent",
+			doc: "the first request's time as an HTTP-date, on replays; `\"\"` turns it off",
+			set: setOptionalHeader(func(r *Route, h string) { r.FirstSentHeader = h })},
+		{key: "exclude_response_headers", def: "[]",
+			doc: "response headers never stored nor replayed",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				if hs, ok := d.headerList(v, path, false); ok {
+					x.r.ExcludeResponseHeaders = hs
+				}
+			}},
+		{key: "key_prefix", def: `"idempotency:"`,
+			doc: "the prefix of stored keys",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				if s, ok := d.str(v, path); ok {
+					x.r.KeyPrefix = s
+				}
+			}},
+		{key: "problems", where: routesOnly, inDefaults: "belongs at the top level (for every route) or in a route, not in defaults",
+			doc: "replaces built-in problem responses of the route, by problem code, over the top-level entries: `{status, content_type, body}`; `status` 200–599 (default: the built-in one), `content_type` (default `application/problem+json`, only with `body`), `body` a Go `text/template` over `.Code`, `.Title`, `.Detail`, `.Status` (and `json`, which writes its argument as JSON), checked at start-up; the codes are " + codeList(),
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				own := d.problems(v, path)
+				if len(own) == 0 {
+					return
+				}
+				merged := maps.Clone(x.r.Problems)
+				if merged == nil {
+					merged = map[string]*Problem{}
+				}
+				maps.Copy(merged, own)
+				x.r.Problems = merged
+			}},
+	}
+}
+
+// codeList is ProblemCodes for the docs.
+func codeList() string {
+	quoted := make([]string, len(ProblemCodes))
+	for i, c := range ProblemCodes {
+		quoted[i] = "`" + c + "`"
+	}
+	return strings.Join(quoted, ", ")
+}
+
+func setBool(assign func(*Route, bool)) func(*decoder, *draft, *yaml.Node, string) {
+	return func(d *decoder, x *draft, v *yaml.Node, path string) {
+		if b, ok := d.boolean(v, path); ok {
+			assign(x.r, b)
+		}
+	}
+}
+
+// setDuration is for ttl, max_ttl and lock_ttl: at least 1ms and at most ten years.
+func setDuration(assign func(*Route, time.Duration)) func(*decoder, *draft, *yaml.Node, string) {
+	return func(d *decoder, x *draft, v *yaml.Node, path string) {
+		if t, ok := d.duration(v, path, time.Millisecond, MaxDuration, " (ten years)"); ok {
+			assign(x.r, t)
+		}
+	}
+}
+
+func setBytes(limit int, assign func(*Route, int)) func(*decoder, *draft, *yaml.Node, string) {
+	return func(d *decoder, x *draft, v *yaml.Node, path string) {
+		n, ok := d.integer(v, path)
+		switch {
+		case !ok:
+		case n < 0 || n > int64(limit):
+			d.fail(v, path, "must be between 0 and %d, got %d", limit, n)
+		default:
+			assign(x.r, int(n))
+		}
+	}
+}
+
+// setOptionalHeader is for a response header name that "" turns off.
+func setOptionalHeader(assign func(*Route, string)) func(*decoder, *draft, *yaml.Node, string) {
+	return func(d *decoder, x *draft, v *yaml.Node, path string) {
+		if h, ok := d.header(v, path, true); ok {
+			assign(x.r, h)
+		}
+	}
+}
+
+// Fields documents every field of the policy file, in the order of the README's table.
+type FieldDoc struct {
+	Key string
+	// Where is "top level", "defaults, routes" or "routes".
+	Where string
+	// Default is the built-in value as YAML, or "none".
+	Default string
+	// Doc says what the field does, the values of an enumeration included.
+	Doc string
+}
+
+// Fields lists every field of the policy file: the top-level ones, then those of a route.
+func Fields() []FieldDoc {
+	var routeOnly []string
+	for _, f := range routeFields() {
+		if f.where == routesOnly {
+			routeOnly = append(routeOnly, "`"+f.key+"`")
+		}
+	}
+	docs := []FieldDoc{
+		{Key: "defaults", Where: "top level", Default: "none", Doc: "the settings of requests that no route takes, and what every route inherits field by field; any route field but " + orList(routeOnly)},
+		{Key: "routes", Where: "top level", Default: "[]", Doc: "the routes, in order: a named route (`x-idempotency-route`) wins, else the first whose `match` holds, else the defaults; lists a route sets replace the inherited ones"},
+	}
+	for _, f := range topFields() {
+		docs = append(docs, FieldDoc{Key: f.key, Where: "top level", Default: defaultDoc(f.def), Doc: withValues(f.doc, f.values)})
+	}
+	for _, f := range routeFields() {
+		w := "defaults, routes"
+		if f.where == routesOnly {
+			w = "routes"
+		}
+		docs = append(docs, FieldDoc{Key: f.key, Where: w, Default: defaultDoc(f.def), Doc: withValues(f.doc, f.values)})
+	}
+	return docs
+}
+
+func defaultDoc(def string) string {
+	if def == "" {
+		return "none"
+	}
+	return def
+}
+
+func withValues(doc string, values []string) string {
+	if len(values) == 0 {
+		return doc
+	}
+	quoted := make([]string, len(values))
+	for i, v := range values {
+		quoted[i] = "`" + v + "`"
+	}
+	return "one of " + strings.Join(quoted, ", ") + ": " + doc
+}
+
+// draft is a route being compiled: the route so far, and what its mapping gives that is
+// checked once the whole mapping is read.
+type draft struct {
+	r      *Route
+	path   string
+	parent *Route
+	given  map[string]*yaml.Node // the value of each field the mapping gives, by key
+	inDefs bool                  // the defaults (or the built-in defaults), not a route
+	scope  []scopeEntry          // from scope
+
+	scopeHeaders []string     // from scope_headers
+	pathParams   []scopeEntry // from scope_path_params
+}
+
+// scopeEntry is one scope source and where the file gives it.
+type scopeEntry struct {
+	src  ScopeSource
+	node *yaml.Node
+	path string
+}
+
+// file compiles the whole file, root being its top-level value (nil or null: empty).
+func (d *decoder) file(root *yaml.Node, settings []Setting) (*Policy, map[string]string) {
+	p := &Policy{byName: map[string]*Route{}}
+	tops := topFields()
+	for _, f := range tops {
+		if f.def != "" {
+			d.builtin(f.key, f.def, func(v *yaml.Node, path string) { d.top(f, p, v, path) })
+		}
+	}
+	values := map[string]string{}
+	var defaults, routes *yaml.Node
+	if root != nil && !isNull(root) {
+		known := []string{"defaults", "routes"}
+		for _, f := range tops {
+			known = append(known, f.key)
+		}
+		bySetting := map[string]Setting{}
+		for _, s := range settings {
+			bySetting[s.Key] = s
+			known = append(known, s.Key)
+		}
+		d.fields(root, "", func(key string, k, v *yaml.Node, path string) {
+			if i := slices.IndexFunc(tops, func(f topField) bool { return f.key == key }); i >= 0 {
+				d.top(tops[i], p, v, path)
+				return
+			}
+			if s, ok := bySetting[key]; ok {
+				if val, ok := d.setting(s, v, path); ok {
+					values[key] = val
+				}
+				return
+			}
+			switch key {
+			case "defaults":
+				defaults = v
+			case "routes":
+				routes = v
+			default:
+				d.unknown(k, path, known)
+			}
+		})
+	}
+
+	builtin := d.builtinRoute()
+	builtin.Problems = p.Problems
+	p.Default = builtin
+	if defaults != nil {
+		p.Default, _ = d.route(builtin, defaults, "defaults", true)
+	}
+	p.Default.Name = "default"
+	p.byName["default"] = p.Default
+	if routes != nil {
+		d.list(routes, "routes", func(item *yaml.Node, at string) {
+			at = routePath(item, at)
+			r, ok := d.route(p.Default, item, at, false)
+			switch {
+			case !ok:
+			case r.Name == "":
+				if d.given(item, "name") == nil {
+					d.fail(item, at+".name", "is required")
+				}
+			case p.byName[r.Name] != nil:
+				d.fail(d.given(item, "name"), at+".name", "%q is used twice (or is the reserved name of the defaults)", r.Name)
+			default:
+				p.byName[r.Name] = r
+			}
+			p.Routes = append(p.Routes, r)
+		})
+	}
+	return p, values
+}
+
+func (d *decoder) top(f topField, p *Policy, v *yaml.Node, path string) {
+	if len(f.values) > 0 {
+		if _, ok := d.oneOf(v, path, f.values); !ok {
+			return
+		}
+	}
+	f.set(d, p, v, path)
+}
+
+// builtin applies the built-in default def to the field at key.
+func (d *decoder) builtin(key, def string, apply func(v *yaml.Node, path string)) {
+	v, err := parseYAML(def)
+	if err != nil {
+		d.fail(nil, "built-in default of "+key, "%v", err)
+		return
+	}
+	apply(v, "built-in default of "+key)
+}
+
+// builtinRoute compiles the defaults of the route table.
+func (d *decoder) builtinRoute() *Route {
+	var text strings.Builder
+	for _, f := range routeFields() {
+		if f.def != "" {
+			fmt.Fprintf(&text, "%s: %s\n", f.key, f.def)
+		}
+	}
+	v, err := parseYAML(text.String())
+	if err != nil {
+		d.fail(nil, "built-in defaults", "%v", err)
+		return &Route{}
+	}
+	r, _ := d.route(&Route{}, v, "built-in defaults", true)
+	return r
+}
+
+// given returns the value a mapping gives key, or nil; for names and error lines only.
+func (d *decoder) given(n *yaml.Node, key string) *yaml.Node {
+	if n.Kind != yaml.MappingNode {
+		return nil
+	}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		if n.Content[i].Value == key {
+			return n.Content[i+1]
+		}
+	}
+	return nil
+}
+
+// routePath is the path of the route at path: routes[2] (pay) when it has a name.
+func routePath(n *yaml.Node, path string) string {
+	if n.Kind != yaml.MappingNode {
+		return path
+	}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		if k, v := n.Content[i], n.Content[i+1]; k.Value == "name" && v.Kind == yaml.ScalarNode && !isNull(v) && v.Value != "" {
+			name := v.Value
+			if len(name) > 64 {
+				name = name[:61] + "..."
+			}
+			return fmt.Sprintf("%s (%s)", path, name)
+		}
+	}
+	return path
+}
+
+// route compiles the mapping n into a copy of parent with the fields n gives; false when n is
+// not a mapping.
+func (d *decoder) route(parent *Route, n *yaml.Node, path string, inDefs bool) (*Route, bool) {
+	r := *parent
+	r.match, r.scopeGroups = matcher{}, nil
+	if !inDefs {
+		r.Name = ""
+	}
+	x := &draft{r: &r, path: path, parent: parent, given: map[string]*yaml.Node{}, inDefs: inDefs}
+	fields := routeFields()
+	known := make([]string, len(fields))
+	for i, f := range fields {
+		known[i] = f.key
+	}
+	ok := d.fields(n, path, func(key string, k, v *yaml.Node, at string) {
+		i := slices.IndexFunc(fields, func(f field) bool { return f.key == key })
+		if i < 0 {
+			d.unknown(k, at, known)
+			return
+		}
+		f := fields[i]
+		if f.where == routesOnly && inDefs {
+			if f.inDefaults == "" {
+				f.inDefaults = "belongs to routes, not defaults"
+			}
+			d.fail(k, at, "%s", f.inDefaults)
+			return
+		}
+		x.given[key] = v
+		if len(f.values) > 0 {
+			if _, ok := d.oneOf(v, at, f.values); !ok {
+				return
+			}
+		}
+		f.set(d, x, v, at)
+	})
+	if !ok {
+		return &r, false
+	}
+	d.finish(x)
+	return &r, true
+}
+
+// finish checks what depends on more than one field of the draft.
+func (d *decoder) finish(x *draft) {
+	r, f := x.r, func(key string) string { return join(x.path, key) }
+	if !x.inDefs && x.given["match"] == nil {
+		d.fail(nil, f("match"), "is required (%s)", orList(names(matchKinds()...)))
+	}
+	if ttl, maxTTL := x.given["ttl"], x.given["max_ttl"]; (ttl != nil || maxTTL != nil) && r.TTL > r.MaxTTL {
+		d.fail(firstOf(ttl, maxTTL), f("ttl"), "%v exceeds max_ttl %v", r.TTL, r.MaxTTL)
+	}
+	if fp, fh := x.given["fingerprint"], x.given["fingerprint_headers"]; (fp != nil || fh != nil) && len(r.Fingerprint) == 0 && len(r.FingerprintHeaders) > 0 {
+		// An empty fingerprint turns the mismatch check off (SPEC §4): headers alone would
+		// silently be ignored.
+		d.fail(firstOf(fh, fp), f("fingerprint_headers"), "set while fingerprint is [], which turns the mismatch check off; list the parts to hash too, or drop the headers")
+	}
+	d.compileScope(x)
+	scopeGiven := x.given["scope"] != nil || x.given["scope_headers"] != nil || x.given["scope_path_params"] != nil
+	if r.RequireScope && len(r.Scope) == 0 && (x.given["require_scope"] != nil || scopeGiven) {
+		d.fail(firstOf(x.given["require_scope"], x.given["scope"], x.given["scope_headers"]), f("require_scope"),
+			"is true while the scope is empty, which refuses every covered request")
+	}
+}
+
+func firstOf(ns ...*yaml.Node) *yaml.Node {
+	for _, n := range ns {
+		if n != nil {
+			return n
+		}
+	}
+	return nil
+}
+
+// match reads a route's match: exactly one of the six matchers.
+func (d *decoder) match(x *draft, v *yaml.Node, path string) {
+	kinds := names(matchKinds()...)
+	count := 0
+	d.fields(v, path, func(key string, k, mv *yaml.Node, at string) {
+		if !slices.Contains(kinds, key) {
+			d.unknown(k, at, kinds)
+			return
+		}
+		count++
+		s, ok := d.str(mv, at)
+		if !ok || count > 1 {
+			return
+		}
+		m := matcher{kind: matchKind(key), value: s}
+		switch m.kind {
+		case matchPathPrefix, matchPathExact:
+			if !strings.HasPrefix(s, "/") {
+				d.fail(mv, at, "must start with /, got %q", s)
+				return
+			}
+		case matchPathRegex, matchRouteNameRegex:
+			if s == "" {
+				d.fail(mv, at, "must not be empty")
+				return
+			}
+			re, err := regexp.Compile(s)
+			if err != nil {
+				d.fail(mv, at, "invalid regular expression: %v", err)
+				return
+			}
+			m.re = re
+		case matchRouteNameExact, matchRouteNamePrefix:
+			if s == "" {
+				d.fail(mv, at, "must not be empty")
+				return
+			}
+		}
+		x.r.match = m
+	})
+	if count != 1 && v.Kind == yaml.MappingNode {
+		d.fail(v, path, "needs exactly one of %s", orList(kinds))
+		x.r.match = matcher{}
+	}
+}
+
+// scope reads a scope list: peer_identity, or one-field mappings such as {header: authorization}.
+func (d *decoder) scope(x *draft, v *yaml.Node, path string) {
+	x.scope = []scopeEntry{}
+	kinds := names(ScopeHeader, ScopeJWTClaim, ScopePathParam)
+	d.list(v, path, func(item *yaml.Node, at string) {
+		if item.Kind == yaml.ScalarNode {
+			if item.Value != string(ScopePeerIdentity) {
+				d.fail(item, at, "must be peer_identity or one of {header: name}, {jwt_claim: name}, {path_param: group}, got %s", describe(item))
+				return
+			}
+			x.scope = append(x.scope, scopeEntry{ScopeSource{Kind: ScopePeerIdentity}, item, at})
+			return
+		}
+		if item.Kind != yaml.MappingNode {
+			d.fail(item, at, "must be peer_identity or a one-field mapping such as {header: authorization}, got %s", describe(item))
+			return
+		}
+		if len(item.Content) != 2 {
+			d.fail(item, at, "must have exactly one field: header, jwt_claim or path_param")
+			return
+		}
+		d.fields(item, at, func(key string, k, sv *yaml.Node, sat string) {
+			if key == string(ScopePeerIdentity) {
+				d.fail(k, sat, "is written bare: `- peer_identity`")
+				return
+			}
+			if !slices.Contains(kinds, key) {
+				d.unknown(k, sat, kinds)
+				return
+			}
+			s, ok := d.str(sv, sat)
+			if !ok {
+				return
+			}
+			src := ScopeSource{Kind: ScopeKind(key), Name: s}
+			switch src.Kind {
+			case ScopeHeader:
+				h, ok := d.requestHeader(sv, sat)
+				if !ok {
+					return
+				}
+				src.Name = h
+			case ScopeJWTClaim:
+				if s == "" {
+					d.fail(sv, sat, "must name a claim")
+					return
+				}
+			}
+			x.scope = append(x.scope, scopeEntry{src, sv, sat})
+		})
+	})
+}
+
+// compileScope builds the route's Scope: scope, or the scope_headers shorthand, or the inherited
+// scope, then the scope_path_params; path parameters must each name one group of the route's
+// path_regex.
+func (d *decoder) compileScope(x *draft) {
+	r, f := x.r, func(key string) string { return join(x.path, key) }
+	scope, headers, params := x.given["scope"], x.given["scope_headers"], x.given["scope_path_params"]
+	if scope != nil && headers != nil {
+		d.fail(headers, f("scope_headers"), "is shorthand for scope: give one or the other")
+	}
+	if scope != nil && params != nil {
+		d.fail(params, f("scope_path_params"), "is shorthand for path_param entries of scope: list them there instead")
+	}
+	var entries []scopeEntry
+	switch {
+	case scope != nil:
+		entries = x.scope
+	case headers != nil:
+		for _, h := range x.scopeHeaders {
+			entries = append(entries, scopeEntry{ScopeSource{ScopeHeader, h}, headers, f("scope_headers")})
+		}
+	default:
+		for _, s := range x.parent.Scope {
+			entries = append(entries, scopeEntry{src: s})
+		}
+	}
+	if scope == nil {
+		entries = append(entries, x.pathParams...)
+	}
+
+	r.Scope, r.ScopeHeaders, r.ScopePathParams, r.scopeGroups = []ScopeSource{}, nil, nil, nil
+	seen := map[ScopeSource]bool{}
+	for _, e := range entries {
+		if seen[e.src] {
+			what := string(e.src.Kind)
+			if e.src.Name != "" {
+				what += " " + strconv.Quote(e.src.Name)
+			}
+			d.fail(e.node, e.path, "%s is listed twice", what)
+			continue
+		}
+		seen[e.src] = true
+		switch e.src.Kind {
+		case ScopeHeader:
+			r.ScopeHeaders = append(r.ScopeHeaders, e.src.Name)
+		case ScopePathParam:
+			g, ok := d.pathParam(x, e)
+			if !ok {
+				continue
+			}
+			r.scopeGroups = append(r.scopeGroups, g)
+			r.ScopePathParams = append(r.ScopePathParams, e.src.Name)
+		}
+		r.Scope = append(r.Scope, e.src)
+	}
+}
+
+// pathParam returns the submatch index of the group a path_param entry names.
+func (d *decoder) pathParam(x *draft, e scopeEntry) (int, bool) {
+	m := x.r.match
+	switch {
+	case x.inDefs:
+		d.fail(e.node, e.path, "path_param needs a route's path_regex, and the defaults have none")
+		return 0, false
+	case m.kind == "":
+		return 0, false // the match is missing or bad, and said so
+	case m.kind != matchPathRegex:
+		d.fail(e.node, e.path, "needs a path_regex with named groups")
+		return 0, false
+	}
+	name := e.src.Name
+	i := m.re.SubexpIndex(name)
+	if i < 0 {
+		d.fail(e.node, e.path, "%q is not a named group of path_regex", name)
+		return 0, false
+	}
+	if n := countOf(m.re.SubexpNames(), name); n > 1 {
+		// Only the first would be read: a path matched by another branch would scope by "".
+		d.fail(e.node, e.path, "%q names %d groups of path_regex; give each a name of its own", name, n)
+		return 0, false
+	}
+	return i, true
+}
+
+// setting reads a program setting's value.
+func (d *decoder) setting(s Setting, v *yaml.Node, path string) (string, bool) {
+	if s.List && v.Kind == yaml.SequenceNode {
+		items, ok := d.strs(v, path)
+		return strings.Join(items, ","), ok
+	}
+	return d.str(v, path)
+}
+
+// header reads a header name, lower-cased; "" is accepted when off says it turns the header off.
+func (d *decoder) header(v *yaml.Node, path string, off bool) (string, bool) {
+	s, ok := d.str(v, path)
+	switch {
+	case !ok:
+		return "", false
+	case s == "" && off:
+		return "", true
+	case !isToken(s):
+		d.fail(v, path, "%q is not a valid header name", s)
+		return "", false
+	}
+	return strings.ToLower(s), true
+}
+
+// headerList reads a list of header names; request says they are request headers the route
+// reads (scope, fingerprint), where :authority is the host.
+func (d *decoder) headerList(v *yaml.Node, path string, request bool) ([]string, bool) {
+	out := []string{}
+	ok := d.list(v, path, func(item *yaml.Node, at string) {
+		read := d.header
+		if request {
+			read = func(v *yaml.Node, path string, _ bool) (string, bool) { return d.requestHeader(v, path) }
+		}
+		if h, ok := read(item, at, false); ok {
+			out = append(out, h)
+		}
+	})
+	return out, ok
+}
+
+// requestHeader reads the name of a request header the route reads (scope, fingerprint). Envoy
+// gives the processor the request's host as :authority, never as host: host is refused.
+func (d *decoder) requestHeader(v *yaml.Node, path string) (string, bool) {
+	s, ok := d.str(v, path)
+	if !ok {
+		return "", false
+	}
+	if strings.EqualFold(s, ":authority") {
+		return ":authority", true
+	}
+	h, ok := d.header(v, path, false)
+	if ok && h == "host" {
+		d.fail(v, path, "%q never reaches the processor: Envoy passes the request's host as \":authority\"; name that instead", s)
+		return "", false
+	}
+	return h, ok
+}
+
+func (d *decoder) statuses(v *yaml.Node, path string) (StatusSet, bool) {
+	var s StatusSet
+	ok := d.list(v, path, func(item *yaml.Node, at string) {
+		if !d.scalar(item, at, "a status class or code") {
+			return
+		}
+		if item.ShortTag() == "!!int" {
+			var code int
+			if item.Decode(&code) != nil || code < 100 || code > 599 {
+				d.fail(item, at, "%s is not an HTTP status code", item.Value)
+				return
+			}
+			s.add(code)
+			return
+		}
+		str := item.Value
+		if len(str) == 3 && str[0] >= '1' && str[0] <= '5' && strings.EqualFold(str[1:], "xx") {
+			base := int(str[0]-'0') * 100
+			for code := base; code < base+100; code++ {
+				s.add(code)
+			}
+			return
+		}
+		code, err := strconv.Atoi(str)
+		if err != nil || code < 100 || code > 599 {
+			d.fail(item, at, "%q is neither a status class such as \"2xx\" nor a status code", str)
+			return
+		}
+		s.add(code)
+	})
+	return s, ok
+}
+
+func countOf(names []string, name string) int {
+	n := 0
+	for _, s := range names {
+		if s == name {
+			n++
+		}
+	}
+	return n
+}
+
+// isToken reports whether s is a non-empty RFC 9110 token, the syntax of header names and methods.
+func isToken(s string) bool {
+	if s == "" || len(s) > 1<<16-1 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9':
+		case strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0:
+		default:
+			return false
+		}
+	}
+	return true
+}
