@@ -125,12 +125,20 @@ func (s State) String() string {
 	return "unknown"
 }
 
-// Record is a record that already existed when Acquire was called.
+// Record is a stored record, as Acquire found it or Lookup returned it.
 type Record struct {
 	State       State
 	Fingerprint []byte
 	// Response is set when State is Completed.
 	Response Response
+	// CreatedAt is when the first request claimed the key (the first-sent time). It is zero for
+	// a record that does not carry it: a Redis record written before layout 3 (see redis.go).
+	CreatedAt time.Time
+	// ExpiresAt is when the record will expire unless something changes it: for a pending record
+	// the end of its lease (as last renewed), for a completed one the end of its TTL. It is zero
+	// when the store cannot tell without a second round trip (a Redis record of layout 2 found
+	// by Acquire; Lookup reads it from the key's expiry).
+	ExpiresAt time.Time
 }
 
 // Response is a completed upstream response.

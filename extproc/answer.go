@@ -1,6 +1,10 @@
 package extproc
 
 import (
+	"fmt"
+	"net/http"
+	"time"
+
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -10,6 +14,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
 // msgKind is the kind of a ProcessingRequest, and of the answer it needs.
@@ -37,9 +42,14 @@ type reply struct {
 	stream bool
 	chunk  []byte
 	eos    bool
-	// problem or replay, when set, makes the answer an ImmediateResponse.
+	// expires, when set on a response header answer, is the expiry of the record the response
+	// will be (expires_header, SPEC §11).
+	expires time.Time
+	// problem or replay, when set, makes the answer an ImmediateResponse; a replay carries rec's
+	// times and, when the client asked to wait, the wait applied.
 	problem *problem
-	replay  *cache.Response
+	replay  *cache.Record
+	waited  string
 }
 
 // The two mode_override values of SPEC §5, every field spelled out so that Envoy's
@@ -86,8 +96,10 @@ var (
 )
 
 const (
-	headerCT         = "content-type"
-	headerRetryAfter = "retry-after"
+	headerCT                = "content-type"
+	headerRetryAfter        = "retry-after"
+	headerPrefer            = "prefer"
+	headerPreferenceApplied = "preference-applied"
 )
 
 // render turns r into Envoy's message, with the request's dynamic metadata when there is news
@@ -107,15 +119,19 @@ func (st *stream) render(r reply) *extprocv3.ProcessingResponse {
 	case r.problem != nil:
 		resp = rs.problems[r.problem]
 	case r.replay != nil:
-		resp = replayResponse(r.replay, st.route.ReplayHeader)
+		resp = replayResponse(r.replay, st.route, r.waited)
 	case r.stream:
 		resp = streamedBody(r.kind, r.chunk, r.eos)
+	case r.kind == kindResponseHeaders && r.mark && !r.expires.IsZero():
+		resp = markResponseHeaders(st.route, r.mode, r.expires)
 	case r.kind == kindResponseHeaders && r.mark && r.mode != nil:
 		resp = rs.notStored
 	case r.kind == kindResponseHeaders && r.mark:
 		resp = rs.stored
 	case r.kind == kindRequestHeaders && r.mode != nil:
 		resp = passThroughRequestHeaders
+	case r.kind == kindResponseHeaders && r.mode != nil:
+		resp = noStoreResponseHeaders
 	default:
 		resp = continues[r.kind]
 	}
@@ -123,7 +139,7 @@ func (st *stream) render(r reply) *extprocv3.ProcessingResponse {
 		return resp
 	}
 	md := st.metadata()
-	if resp.DynamicMetadata == nil && (r.replay != nil || r.stream) {
+	if resp.DynamicMetadata == nil && (r.replay != nil || r.stream || !r.expires.IsZero()) {
 		// Built for this answer alone: it can carry the metadata itself.
 		resp.DynamicMetadata = md
 		return resp
@@ -167,34 +183,63 @@ func setHeader(name string, value []byte) *corev3.HeaderValueOption {
 	return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: name, RawValue: value}}
 }
 
-// problemResponse answers a covered request with p.
-func problemResponse(p *problem, replayHeader string) *extprocv3.ProcessingResponse {
+// problemResponse answers a covered request of route r with p: the built-in problem+json, or
+// the route's own template for p's code (SPEC §11). Templates were checked at start-up.
+func problemResponse(p *problem, r *policy.Route) (*extprocv3.ProcessingResponse, error) {
+	status, ct, body := p.status, problemType, p.body
+	if t := r.Problems[p.code]; t != nil {
+		if t.Status != 0 {
+			status = t.Status
+		}
+		if t.Body != nil {
+			b, err := t.Render(policy.ProblemData{Code: p.code, Title: reasonPhrase(status), Detail: p.detail, Status: status})
+			if err != nil {
+				return nil, fmt.Errorf("extproc: route %s: problem %s: %w", r.Name, p.code, err)
+			}
+			body, ct = b, []byte(t.ContentType)
+		}
+	}
 	set := make([]*corev3.HeaderValueOption, 0, 3)
-	set = append(set, setHeader(headerCT, problemType), setHeader(replayHeader, valueFalse))
+	set = append(set, setHeader(headerCT, ct))
+	if r.ReplayHeaderFresh {
+		set = append(set, setHeader(r.ReplayHeader, valueFalse))
+	}
 	if p.retryAfter {
 		set = append(set, setHeader(headerRetryAfter, valueOne))
 	}
-	return immediate(p.status, set, p.body, "idempotency_"+p.code)
+	return immediate(status, set, body, "idempotency_"+p.code), nil
 }
 
 // replayResponse answers a duplicate with the stored response: its status, every header in order
 // (the second and later values of a repeated header with append, so that they add rather than
-// overwrite) and its body, plus the replay header.
+// overwrite) and its body, plus the replay header, the record's expiry and first-sent time
+// (SPEC §11), and Preference-Applied when the duplicate waited.
 //
 // Envoy builds the local reply from the status alone, applies these mutations, and only then adds
 // content-type: text/plain where none is set and the body is not empty, or removes content-type
 // and content-length where the body is empty (reference §17.1, Utility::sendLocalReply). So a
 // stored content-type is kept, a stored response without one replays as text/plain, and an
 // empty-bodied one loses its content-type: nothing the processor sends can change that.
-func replayResponse(r *cache.Response, replayHeader string) *extprocv3.ProcessingResponse {
-	n := len(r.Headers) + 1
+func replayResponse(rec *cache.Record, route *policy.Route, waited string) *extprocv3.ProcessingResponse {
+	r := &rec.Response
+	var extra [3]corev3.HeaderValue
+	x := extra[:0]
+	if route.ExpiresHeader != "" && !rec.ExpiresAt.IsZero() {
+		x = append(x, corev3.HeaderValue{Key: route.ExpiresHeader, RawValue: httpDate(rec.ExpiresAt)})
+	}
+	if route.FirstSentHeader != "" && !rec.CreatedAt.IsZero() {
+		x = append(x, corev3.HeaderValue{Key: route.FirstSentHeader, RawValue: httpDate(rec.CreatedAt)})
+	}
+	if waited != "" {
+		x = append(x, corev3.HeaderValue{Key: headerPreferenceApplied, RawValue: []byte(waited)})
+	}
+	n := len(r.Headers) + 1 + len(x)
 	// One allocation each for the options, the values and the pointers, whatever the count.
 	opts := make([]corev3.HeaderValueOption, n)
 	values := make([]corev3.HeaderValue, n)
 	set := make([]*corev3.HeaderValueOption, n)
 	for i, h := range r.Headers {
 		values[i].Key, values[i].RawValue = h.Name, h.Value
-		opts[i].Header = &values[i]
 		for _, prev := range r.Headers[:i] {
 			if prev.Name == h.Name {
 				// ext_proc honours only the deprecated append flag (reference §2.7).
@@ -203,12 +248,20 @@ func replayResponse(r *cache.Response, replayHeader string) *extprocv3.Processin
 				break
 			}
 		}
+	}
+	i := len(r.Headers)
+	values[i].Key, values[i].RawValue = route.ReplayHeader, valueTrue
+	copy(values[i+1:], x)
+	for i := range opts {
+		opts[i].Header = &values[i]
 		set[i] = &opts[i]
 	}
-	values[n-1].Key, values[n-1].RawValue = replayHeader, valueTrue
-	opts[n-1].Header = &values[n-1]
-	set[n-1] = &opts[n-1]
 	return immediate(r.Status, set, r.Body, "idempotency_replayed")
+}
+
+// httpDate formats t as an RFC 9110 HTTP-date.
+func httpDate(t time.Time) []byte {
+	return t.UTC().AppendFormat(make([]byte, 0, len(http.TimeFormat)), http.TimeFormat)
 }
 
 func immediate(status int, set []*corev3.HeaderValueOption, body []byte, details string) *extprocv3.ProcessingResponse {
@@ -245,15 +298,30 @@ var (
 	}
 )
 
-// markResponseHeaders continues the response with the replay header set to false, and with a
-// mode_override when mode is not nil.
-func markResponseHeaders(replayHeader string, mode *filterextproc.ProcessingMode) *extprocv3.ProcessingResponse {
-	return &extprocv3.ProcessingResponse{
-		Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{
-			Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
-				SetHeaders: []*corev3.HeaderValueOption{setHeader(replayHeader, valueFalse)},
-			}},
-		}},
+// markResponseHeaders continues the response of a covered request of route r: the replay header
+// set to false (unless the route writes it on replays only), the record's expiry when it will be
+// stored (expires is not zero), and a mode_override when mode is not nil.
+func markResponseHeaders(r *policy.Route, mode *filterextproc.ProcessingMode, expires time.Time) *extprocv3.ProcessingResponse {
+	var set []*corev3.HeaderValueOption
+	if r.ReplayHeaderFresh {
+		set = append(set, setHeader(r.ReplayHeader, valueFalse))
+	}
+	if !expires.IsZero() && r.ExpiresHeader != "" {
+		set = append(set, setHeader(r.ExpiresHeader, httpDate(expires)))
+	}
+	resp := &extprocv3.ProcessingResponse{
+		Response:     &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}},
 		ModeOverride: mode,
 	}
+	if len(set) > 0 {
+		resp.GetResponseHeaders().Response = &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}}
+	}
+	return resp
+}
+
+// noStoreResponseHeaders continues an unmarked response (shadow mode) and turns its body phase
+// off.
+var noStoreResponseHeaders = &extprocv3.ProcessingResponse{
+	Response:     &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}},
+	ModeOverride: noStoreMode,
 }

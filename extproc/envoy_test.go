@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/test/bufconn"
 	"google.golang.org/protobuf/types/known/structpb"
 
@@ -43,6 +44,8 @@ type harness struct {
 
 	mu       sync.Mutex
 	executed map[string]int // upstream executions by idempotency-key header value
+	// lastAnswers are the answers of the last do, in order.
+	lastAnswers []*extprocv3.ProcessingResponse
 }
 
 type harnessOptions struct {
@@ -178,10 +181,19 @@ type stream struct {
 	t      *testing.T
 	s      extprocv3.ExternalProcessor_ProcessClient
 	cancel context.CancelFunc
+	// answers, when set, collects every answer received.
+	answers *[]*extprocv3.ProcessingResponse
 }
 
-func (h *harness) open() *stream {
+func (h *harness) open() *stream { return h.openNamed("") }
+
+// openNamed opens a stream whose gRPC initial metadata names the policy route named, as an Envoy
+// route's ExtProcPerRoute grpc_initial_metadata does ("" for none).
+func (h *harness) openNamed(named string) *stream {
 	ctx, cancel := context.WithCancel(h.t.Context())
+	if named != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "x-idempotency-route", named)
+	}
 	s, err := h.client.Process(ctx)
 	require.NoError(h.t, err)
 	st := &stream{t: h.t, s: s, cancel: cancel}
@@ -195,6 +207,9 @@ func (s *stream) send(m *extprocv3.ProcessingRequest) *extprocv3.ProcessingRespo
 	require.NoError(s.t, s.s.Send(m))
 	resp, err := s.s.Recv()
 	require.NoError(s.t, err)
+	if s.answers != nil {
+		*s.answers = append(*s.answers, resp)
+	}
 	return resp
 }
 
@@ -204,12 +219,18 @@ func (s *stream) end() {
 	s.cancel()
 }
 
-// request is an HTTP request as the client sends it.
+// request is an HTTP request as the client sends it, with what Envoy adds to its first message.
 type request struct {
 	method  string
 	path    string
 	headers []string // name, value pairs
 	body    []byte
+	// routeName is the xds.route_name attribute, peer connection.uri_san_peer_certificate.
+	routeName, peer string
+	// jwt holds the payloads jwt_authn verified, by payload_in_metadata name.
+	jwt map[string]map[string]any
+	// named is the x-idempotency-route gRPC initial metadata of the stream.
+	named string
 }
 
 func post(path, key string, body string, extra ...string) request {
@@ -271,7 +292,7 @@ func requestHeaders(r request) *extprocv3.ProcessingRequest {
 	for i := 0; i < len(r.headers); i += 2 {
 		hs = append(hs, &corev3.HeaderValue{Key: r.headers[i], RawValue: []byte(r.headers[i+1])})
 	}
-	return &extprocv3.ProcessingRequest{
+	m := &extprocv3.ProcessingRequest{
 		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
 			Headers:     &corev3.HeaderMap{Headers: hs},
 			EndOfStream: len(r.body) == 0,
@@ -281,6 +302,32 @@ func requestHeaders(r request) *extprocv3.ProcessingRequest {
 			ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED,
 		},
 	}
+	attrs := map[string]any{}
+	if r.routeName != "" {
+		attrs["xds.route_name"] = r.routeName
+	}
+	if r.peer != "" {
+		attrs["connection.uri_san_peer_certificate"] = r.peer
+	}
+	if len(attrs) > 0 {
+		a, err := structpb.NewStruct(attrs)
+		if err != nil {
+			panic(err)
+		}
+		m.Attributes = map[string]*structpb.Struct{"envoy.filters.http.ext_proc": a}
+	}
+	if r.jwt != nil {
+		payloads := map[string]any{}
+		for k, v := range r.jwt {
+			payloads[k] = v
+		}
+		ns, err := structpb.NewStruct(payloads)
+		if err != nil {
+			panic(err)
+		}
+		m.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{"envoy.filters.http.jwt_authn": ns}}
+	}
+	return m
 }
 
 func requestBody(b []byte) *extprocv3.ProcessingRequest {
@@ -321,8 +368,15 @@ func responseBody(b []byte, eos bool) *extprocv3.ProcessingRequest {
 // gets. The upstream runs when the server lets the request through.
 func (h *harness) do(r request, u upstream) result {
 	h.t.Helper()
-	st := h.open()
+	st := h.openNamed(r.named)
 	defer st.end()
+	var answers []*extprocv3.ProcessingResponse
+	st.answers = &answers
+	defer func() {
+		h.mu.Lock()
+		h.lastAnswers = answers
+		h.mu.Unlock()
+	}()
 	resp := st.send(requestHeaders(r))
 	if res, ok := immediateResult(resp); ok {
 		return res

@@ -13,6 +13,6 @@ func StoredKey(p *policy.Policy, path string, key string, pairs ...string) strin
 		h = append(h, &corev3.HeaderValue{Key: pairs[i], RawValue: []byte(pairs[i+1])})
 	}
 	r, params := p.Match(string(splitPath([]byte(path))))
-	k, _ := newDigest().storeKey(r, h, params, key)
+	k, _ := newDigest(nil).storeKey(r, scope{headers: h, params: params}, key)
 	return k
 }

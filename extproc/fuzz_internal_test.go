@@ -45,9 +45,10 @@ func FuzzParseKey(f *testing.F) {
 				require.LessOrEqual(t, ttl, time.Hour)
 			}
 		}
-		d := newDigest()
-		stored, short := d.storeKey(policy.Default().Default, h, nil, key)
+		d := newDigest(nil)
+		stored, keyHash := d.storeKey(policy.Default().Default, scope{headers: h}, key)
 		require.True(t, strings.HasPrefix(stored, "idempotency:"))
-		require.Len(t, short, 12)
+		require.Len(t, keyHash, 64, "the whole hex SHA-256: logs and metadata carry it in full (SPEC §10)")
+		require.Equal(t, "idempotency:"+keyHash, stored)
 	})
 }

@@ -12,6 +12,8 @@ type Metrics struct {
 	misconfig       *prometheus.CounterVec
 	storeDuration   *prometheus.HistogramVec
 	inflight        prometheus.Gauge
+	shadow          *prometheus.CounterVec
+	waitCalls       *prometheus.CounterVec
 }
 
 // NewMetrics creates the metrics and registers them with reg.
@@ -42,11 +44,19 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "idempotency_inflight",
 			Help: "Requests running upstream under a lease held by this process.",
 		}),
+		shadow: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_shadow_total",
+			Help: "Requests on shadow-mode routes, by route and the outcome enforcement would have given them; every one reached the upstream untouched.",
+		}, []string{"route", "would"}),
+		waitCalls: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_wait_store_calls_total",
+			Help: "Store calls made by duplicates waiting for a request in flight (in_flight_wait), beyond their first, by route.",
+		}, []string{"route"}),
 	}
 	for _, kind := range misconfigKinds {
 		m.misconfig.WithLabelValues(kind)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight} {
+	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

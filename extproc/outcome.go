@@ -36,8 +36,10 @@ const (
 	// of it (413); it never reached the upstream.
 	TooLarge Outcome = "too_large"
 	// Misconfigured: Envoy's configuration keeps the processor from protecting the request
-	// (500), such as a request body that never reaches it.
+	// (500), such as a request body that never reaches it or a policy route that does not exist.
 	Misconfigured Outcome = "misconfigured"
+	// ScopeMissing: the route requires a scope and the request had none of its values (401).
+	ScopeMissing Outcome = "scope_missing"
 	// StoreError: the store failed; the request got 503 (fail closed), passed through (fail
 	// open), or ran but its completion could not be recorded.
 	StoreError Outcome = "store_error"
@@ -46,7 +48,7 @@ const (
 // Outcomes lists every outcome, for pre-creating metric series.
 var Outcomes = []Outcome{
 	Passthrough, Executed, Replayed, InProgress, Mismatch, MissingKey, Invalid, NotReplayable,
-	OutcomeUnknown, TooLarge, Misconfigured, StoreError,
+	OutcomeUnknown, TooLarge, Misconfigured, ScopeMissing, StoreError,
 }
 
 // problem is an error the server answers itself, as RFC 9457 application/problem+json.
@@ -108,12 +110,21 @@ var (
 		"The request body cannot be checked for idempotency on this route.", false)
 	problemStoreUnavailable = newProblem(StoreError, http.StatusServiceUnavailable, "store-unavailable",
 		"The idempotency store is unavailable; retry later.", true)
+	problemUnknownRoute = newProblem(Misconfigured, http.StatusInternalServerError, "unknown-idempotency-route",
+		"The gateway names an idempotency policy that does not exist.", false)
+	problemRouteMismatch = newProblem(Misconfigured, http.StatusInternalServerError, "unknown-idempotency-route",
+		"The gateway names an idempotency policy whose path parameters this request does not have.", false)
+	problemScopeMissing = newProblem(ScopeMissing, http.StatusUnauthorized, "scope-missing",
+		"This endpoint requires an authenticated caller for idempotent requests.", false)
+	problemScopeAmbiguous = newProblem(Misconfigured, http.StatusInternalServerError, "scope-ambiguous",
+		"The caller's identity cannot be told apart for idempotency on this route.", false)
 )
 
 var problems = []*problem{
 	problemMissingKey, problemInvalidKey, problemInvalidTTL, problemInProgress, problemReused,
 	problemNotReplayable, problemOutcomeUnknown, problemTooLarge, problemBodyNotAvailable,
-	problemStoreUnavailable,
+	problemStoreUnavailable, problemUnknownRoute, problemRouteMismatch, problemScopeMissing,
+	problemScopeAmbiguous,
 }
 
 // Release reasons, the reason label of idempotency_releases_total.
@@ -142,9 +153,15 @@ const (
 	MisconfigBodyNotAvailable = "body_not_available"
 	// MisconfigObservabilityMode: the filter runs in observability_mode and ignores every answer.
 	MisconfigObservabilityMode = "observability_mode"
+	// MisconfigUnknownRoute: x-idempotency-route names a route the policy does not define, or one
+	// whose path parameters the request's path does not have.
+	MisconfigUnknownRoute = "unknown_route"
+	// MisconfigScopeAmbiguous: jwt_claim scope with several jwt_authn payloads and no
+	// jwt_payload_key.
+	MisconfigScopeAmbiguous = "scope_ambiguous"
 )
 
 var misconfigKinds = []string{
 	MisconfigModeOverrideRefused, MisconfigAttemptCountMissing, MisconfigBodyNotAvailable,
-	MisconfigObservabilityMode,
+	MisconfigObservabilityMode, MisconfigUnknownRoute, MisconfigScopeAmbiguous,
 }

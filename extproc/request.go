@@ -4,13 +4,16 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"hash"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
@@ -152,6 +155,30 @@ func parseTTL(v []byte, max time.Duration) (time.Duration, error) {
 	return time.Duration(secs) * time.Second, nil
 }
 
+// preferWait returns the wait=N preference of the request's Prefer headers (RFC 7240 §4.3): a
+// comma-separated list of token[=value] preferences, each with optional ;-parameters, names
+// compared without case.
+func preferWait(h headers) (int64, bool) {
+	for _, v := range h {
+		if v.GetKey() != headerPrefer {
+			continue
+		}
+		for _, pref := range strings.Split(string(headerValue(v)), ",") {
+			pref, _, _ = strings.Cut(pref, ";")
+			name, value, ok := strings.Cut(strings.TrimSpace(pref), "=")
+			if !ok || !strings.EqualFold(strings.TrimSpace(name), "wait") {
+				continue
+			}
+			n, err := strconv.ParseInt(strings.Trim(strings.TrimSpace(value), `"`), 10, 64)
+			if err != nil || n < 0 {
+				return 0, false
+			}
+			return n, true
+		}
+	}
+	return 0, false
+}
+
 // splitPath returns the path without its query.
 func splitPath(p []byte) []byte {
 	for i, c := range p {
@@ -165,112 +192,209 @@ func splitPath(p []byte) []byte {
 // digest hashes length-prefixed fields so that no two different sequences of fields collide.
 // One digest serves every hash of a request: reset between uses, it allocates nothing more.
 type digest struct {
-	h       hash.Hash
+	h       hash.Hash // SHA-256, for the body-hash key
+	key     hash.Hash // the stored key's and the fingerprint's: SHA-256, or HMAC-SHA256 under a secret
 	scratch []byte
 	sum     [sha256.Size]byte
 }
 
-func newDigest() *digest { return &digest{h: sha256.New(), scratch: make([]byte, 0, 64)} }
+// newDigest returns a digest whose stored keys are hashed with keyHash (SHA-256 when nil).
+func newDigest(keyHash func() hash.Hash) *digest {
+	d := &digest{h: sha256.New(), scratch: make([]byte, 0, 64)}
+	d.key = d.h
+	if keyHash != nil {
+		d.key = keyHash()
+	}
+	return d
+}
 
 func (d *digest) reset() { d.h.Reset() }
 
-func (d *digest) length(n int) {
+func (d *digest) length(h hash.Hash, n int) {
 	d.scratch = binary.AppendUvarint(d.scratch[:0], uint64(n))
-	d.h.Write(d.scratch)
+	h.Write(d.scratch)
 }
 
-func (d *digest) field(b []byte) {
-	d.length(len(b))
-	d.h.Write(b)
+func (d *digest) field(h hash.Hash, b []byte) {
+	d.length(h, len(b))
+	h.Write(b)
 }
 
-func (d *digest) fieldString(s string) {
+func (d *digest) fieldString(h hash.Hash, s string) {
 	d.scratch = binary.AppendUvarint(d.scratch[:0], uint64(len(s)))
 	d.scratch = append(d.scratch, s...)
-	d.h.Write(d.scratch)
+	h.Write(d.scratch)
 }
 
 // headerValues hashes every value of name in order, preceded by their count, so that an absent
 // header, an empty one and several differ.
-func (d *digest) headerValues(h headers, name string) {
-	d.fieldString(name)
+func (d *digest) headerValues(w hash.Hash, h headers, name string) {
+	d.fieldString(w, name)
 	count := 0
 	for _, v := range h {
 		if v.GetKey() == name {
 			count++
 		}
 	}
-	d.length(count)
+	d.length(w, count)
 	for _, v := range h {
 		if v.GetKey() == name {
-			d.field(headerValue(v))
+			d.field(w, headerValue(v))
 		}
 	}
 }
 
-// finish returns the hash of what was written; it is valid until the next reset.
-func (d *digest) finish() []byte { return d.h.Sum(d.sum[:0]) }
+// finish returns the hash of what was written to h; it is valid until the next reset.
+func (d *digest) finish(h hash.Hash) []byte { return h.Sum(d.sum[:0]) }
 
 // fingerprint returns the SHA-256 over the route's fingerprint parts and fingerprint headers.
 // A route that lists no part (SPEC §4: the mismatch check is off; the policy refuses fingerprint
 // headers beside it) gets the hash of its name instead: nothing is checked within the route,
 // and a key reused from another route is still another endpoint's (422). Renaming such a route
 // makes its records mismatch until they expire.
+//
+// Under a key-hash secret the fingerprint is keyed too, so that someone who reads the store
+// cannot test guesses of a request's body against it.
 func (d *digest) fingerprint(r *policy.Route, method, path, body []byte, h headers) []byte {
-	d.reset()
+	w := d.key
+	w.Reset()
 	if len(r.Fingerprint) == 0 {
-		d.fieldString("route")
-		d.fieldString(r.Name)
-		return append([]byte(nil), d.finish()...)
+		d.fieldString(w, "route")
+		d.fieldString(w, r.Name)
+		return append([]byte(nil), d.finish(w)...)
 	}
 	for _, p := range r.Fingerprint {
-		d.fieldString(string(p))
+		d.fieldString(w, string(p))
 		switch p {
 		case policy.PartMethod:
-			d.field(method)
+			d.field(w, method)
 		case policy.PartPath:
-			d.field(path)
+			d.field(w, path)
 		case policy.PartBody:
-			d.field(body)
+			d.field(w, body)
 		}
 	}
 	for _, name := range r.FingerprintHeaders {
-		d.headerValues(h, name)
+		d.headerValues(w, h, name)
 	}
-	return append([]byte(nil), d.finish()...)
+	return append([]byte(nil), d.finish(w)...)
 }
 
 // bodyHashKey is the key of a request without one under missing_key: body-hash: the hex SHA-256
 // of its method, path (with query) and body.
 func (d *digest) bodyHashKey(method, path, body []byte) string {
 	d.reset()
-	d.field(method)
-	d.field(path)
-	d.field(body)
-	return hex.EncodeToString(d.finish())
+	d.field(d.h, method)
+	d.field(d.h, path)
+	d.field(d.h, body)
+	return hex.EncodeToString(d.finish(d.h))
 }
 
-// storeKey returns key_prefix + hex SHA-256 of the scope values and the client's key, so that
-// clients whose scope differs never share a record and raw keys never reach the store. short is
-// the first 12 hex digits, for logs.
-func (d *digest) storeKey(r *policy.Route, h headers, pathParams []string, key string) (stored, short string) {
-	d.reset()
-	for _, name := range r.ScopeHeaders {
-		d.headerValues(h, name)
+// scope is what a request's scope values are read from (SPEC §9): its headers, the payload
+// jwt_authn verified, the mTLS peer's URI SAN, and the route's path parameters.
+type scope struct {
+	headers headers
+	jwt     *structpb.Struct // the verified payload; nil when there is none
+	peer    string           // connection.uri_san_peer_certificate; "" when there is none
+	params  []string         // aligned with the route's path_param entries
+}
+
+// storeKey returns key_prefix + the hex hash of the scope values and the client's key, so that
+// clients whose scope differs never share a record and raw keys never reach the store, and the
+// hex hash alone, the record's key_hash (SPEC §10).
+//
+// Each value is hashed behind its source's name, length-prefixed: a header's as before scope
+// sources existed (its name, its value count, its values), so records stored by scope_headers
+// keep their keys; a path parameter's likewise (its name, its value); a claim's and the peer's
+// behind "jwt_claim:<name>" and "peer_identity:", names no header or group can have, so that
+// header: x and jwt_claim: x never collide. An absent claim and an empty one differ.
+func (d *digest) storeKey(r *policy.Route, sc scope, key string) (stored, keyHash string) {
+	w := d.key
+	w.Reset()
+	param := 0
+	for _, src := range r.Scope {
+		switch src.Kind {
+		case policy.ScopeHeader:
+			d.headerValues(w, sc.headers, src.Name)
+		case policy.ScopePathParam:
+			d.fieldString(w, src.Name)
+			d.fieldString(w, sc.params[param])
+			param++
+		case policy.ScopeJWTClaim:
+			d.fieldString(w, "jwt_claim:"+src.Name)
+			v, ok := claim(sc.jwt, src.Name)
+			d.length(w, boolInt(ok))
+			if ok {
+				d.field(w, v)
+			}
+		case policy.ScopePeerIdentity:
+			d.fieldString(w, "peer_identity:")
+			d.fieldString(w, sc.peer)
+		}
 	}
-	for i, name := range r.ScopePathParams {
-		d.fieldString(name)
-		d.fieldString(pathParams[i])
-	}
-	d.fieldString(key)
+	d.fieldString(w, key)
 	var b strings.Builder
 	b.Grow(len(r.KeyPrefix) + 2*sha256.Size)
 	b.WriteString(r.KeyPrefix)
 	var hexSum [2 * sha256.Size]byte
-	hex.Encode(hexSum[:], d.finish())
+	hex.Encode(hexSum[:], w.Sum(d.sum[:0]))
 	b.Write(hexSum[:])
 	stored = b.String()
-	return stored, stored[len(r.KeyPrefix) : len(r.KeyPrefix)+12]
+	return stored, stored[len(r.KeyPrefix):]
+}
+
+// scopeEmpty reports whether every scope value of the request is empty or absent (SPEC §9,
+// require_scope).
+func scopeEmpty(r *policy.Route, sc scope) bool {
+	param := 0
+	for _, src := range r.Scope {
+		switch src.Kind {
+		case policy.ScopeHeader:
+			for _, v := range sc.headers {
+				if v.GetKey() == src.Name && len(headerValue(v)) > 0 {
+					return false
+				}
+			}
+		case policy.ScopePathParam:
+			if sc.params[param] != "" {
+				return false
+			}
+			param++
+		case policy.ScopeJWTClaim:
+			if v, ok := claim(sc.jwt, src.Name); ok && len(v) > 0 && string(v) != `""` {
+				return false
+			}
+		case policy.ScopePeerIdentity:
+			if sc.peer != "" {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// claim returns the value of a verified claim: a string as it is, anything else (a number, an
+// audience list, an object) as its JSON, which encoding/json writes with sorted keys.
+func claim(payload *structpb.Struct, name string) ([]byte, bool) {
+	v, ok := payload.GetFields()[name]
+	if !ok {
+		return nil, false
+	}
+	if s, ok := v.GetKind().(*structpb.Value_StringValue); ok {
+		return []byte(s.StringValue), true
+	}
+	b, err := json.Marshal(v.AsInterface())
+	if err != nil {
+		return nil, false
+	}
+	return b, true
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // lookup returns the first value of name and whether the header is present.

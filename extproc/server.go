@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash"
 	"io"
 	"runtime/debug"
 	"sync"
@@ -31,9 +32,6 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
-// DefaultMetadataNamespace is the dynamic metadata namespace the processor writes (SPEC §9).
-const DefaultMetadataNamespace = "idempotency"
-
 // Options configures a Server. Store is required; the zero value of every other field gives its
 // default.
 type Options struct {
@@ -47,6 +45,9 @@ type Options struct {
 	Metrics *Metrics
 	// Clock times lease renewals (default: the wall clock).
 	Clock clock.Clock
+	// KeyHash makes the hash of stored keys and fingerprints (default SHA-256); an HMAC under a
+	// secret keeps someone who reads the store from testing guesses (SPEC §12).
+	KeyHash func() hash.Hash
 }
 
 // Server implements Envoy's ExternalProcessor service. It is safe for concurrent use: each
@@ -64,12 +65,16 @@ type Server struct {
 	// The store-duration series of each operation.
 	acquireObs, renewObs, completeObs, releaseObs prometheus.Observer
 	metadataNamespace                             string
+	keyHash                                       func() hash.Hash
 
 	streams sync.WaitGroup
 	// misconfigLogs logs each kind of Envoy misconfiguration once per process.
 	misconfigLogs map[string]*sync.Once
 	// storeBroken is set once a store call panicked: the store may be locked or half changed.
 	storeBroken atomic.Bool
+	// unknownRoutes are the x-idempotency-route names already logged as unknown.
+	unknownMu     sync.Mutex
+	unknownRoutes map[string]bool
 }
 
 // routeState is what a route needs per request, built once: its metric series and the answers
@@ -78,6 +83,10 @@ type routeState struct {
 	outcomes map[Outcome]prometheus.Counter
 	releases map[string]prometheus.Counter
 	unknown  map[policy.UnknownOutcome]prometheus.Counter
+	// shadow counts what enforcement would have done, by outcome (shadow routes only).
+	shadow map[Outcome]prometheus.Counter
+	// waitCalls counts the store calls of duplicates waiting for an in-flight request.
+	waitCalls prometheus.Counter
 	// stored continues a response that will be stored; notStored also turns its body phase off.
 	stored, notStored *extprocv3.ProcessingResponse
 	// passThrough and passContinue answer the request headers of an uncovered request, with
@@ -115,8 +124,10 @@ func NewServer(opts Options) (*Server, error) {
 		metrics:           opts.Metrics,
 		clock:             opts.Clock,
 		routes:            make(map[*policy.Route]*routeState),
-		metadataNamespace: DefaultMetadataNamespace,
+		metadataNamespace: opts.Policy.MetadataNamespace,
+		keyHash:           opts.KeyHash,
 		misconfigLogs:     make(map[string]*sync.Once),
+		unknownRoutes:     make(map[string]bool),
 	}
 	for _, kind := range misconfigKinds {
 		s.misconfigLogs[kind] = &sync.Once{}
@@ -127,11 +138,20 @@ func NewServer(opts Options) (*Server, error) {
 			outcomes:     map[Outcome]prometheus.Counter{},
 			releases:     map[string]prometheus.Counter{},
 			unknown:      map[policy.UnknownOutcome]prometheus.Counter{},
-			stored:       markResponseHeaders(r.ReplayHeader, nil),
-			notStored:    markResponseHeaders(r.ReplayHeader, noStoreMode),
+			stored:       markResponseHeaders(r, nil, time.Time{}),
+			notStored:    markResponseHeaders(r, noStoreMode, time.Time{}),
 			passThrough:  withMetadata(passThroughRequestHeaders, passMeta),
 			passContinue: withMetadata(continues[kindRequestHeaders], passMeta),
 			problems:     map[*problem]*extprocv3.ProcessingResponse{},
+			shadow:       map[Outcome]prometheus.Counter{},
+			waitCalls:    s.metrics.waitCalls.WithLabelValues(r.Name),
+		}
+		for _, o := range Outcomes {
+			if r.Mode == policy.ModeShadow {
+				rs.shadow[o] = s.metrics.shadow.WithLabelValues(r.Name, string(o))
+			} else {
+				rs.shadow[o] = discard
+			}
 		}
 		for _, o := range Outcomes {
 			rs.outcomes[o] = s.metrics.requests.WithLabelValues(r.Name, string(o))
@@ -143,7 +163,11 @@ func NewServer(opts Options) (*Server, error) {
 			rs.unknown[u] = s.metrics.unknownOutcomes.WithLabelValues(r.Name, string(u))
 		}
 		for _, p := range problems {
-			rs.problems[p] = problemResponse(p, r.ReplayHeader)
+			resp, err := problemResponse(p, r)
+			if err != nil {
+				return nil, err
+			}
+			rs.problems[p] = resp
 		}
 		s.routes[r] = rs
 	}
@@ -153,15 +177,31 @@ func NewServer(opts Options) (*Server, error) {
 	return s, nil
 }
 
+// discard is a counter that goes nowhere, for the shadow series of routes that enforce.
+var discard = prometheus.NewCounter(prometheus.CounterOpts{Name: "discard"})
+
 func withMetadata(r *extprocv3.ProcessingResponse, md *structpb.Struct) *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: r.Response, ModeOverride: r.ModeOverride, DynamicMetadata: md}
 }
 
-// misconfigured counts a request that showed an Envoy misconfiguration of kind, and calls log the
-// first time the process sees that kind.
+// misconfigured counts a request that showed an Envoy misconfiguration of kind, and calls log
+// (if not nil) the first time the process sees that kind.
 func (s *Server) misconfigured(kind string, log func()) {
 	s.metrics.misconfig.WithLabelValues(kind).Inc()
-	s.misconfigLogs[kind].Do(log)
+	if log != nil {
+		s.misconfigLogs[kind].Do(log)
+	}
+}
+
+// firstUnknownRoute reports whether name is the first time an unknown route name is seen.
+func (s *Server) firstUnknownRoute(name string) bool {
+	s.unknownMu.Lock()
+	defer s.unknownMu.Unlock()
+	if s.unknownRoutes[name] {
+		return false
+	}
+	s.unknownRoutes[name] = true
+	return true
 }
 
 // Process implements [extprocv3.ExternalProcessorServer.Process]: it answers the messages of one

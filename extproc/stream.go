@@ -9,6 +9,7 @@ import (
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/rs/zerolog"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -66,11 +67,12 @@ func (e event) String() string { return eventNames[e] }
 // bug: fire logs it and settles the request, whose lease finish then handles.
 //
 //	from         on           to           when
-//	start        pass         pass         request_headers: not covered (route, method, no key, gRPC)
+//	start        pass         pass         request_headers: not covered (route, method, no key, gRPC), or shadow mode
 //	start        answer       settled      request_headers: 400, or the claim at the headers answered
 //	start        await-body   collect      request_headers: the claim needs the whole body
 //	start        run          running      request_headers: claimed (no body, or the route needs none)
 //	start        unprotected  unprotected  request_headers: store failed under fail_mode: open, or NONE body mode under open
+//	collect      pass         pass         shadow mode: the body's end, where enforcement would have answered
 //	collect      answer       settled      the body's end: 409/422/replay/503; 413 over max_request_bytes or partial
 //	collect      run          running      the body's end: claimed
 //	collect      unprotected  unprotected  the body's end: store failed under fail_mode: open; response headers before the body's end
@@ -89,6 +91,7 @@ var transitions = []struct {
 	{stateStart, evAwaitBody, stateCollect},
 	{stateStart, evRun, stateRunning},
 	{stateStart, evUnprotected, stateUnprotected},
+	{stateCollect, evPass, statePass},
 	{stateCollect, evAnswer, stateSettled},
 	{stateCollect, evRun, stateRunning},
 	{stateCollect, evUnprotected, stateUnprotected},
@@ -138,6 +141,7 @@ type stream struct {
 	route     *policy.Route
 	rs        *routeState // the route's metric series and fixed answers
 	params    []string
+	scope     scope
 	headers   headers
 	method    []byte
 	path      []byte
@@ -232,7 +236,7 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3
 	}
 	switch r := req.GetRequest().(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
-		st.requestHeaders(r.RequestHeaders)
+		st.requestHeaders(req, r.RequestHeaders)
 	case *extprocv3.ProcessingRequest_RequestBody:
 		st.requestBody(r.RequestBody.GetBody(), r.RequestBody.GetEndOfStream())
 	case *extprocv3.ProcessingRequest_RequestTrailers:
@@ -268,7 +272,16 @@ func (st *stream) pass(k msgKind, chunk []byte, eos bool) {
 	st.send(reply{kind: k})
 }
 
-func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) {
+// The metadata the processor reads: the jwt_authn payload forwarded in metadata_context, and the
+// policy route an Envoy route names in the stream's initial metadata (SPEC §9).
+const (
+	jwtAuthnNamespace = "envoy.filters.http.jwt_authn"
+	namedRouteHeader  = "x-idempotency-route"
+	attrRouteName     = "xds.route_name"
+	attrPeerIdentity  = "connection.uri_san_peer_certificate"
+)
+
+func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.HttpHeaders) {
 	if st.state != stateStart {
 		st.pass(kindRequestHeaders, nil, false)
 		return
@@ -278,7 +291,19 @@ func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) {
 	st.method = h.get(":method")
 	st.path = h.get(":path")
 	st.requestID = string(h.get("x-request-id"))
-	r, params := st.s.policy.Match(string(splitPath(st.path)))
+	attrs := req.GetAttributes()
+	sel := policy.Selector{Path: string(splitPath(st.path))}
+	sel.RouteName, _ = stringAttribute(attrs, attrRouteName)
+	if md, ok := metadata.FromIncomingContext(st.ctx); ok {
+		if v := md.Get(namedRouteHeader); len(v) > 0 {
+			sel.Named = v[0]
+		}
+	}
+	r, params, err := st.s.policy.Select(sel)
+	if err != nil {
+		st.unknownRoute(sel.Named, err)
+		return
+	}
 	st.route, st.rs, st.params = r, st.s.routes[r], params
 
 	if !r.Enabled || !r.Covers(string(st.method)) || isGRPC(h) {
@@ -314,6 +339,23 @@ func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) {
 			st.ttl = ttl
 		}
 	}
+	st.scope = scope{headers: h, params: params}
+	st.scope.peer, _ = stringAttribute(attrs, attrPeerIdentity)
+	if usesClaims(r) {
+		payload, ok := jwtPayload(req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace], r.JWTPayloadKey)
+		if !ok {
+			st.s.misconfigured(MisconfigScopeAmbiguous, func() {
+				st.event(st.s.log.Error()).Msg("jwt_authn forwarded several payloads and the route scopes by jwt_claim without jwt_payload_key; name the payload (the provider's payload_in_metadata) in jwt_payload_key")
+			})
+			st.reject(problemScopeAmbiguous)
+			return
+		}
+		st.scope.jwt = payload
+	}
+	if r.RequireScope && scopeEmpty(r, st.scope) {
+		st.reject(problemScopeMissing)
+		return
+	}
 	if m.GetEndOfStream() || !st.needsBody() {
 		// Nothing to wait for: claim now, so that a duplicate's answer comes before its body is
 		// uploaded (SPEC §8).
@@ -337,6 +379,49 @@ func (st *stream) requestHeaders(m *extprocv3.HttpHeaders) {
 		// Envoy sends the body only after this answer (reference §3).
 		st.send(reply{kind: kindRequestHeaders})
 	}
+}
+
+// unknownRoute answers a request whose Envoy route names a policy route that does not exist, or
+// one whose path parameters the request's path does not have: 500, never the defaults, which
+// would protect it under another route's scope and settings (SPEC §9). Each name is logged once.
+func (st *stream) unknownRoute(name string, err error) {
+	st.route, st.rs = st.s.policy.Default, st.s.routes[st.s.policy.Default]
+	st.s.misconfigured(MisconfigUnknownRoute, nil)
+	if st.s.firstUnknownRoute(name) {
+		st.event(st.s.log.Error()).Str("named_route", name).Err(err).Msg("x-idempotency-route names a route the policy cannot apply to this request; answering 500 unknown-idempotency-route")
+	}
+	p := problemUnknownRoute
+	if errors.Is(err, policy.ErrPathParams) {
+		p = problemRouteMismatch
+	}
+	st.reject(p)
+}
+
+// usesClaims reports whether the route's scope reads the jwt_authn payload.
+func usesClaims(r *policy.Route) bool {
+	for _, src := range r.Scope {
+		if src.Kind == policy.ScopeJWTClaim {
+			return true
+		}
+	}
+	return false
+}
+
+// jwtPayload returns the payload jwt_authn verified, from its metadata namespace: the one under
+// key, or the only one there when key is empty; ok is false when there are several and no key
+// says which.
+func jwtPayload(ns *structpb.Struct, key string) (payload *structpb.Struct, ok bool) {
+	fields := ns.GetFields()
+	if key != "" {
+		return fields[key].GetStructValue(), true
+	}
+	for _, v := range fields {
+		if payload != nil {
+			return nil, false
+		}
+		payload = v.GetStructValue()
+	}
+	return payload, true
 }
 
 // isGRPC reports whether the request is gRPC (content-type application/grpc, +proto, …).
@@ -366,7 +451,7 @@ func (st *stream) bodyNotAvailable() {
 	st.s.misconfigured(MisconfigBodyNotAvailable, func() {
 		st.event(st.s.log.Error()).Msg("request_body_mode is NONE, so the processor never sees the bodies of covered requests that need them (fingerprint: body, or missing_key: body-hash); set request_body_mode BUFFERED, or drop body from this route's fingerprint")
 	})
-	if st.s.policy.FailMode == policy.FailOpen {
+	if st.s.policy.FailMode == policy.FailOpen && !st.shadow() {
 		st.outcome = Passthrough
 		st.fire(evUnprotected)
 		st.send(reply{kind: kindRequestHeaders})
@@ -439,9 +524,14 @@ func (st *stream) passThrough() {
 	st.send(reply{kind: kindRequestHeaders, mode: passThroughMode})
 }
 
-// reject settles a covered request with a problem answered by the server.
+// reject settles a covered request with a problem answered by the server (in shadow mode, it only
+// counts it).
 func (st *stream) reject(p *problem) {
 	st.covered = true
+	if st.shadow() {
+		st.shadowed(p.outcome)
+		return
+	}
 	st.outcome = p.outcome
 	st.fire(evAnswer)
 	st.send(reply{problem: p})
@@ -479,55 +569,125 @@ func (st *stream) flushOwed() {
 // replay, or running it under a fresh lease.
 func (st *stream) claim(body []byte) {
 	r := st.route
-	d := newDigest()
+	d := newDigest(st.s.keyHash)
 	if st.bodyHash {
 		st.key = d.bodyHashKey(st.method, st.path, body)
 	}
-	st.storeKey, st.keyHash = d.storeKey(r, st.headers, st.params, st.key)
+	st.storeKey, st.keyHash = d.storeKey(r, st.scope, st.key)
 	fp := d.fingerprint(r, st.method, st.path, body, st.headers)
 	if !st.fullDuplex(kindRequestBody) {
 		st.reqBody = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
 	}
 
-	lease, rec, err := st.s.acquire(st, cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.ttl})
-	switch {
-	case err != nil && st.ctx.Err() != nil:
-		// Envoy ended the stream during the call (the client went away): not the store's
-		// failure, and nobody waits for an answer. The request never went upstream.
-		st.event(st.s.log.Debug()).Err(err).Msg("stream ended during the store call")
-		st.fire(evAnswer)
-		return
-	case errors.Is(err, cache.ErrCorrupt):
-		// The record is there but cannot be read (a tampered or unknown-key sealed record, a
-		// layout this build does not know): the request ran once, so it must not run again.
-		st.event(st.s.log.Error()).Err(err).Msg("stored record cannot be read; answering response-not-replayable")
-		st.reject(problemNotReplayable)
-		return
-	case err != nil:
-		st.storeFailed("acquire", err)
-		if st.s.policy.FailMode == policy.FailOpen {
-			// Its response headers still come, for the replay header.
-			st.fire(evUnprotected)
-			st.flushOwed()
+	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.ttl}
+	wait, preferred := st.waitBudget()
+	var deadline time.Time
+	for {
+		lease, rec, err := st.s.acquire(st, c)
+		switch {
+		case err != nil && st.ctx.Err() != nil:
+			// Envoy ended the stream during the call (the client went away): not the store's
+			// failure, and nobody waits for an answer. The request never went upstream.
+			st.event(st.s.log.Debug()).Err(err).Msg("stream ended during the store call")
+			st.fire(evAnswer)
 			return
+		case errors.Is(err, cache.ErrCorrupt):
+			// The record is there but cannot be read (a tampered or unknown-key sealed record, a
+			// layout this build does not know): the request ran once, so it must not run again,
+			// whatever fail_mode says.
+			st.event(st.s.log.Error()).Err(err).Msg("stored record cannot be read; answering response-not-replayable")
+			st.reject(problemNotReplayable)
+			return
+		case err != nil:
+			st.storeFailed("acquire", err)
+			switch {
+			case st.shadow():
+				st.shadowed(StoreError)
+			case st.s.policy.FailMode == policy.FailOpen:
+				// Its response headers still come, for the replay header.
+				st.fire(evUnprotected)
+				st.flushOwed()
+			default:
+				st.reject(problemStoreUnavailable)
+			}
+			return
+		case rec == nil:
+			st.run(lease)
+			return
+		case rec.State == cache.Pending && fingerprintMatches(r, fp, rec.Fingerprint) && wait > 0 && !st.shadow():
+			// In flight: wait for the first request to complete rather than answer 409 at once
+			// (SPEC §11), polling no faster than every waitPoll.
+			now := st.s.clock.Now()
+			if deadline.IsZero() {
+				deadline = now.Add(wait)
+			}
+			if !now.Before(deadline) {
+				st.reject(problemInProgress)
+				return
+			}
+			if !st.sleep(min(waitPoll, deadline.Sub(now))) {
+				st.fire(evAnswer) // Envoy gave up on the request: nobody waits for an answer
+				return
+			}
+			st.rs.waitCalls.Inc()
+			continue
 		}
-		st.reject(problemStoreUnavailable)
-		return
-	case rec != nil:
-		st.answerExisting(fp, rec)
+		waited := ""
+		if preferred && !deadline.IsZero() {
+			waited = "wait=" + strconv.Itoa(int(wait/time.Second))
+		}
+		st.answerExisting(fp, rec, waited)
 		return
 	}
+}
+
+// waitPoll is the least time between two store calls of a waiting duplicate (SPEC §11).
+const waitPoll = 50 * time.Millisecond
+
+// waitBudget returns how long a duplicate of a request in flight may wait for its replay: the
+// route's in_flight_wait, or less when the client's Prefer: wait=N asks for less (RFC 7240);
+// preferred reports whether the client asked.
+func (st *stream) waitBudget() (wait time.Duration, preferred bool) {
+	wait = st.route.InFlightWait
+	if wait == 0 {
+		return 0, false
+	}
+	if n, ok := preferWait(st.headers); ok {
+		return min(wait, time.Duration(n)*time.Second), true
+	}
+	return wait, false
+}
+
+// sleep waits d on the server's clock, and reports false when the stream ended first.
+func (st *stream) sleep(d time.Duration) bool {
+	done := make(chan struct{})
+	t := st.s.clock.AfterFunc(d, func() { close(done) })
+	select {
+	case <-done:
+		return true
+	case <-st.ctx.Done():
+		t.Stop()
+		return false
+	}
+}
+
+// run lets the claimed request go upstream under its lease.
+func (st *stream) run(lease cache.Lease) {
 	st.lease = lease
 	st.outcome = Executed
 	st.s.metrics.inflight.Inc()
 	st.startRenewal()
+	if st.shadow() {
+		st.rs.shadow[Executed].Inc()
+	}
 	st.fire(evRun)
 	st.flushOwed()
 }
 
 // answerExisting answers a request whose key already has a record. The mismatch check comes
-// before the in-flight and replay checks (SPEC §4).
-func (st *stream) answerExisting(fp []byte, rec *cache.Record) {
+// before the in-flight and replay checks (SPEC §4). waited is the Preference-Applied value of a
+// duplicate that waited for the replay.
+func (st *stream) answerExisting(fp []byte, rec *cache.Record, waited string) {
 	switch {
 	case !fingerprintMatches(st.route, fp, rec.Fingerprint):
 		st.reject(problemReused)
@@ -537,11 +697,32 @@ func (st *stream) answerExisting(fp []byte, rec *cache.Record) {
 		st.reject(problemOutcomeUnknown)
 	case rec.Response.BodyOmitted:
 		st.reject(problemNotReplayable)
+	case st.shadow():
+		st.shadowed(Replayed)
 	default:
 		st.outcome = Replayed
 		st.fire(evAnswer)
-		st.send(reply{replay: &rec.Response})
+		st.send(reply{replay: rec, waited: waited})
 	}
+}
+
+// shadow reports whether the request's route is in shadow mode: claimed and recorded as under
+// enforce, but never answered by the processor (SPEC §10).
+func (st *stream) shadow() bool { return st.route != nil && st.route.Mode == policy.ModeShadow }
+
+// shadowed counts and logs what enforcement would have answered, and lets the request go on
+// untouched instead.
+func (st *stream) shadowed(would Outcome) {
+	st.rs.shadow[would].Inc()
+	st.event(st.s.log.Info()).Str("would", string(would)).Msg("shadow mode: enforcement would have answered this request; it goes on untouched")
+	st.outcome = Passthrough
+	if st.state == stateStart {
+		st.owedHeaders = false
+		st.passThrough()
+		return
+	}
+	st.fire(evPass)
+	st.flushOwed()
 }
 
 // fingerprintMatches reports whether a record's fingerprint is this request's. A record without
@@ -564,7 +745,7 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 		fallthrough
 	case stateUnprotected:
 		st.fire(evSettle)
-		st.markResponse(false)
+		st.markResponse(false, false)
 		return
 	case statePass:
 		if st.overrideSent == passThroughMode {
@@ -596,13 +777,13 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 			st.unknownOutcome(st.status)
 		}
 		st.fire(evSettle)
-		st.markResponse(false)
+		st.markResponse(false, false)
 		return
 	}
 	if !r.StoreStatuses.Has(st.status) {
 		st.release(ReleaseStatus)
 		st.fire(evSettle)
-		st.markResponse(false)
+		st.markResponse(false, false)
 		return
 	}
 	st.respHeaders = replayableHeaders(h, r)
@@ -610,29 +791,46 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 	case m.GetEndOfStream():
 		st.complete()
 		st.fire(evSettle)
+		st.markResponse(true, st.completed)
 	case st.responseBodyMode == filterextproc.ProcessingMode_NONE:
 		// Envoy will not send the body: record the outcome now, without it, so that the request
 		// still runs at most once (duplicates get 409 response-not-replayable).
 		st.omitted = true
 		st.complete()
 		st.fire(evSettle)
+		st.markResponse(true, st.completed)
+	case !r.StoreBody:
+		// store_body: false keeps status and headers only (SPEC §12): nothing to capture.
+		st.omitted = true
+		st.complete()
+		st.fire(evSettle)
+		st.markResponse(false, st.completed)
 	default:
 		st.fire(evStore)
+		st.markResponse(true, true)
 	}
-	st.markResponse(true)
 }
 
-// markResponse answers response headers of a covered request with the replay header set to
-// false; a response whose body the processor need not see also has its body phase turned off,
-// unless Envoy would ignore the override (FULL_DUPLEX_STREAMED, reference §17.1) or sends no
-// body anyway.
-func (st *stream) markResponse(wantBody bool) {
-	if wantBody || st.fullDuplex(kindResponseBody) || st.responseBodyMode == filterextproc.ProcessingMode_NONE {
-		st.send(reply{kind: kindResponseHeaders, mark: true})
+// markResponse answers response headers of a covered request: the replay header set to false
+// (replay_header_fresh), and the record's expiry when the response is stored. A response whose
+// body the processor need not see also has its body phase turned off, unless Envoy would ignore
+// the override (FULL_DUPLEX_STREAMED, reference §17.1) or sends no body anyway. In shadow mode
+// the response goes on untouched.
+func (st *stream) markResponse(wantBody, stored bool) {
+	var mode *filterextproc.ProcessingMode
+	if !wantBody && !st.fullDuplex(kindResponseBody) && st.responseBodyMode != filterextproc.ProcessingMode_NONE {
+		mode = noStoreMode
+		st.overrideSent = noStoreMode
+	}
+	if st.shadow() {
+		st.send(reply{kind: kindResponseHeaders, mode: mode})
 		return
 	}
-	st.overrideSent = noStoreMode
-	st.send(reply{kind: kindResponseHeaders, mark: true, mode: noStoreMode})
+	var expires time.Time
+	if stored && st.route.ExpiresHeader != "" {
+		expires = st.s.clock.Now().Add(st.ttl)
+	}
+	st.send(reply{kind: kindResponseHeaders, mark: true, mode: mode, expires: expires})
 }
 
 // overrideRefused notes that Envoy sent a phase a mode_override had turned off: every request
