@@ -166,7 +166,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	if err := ctx.Err(); err != nil {
 		return Lease{}, nil, err
 	}
-	if len(key)+len(c.Fingerprint) > m.maxRecord-64 { // room for the stub Complete may write
+	if len(key)+len(c.Fingerprint) > m.maxRecord-128 { // room for the stub Complete may write, sealed or not
 		return Lease{}, nil, fmt.Errorf("cache: acquire: key and fingerprint of %d bytes, more than a record holds", len(key)+len(c.Fingerprint))
 	}
 	m.mu.Lock()

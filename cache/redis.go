@@ -34,7 +34,7 @@ const pipelineSlots = 2
 //	28      13     lifetime of the completed record in milliseconds, decimal, zero-padded
 //	41      8      fingerprint length, hexadecimal
 //	49      n      fingerprint
-//	49+n           encoded response (completed only)
+//	49+n           encoded response (completed only; sealed under the key with a Keyring, see sealed.go)
 //
 // The key's own expiry is the lease while pending and the TTL once completed. The scripts below
 // read the same offsets, built from these constants.
@@ -373,7 +373,7 @@ func (r *Redis) Renew(ctx context.Context, l Lease, d time.Duration) error {
 // Complete implements [Store.Complete].
 func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 	resp = resp.normalized()
-	blob := appendStoredResponse(make([]byte, 0, storedResponseSize(resp, r.ring)), resp, r.ring, []byte(l.key))
+	blob := appendStoredResponse(make([]byte, 0, storedResponseSize(resp, r.ring)), resp, r.ring, sealedAAD(r.ring, l.key))
 	return r.owned(ctx, "complete", completeScript, l, blob)
 }
 

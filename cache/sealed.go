@@ -28,6 +28,15 @@ func appendStoredResponse(dst []byte, r Response, ring *seal.Keyring, aad []byte
 	return ring.Seal(dst, plain, aad)
 }
 
+// sealedAAD returns the associated data appendStoredResponse needs for a record stored under
+// key: the key when ring is set, else nothing (and no allocation).
+func sealedAAD(ring *seal.Keyring, key string) []byte {
+	if ring == nil {
+		return nil
+	}
+	return []byte(key)
+}
+
 // storedResponseSize returns len(appendStoredResponse(nil, r, ring, aad)) without encoding.
 func storedResponseSize(r Response, ring *seal.Keyring) int {
 	n := encodedResponseSize(r)

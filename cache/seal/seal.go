@@ -178,6 +178,9 @@ func (k *Keyring) IDs() []string { return append([]string(nil), k.order...) }
 
 // String describes k by its key ids only, so that printing a Keyring shows no key material.
 func (k *Keyring) String() string {
+	if k == nil {
+		return "seal.Keyring(nil)"
+	}
 	return fmt.Sprintf("seal.Keyring{active %q, ids %q}", k.ActiveID(), k.order)
 }
 
