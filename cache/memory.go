@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/idempotency-extproc/idempotency-extproc/cache/seal"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
@@ -33,6 +34,11 @@ type MemoryOptions struct {
 	MaxBytes int64
 	// Clock tells the time for leases and TTLs (default the wall clock).
 	Clock clock.Clock
+	// Keyring, when set, seals every response the store keeps (status, headers and body) with
+	// its active key, bound to the record's key, and opens them on Acquire (SPEC §12). Responses
+	// stored without a keyring still read; one that cannot be opened (its key is not in the
+	// keyring, it was altered or moved, or the store has no keyring) gives ErrUnreadable.
+	Keyring *seal.Keyring
 }
 
 // Memory is a Store that keeps records in this process. It is the default for a single replica.
@@ -65,6 +71,8 @@ type Memory struct {
 	// maxRecord bounds a record's bytes, whose sizes are kept as int32: a larger response is
 	// stored as too large to replay.
 	maxRecord int
+	// ring seals responses, when set.
+	ring *seal.Keyring
 
 	mu     sync.Mutex
 	closed bool
@@ -139,6 +147,7 @@ func NewMemory(opts MemoryOptions) (*Memory, error) {
 		hash:      func(key string) uint64 { return maphash.String(seed, key) },
 		index:     make(map[uint64]int32),
 		maxRecord: math.MaxInt32,
+		ring:      opts.Keyring,
 	}
 	m.arena = &arena{}
 	m.arena.init(defaultSegmentSize)
@@ -157,7 +166,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	if err := ctx.Err(); err != nil {
 		return Lease{}, nil, err
 	}
-	if len(key)+len(c.Fingerprint) > m.maxRecord-64 { // room for the stub Complete may write
+	if len(key)+len(c.Fingerprint) > m.maxRecord-128 { // room for the stub Complete may write, sealed or not
 		return Lease{}, nil, fmt.Errorf("cache: acquire: key and fingerprint of %d bytes, more than a record holds", len(key)+len(c.Fingerprint))
 	}
 	m.mu.Lock()
@@ -191,7 +200,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 			rec.Fingerprint = buf[respLen:len(buf):len(buf)]
 		}
 		if state == Completed {
-			resp, err := decodeResponse(buf[:respLen:respLen])
+			resp, err := decodeStoredResponse(buf[:respLen:respLen], m.ring, key)
 			if err != nil {
 				return Lease{}, nil, err
 			}
@@ -239,7 +248,7 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 	// (a SHA-256). The arena keeps a record too big for a segment as it is, and copies one that
 	// fits; the latter is encoded into a pooled buffer, so a completion leaves no garbage of its
 	// size.
-	size := len(l.key) + encodedResponseSize(resp) + 32
+	size := len(l.key) + storedResponseSize(resp, m.ring) + 32
 	var blob []byte
 	var buf *[]byte
 	if size > m.arena.maxInline() {
@@ -248,7 +257,8 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 		buf = encodeBuffers.Get().(*[]byte)
 		blob = slices.Grow((*buf)[:0], size)
 	}
-	blob = appendResponse(append(blob, l.key...), resp)
+	blob = append(blob, l.key...)
+	blob = appendStoredResponse(blob, resp, m.ring, blob[:len(l.key)])
 	kept := false
 	err := m.update(ctx, l, func(i int32, now int64) {
 		e := m.entry(i)
@@ -256,7 +266,8 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 		rec, respLen := append(blob, fp...), len(blob)-len(l.key)
 		if n := len(rec); int64(n)+entryOverhead > m.maxBytes || n > m.maxRecord {
 			// Keep the key claimed rather than let a duplicate run again.
-			stub := appendResponse([]byte(l.key), Response{Status: resp.Status, BodyOmitted: true})
+			stub := []byte(l.key)
+			stub = appendStoredResponse(stub, Response{Status: resp.Status, BodyOmitted: true}, m.ring, stub)
 			rec, respLen = append(stub, fp...), len(stub)-len(l.key)
 		}
 		// The record moves: its old bytes go, and the new ones may land anywhere.

@@ -9,6 +9,10 @@ import (
 // that changes the layout writes a new byte and keeps decoding this one.
 const responseFormat byte = 1
 
+// responseSealed is the first byte of a sealed response: the envelope (package seal) of a
+// response encoded as above follows, sealed under the record's stored key. See sealed.go.
+const responseSealed byte = 2
+
 // The flags byte of an encoded response.
 const (
 	flagBodyOmitted    byte = 1 << 0

@@ -13,6 +13,8 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	"github.com/redis/go-redis/v9/maintnotifications"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache/seal"
 )
 
 // DefaultRedisTimeout bounds each Redis call when RedisOptions.Timeout is zero.
@@ -32,7 +34,7 @@ const pipelineSlots = 2
 //	28      13     lifetime of the completed record in milliseconds, decimal, zero-padded
 //	41      8      fingerprint length, hexadecimal
 //	49      n      fingerprint
-//	49+n           encoded response (completed only)
+//	49+n           encoded response (completed only; sealed under the key with a Keyring, see sealed.go)
 //
 // The key's own expiry is the lease while pending and the TTL once completed. The scripts below
 // read the same offsets, built from these constants.
@@ -100,6 +102,11 @@ type RedisOptions struct {
 	Timeout time.Duration
 	// PoolSize is the connection pool size per node (default go-redis': 10 per CPU).
 	PoolSize int
+	// Keyring, when set, seals every response the store keeps (status, headers and body) with
+	// its active key, bound to the record's key, and opens them on Acquire (SPEC §12). Responses
+	// stored without a keyring still read; one that cannot be opened (its key is not in the
+	// keyring, it was altered or moved, or the store has no keyring) gives ErrUnreadable.
+	Keyring *seal.Keyring
 }
 
 // Redis is a Store backed by Redis 7.0 or later (or Valkey): standalone, Sentinel or Cluster.
@@ -112,6 +119,7 @@ type Redis struct {
 	timeout time.Duration
 	pipe    *pipeline
 	orphans *orphans
+	ring    *seal.Keyring // seals responses, when set
 }
 
 var _ Store = (*Redis)(nil)
@@ -124,7 +132,9 @@ func OpenRedis(opts RedisOptions) (*Redis, error) {
 	if err != nil {
 		return nil, err
 	}
-	return NewRedis(client, opts.Timeout), nil
+	r := NewRedis(client, opts.Timeout)
+	r.ring = opts.Keyring
+	return r, nil
 }
 
 // NewRedis returns a Store that uses client, bounding every call by timeout (default
@@ -269,7 +279,7 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	default:
 		return Lease{}, nil, redisError("acquire", err)
 	}
-	rec, owner, err := decodeRecord(found)
+	rec, owner, err := decodeRecord(found, r.ring, key)
 	if err != nil {
 		return Lease{}, nil, err
 	}
@@ -316,8 +326,9 @@ func (r *Redis) bound(ctx context.Context) (context.Context, context.CancelFunc)
 	return context.WithTimeout(ctx, r.timeout)
 }
 
-// decodeRecord decodes a record and returns it with its owner token.
-func decodeRecord(v string) (*Record, string, error) {
+// decodeRecord decodes the record stored under key, opening its response with ring, and returns
+// it with its owner token.
+func decodeRecord(v string, ring *seal.Keyring, key string) (*Record, string, error) {
 	if len(v) < headerLen {
 		return nil, "", fmt.Errorf("%w: a record of %d bytes", ErrCorrupt, len(v))
 	}
@@ -340,7 +351,7 @@ func decodeRecord(v string) (*Record, string, error) {
 		rec.State = Pending
 	case 'c':
 		rec.State = Completed
-		resp, err := decodeResponse(b[n:])
+		resp, err := decodeStoredResponse(b[n:], ring, key)
 		if err != nil {
 			return nil, "", err
 		}
@@ -362,7 +373,7 @@ func (r *Redis) Renew(ctx context.Context, l Lease, d time.Duration) error {
 // Complete implements [Store.Complete].
 func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 	resp = resp.normalized()
-	blob := appendResponse(make([]byte, 0, encodedResponseSize(resp)), resp)
+	blob := appendStoredResponse(make([]byte, 0, storedResponseSize(resp, r.ring)), resp, r.ring, sealedAAD(r.ring, l.key))
 	return r.owned(ctx, "complete", completeScript, l, blob)
 }
 
