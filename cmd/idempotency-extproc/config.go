@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"hash"
 	"io"
 	"net"
 	"os"
@@ -16,6 +17,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/cache/seal"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
@@ -42,6 +44,10 @@ type config struct {
 	// keyHashSecret is the HMAC secret of stored keys, without the file's trailing newline; nil
 	// without --key-hash-secret-file.
 	keyHashSecret []byte
+	// keyring seals stored responses (from recordKeys); nil when off.
+	keyring *seal.Keyring
+	// keyHash makes the HMAC of stored keys (from keyHashSecret); nil for SHA-256.
+	keyHash func() hash.Hash
 
 	policy *policy.Policy
 }
@@ -160,10 +166,14 @@ func settings() []setting {
 		{name: "record-keys-file", doc: "a file of lines `<id>:<base64 of 32 bytes>`, the first the active key: stored responses are sealed with AES-256-GCM; records sealed with any listed key are read",
 			apply: func(c *config, v string) error {
 				b, err := readFile(v)
-				if err != nil {
+				if err != nil || b == nil {
 					return err
 				}
-				c.recordKeys = b
+				ring, err := seal.ParseKeyring(b)
+				if err != nil {
+					return fmt.Errorf("%s: %w", v, err) // names the line, never a key
+				}
+				c.recordKeys, c.keyring = b, ring
 				return nil
 			}},
 		{name: "key-hash-secret-file", doc: "a file of at least 32 bytes: stored keys are HMAC-SHA256 with it instead of SHA-256; changing it re-keys every record",
@@ -175,7 +185,11 @@ func settings() []setting {
 				if len(b) < minKeyHashSecret {
 					return fmt.Errorf("%s holds %d bytes; at least %d are needed (for example from head -c 32 /dev/urandom)", v, len(b), minKeyHashSecret)
 				}
-				c.keyHashSecret = b
+				h, err := seal.NewKeyHasher(b)
+				if err != nil {
+					return fmt.Errorf("%s: %w", v, err)
+				}
+				c.keyHashSecret, c.keyHash = b, h
 				return nil
 			}},
 	}
@@ -334,5 +348,6 @@ func (c *config) redisOptions(timeout time.Duration) cache.RedisOptions {
 		SentinelAddrs:  c.redisSentinelAddrs,
 		SentinelMaster: c.redisSentinelMaster,
 		Timeout:        timeout,
+		Keyring:        c.keyring,
 	}
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/base64"
 	"flag"
 	"io"
 	"os"
@@ -180,7 +181,7 @@ func writeNamed(t *testing.T, name, content string) string {
 
 func TestConfigSecretFiles(t *testing.T) {
 	token := writeNamed(t, "token", "tok-3f9a\n")
-	keys := writeNamed(t, "keys", "k2:"+strings.Repeat("A", 43)+"=\nk1:"+strings.Repeat("B", 43)+"=\n")
+	keys := writeNamed(t, "keys", "k2:"+strings.Repeat("A", 42)+"E=\nk1:"+strings.Repeat("B", 42)+"E=\n")
 	secret := writeNamed(t, "secret", strings.Repeat("s", 32)+"\r\n")
 
 	c, err := loadConfig([]string{"--admin-token-file", token}, env(map[string]string{
@@ -188,7 +189,10 @@ func TestConfigSecretFiles(t *testing.T) {
 	}), io.Discard)
 	require.NoError(t, err)
 	require.Equal(t, []byte("tok-3f9a"), c.adminToken, "without the trailing newline")
-	require.Equal(t, "k2:"+strings.Repeat("A", 43)+"=\nk1:"+strings.Repeat("B", 43)+"=\n", string(c.recordKeys), "as written, for the sealing package")
+	require.Equal(t, "k2:"+strings.Repeat("A", 42)+"E=\nk1:"+strings.Repeat("B", 42)+"E=\n", string(c.recordKeys), "as written")
+	require.Equal(t, "k2", c.keyring.ActiveID(), "the first line is the active key")
+	require.Equal(t, []string{"k2", "k1"}, c.keyring.IDs())
+	require.NotNil(t, c.keyHash)
 	require.Equal(t, []byte(strings.Repeat("s", 32)), c.keyHashSecret, "without the trailing CRLF")
 
 	other := writeNamed(t, "other-token", "tok-other")
@@ -217,6 +221,8 @@ func TestConfigBadSecretFiles(t *testing.T) {
 		{"a token with a space", "admin-token-file", ptr("s3cret-part other-part\n"), "the token holds spaces or control characters"},
 		{"a token on two lines", "admin-token-file", ptr("s3cret-part\nother-part\n"), "the token holds spaces or control characters"},
 		{"a short secret", "key-hash-secret-file", ptr("s3cret-but-short\n"), "holds 16 bytes; at least 32 are needed"},
+		{"a key that is not 32 bytes", "record-keys-file", ptr("a:" + base64.StdEncoding.EncodeToString([]byte("s3cret-but-short")) + "\n"), "line 1"},
+		{"a line without an id", "record-keys-file", ptr(base64.StdEncoding.EncodeToString([]byte(strings.Repeat("s3cret!!", 4))) + "\n"), "line 1"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -105,7 +105,7 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	if err != nil {
 		return err
 	}
-	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: cfg.policy, Logger: &log, Metrics: metrics})
+	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: cfg.policy, Logger: &log, Metrics: metrics, KeyHash: cfg.keyHash})
 	if err != nil {
 		return err
 	}
@@ -226,7 +226,7 @@ func memorySegmentMetrics() []prometheus.Collector {
 
 func openStore(cfg *config) (cache.Store, error) {
 	if cfg.store == "memory" {
-		return cache.NewMemory(cache.MemoryOptions{MaxBytes: cfg.memoryMaxBytes})
+		return cache.NewMemory(cache.MemoryOptions{MaxBytes: cfg.memoryMaxBytes, Keyring: cfg.keyring})
 	}
 	s, err := cache.OpenRedis(cfg.redisOptions(cfg.policy.StoreTimeout))
 	if err != nil {
