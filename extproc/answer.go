@@ -159,22 +159,37 @@ func streamedBody(k msgKind, chunk []byte, eos bool) *extprocv3.ProcessingRespon
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: br}}
 }
 
-// metadataFields builds the dynamic metadata of SPEC §9 under namespace.
-func metadataFields(namespace, route string, o Outcome, keyHash, releaseReason string) *structpb.Struct {
-	f := map[string]*structpb.Value{
-		"outcome":  structpb.NewStringValue(string(o)),
-		"route":    structpb.NewStringValue(route),
-		"replayed": structpb.NewBoolValue(o == Replayed),
-	}
+// metadataFields builds the dynamic metadata of SPEC §9 under namespace. The values that do not
+// vary per request are built once and shared (a message is only read once built).
+func metadataFields(namespace string, route *structpb.Value, o Outcome, keyHash, releaseReason string) *structpb.Struct {
+	f := make(map[string]*structpb.Value, 5)
+	f["outcome"] = outcomeValues[o]
+	f["route"] = route
+	f["replayed"] = replayedValues[o == Replayed]
 	if keyHash != "" {
 		f["key_hash"] = structpb.NewStringValue(keyHash)
 	}
 	if releaseReason != "" {
-		f["release_reason"] = structpb.NewStringValue(releaseReason)
+		f["release_reason"] = releaseValues[releaseReason]
 	}
 	return &structpb.Struct{Fields: map[string]*structpb.Value{
 		namespace: structpb.NewStructValue(&structpb.Struct{Fields: f}),
 	}}
+}
+
+var (
+	outcomeValues  = map[Outcome]*structpb.Value{}
+	releaseValues  = map[string]*structpb.Value{}
+	replayedValues = map[bool]*structpb.Value{false: structpb.NewBoolValue(false), true: structpb.NewBoolValue(true)}
+)
+
+func init() {
+	for _, o := range Outcomes {
+		outcomeValues[o] = structpb.NewStringValue(string(o))
+	}
+	for _, r := range releaseReasons {
+		releaseValues[r] = structpb.NewStringValue(r)
+	}
 }
 
 // setHeader is a header mutation that overwrites name; Envoy reads raw_value only (reference

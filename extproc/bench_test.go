@@ -11,6 +11,7 @@ import (
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/stretchr/testify/require"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"google.golang.org/grpc"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -93,8 +94,20 @@ func benchTargets(b *testing.B) []benchTarget {
 	b.Cleanup(func() { _ = mem.Close() })
 	srv, err := extproc.NewServer(extproc.Options{Store: mem, Policy: policy.Default()})
 	require.NoError(b, err)
-	return []benchTarget{{"null", extproctest.NullProcessor{}}, {"memory", srv}}
+	// Tracing on: every span sampled and handed to an exporter that drops it, so that the cost
+	// shown is the processor's and the SDK's, not an exporter's I/O.
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()), sdktrace.WithBatcher(discardSpans{}))
+	b.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	traced, err := extproc.NewServer(extproc.Options{Store: mem, Policy: policy.Default(), Tracer: tp.Tracer("bench")})
+	require.NoError(b, err)
+	return []benchTarget{{"null", extproctest.NullProcessor{}}, {"memory", srv}, {"memory-traced", traced}}
 }
+
+// discardSpans is a span exporter that drops every span.
+type discardSpans struct{}
+
+func (discardSpans) ExportSpans(context.Context, []sdktrace.ReadOnlySpan) error { return nil }
+func (discardSpans) Shutdown(context.Context) error                             { return nil }
 
 var benchSeq atomic.Int64
 
@@ -144,7 +157,7 @@ func BenchmarkProcess(b *testing.B) {
 // BenchmarkProcessOverhead alternates the null processor and the memory-store processor on the
 // same requests and reports the processor's time as a multiple of the null processor's.
 func BenchmarkProcessOverhead(b *testing.B) {
-	targets := benchTargets(b)
+	targets := benchTargets(b)[:2]
 	for _, w := range []string{"first", "replay"} {
 		b.Run(w, func(b *testing.B) {
 			ctx := b.Context()

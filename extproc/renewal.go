@@ -39,7 +39,7 @@ func (st *stream) startRenewal() {
 		// Outside the lock, so that stop never waits for a store call: a renewal that lands
 		// after the completion or release is refused by the store (the record is no longer
 		// pending), and one cut short by stop changes nothing.
-		err := st.s.renew(ctx, lease, lockTTL)
+		err := st.s.renew(ctx, st.storeSpan("renew"), lease, lockTTL)
 		switch {
 		case ctx.Err() != nil:
 			return

@@ -22,6 +22,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -45,6 +46,9 @@ type Options struct {
 	Metrics *Metrics
 	// Clock times lease renewals (default: the wall clock).
 	Clock clock.Clock
+	// Tracer, when set, traces every covered request and its store calls (SPEC §9); nil turns
+	// tracing off at no cost.
+	Tracer trace.Tracer
 	// KeyHash makes the hash of stored keys and fingerprints (default SHA-256); an HMAC under a
 	// secret keeps someone who reads the store from testing guesses (SPEC §12).
 	KeyHash func() hash.Hash
@@ -66,6 +70,7 @@ type Server struct {
 	acquireObs, renewObs, completeObs, releaseObs prometheus.Observer
 	metadataNamespace                             string
 	keyHash                                       func() hash.Hash
+	tracer                                        trace.Tracer
 
 	streams sync.WaitGroup
 	// misconfigLogs logs each kind of Envoy misconfiguration once per process.
@@ -93,6 +98,8 @@ type routeState struct {
 	// and without the pass-through mode_override, carrying the route's dynamic metadata.
 	passThrough, passContinue *extprocv3.ProcessingResponse
 	problems                  map[*problem]*extprocv3.ProcessingResponse
+	// name is the route's name as a metadata value.
+	name *structpb.Value
 }
 
 // NewServer returns a Server.
@@ -126,6 +133,7 @@ func NewServer(opts Options) (*Server, error) {
 		routes:            make(map[*policy.Route]*routeState),
 		metadataNamespace: opts.Policy.MetadataNamespace,
 		keyHash:           opts.KeyHash,
+		tracer:            opts.Tracer,
 		misconfigLogs:     make(map[string]*sync.Once),
 		unknownRoutes:     make(map[string]bool),
 	}
@@ -133,7 +141,8 @@ func NewServer(opts Options) (*Server, error) {
 		s.misconfigLogs[kind] = &sync.Once{}
 	}
 	for _, r := range append([]*policy.Route{opts.Policy.Default}, opts.Policy.Routes...) {
-		passMeta := metadataFields(s.metadataNamespace, r.Name, Passthrough, "", "")
+		routeValue := structpb.NewStringValue(r.Name)
+		passMeta := metadataFields(s.metadataNamespace, routeValue, Passthrough, "", "")
 		rs := &routeState{
 			outcomes:     map[Outcome]prometheus.Counter{},
 			releases:     map[string]prometheus.Counter{},
@@ -145,6 +154,7 @@ func NewServer(opts Options) (*Server, error) {
 			problems:     map[*problem]*extprocv3.ProcessingResponse{},
 			shadow:       map[Outcome]prometheus.Counter{},
 			waitCalls:    s.metrics.waitCalls.WithLabelValues(r.Name),
+			name:         routeValue,
 		}
 		for _, o := range Outcomes {
 			if r.Mode == policy.ModeShadow {
@@ -294,36 +304,41 @@ func (s *Server) Wait(ctx context.Context) error {
 // lets the panic end the process. Nothing here recovers.
 
 func (s *Server) acquire(st *stream, c cache.Claim) (cache.Lease, *cache.Record, error) {
-	start := time.Now()
+	start, sp := time.Now(), st.storeSpan("acquire")
 	st.inStore = true
 	l, rec, err := s.store.Acquire(st.ctx, st.storeKey, c)
 	st.inStore = false
 	s.acquireObs.Observe(time.Since(start).Seconds())
+	endStoreSpan(sp, err)
 	return l, rec, err
 }
 
 func (s *Server) complete(st *stream, ctx context.Context, l cache.Lease, r cache.Response) error {
-	start := time.Now()
+	start, sp := time.Now(), st.storeSpan("complete")
 	st.inStore = true
 	err := s.store.Complete(ctx, l, r)
 	st.inStore = false
 	s.completeObs.Observe(time.Since(start).Seconds())
+	endStoreSpan(sp, err)
 	return err
 }
 
 func (s *Server) release(st *stream, ctx context.Context, l cache.Lease) error {
-	start := time.Now()
+	start, sp := time.Now(), st.storeSpan("release")
 	st.inStore = true
 	err := s.store.Release(ctx, l)
 	st.inStore = false
 	s.releaseObs.Observe(time.Since(start).Seconds())
+	endStoreSpan(sp, err)
 	return err
 }
 
-// renew runs on a renewal's timer goroutine, where a panic ends the process by itself.
-func (s *Server) renew(ctx context.Context, l cache.Lease, d time.Duration) error {
+// renew runs on a renewal's timer goroutine, where a panic ends the process by itself; sp is its
+// span, or nil.
+func (s *Server) renew(ctx context.Context, sp trace.Span, l cache.Lease, d time.Duration) error {
 	start := time.Now()
 	err := s.store.Renew(ctx, l, d)
 	s.renewObs.Observe(time.Since(start).Seconds())
+	endStoreSpan(sp, err)
 	return err
 }

@@ -9,6 +9,7 @@ import (
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/rs/zerolog"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/structpb"
 
@@ -184,8 +185,11 @@ type stream struct {
 	sentOutcome Outcome
 	sentReason  string
 	// inStore is set while a store call runs on the stream's goroutine: a panic that leaves it
-	// set came from inside the store (see Server.recoverStream).
+	// set came from inside the store (see Server.StreamInterceptor).
 	inStore bool
+	// span is the request's trace span and spanCtx its context; nil without a tracer.
+	span    trace.Span
+	spanCtx context.Context
 }
 
 func newStream(s *Server, ctx context.Context) *stream {
@@ -327,6 +331,7 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 		st.bodyHash = true
 	}
 	st.covered = true
+	st.beginSpan()
 	st.key = key
 	st.ttl = r.TTL
 	if r.TTLHeader != "" {
@@ -528,6 +533,7 @@ func (st *stream) passThrough() {
 // counts it).
 func (st *stream) reject(p *problem) {
 	st.covered = true
+	st.beginSpan()
 	if st.shadow() {
 		st.shadowed(p.outcome)
 		return
@@ -972,7 +978,7 @@ func (st *stream) newMetadata() bool {
 
 // metadata returns the request's dynamic metadata.
 func (st *stream) metadata() *structpb.Struct {
-	return metadataFields(st.s.metadataNamespace, st.route.Name, st.outcome, st.keyHash, st.releaseReason)
+	return metadataFields(st.s.metadataNamespace, st.rs.name, st.outcome, st.keyHash, st.releaseReason)
 }
 
 // finish runs when the stream ends, however it ends. A lease still held means the response was
@@ -996,6 +1002,7 @@ func (st *stream) finish() {
 	if st.route == nil {
 		return
 	}
+	st.endSpan()
 	st.rs.outcomes[st.outcome].Inc()
 	if !st.covered {
 		return

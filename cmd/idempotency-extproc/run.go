@@ -105,7 +105,19 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	if err != nil {
 		return err
 	}
-	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: cfg.policy, Logger: &log, Metrics: metrics, KeyHash: cfg.keyHash})
+	tracer, stopTracing, err := openTracing(ctx, getenv)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		// The spans still buffered go out before the process exits.
+		flushCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if err := stopTracing(flushCtx); err != nil {
+			log.Warn().Err(err).Msg("tracing: spans not flushed")
+		}
+	}()
+	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: cfg.policy, Logger: &log, Metrics: metrics, KeyHash: cfg.keyHash, Tracer: tracer})
 	if err != nil {
 		return err
 	}

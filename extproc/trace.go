@@ -1,0 +1,107 @@
+package extproc
+
+import (
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc/metadata"
+)
+
+// Tracing (SPEC §9): one span per covered request, a child of the trace context Envoy sends in
+// the stream's gRPC initial metadata (W3C traceparent), with one child span per store call. With
+// no tracer nothing here runs: a stream's span is nil and every method is a nil check.
+
+// The span attributes. The raw key never is one: key_hash is the hash the record is stored under.
+const (
+	attrTraceRoute         = attribute.Key("idempotency.route")
+	attrTraceOutcome       = attribute.Key("idempotency.outcome")
+	attrTraceKeyHash       = attribute.Key("idempotency.key_hash")
+	attrTraceReleaseReason = attribute.Key("idempotency.release_reason")
+	attrTraceMethod        = attribute.Key("http.request.method")
+	attrTraceStatus        = attribute.Key("http.response.status_code")
+)
+
+// traceContext is the W3C Trace Context propagator Envoy's tracers write (traceparent,
+// tracestate).
+var traceContext = propagation.TraceContext{}
+
+// metadataCarrier reads a propagator's fields from gRPC metadata.
+type metadataCarrier metadata.MD
+
+func (c metadataCarrier) Get(key string) string {
+	if v := metadata.MD(c).Get(key); len(v) > 0 {
+		return v[0]
+	}
+	return ""
+}
+
+func (c metadataCarrier) Set(key, value string) { metadata.MD(c).Set(key, value) }
+
+func (c metadataCarrier) Keys() []string {
+	keys := make([]string, 0, len(c))
+	for k := range c {
+		keys = append(keys, k)
+	}
+	return keys
+}
+
+// beginSpan starts the request's span, once it is known to be covered.
+func (st *stream) beginSpan() {
+	if st.s.tracer == nil || st.span != nil {
+		return
+	}
+	ctx := st.ctx
+	if md, ok := metadata.FromIncomingContext(ctx); ok {
+		ctx = traceContext.Extract(ctx, metadataCarrier(md))
+	}
+	st.spanCtx, st.span = st.s.tracer.Start(ctx, "idempotency.request",
+		trace.WithSpanKind(trace.SpanKindServer),
+		trace.WithAttributes(attrTraceRoute.String(st.route.Name), attrTraceMethod.String(string(st.method))))
+}
+
+// endSpan ends the request's span with its outcome.
+func (st *stream) endSpan() {
+	if st.span == nil {
+		return
+	}
+	attrs := []attribute.KeyValue{attrTraceOutcome.String(string(st.outcome))}
+	if st.keyHash != "" {
+		attrs = append(attrs, attrTraceKeyHash.String(st.keyHash))
+	}
+	if st.status != 0 {
+		attrs = append(attrs, attrTraceStatus.Int(st.status))
+	}
+	if st.releaseReason != "" {
+		attrs = append(attrs, attrTraceReleaseReason.String(st.releaseReason))
+	}
+	st.span.SetAttributes(attrs...)
+	if st.outcome == StoreError {
+		st.span.SetStatus(codes.Error, "store operation failed")
+	}
+	st.span.End()
+}
+
+// storeSpan starts the span of one store call, a child of the request's; it returns nil when
+// the request has none.
+func (st *stream) storeSpan(op string) trace.Span {
+	if st == nil || st.span == nil {
+		return nil
+	}
+	_, sp := st.s.tracer.Start(st.spanCtx, "idempotency.store."+op, trace.WithSpanKind(trace.SpanKindClient))
+	return sp
+}
+
+// endStoreSpan ends a store call's span, marking it failed when err is not nil.
+func endStoreSpan(sp trace.Span, err error) {
+	if sp == nil {
+		return
+	}
+	if err != nil {
+		sp.RecordError(err)
+		sp.SetStatus(codes.Error, "store operation failed")
+	}
+	sp.End()
+}
+
+var _ propagation.TextMapCarrier = metadataCarrier(nil)
