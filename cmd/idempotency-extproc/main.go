@@ -1,5 +1,6 @@
 // Command idempotency-extproc is an Envoy external processor that gives any HTTP upstream
-// Idempotency-Key semantics. See the README for its flags and policy file.
+// Idempotency-Key semantics. See the README for its flags and policy file. Its subcommands
+// key-hash and records help operators find and purge one record.
 package main
 
 import (
@@ -22,7 +23,7 @@ func main() {
 		stop()
 		cancel()
 	}()
-	if err := run(ctx, os.Args[1:], os.Getenv, os.Stderr); err != nil {
+	if err := dispatch(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr); err != nil {
 		fmt.Fprintln(os.Stderr, "idempotency-extproc:", err)
 		os.Exit(1)
 	}

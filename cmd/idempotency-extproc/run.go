@@ -158,7 +158,12 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	go func() { errc <- admin.Serve(adminLis) }()
 	watchCtx, stopWatch := context.WithCancel(ctx)
 	defer stopWatch()
-	go watchStore(watchCtx, store, pingTimeout(cfg.policy.StoreTimeout), healthSrv, log)
+	readyGauge := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "idempotency_ready",
+		Help: "1 while the store answers and the process serves new streams (as /readyz and gRPC health say), else 0.",
+	})
+	reg.MustRegister(readyGauge)
+	go watchStore(watchCtx, store, pingTimeout(cfg.policy.StoreTimeout), healthSrv, readyGauge, log)
 
 	log.Info().Str("grpc_addr", addrString(grpcLis)).Str("admin_addr", adminLis.Addr().String()).
 		Str("store", cfg.store).Msg("ready")
@@ -176,6 +181,7 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	stopWatch()
 	healthSrv.Shutdown()
 	draining.Store(true)
+	readyGauge.Set(0)
 	drained := make(chan struct{})
 	go func() {
 		gs.GracefulStop()
@@ -279,10 +285,10 @@ func setHealth(h *health.Server, s healthpb.HealthCheckResponse_ServingStatus) {
 	h.SetServingStatus(extprocv3.ExternalProcessor_ServiceDesc.ServiceName, s)
 }
 
-// watchStore keeps gRPC health in step with the store: SERVING while it answers a ping within
-// timeout, NOT_SERVING otherwise.
-func watchStore(ctx context.Context, store cache.Store, timeout time.Duration, h *health.Server, log zerolog.Logger) {
-	ready, known := false, false
+// watchStore keeps gRPC health and the ready gauge in step with the store: SERVING (1) while it
+// answers a ping within timeout, NOT_SERVING (0) otherwise.
+func watchStore(ctx context.Context, store cache.Store, timeout time.Duration, h *health.Server, ready prometheus.Gauge, log zerolog.Logger) {
+	up, known := false, false
 	t := time.NewTicker(readinessInterval)
 	defer t.Stop()
 	for {
@@ -293,14 +299,16 @@ func watchStore(ctx context.Context, store cache.Store, timeout time.Duration, h
 			return
 		}
 		switch {
-		case err == nil && (!ready || !known):
+		case err == nil && (!up || !known):
 			setHealth(h, healthpb.HealthCheckResponse_SERVING)
+			ready.Set(1)
 			log.Info().Msg("store is reachable: serving")
-		case err != nil && (ready || !known):
+		case err != nil && (up || !known):
 			setHealth(h, healthpb.HealthCheckResponse_NOT_SERVING)
+			ready.Set(0)
 			log.Error().Err(err).Str("op", "ping").Msg("store is unreachable: not serving")
 		}
-		ready, known = err == nil, true
+		up, known = err == nil, true
 		select {
 		case <-ctx.Done():
 			return

@@ -515,3 +515,29 @@ func tryStream(t *testing.T, addr string) error {
 	_, err = s.Recv()
 	return err
 }
+
+// idempotency_ready follows the store as /readyz does: 1 while it answers, 0 while it does not,
+// and 1 again once it is back, without a restart.
+func TestReadyGaugeFollowsTheStore(t *testing.T) {
+	mr := miniredis.RunT(t)
+	_, ready, _, _ := runOnMiniredis(t, mr, runOptions{})
+	metrics := "http://" + ready["admin_addr"].(string) + "/metrics"
+	gauge := func() string {
+		resp, err := http.Get(metrics)
+		if err != nil {
+			return ""
+		}
+		defer func() { _ = resp.Body.Close() }()
+		b, _ := io.ReadAll(resp.Body)
+		m := regexp.MustCompile(`(?m)^idempotency_ready (\S+)$`).FindSubmatch(b)
+		if m == nil {
+			return ""
+		}
+		return string(m[1])
+	}
+	require.Eventually(t, func() bool { return gauge() == "1" }, 5*time.Second, 20*time.Millisecond)
+	mr.Close()
+	require.Eventually(t, func() bool { return gauge() == "0" }, 5*time.Second, 20*time.Millisecond)
+	require.NoError(t, mr.Restart())
+	require.Eventually(t, func() bool { return gauge() == "1" }, 10*time.Second, 20*time.Millisecond)
+}
