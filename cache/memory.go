@@ -94,10 +94,7 @@ type Memory struct {
 // record is treated as absent when its key is looked up.
 const expireBudget = 64
 
-var _ Local = (*Memory)(nil)
-
-// Local implements [Local]: every call is a few map and heap operations under a mutex.
-func (m *Memory) Local() {}
+var _ Store = (*Memory)(nil)
 
 // unlinked marks the lru links of an entry that is not in the list (a pending one).
 const unlinked = -1
@@ -108,8 +105,9 @@ type memEntry struct {
 	hash  uint64
 	token uint64
 	ttl   time.Duration
-	// deadline is when the record expires, in nanoseconds since the store's epoch.
-	deadline int64
+	// created is when the key was claimed and deadline when the record expires, in nanoseconds
+	// since the store's epoch.
+	created, deadline int64
 	// seg and off locate its bytes in the arena; seg is single for bytes held on their own.
 	seg, off   int32
 	n, keyLen  int32 // its bytes, and of them its key's
@@ -169,35 +167,8 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	m.expire(now)
 	i, h, ok := m.live(key, now)
 	if ok {
-		e := m.entry(i)
-		state, respLen := e.state, int(e.respLen)
-		data, single := m.bytesOf(i)[e.keyLen:], e.single()
-		var buf []byte
-		if !single {
-			// Arena bytes move and are reused: they are copied under the lock.
-			buf = append([]byte(nil), data...)
-		}
-		if state == Completed {
-			m.touch(i)
-		}
-		m.mu.Unlock()
-		if single {
-			// Bytes held on their own are never modified: they are copied outside the lock.
-			buf = append([]byte(nil), data...)
-		}
-		// One copy: the response and the fingerprint share it, each capped at its own end.
-		rec := Record{State: state}
-		if len(buf) > respLen {
-			rec.Fingerprint = buf[respLen:len(buf):len(buf)]
-		}
-		if state == Completed {
-			resp, err := decodeResponse(buf[:respLen:respLen])
-			if err != nil {
-				return Lease{}, nil, err
-			}
-			rec.Response = resp
-		}
-		return Lease{}, &rec, nil
+		rec, err := m.record(i, true)
+		return Lease{}, rec, err
 	}
 	// Tokens only need to be unique within this store, which a counter guarantees.
 	m.tokens++
@@ -205,6 +176,7 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	*m.entry(i) = memEntry{
 		token:    m.tokens,
 		ttl:      c.TTL,
+		created:  now,
 		deadline: now + int64(c.LockTTL),
 		prev:     unlinked,
 		next:     unlinked,
@@ -219,6 +191,83 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	token := m.tokens
 	m.mu.Unlock()
 	return Lease{key: key, token: strconv.FormatUint(token, 36)}, nil, nil
+}
+
+// record returns a copy of the record in slot i and unlocks the store; touch counts the call as a
+// use of a completed record. The lock must be held.
+func (m *Memory) record(i int32, touch bool) (*Record, error) {
+	e := m.entry(i)
+	state, respLen := e.state, int(e.respLen)
+	rec := &Record{State: state, CreatedAt: m.at(e.created), ExpiresAt: m.at(e.deadline)}
+	data, single := m.bytesOf(i)[e.keyLen:], e.single()
+	var buf []byte
+	if !single {
+		// Arena bytes move and are reused: they are copied under the lock.
+		buf = append([]byte(nil), data...)
+	}
+	if touch && state == Completed {
+		m.touch(i)
+	}
+	m.mu.Unlock()
+	if single {
+		// Bytes held on their own are never modified: they are copied outside the lock.
+		buf = append([]byte(nil), data...)
+	}
+	// One copy: the response and the fingerprint share it, each capped at its own end.
+	if len(buf) > respLen {
+		rec.Fingerprint = buf[respLen:len(buf):len(buf)]
+	}
+	if state == Completed {
+		resp, err := decodeResponse(buf[:respLen:respLen])
+		if err != nil {
+			return nil, err
+		}
+		rec.Response = resp
+	}
+	return rec, nil
+}
+
+// at returns the time of t nanoseconds since the store's epoch, as a wall-clock time.
+func (m *Memory) at(t int64) time.Time { return m.epoch.Add(time.Duration(t)).Round(0) }
+
+// Lookup implements [Store.Lookup].
+func (m *Memory) Lookup(ctx context.Context, key string) (*Record, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return nil, ErrClosed
+	}
+	now := m.now()
+	m.expire(now)
+	i, _, ok := m.live(key, now)
+	if !ok {
+		m.mu.Unlock()
+		return nil, ErrNotFound
+	}
+	return m.record(i, false)
+}
+
+// Purge implements [Store.Purge].
+func (m *Memory) Purge(ctx context.Context, key string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return ErrClosed
+	}
+	now := m.now()
+	m.expire(now)
+	i, _, ok := m.live(key, now)
+	if !ok {
+		return ErrNotFound
+	}
+	m.remove(i)
+	return nil
 }
 
 // Renew implements [Store.Renew].

@@ -260,12 +260,14 @@ func TestOutcomeTable(t *testing.T) {
 }
 
 // failingStore fails every call while broken is set; with slow set, calls block until their
-// deadline instead.
+// deadline instead: the end of their context or, as a store bounds its own calls (cache.Store),
+// the store's timeout.
 type failingStore struct {
 	cache.Store
-	broken atomic.Bool
-	slow   bool
-	calls  atomic.Int32
+	broken  atomic.Bool
+	slow    bool
+	timeout time.Duration
+	calls   atomic.Int32
 }
 
 var errDown = errors.New("store is down")
@@ -276,8 +278,12 @@ func (f *failingStore) fail(ctx context.Context) error {
 		return nil
 	}
 	if f.slow {
-		<-ctx.Done()
-		return ctx.Err()
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(f.timeout):
+			return context.DeadlineExceeded
+		}
 	}
 	return errDown
 }
@@ -306,7 +312,7 @@ func (f *failingStore) Release(ctx context.Context, l cache.Lease) error {
 func newFailingStore(t *testing.T, slow bool) *failingStore {
 	m, err := cache.NewMemory(cache.MemoryOptions{})
 	require.NoError(t, err)
-	f := &failingStore{Store: m, slow: slow}
+	f := &failingStore{Store: m, slow: slow, timeout: 50 * time.Millisecond}
 	f.broken.Store(true)
 	return f
 }

@@ -51,8 +51,6 @@ type Server struct {
 	routes map[*policy.Route]*routeState
 	// The store-duration series of each operation.
 	acquireObs, renewObs, completeObs, releaseObs prometheus.Observer
-	// local is set for a store in this process, whose calls need no deadline.
-	local bool
 
 	streams sync.WaitGroup
 	// observabilityOnce logs once that Envoy runs the filter in observability mode.
@@ -118,7 +116,6 @@ func NewServer(opts Options) (*Server, error) {
 		}
 		s.routes[r] = rs
 	}
-	_, s.local = opts.Store.(cache.Local)
 	d := s.metrics.storeDuration
 	s.acquireObs, s.renewObs = d.WithLabelValues("acquire"), d.WithLabelValues("renew")
 	s.completeObs, s.releaseObs = d.WithLabelValues("complete"), d.WithLabelValues("release")
@@ -195,18 +192,13 @@ func (s *Server) Wait(ctx context.Context) error {
 	}
 }
 
-// The store calls, each bounded by store_timeout (a store in this process needs no bound),
-// timed, and guarded: a panic inside one goes on as a storePanic.
+// The store calls, timed and guarded: a panic inside one goes on as a storePanic. Each is bounded
+// by the store itself (cache.Store: its configured timeout, store_timeout for Redis).
 
-// bounded returns ctx bounded for one store call, and the function to defer around the call.
+// bounded returns ctx for one store call, and the function to defer around the call.
 func (s *Server) bounded(ctx context.Context, obs prometheus.Observer) (context.Context, func()) {
-	cancel := context.CancelFunc(func() {})
-	if !s.local {
-		ctx, cancel = context.WithTimeout(ctx, s.policy.StoreTimeout)
-	}
 	start := time.Now()
 	return ctx, func() {
-		cancel()
 		obs.Observe(time.Since(start).Seconds())
 		// Deferred itself, so that recover sees the call's panic.
 		if p := recover(); p != nil {

@@ -514,6 +514,7 @@ func TestRequestBodyNeverCame(t *testing.T) {
 // failure: no error is logged and no store_error counted.
 func TestStreamEndedDuringClaim(t *testing.T) {
 	store := newFailingStore(t, true) // calls block until their context ends
+	store.timeout = time.Minute
 	h := newHarness(t, harnessOptions{policy: "store_timeout: 1m", store: store})
 	s := h.open()
 	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
