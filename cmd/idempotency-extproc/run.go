@@ -74,8 +74,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	if _, ok := store.(*cache.Memory); ok {
-		reg.MustRegister(memorySegmentMetrics()...)
+	if m, ok := store.(*cache.Memory); ok {
+		reg.MustRegister(memoryMetrics(m)...)
 	}
 	metrics, err := extproc.NewMetrics(reg)
 	if err != nil {
@@ -178,23 +178,32 @@ func (l redisLogger) Printf(_ context.Context, format string, v ...any) {
 	l.log.Debug().Str("component", "go-redis").Msgf(format, v...)
 }
 
-// memorySegmentMetrics report where the memory store keeps its records' bytes (cache.Segments):
-// the segments mapped outside the Go heap are in the process' resident memory but in none of the
-// Go runtime's memory metrics, and a segment that could not be mapped is on the Go heap.
-func memorySegmentMetrics() []prometheus.Collector {
+// memoryMetrics report what the memory store m holds (cache.Memory.Stats): its accounted bytes,
+// which --memory-max-bytes bounds, and records, and where it keeps their bytes: the segments
+// mapped outside the Go heap are in the process' resident memory but in none of the Go runtime's
+// memory metrics, and a segment that could not be mapped is on the Go heap.
+func memoryMetrics(m *cache.Memory) []prometheus.Collector {
 	return []prometheus.Collector{
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "idempotency_memory_bytes",
+			Help: "Bytes the memory store accounts for against --memory-max-bytes: records' keys, fingerprints, responses and per-record overhead.",
+		}, func() float64 { return float64(m.Stats().Bytes) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "idempotency_memory_records",
+			Help: "Records the memory store holds, pending and completed, including expired ones not yet removed.",
+		}, func() float64 { return float64(m.Stats().Records) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "idempotency_memory_mapped_bytes",
 			Help: "Bytes of the memory store's segments mapped outside the Go heap.",
-		}, func() float64 { return float64(cache.Segments().MappedBytes) }),
+		}, func() float64 { return float64(m.Stats().Arena.MappedBytes) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "idempotency_memory_heap_segments_total",
 			Help: "Memory store segments allocated on the Go heap because mapping one failed or is not supported.",
-		}, func() float64 { return float64(cache.Segments().HeapSegments) }),
+		}, func() float64 { return float64(m.Stats().Arena.HeapSegments) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "idempotency_memory_unmap_failures_total",
 			Help: "Freed memory store segments the system refused to unmap, left mapped and unused.",
-		}, func() float64 { return float64(cache.Segments().UnmapFailures) }),
+		}, func() float64 { return float64(m.Stats().Arena.UnmapFailures) }),
 	}
 }
 
