@@ -68,7 +68,11 @@ func (o *orphans) run(release releaseFunc, firstWait time.Duration) {
 		var timer clock.Timer
 		if len(waiting) > 0 {
 			retry = make(chan struct{})
-			timer = o.clock.AfterFunc(next.Sub(o.clock.Now()), func() { close(retry) })
+			if d := next.Sub(o.clock.Now()); d > 0 {
+				timer = o.clock.AfterFunc(d, func() { close(retry) })
+			} else {
+				close(retry) // due now: a clock's timers fire only once it moves past now
+			}
 		}
 		select {
 		case <-o.done:

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -983,4 +984,46 @@ func TestBatchRunsUntilItsLatestDeadline(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	require.Contains(t, deadlines, late, "the batch of both queued calls ran until the later deadline")
+}
+
+// The orphan releaser runs on the store's clock: a release that found Redis down is tried again
+// once the clock has moved by the pause, not before, and a lease whose lock TTL has passed on
+// that clock is dropped untried.
+func TestOrphansRetryOnTheStoreClock(t *testing.T) {
+	clk := clock.NewFake(time.Unix(1_700_000_000, 0))
+	o := newOrphans(clk)
+	refused := &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")}
+	calls := make(chan []Lease, 10)
+	var down atomic.Bool
+	down.Store(true)
+	release := func(ls []Lease) []error {
+		calls <- slices.Clone(ls)
+		errs := make([]error, len(ls))
+		if down.Load() {
+			for i := range errs {
+				errs[i] = refused
+			}
+		}
+		return errs
+	}
+	const pause = 100 * time.Millisecond
+	go o.run(release, pause)
+	defer o.stop()
+	o.add(Lease{key: "long"}, time.Hour)
+	o.add(Lease{key: "short"}, pause/2)
+	first := <-calls
+	if len(first) == 1 { // the two may come in one pass or in two
+		first = append(first, <-calls...)
+	}
+	require.ElementsMatch(t, []Lease{{key: "long"}, {key: "short"}}, first)
+	require.Eventually(t, func() bool { return clk.Pending() == 1 }, 10*time.Second, time.Millisecond, "a retry is set on the clock")
+	select {
+	case ls := <-calls:
+		t.Fatalf("retried before the clock moved: %v", ls)
+	default:
+	}
+	down.Store(false)
+	clk.Advance(pause)
+	require.Equal(t, []Lease{{key: "long"}}, <-calls, "the expired lease is dropped, the other tried again")
+	require.Eventually(t, func() bool { return clk.Pending() == 0 }, 10*time.Second, time.Millisecond, "nothing left to retry")
 }
