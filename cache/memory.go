@@ -55,9 +55,13 @@ type MemoryOptions struct {
 // segment, 16 KiB, held on their own), so the garbage collector neither scans nor marks its
 // records: their bytes (key, encoded response, fingerprint) are packed into large segments mapped
 // outside the Go heap (package arena), the records refer to each other by index, and keys are
-// indexed by a keyed hash. A full store of a few hundred MiB would otherwise add tens of milliseconds of
-// marking and sweeping to every collection of the process (BenchmarkMemoryCollection), and, on the
-// heap, set the collector's goal: the process would hold about twice the store.
+// indexed by a keyed hash. A full store of a few hundred MiB would otherwise add tens of
+// milliseconds of marking and sweeping to every collection of the process
+// (BenchmarkMemoryCollection), and, on the heap, set the collector's goal: the process would hold
+// about twice the store.
+//
+// Its calls do no I/O: each is a few map and heap operations under one mutex, so it returns at
+// once and needs no timeout of its own (see Store); a call whose ctx has ended does nothing.
 type Memory struct {
 	clock    clock.Clock
 	maxBytes int64
@@ -97,6 +101,8 @@ type Memory struct {
 	scratch []byte
 }
 
+var _ Store = (*Memory)(nil)
+
 // byteStore holds the bytes of a Memory store's records, each under a handle: [arena.Arena], whose
 // doc states what each method guarantees. The store holds its lock around every call.
 type byteStore interface {
@@ -121,8 +127,6 @@ type byteStore interface {
 // at later calls, and to free space before any live record is evicted; until then an expired
 // record is treated as absent when its key is looked up.
 const expireBudget = 64
-
-var _ Store = (*Memory)(nil)
 
 // unlinked marks the lru links of an entry that is not in the list (a pending one).
 const unlinked = -1

@@ -384,8 +384,8 @@ func (r *Redis) Renew(ctx context.Context, l Lease, d time.Duration) error {
 // Redis stores the bytes it is sent without splicing them in Lua; one of at least
 // stagedRecordBytes goes to a staging key in a plain SET, pipelined with the script that checks
 // the owner and renames it onto the record's key, so that its bytes never pass through Lua. The
-// staging key's name holds the lease's token (two leases never share one) and the record's key
-// within a hash tag (same slot under Cluster).
+// staging key's name holds the lease's token, so that two leases never share one, and is in the
+// record's slot (stagingKey).
 func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 	if l.token == "" {
 		return ErrLeaseLost
@@ -405,20 +405,24 @@ func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 	return r.owned(ctx, "complete", c, l)
 }
 
-// stagingKey returns the key a large completion of key by token stages its bytes in, in the same
-// Cluster slot as key: Cluster hashes only the part of a name within its first {…} when that part
-// is not empty. A key that has such a part keeps it first; one that has none and no '}' is put
-// in one. A key with a '}' but no such part has no name of its slot to build: it reports false.
+// stagingKey returns the key a large completion of key by token stages its bytes in: a name that
+// starts with key, so that ACL key patterns that admit the record admit it, and that is in key's
+// Cluster slot. Cluster hashes only the part of a name within its first {…} when that part is not
+// empty, else the whole name. A key with such a part keeps it first; a key with no brace at all
+// is put in one at the name's end. Any other key (a brace without such a part, the empty key)
+// has no such name: stagingKey reports false, and the completion goes through its script.
 func stagingKey(key, token string) (string, bool) {
-	if i := strings.IndexByte(key, '{'); i >= 0 {
-		if j := strings.IndexByte(key[i+1:], '}'); j > 0 {
+	open := strings.IndexByte(key, '{')
+	switch {
+	case open >= 0:
+		if end := strings.IndexByte(key[open+1:], '}'); end > 0 {
 			return key + ":staged:" + token, true
 		}
-	}
-	if strings.IndexByte(key, '}') >= 0 {
+		return "", false
+	case key == "" || strings.IndexByte(key, '}') >= 0:
 		return "", false
 	}
-	return "{" + key + "}:staged:" + token, true
+	return key + ":staged:" + token + "{" + key + "}", true
 }
 
 // Release implements [Store.Release].

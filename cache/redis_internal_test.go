@@ -794,19 +794,22 @@ func TestStagingKey(t *testing.T) {
 		key, want string
 		ok        bool
 	}{
-		{"idempotency:abc", "{idempotency:abc}:staged:T", true},
-		{"a{tag}b", "a{tag}b:staged:T", true},   // its tag stays first
-		{"a{b", "{a{b}:staged:T", true},         // no tag, no '}': the whole key is the tag
-		{"a{}b{c}", "", false},                  // an empty tag: the whole key is hashed, '}' in it
-		{"a}b", "", false},                      // a '}' and no tag
-		{"{}", "", false},                       // an empty tag
-		{"x{y}z{w}", "x{y}z{w}:staged:T", true}, // the first tag counts
-		{"p:{0123}", "p:{0123}:staged:T", true}, // a prefix that tags
-		{"", "{}:staged:T", true},               // the empty key hashes as its empty tag
+		{"idempotency:abc", "idempotency:abc:staged:T{idempotency:abc}", true}, // the whole key is the tag
+		{"a{tag}b", "a{tag}b:staged:T", true},                                  // its tag stays first
+		{"x{y}z{w}", "x{y}z{w}:staged:T", true},                                // the first tag counts
+		{"p:{0123}", "p:{0123}:staged:T", true},                                // a prefix that tags
+		{"a{b", "", false},                                                     // a brace, no tag
+		{"a{}b{c}", "", false},                                                 // an empty first tag
+		{"a}b", "", false},
+		{"{}", "", false},
+		{"", "", false}, // the empty tag would hash the whole name
 	} {
 		got, ok := stagingKey(tc.key, "T")
 		require.Equal(t, tc.ok, ok, tc.key)
 		require.Equal(t, tc.want, got, tc.key)
+		if ok {
+			require.True(t, strings.HasPrefix(got, tc.key), "%s: the staging key starts with the record's", tc.key)
+		}
 	}
 }
 
@@ -875,7 +878,7 @@ func TestRedisLargeCompletionIsStaged(t *testing.T) {
 			continue
 		}
 		require.Len(t, sent, 2, "one pipeline: the staging SET, then the script")
-		require.Equal(t, []string{"set", "{" + key + "}:staged:" + l.token, "<[]uint8>", "px", "<int64>"}, sent[0])
+		require.Equal(t, []string{"set", key + ":staged:" + l.token + "{" + key + "}", "<[]uint8>", "px", "<int64>"}, sent[0])
 		require.Equal(t, "evalsha", sent[1][0])
 		require.NotContains(t, sent[1], "<[]uint8>", "the record's bytes do not go through the script")
 		_, rec, err := s.Acquire(ctx, key, internalClaim)
