@@ -59,6 +59,8 @@ func (c *call) send(ctx context.Context, client redis.UniversalClient) *redis.Cm
 // is, with the undo of a call whose outcome the caller did not learn.
 type direct struct{ client redis.UniversalClient }
 
+var _ sender = direct{}
+
 func (d direct) run(ctx context.Context, c *call) *redis.Cmd {
 	if err := ctx.Err(); err != nil {
 		return errorCmd(ctx, err)
