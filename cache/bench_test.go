@@ -135,7 +135,7 @@ func bytesPerRecord(tb testing.TB, n int) (heap, mapped float64) {
 	runtime.GC()
 	runtime.ReadMemStats(&after)
 	heap = float64(int64(after.HeapAlloc)-int64(before.HeapAlloc)) / float64(n)
-	mapped = float64(m.MappedBytes()) / float64(n)
+	mapped = float64(m.Stats().Arena.MappedBytes) / float64(n)
 	runtime.KeepAlive(m)
 	return heap, mapped
 }

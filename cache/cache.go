@@ -15,8 +15,11 @@ import (
 // returned wrapped with the operation that failed.
 var (
 	// ErrLeaseLost means the caller no longer owns the record it tried to renew, complete or
-	// release: its lease expired, or another request took the key after that. Nothing was changed.
+	// release: its lease expired, another request took the key after that, or the record was
+	// purged. Nothing was changed.
 	ErrLeaseLost = errors.New("cache: lease lost: it expired or another owner took the key")
+	// ErrNotFound means Lookup or Purge found no live record for the key.
+	ErrNotFound = errors.New("cache: no record for the key")
 	// ErrCorrupt means a stored record could not be decoded: an unknown encoding version, or bytes
 	// that do not follow it.
 	ErrCorrupt = errors.New("cache: stored record cannot be decoded")
@@ -27,40 +30,62 @@ var (
 // Store holds idempotency records. Implementations are safe for concurrent use by any number of
 // goroutines and, for shared stores, by any number of processes.
 //
-// Every method bounds its own work with a deadline, and also honours the deadline and
-// cancellation of ctx. A method that returns an error other than ErrLeaseLost may or may not have
-// taken effect (the store could have applied it before the connection broke); every method is
-// safe to retry with the same arguments.
+// Deadlines: every method bounds its own work by the store's configured timeout, counted from
+// the call (RedisOptions.Timeout; the memory store does no I/O and returns at once), and also
+// honours the deadline and cancellation of ctx, whichever ends first. Callers need no deadline of
+// their own: a call under context.WithoutCancel still returns within the store's timeout. A method
+// that returns an error other than ErrLeaseLost or ErrNotFound may or may not have taken effect
+// (the store could have applied it before the connection broke); every method is safe to retry
+// with the same arguments.
+//
+// Times: a record's lifetimes (Claim.LockTTL, Claim.TTL, Renew's d) count from the moment the
+// store applies the call. Record.CreatedAt and Record.ExpiresAt are read on the clock of the
+// process that wrote them (MemoryOptions.Clock, RedisOptions.Clock); for a shared store they are
+// as good as the replicas' clocks agree.
 type Store interface {
 	// Acquire claims key in one atomic step and one store round trip.
 	//
 	// If no live record exists for key, Acquire creates a pending one: a lease of c.LockTTL owned
-	// by a fresh random token, carrying c.Fingerprint and c.TTL (the lifetime the completed record
-	// will get). It returns the Lease and a nil Record.
+	// by a fresh random token, carrying c.Fingerprint, c.TTL (the lifetime the completed record
+	// will get) and the time of the claim (the record's CreatedAt). It returns the Lease and a nil
+	// Record.
 	//
 	// Otherwise it changes nothing and returns the existing Record (pending with its fingerprint,
-	// or completed with its fingerprint and response) and a zero Lease. Of any number of
-	// concurrent Acquire calls for one free key, exactly one gets the Lease.
+	// or completed with its fingerprint and response, each with its CreatedAt and ExpiresAt) and a
+	// zero Lease. Of any number of concurrent Acquire calls for one free key, exactly one gets the
+	// Lease.
 	//
 	// When Acquire fails, the caller holds nothing. If the failure came after the store may have
 	// created the record (a deadline while waiting for the reply), the store removes it in the
 	// background, best effort; otherwise it expires after LockTTL.
 	Acquire(ctx context.Context, key string, c Claim) (Lease, *Record, error)
 
+	// Lookup returns the live record for key, pending or completed, as Acquire would find it, and
+	// changes nothing (a completed record's use does not count for eviction). It returns
+	// ErrNotFound when key holds no live record.
+	Lookup(ctx context.Context, key string) (*Record, error)
+
 	// Renew extends a pending lease to d from now. It returns ErrLeaseLost if the lease expired,
-	// was taken by another owner or was already completed or released.
+	// was taken by another owner, was purged or was already completed or released.
 	Renew(ctx context.Context, l Lease, d time.Duration) error
 
 	// Complete turns the caller's pending record into a completed one holding resp, which lives
-	// for the TTL given to Acquire from now on. It returns ErrLeaseLost, and writes nothing, if the
-	// caller no longer owns a pending record for the key. Completing again with the same lease
-	// after a success is a no-op that succeeds, so a retry after a lost reply is safe.
+	// for the TTL given to Acquire from now on. The owner check and the write are one atomic step:
+	// it returns ErrLeaseLost, and writes nothing, if the caller no longer owns a pending record
+	// for the key. Completing again with the same lease after a success is a no-op that succeeds,
+	// so a retry after a lost reply is safe.
 	Complete(ctx context.Context, l Lease, resp Response) error
 
-	// Release deletes the caller's pending record so that the key is free at once. It returns
-	// ErrLeaseLost, and deletes nothing, if the caller no longer owns a pending record for the key;
-	// a completed record is never released.
+	// Release deletes the caller's pending record so that the key is free at once. The owner check
+	// and the delete are one atomic step: it returns ErrLeaseLost, and deletes nothing, if the
+	// caller no longer owns a pending record for the key; a completed record is never released.
 	Release(ctx context.Context, l Lease) error
+
+	// Purge deletes the record for key whatever its state, in one atomic step, so that the next
+	// Acquire for key wins. A lease on the purged record is lost: its Renew, Complete and Release
+	// return ErrLeaseLost and change nothing, even after another request has claimed the key. It
+	// returns ErrNotFound when key holds no live record.
+	Purge(ctx context.Context, key string) error
 
 	// Ping reports whether the store answers.
 	Ping(ctx context.Context) error
@@ -68,14 +93,6 @@ type Store interface {
 	// Close releases the store's resources. Calls after Close return ErrClosed or a wrapped
 	// connection error.
 	Close() error
-}
-
-// Local is implemented by stores that keep their records in this process: their calls do no
-// I/O and return at once, so callers need not bound them with deadlines of their own.
-type Local interface {
-	Store
-	// Local marks the store as in-process.
-	Local()
 }
 
 // Claim describes the record Acquire creates for a new key.
@@ -86,7 +103,13 @@ type Claim struct {
 	LockTTL time.Duration
 	// TTL is how long the completed record will live once Complete is called. 1ms to [MaxTTL].
 	TTL time.Duration
+	// Route names the policy route that claimed the key, for operators (Lookup, the records
+	// API). It is kept with the record, cut to MaxRouteBytes.
+	Route string
 }
+
+// MaxRouteBytes is the longest Claim.Route a store keeps.
+const MaxRouteBytes = 255
 
 // MaxTTL is the longest lease or record life a store accepts: ten years. A deadline further out
 // would overflow a clock in nanoseconds (the memory store) or Redis' limit on expiry times.
@@ -96,6 +119,12 @@ const MaxTTL = 10 * 365 * 24 * time.Hour
 type Lease struct {
 	key   string
 	token string
+	// What the claim carried, so that a store can write the completed record whole without
+	// reading the pending one (Redis).
+	fingerprint string
+	route       string
+	ttl         time.Duration
+	created     time.Time
 }
 
 // Key returns the stored key the lease is for, or "" for the zero Lease.
@@ -131,6 +160,9 @@ type Record struct {
 	Fingerprint []byte
 	// Response is set when State is Completed.
 	Response Response
+	// Route is the Claim's Route; empty for a record that does not carry it (a Redis record
+	// written before layout 3).
+	Route string
 	// CreatedAt is when the first request claimed the key (the first-sent time). It is zero for
 	// a record that does not carry it: a Redis record written before layout 3 (see redis.go).
 	CreatedAt time.Time

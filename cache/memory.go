@@ -7,12 +7,13 @@ import (
 	"fmt"
 	"hash/maphash"
 	"math"
-	"runtime"
 	"slices"
 	"strconv"
 	"sync"
 	"time"
 
+	"github.com/idempotency-extproc/idempotency-extproc/cache/arena"
+	"github.com/idempotency-extproc/idempotency-extproc/cache/internal/chunks"
 	"github.com/idempotency-extproc/idempotency-extproc/cache/seal"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
@@ -21,12 +22,12 @@ import (
 const DefaultMemoryMaxBytes = 256 << 20
 
 // entryOverhead estimates the bytes a record costs beyond its key, fingerprint and response: its
-// entry (72 bytes), its map slot (about 25), its heap slot (4) and its header in the arena (8),
-// about 120 bytes, and its share of the arena's holes and segment ends: a completed record leaves
-// the hole of its pending bytes (its key and fingerprint, about 110 bytes for a usual key), which
-// stays until its segment is compacted. TestMemoryBytesPerRecord checks the estimate against the
-// Go heap and the mapped segments a record takes.
-const entryOverhead = 224
+// entry (80 bytes), its map slot (about 25), its heap slot (4), and in the arena its location
+// (12) and header (8), about 130 bytes, and its share of the arena's holes and segment ends: a
+// completed record leaves the hole of its pending bytes (its key and fingerprint, about 110 bytes
+// for a usual key), which stays until its segment is compacted. TestMemoryBytesPerRecord checks
+// the estimate against the Go heap and the mapped segments a record takes.
+const entryOverhead = 240
 
 // MemoryOptions configures a Memory store. The zero value gives the defaults.
 type MemoryOptions struct {
@@ -41,7 +42,9 @@ type MemoryOptions struct {
 	Keyring *seal.Keyring
 }
 
-// Memory is a Store that keeps records in this process. It is the default for a single replica.
+// Memory is a Store that keeps records in this process. It is the default for a single replica:
+// a map of leases and records by key (its index, entries, deadline heaps and lru list) whose bytes
+// are in a byte store (byteStore, an [arena.Arena]).
 //
 // It holds at most MaxBytes: when a new or completed record would exceed the bound, the least
 // recently used completed records are evicted first (a replay counts as a use). Pending records
@@ -57,10 +60,14 @@ type MemoryOptions struct {
 // Nothing the store holds per record is a pointer (but for records over a sixteenth of an arena
 // segment, 16 KiB, held on their own), so the garbage collector neither scans nor marks its
 // records: their bytes (key, encoded response, fingerprint) are packed into large segments mapped
-// outside the Go heap (see arena), the records refer to each other by index, and keys are indexed
-// by a keyed hash. A full store of a few hundred MiB would otherwise add tens of milliseconds of
-// marking and sweeping to every collection of the process (BenchmarkMemoryCollection), and, on the
-// heap, set the collector's goal: the process would hold about twice the store.
+// outside the Go heap (package arena), the records refer to each other by index, and keys are
+// indexed by a keyed hash. A full store of a few hundred MiB would otherwise add tens of
+// milliseconds of marking and sweeping to every collection of the process
+// (BenchmarkMemoryCollection), and, on the heap, set the collector's goal: the process would hold
+// about twice the store.
+//
+// Its calls do no I/O: each is a few map and heap operations under one mutex, so it returns at
+// once and needs no timeout of its own (see Store); a call whose ctx has ended does nothing.
 type Memory struct {
 	clock    clock.Clock
 	maxBytes int64
@@ -73,27 +80,58 @@ type Memory struct {
 	maxRecord int
 	// ring seals responses, when set.
 	ring *seal.Keyring
+	// maxInline is the largest record the arena copies into a segment; it keeps larger ones as
+	// they are.
+	maxInline int
+	// buffers holds the buffers completions encode records that fit in a segment into.
+	buffers sync.Pool
 
 	mu     sync.Mutex
 	closed bool
-	tokens uint64 // the last token handed out
-	bytes  int64
+	// routes are the route names records carry, by index (routes[0] is ""), and routeIDs their
+	// indexes.
+	routes   []string
+	routeIDs map[string]uint16
+	tokens   uint64 // the last token handed out
+	bytes    int64
 	// index maps the hash of a key to the slot of its record; records whose keys share a hash
 	// follow each other through memEntry.same.
 	index map[uint64]int32
 	// entries holds the records; slot 0 is the head of the lru list, and free slots are listed
 	// in free. It never shrinks: a burst of pending records (bounded by the requests in flight)
-	// leaves empty slots of 72 bytes each, zeroed, to be reused. It grows by chunks: growing
+	// leaves empty slots of 80 bytes each, zeroed, to be reused. It grows by chunks: growing
 	// never copies it.
-	entries chunks[memEntry]
+	entries chunks.Array[memEntry]
 	free    []int32
 	// Two min-heaps of slots by deadline: pending records (as many as requests in flight) and
 	// completed ones. A record moves from the first to the second when completed; since TTLs are
 	// usually alike, its new deadline is the latest and the push stops at once.
 	pending, completed deadlineHeap
-	// arena holds the records' bytes. It is an object of its own, so that a cleanup can unmap
-	// its segments once the store is unreachable without reaching the store.
-	arena *arena
+	// arena holds the records' bytes.
+	arena byteStore
+	// scratch is where a pending record's bytes are put together, under the lock.
+	scratch []byte
+}
+
+var _ Store = (*Memory)(nil)
+
+// byteStore holds the bytes of a Memory store's records, each under a handle: [arena.Arena], whose
+// doc states what each method guarantees. The store holds its lock around every call.
+type byteStore interface {
+	// Put stores b and returns its handle; it keeps b itself, and reports so, when b is over the
+	// store's inline size (arena.Arena.MaxInline), and copies it otherwise.
+	Put(b []byte) (arena.Handle, bool)
+	// Get returns the bytes of h, valid until the next change of the store unless over the inline
+	// size (then they never change).
+	Get(h arena.Handle) []byte
+	// Delete removes h.
+	Delete(h arena.Handle)
+	// Compact closes holes left by deletes, within a bounded amount of work per call.
+	Compact() int
+	// Stats describes what the store holds.
+	Stats() arena.Stats
+	// Reset drops everything.
+	Reset()
 }
 
 // expireBudget bounds the expired records one call removes, so that the first call after a quiet
@@ -101,11 +139,6 @@ type Memory struct {
 // at later calls, and to free space before any live record is evicted; until then an expired
 // record is treated as absent when its key is looked up.
 const expireBudget = 64
-
-var _ Local = (*Memory)(nil)
-
-// Local implements [Local]: every call is a few map and heap operations under a mutex.
-func (m *Memory) Local() {}
 
 // unlinked marks the lru links of an entry that is not in the list (a pending one).
 const unlinked = -1
@@ -116,20 +149,26 @@ type memEntry struct {
 	hash  uint64
 	token uint64
 	ttl   time.Duration
-	// deadline is when the record expires, in nanoseconds since the store's epoch.
-	deadline int64
-	// seg and off locate its bytes in the arena; seg is single for bytes held on their own.
-	seg, off   int32
-	n, keyLen  int32 // its bytes, and of them its key's
-	respLen    int32
-	same       int32 // the next record whose key has the same hash, or 0
-	heapIdx    int32 // in the pending or the completed heap, by state
-	prev, next int32 // lru links while completed, else unlinked
-	state      State
+	// created is when the key was claimed and deadline when the record expires, in nanoseconds
+	// since the store's epoch.
+	created, deadline int64
+	rec               arena.Handle // its bytes in the arena
+	n, keyLen         int32        // its bytes, and of them its key's
+	respLen           int32
+	same              int32 // the next record whose key has the same hash, or 0
+	heapIdx           int32 // in the pending or the completed heap, by state
+	prev, next        int32 // lru links while completed, else unlinked
+	state             State
+	route             uint16 // its Claim.Route, an index of Memory.routes; 0 for none
 }
 
 // NewMemory returns an empty Memory store.
 func NewMemory(opts MemoryOptions) (*Memory, error) {
+	return newMemory(opts, arena.Options{})
+}
+
+// newMemory is NewMemory with the arena's options, which tests set.
+func newMemory(opts MemoryOptions, ao arena.Options) (*Memory, error) {
 	if opts.MaxBytes == 0 {
 		opts.MaxBytes = DefaultMemoryMaxBytes
 	}
@@ -146,13 +185,16 @@ func NewMemory(opts MemoryOptions) (*Memory, error) {
 		epoch:     opts.Clock.Now(),
 		hash:      func(key string) uint64 { return maphash.String(seed, key) },
 		index:     make(map[uint64]int32),
+		routes:    []string{""},
+		routeIDs:  map[string]uint16{},
 		maxRecord: math.MaxInt32,
 		ring:      opts.Keyring,
 	}
-	m.arena = &arena{}
-	m.arena.init(defaultSegmentSize)
-	// A store dropped without Close gives its segments back, as a heap store would.
-	runtime.AddCleanup(m, (*arena).unmapAll, m.arena)
+	a, err := arena.New(ao)
+	if err != nil {
+		return nil, err
+	}
+	m.arena, m.maxInline = a, a.MaxInline()
 	m.resetEntries()
 	m.pending.m, m.completed.m = m, m
 	return m, nil
@@ -178,35 +220,8 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	m.expire(now)
 	i, h, ok := m.live(key, now)
 	if ok {
-		e := m.entry(i)
-		state, respLen := e.state, int(e.respLen)
-		data, single := m.bytesOf(i)[e.keyLen:], e.single()
-		var buf []byte
-		if !single {
-			// Arena bytes move and are reused: they are copied under the lock.
-			buf = append([]byte(nil), data...)
-		}
-		if state == Completed {
-			m.touch(i)
-		}
-		m.mu.Unlock()
-		if single {
-			// Bytes held on their own are never modified: they are copied outside the lock.
-			buf = append([]byte(nil), data...)
-		}
-		// One copy: the response and the fingerprint share it, each capped at its own end.
-		rec := Record{State: state}
-		if len(buf) > respLen {
-			rec.Fingerprint = buf[respLen:len(buf):len(buf)]
-		}
-		if state == Completed {
-			resp, err := decodeStoredResponse(buf[:respLen:respLen], m.ring, key)
-			if err != nil {
-				return Lease{}, nil, err
-			}
-			rec.Response = resp
-		}
-		return Lease{}, &rec, nil
+		rec, err := m.record(i, true, key)
+		return Lease{}, rec, err
 	}
 	// Tokens only need to be unique within this store, which a counter guarantees.
 	m.tokens++
@@ -214,10 +229,12 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	*m.entry(i) = memEntry{
 		token:    m.tokens,
 		ttl:      c.TTL,
+		created:  now,
 		deadline: now + int64(c.LockTTL),
 		prev:     unlinked,
 		next:     unlinked,
 		state:    Pending,
+		route:    m.routeID(c.Route),
 	}
 	m.put(i, key, c.Fingerprint)
 	e := m.entry(i)
@@ -228,6 +245,104 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	token := m.tokens
 	m.mu.Unlock()
 	return Lease{key: key, token: strconv.FormatUint(token, 36)}, nil, nil
+}
+
+// record returns a copy of the record in slot i and unlocks the store; touch counts the call as a
+// use of a completed record. The lock must be held.
+func (m *Memory) record(i int32, touch bool, key string) (*Record, error) {
+	e := m.entry(i)
+	state, respLen := e.state, int(e.respLen)
+	rec := &Record{State: state, Route: m.routes[e.route], CreatedAt: m.at(e.created), ExpiresAt: m.at(e.deadline)}
+	data := m.bytesOf(i)[e.keyLen:]
+	single := int(e.n) > m.maxInline
+	var buf []byte
+	if !single {
+		// Arena bytes move and are reused: they are copied under the lock.
+		buf = append([]byte(nil), data...)
+	}
+	if touch && state == Completed {
+		m.touch(i)
+	}
+	m.mu.Unlock()
+	if single {
+		// Bytes held on their own are never modified: they are copied outside the lock.
+		buf = append([]byte(nil), data...)
+	}
+	// One copy: the response and the fingerprint share it, each capped at its own end.
+	if len(buf) > respLen {
+		rec.Fingerprint = buf[respLen:len(buf):len(buf)]
+	}
+	if state == Completed {
+		resp, err := decodeStoredResponse(buf[:respLen:respLen], m.ring, key)
+		if err != nil {
+			return nil, err
+		}
+		rec.Response = resp
+	}
+	return rec, nil
+}
+
+// routeID returns the index of route in m.routes, adding it the first time: records carry their
+// route as a number, so that an entry holds no pointer (the route names are few: the policy's).
+// It is called with m.mu held; past the table's size, routes are not kept (0).
+func (m *Memory) routeID(route string) uint16 {
+	route = routeOf(route)
+	if route == "" {
+		return 0
+	}
+	if id, ok := m.routeIDs[route]; ok {
+		return id
+	}
+	if len(m.routes) > math.MaxUint16 {
+		return 0
+	}
+	id := uint16(len(m.routes))
+	m.routes = append(m.routes, route)
+	m.routeIDs[route] = id
+	return id
+}
+
+// at returns the time of t nanoseconds since the store's epoch, as a wall-clock time.
+func (m *Memory) at(t int64) time.Time { return m.epoch.Add(time.Duration(t)).Round(0) }
+
+// Lookup implements [Store.Lookup].
+func (m *Memory) Lookup(ctx context.Context, key string) (*Record, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return nil, ErrClosed
+	}
+	now := m.now()
+	m.expire(now)
+	i, _, ok := m.live(key, now)
+	if !ok {
+		m.mu.Unlock()
+		return nil, ErrNotFound
+	}
+	return m.record(i, false, key)
+}
+
+// Purge implements [Store.Purge].
+func (m *Memory) Purge(ctx context.Context, key string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return ErrClosed
+	}
+	now := m.now()
+	m.expire(now)
+	i, _, ok := m.live(key, now)
+	if !ok {
+		return ErrNotFound
+	}
+	m.remove(i)
+	return nil
 }
 
 // Renew implements [Store.Renew].
@@ -251,10 +366,13 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 	size := len(l.key) + storedResponseSize(resp, m.ring) + 32
 	var blob []byte
 	var buf *[]byte
-	if size > m.arena.maxInline() {
+	if size > m.maxInline {
 		blob = make([]byte, 0, size)
 	} else {
-		buf = encodeBuffers.Get().(*[]byte)
+		buf, _ = m.buffers.Get().(*[]byte)
+		if buf == nil {
+			buf = new([]byte)
+		}
 		blob = slices.Grow((*buf)[:0], size)
 	}
 	blob = append(blob, l.key...)
@@ -288,16 +406,13 @@ func (m *Memory) Complete(ctx context.Context, l Lease, resp Response) error {
 		// kept record has its own array as things are, since the fingerprint's append outgrows
 		// a buffer sized for a segment; not handing it back keeps that from mattering.)
 		*buf = blob[:0]
-		encodeBuffers.Put(buf)
+		m.buffers.Put(buf)
 	}
 	if errors.Is(err, ErrLeaseLost) && m.completedBy(l) {
 		return nil
 	}
 	return err
 }
-
-// encodeBuffers holds the buffers completions encode records that fit in a segment into.
-var encodeBuffers = sync.Pool{New: func() any { return new([]byte) }}
 
 // Release implements [Store.Release].
 func (m *Memory) Release(ctx context.Context, l Lease) error {
@@ -324,8 +439,8 @@ func (m *Memory) Close() error {
 	m.index = nil
 	m.resetEntries()
 	m.free = nil
-	m.pending.slots, m.completed.slots = chunks[int32]{}, chunks[int32]{}
-	m.arena.reset()
+	m.pending.slots, m.completed.slots = chunks.Array[int32]{}, chunks.Array[int32]{}
+	m.arena.Reset()
 	m.bytes = 0
 	return nil
 }
@@ -346,7 +461,27 @@ func (m *Memory) Bytes() int64 {
 func (m *Memory) Len() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return int(m.entries.len()) - 1 - len(m.free)
+	return m.len()
+}
+
+func (m *Memory) len() int { return int(m.entries.Len()) - 1 - len(m.free) }
+
+// MemoryStats describes what a Memory store holds, for its metrics.
+type MemoryStats struct {
+	// Bytes are the bytes the store accounts for against MaxBytes (see Memory.Bytes).
+	Bytes int64
+	// Records counts the records held, including expired ones not yet removed.
+	Records int
+	// Arena describes the segments that hold the records' bytes: their mapped bytes, the
+	// segments put on the Go heap and the unmap failures among them.
+	Arena arena.Stats
+}
+
+// Stats returns what the store holds.
+func (m *Memory) Stats() MemoryStats {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return MemoryStats{Bytes: m.bytes, Records: m.len(), Arena: m.arena.Stats()}
 }
 
 // update runs f on the slot of the live pending entry that l owns, under the lock.
@@ -442,12 +577,12 @@ func (m *Memory) now() int64 { return int64(m.clock.Now().Sub(m.epoch)) }
 func (e *memEntry) cost() int64 { return int64(e.n) + entryOverhead }
 
 // entry returns the entry in slot i.
-func (m *Memory) entry(i int32) *memEntry { return m.entries.at(i) }
+func (m *Memory) entry(i int32) *memEntry { return m.entries.At(i) }
 
 // resetEntries leaves the lru head alone in entries, in its circular list.
 func (m *Memory) resetEntries() {
-	m.entries = chunks[memEntry]{}
-	m.entries.push(memEntry{})
+	m.entries = chunks.Array[memEntry]{}
+	m.entries.Push(memEntry{})
 }
 
 // slot returns a free slot of entries.
@@ -457,8 +592,8 @@ func (m *Memory) slot() int32 {
 		m.free = m.free[:n-1]
 		return i
 	}
-	m.entries.push(memEntry{})
-	return m.entries.len() - 1
+	m.entries.Push(memEntry{})
+	return m.entries.Len() - 1
 }
 
 // expire removes up to expireBudget records whose deadline has passed.
@@ -543,17 +678,17 @@ func (m *Memory) heapOf(e *memEntry) *deadlineHeap {
 // (through Fix only, so nothing is boxed). Each entry keeps its index in heapIdx.
 type deadlineHeap struct {
 	m     *Memory
-	slots chunks[int32]
+	slots chunks.Array[int32]
 }
 
-func (h *deadlineHeap) Len() int { return int(h.slots.len()) }
+func (h *deadlineHeap) Len() int { return int(h.slots.Len()) }
 
 func (h *deadlineHeap) Less(a, b int) bool {
-	return h.m.entry(*h.slots.at(int32(a))).deadline < h.m.entry(*h.slots.at(int32(b))).deadline
+	return h.m.entry(*h.slots.At(int32(a))).deadline < h.m.entry(*h.slots.At(int32(b))).deadline
 }
 
 func (h *deadlineHeap) Swap(a, b int) {
-	sa, sb := h.slots.at(int32(a)), h.slots.at(int32(b))
+	sa, sb := h.slots.At(int32(a)), h.slots.At(int32(b))
 	*sa, *sb = *sb, *sa
 	h.m.entry(*sa).heapIdx = int32(a)
 	h.m.entry(*sb).heapIdx = int32(b)
@@ -564,16 +699,16 @@ func (h *deadlineHeap) Push(any) { panic("cache: deadlineHeap.Push") }
 func (h *deadlineHeap) Pop() any { panic("cache: deadlineHeap.Pop") }
 
 func (h *deadlineHeap) min() (int32, bool) {
-	if h.slots.len() == 0 {
+	if h.slots.Len() == 0 {
 		return 0, false
 	}
-	return *h.slots.at(0), true
+	return *h.slots.At(0), true
 }
 
 func (h *deadlineHeap) push(i int32) {
-	n := h.slots.len()
+	n := h.slots.Len()
 	h.m.entry(i).heapIdx = n
-	h.slots.push(i)
+	h.slots.Push(i)
 	heap.Fix(h, int(n))
 }
 
@@ -582,7 +717,7 @@ func (h *deadlineHeap) remove(k int) {
 	if k != n {
 		h.Swap(k, n)
 	}
-	h.slots.pop()
+	h.slots.Pop()
 	if k < n {
 		heap.Fix(h, k)
 	}
@@ -605,3 +740,33 @@ func checkRenewal(d time.Duration) error {
 }
 
 func validTTL(d time.Duration) bool { return d >= time.Millisecond && d <= MaxTTL }
+
+// bytesOf returns the bytes of the record in slot i: its key, then its data.
+func (m *Memory) bytesOf(i int32) []byte { return m.arena.Get(m.entry(i).rec) }
+
+// put stores a copy of key and data as the bytes of the record in slot i, which holds none.
+func (m *Memory) put(i int32, key string, data []byte) {
+	m.scratch = append(append(m.scratch[:0], key...), data...)
+	if m.putRecord(i, m.scratch, len(key)) {
+		m.scratch = nil // kept by the arena
+	}
+}
+
+// putRecord stores rec, whose first keyLen bytes are the key, as the bytes of the record in slot
+// i, which holds none, and reports whether the arena kept rec itself (a record too big for a
+// segment), in which case the caller gives rec up; a smaller one is copied. It then lets the
+// arena compact what deletes left, a bounded amount each call.
+func (m *Memory) putRecord(i int32, rec []byte, keyLen int) bool {
+	h, kept := m.arena.Put(rec)
+	e := m.entry(i)
+	e.rec, e.n, e.keyLen = h, int32(len(rec)), int32(keyLen)
+	m.arena.Compact()
+	return kept
+}
+
+// drop frees the bytes of the record in slot i.
+func (m *Memory) drop(i int32) {
+	e := m.entry(i)
+	m.arena.Delete(e.rec)
+	e.rec, e.n, e.keyLen = 0, 0, 0
+}

@@ -3,12 +3,10 @@ package cache
 import (
 	"bytes"
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand/v2"
 	"runtime"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -19,6 +17,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idempotency-extproc/idempotency-extproc/cache/arena"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
@@ -26,16 +25,27 @@ var internalClaim = Claim{LockTTL: 30 * time.Second, TTL: time.Hour}
 
 func newInternalMemory(t *testing.T, maxBytes int64) (*Memory, *clock.Fake) {
 	t.Helper()
+	return newMemoryWith(t, maxBytes, arena.Options{})
+}
+
+// newMemoryWith is newInternalMemory with its arena's options: small segments, so that records
+// are both in segments and on their own, and segments fill, empty and are compacted.
+func newMemoryWith(t *testing.T, maxBytes int64, ao arena.Options) (*Memory, *clock.Fake) {
+	t.Helper()
 	clk := clock.NewFake(time.Unix(1_700_000_000, 0))
-	m, err := NewMemory(MemoryOptions{MaxBytes: maxBytes, Clock: clk})
+	m, err := newMemory(MemoryOptions{MaxBytes: maxBytes, Clock: clk}, ao)
 	require.NoError(t, err)
+	t.Cleanup(func() { _ = m.Close() })
 	return m, clk
 }
 
+// arenaOf returns m's arena, for the checks that reach into it.
+func arenaOf(m *Memory) *arena.Arena { return m.arena.(*arena.Arena) }
+
 // checkMemory checks every structure of m against the others: the index and its hash chains,
 // the slots, the free list, both deadline heaps (order, membership by state, back indexes), the
-// lru list (completed records only, links both ways), the byte count and the arena (each
-// record's header, live bytes per segment, no overlap, spare segments).
+// lru list (completed records only, links both ways), the byte count and the arena (its own
+// structures, and a record of the right size behind each slot).
 func checkMemory(t *testing.T, m *Memory) {
 	t.Helper()
 	m.mu.Lock()
@@ -57,8 +67,8 @@ func checkMemory(t *testing.T, m *Memory) {
 			bytes += e.cost()
 			require.LessOrEqual(t, e.respLen, e.n-e.keyLen, "key %s", key)
 			hp := m.heapOf(e)
-			require.Less(t, e.heapIdx, hp.slots.len(), "key %s", key)
-			require.Equal(t, i, *hp.slots.at(e.heapIdx), "key %s: its heap index", key)
+			require.Less(t, e.heapIdx, hp.slots.Len(), "key %s", key)
+			require.Equal(t, i, *hp.slots.At(e.heapIdx), "key %s: its heap index", key)
 			require.Equal(t, e.state == Completed, e.next != unlinked, "key %s: in the lru list iff completed", key)
 		}
 	}
@@ -70,14 +80,14 @@ func checkMemory(t *testing.T, m *Memory) {
 		free[i] = true
 		require.Equal(t, memEntry{}, *m.entry(i), "free slot %d is zeroed", i)
 	}
-	require.Equal(t, int(m.entries.len())-1, len(used)+len(m.free), "every slot but the lru head is used or free")
+	require.Equal(t, int(m.entries.Len())-1, len(used)+len(m.free), "every slot but the lru head is used or free")
 	for _, h := range []*deadlineHeap{&m.pending, &m.completed} {
-		for k := range h.slots.len() {
-			i := *h.slots.at(k)
+		for k := range h.slots.Len() {
+			i := *h.slots.At(k)
 			require.True(t, used[i], "heap slot %d is a record", i)
 			require.Same(t, h, m.heapOf(m.entry(i)), "slot %d is in its state's heap", i)
 			if k > 0 {
-				parent := *h.slots.at((k - 1) / 2)
+				parent := *h.slots.At((k - 1) / 2)
 				require.LessOrEqual(t, m.entry(parent).deadline, m.entry(i).deadline, "heap order at %d", k)
 			}
 		}
@@ -94,69 +104,22 @@ func checkMemory(t *testing.T, m *Memory) {
 	checkArena(t, m, used)
 }
 
-// checkArena checks where the records of the slots in used keep their bytes.
+// checkArena checks the arena's structures, and that the records of the slots in used each have
+// bytes of their own, of their size, there.
 func checkArena(t *testing.T, m *Memory, used map[int32]bool) {
 	t.Helper()
-	a := m.arena
-	live := make([]int, len(a.segs))
-	spans := make([][][2]int, len(a.segs))
-	singles := 0
+	a := arenaOf(m)
+	require.NoError(t, a.Check())
+	handles := map[arena.Handle]int32{}
 	for i := range used {
 		e := m.entry(i)
-		if e.single() {
-			singles++
-			require.Len(t, a.big[i], int(e.n), "slot %d", i)
-			require.Greater(t, int(e.n), a.maxInline(), "slot %d is held on its own only if large", i)
-			continue
-		}
-		require.NotNil(t, a.segs[e.seg], "slot %d: its segment", i)
-		start, end := int(e.off)-recordHeader, int(e.off)+int(e.n)
-		require.LessOrEqual(t, end, a.fill[e.seg], "slot %d: within what its segment holds", i)
-		require.Equal(t, uint32(i), binary.LittleEndian.Uint32(a.segs[e.seg][start:]), "slot %d: its header", i)
-		require.Equal(t, uint32(e.n), binary.LittleEndian.Uint32(a.segs[e.seg][start+4:]), "slot %d: its header", i)
-		live[e.seg] += end - start
-		spans[e.seg] = append(spans[e.seg], [2]int{start, end})
+		require.NotZero(t, e.rec, "slot %d has bytes", i)
+		other, taken := handles[e.rec]
+		require.False(t, taken, "slots %d and %d share handle %d", i, other, e.rec)
+		handles[e.rec] = i
+		require.Len(t, a.Get(e.rec), int(e.n), "slot %d", i)
 	}
-	require.Len(t, a.big, singles, "only records held on their own are in big")
-	spare := map[int32]bool{}
-	for _, list := range [][]int32{a.spare, a.unused} {
-		for _, s := range list {
-			require.False(t, spare[s], "segment %d listed twice", s)
-			spare[s] = true
-			require.NotEqual(t, a.head, s, "the head is in use")
-			require.Zero(t, a.fill[s], "segment %d, out of use, is empty", s)
-		}
-	}
-	for _, s := range a.spare {
-		require.NotNil(t, a.segs[s], "spare segment %d is allocated", s)
-	}
-	for _, s := range a.unused {
-		require.Nil(t, a.segs[s], "unused segment %d is freed", s)
-	}
-	total, held := 0, 0
-	require.Len(t, a.mapped, len(a.segs))
-	for s := range a.segs {
-		require.Equal(t, live[s], a.live[s], "segment %d: live bytes", s)
-		if a.mapped[s] {
-			require.NotNil(t, a.segs[s], "segment %d: mapped, so held", s)
-		}
-		total += live[s]
-		if a.segs[s] != nil {
-			held++
-		}
-		if int32(s) != a.head && !spare[int32(s)] {
-			require.Positive(t, live[s], "segment %d: in use, so not empty", s)
-		}
-		slices.SortFunc(spans[s], func(x, y [2]int) int { return x[0] - y[0] })
-		for k := 1; k < len(spans[s]); k++ {
-			require.LessOrEqual(t, spans[s][k-1][1], spans[s][k][0], "segment %d: records overlap", s)
-		}
-	}
-	require.Equal(t, total, a.liveBytes)
-	require.Equal(t, held, a.held())
-	if a.head >= 0 {
-		require.NotNil(t, a.segs[a.head], "the head is allocated")
-	}
+	require.Equal(t, len(used), a.Stats().Records, "the arena holds the records of the slots, and only those")
 }
 
 // lookup returns key's record, or nil when the key is free (and then frees it again).
@@ -172,33 +135,16 @@ func lookup(m *Memory, key string) (*Record, error) {
 // its structures as it goes, with its segments mapped outside the Go heap and, as where mapping
 // fails, on it.
 func TestMemoryStaysConsistent(t *testing.T) {
-	t.Run("mapped", func(t *testing.T) { testMemoryStaysConsistent(t, mappingWorks()) })
-	t.Run("heap", func(t *testing.T) {
-		withoutMapping(t)
-		before := Segments().HeapSegments
-		testMemoryStaysConsistent(t, false)
-		require.Greater(t, Segments().HeapSegments, before, "segments on the heap are counted")
-	})
+	t.Run("mapped", func(t *testing.T) { testMemoryStaysConsistent(t, nil) })
+	t.Run("heap", func(t *testing.T) { testMemoryStaysConsistent(t, refuseMapping) })
 }
 
-// mappingWorks reports whether this system maps segments outside the Go heap.
-func mappingWorks() bool {
-	b, err := mapSegment(4 << 10)
-	if err == nil {
-		_ = munmapSegment(b)
-	}
-	return err == nil
-}
-
-// withoutMapping makes mapping segments fail until t ends, as it does where it is not supported
+// refuseMapping makes every segment an allocation on the heap, as where mapping is not supported
 // or an address space limit is reached.
-func withoutMapping(t *testing.T) {
-	mapped := mapSegment
-	mapSegment = func(int) ([]byte, error) { return nil, errors.New("mapping refused by the test") }
-	t.Cleanup(func() { mapSegment = mapped })
-}
+func refuseMapping(int) ([]byte, error) { return nil, errors.New("mapping refused by the test") }
 
-func testMemoryStaysConsistent(t *testing.T, mapped bool) {
+// testMemoryStaysConsistent runs on segments that mapSegment gives, the system's when nil.
+func testMemoryStaysConsistent(t *testing.T, mapSegment func(int) ([]byte, error)) {
 	for seed := range uint64(10) {
 		t.Run(strconv.FormatUint(seed, 10), func(t *testing.T) {
 			rnd := rand.New(rand.NewPCG(seed, seed))
@@ -209,11 +155,10 @@ func testMemoryStaysConsistent(t *testing.T, mapped bool) {
 			if seed%2 == 0 {
 				bound = 12 << 10
 			}
-			m, clk := newInternalMemory(t, bound)
 			// Small segments, so that bodies of up to 400 bytes are both in segments and on
 			// their own, and segments fill, empty and are compacted; half the seeds hash keys so
 			// badly that they share a few hashes.
-			m.arena.init(4 << 10)
+			m, clk := newMemoryWith(t, bound, arena.Options{SegmentSize: 4 << 10, Map: mapSegment})
 			if seed%4 < 2 {
 				m.hash = func(key string) uint64 { return uint64(len(key)) }
 			}
@@ -259,11 +204,13 @@ func testMemoryStaysConsistent(t *testing.T, mapped bool) {
 				}
 			}
 			checkMemory(t, m)
-			require.Positive(t, m.arena.held())
-			for s, b := range m.arena.segs {
-				if b != nil {
-					require.Equal(t, mapped, m.arena.mapped[s], "segment %d: mapped outside the Go heap", s)
-				}
+			st := m.Stats().Arena
+			require.Positive(t, st.Segments)
+			if mapSegment != nil {
+				require.Zero(t, st.MappedBytes, "no segment is mapped outside the Go heap")
+				require.Positive(t, st.HeapSegments, "segments on the heap are counted")
+			} else if st.HeapSegments == 0 {
+				require.Equal(t, int64(st.Segments*st.SegmentSize), st.MappedBytes, "every segment is mapped outside the Go heap")
 			}
 			require.NoError(t, m.Close())
 		})
@@ -323,7 +270,7 @@ func TestMemoryExpiresABoundedNumberPerCall(t *testing.T) {
 	// more take removes every expired record, and not "old", the least recently used.
 	m.mu.Lock()
 	var live int64
-	for i := int32(1); i < m.entries.len(); i++ {
+	for i := int32(1); i < m.entries.Len(); i++ {
 		if e := m.entry(i); e.state != 0 && e.deadline > m.now() {
 			live += e.cost()
 		}
@@ -341,14 +288,15 @@ func TestMemoryExpiresABoundedNumberPerCall(t *testing.T) {
 
 // checkArenaBounds checks what the arena holds against its live bytes, for a workload where
 // records go about as fast as they come (evicted, not expired in waves): holes within the slack
-// and two segments more, those that records removed while a head fills may open before the next
-// head compacts; segments in use full but for an end shorter than the largest record (and the
-// head); spare segments at most maxSpare.
-func checkArenaBounds(t *testing.T, a *arena, op int) {
+// (an eighth of the live bytes and two segments) and two segments more, those that records
+// removed while a head fills may open; segments in use full but for an end shorter than the
+// largest record and its 8-byte header (and the head); spare segments at most two.
+func checkArenaBounds(t *testing.T, m *Memory, op int) {
 	t.Helper()
-	require.LessOrEqual(t, a.written-a.liveBytes, a.slack()+2*a.segSize, "op %d: holes", op)
-	require.LessOrEqual(t, (a.inUse()-1)*(a.segSize-a.maxInline()-recordHeader), a.written, "op %d: segments in use", op)
-	require.LessOrEqual(t, a.held(), a.inUse()+maxSpare, "op %d: segments held", op)
+	a := m.arena.Stats()
+	require.LessOrEqual(t, a.WrittenBytes-a.LiveBytes, a.LiveBytes/8+4*a.SegmentSize, "op %d: holes", op)
+	require.LessOrEqual(t, (a.SegmentsInUse-1)*(a.SegmentSize-m.maxInline-8), a.WrittenBytes, "op %d: segments in use", op)
+	require.LessOrEqual(t, a.Segments, a.SegmentsInUse+2, "op %d: segments held", op)
 }
 
 // TestMemoryArenaSameSizeRecords: records of one size leave each segment an end too short for the
@@ -359,10 +307,9 @@ func TestMemoryArenaSameSizeRecords(t *testing.T) {
 	const segSize = 4 << 10
 	// The last size, of records kept on their own, is the size that could hang the store when
 	// records of a quarter of a segment were kept in segments and their ends counted as holes.
-	for _, n := range []int{segSize / 16, segSize/16 - 1, segSize/17 + 1, segSize/32 + 1, 40, segSize/4 - recordHeader - 1} {
+	for _, n := range []int{segSize / 16, segSize/16 - 1, segSize/17 + 1, segSize/32 + 1, 40, segSize/4 - 8 - 1} {
 		t.Run(strconv.Itoa(n), func(t *testing.T) {
-			m, _ := newInternalMemory(t, 512<<10) // many segments: their ends add up
-			m.arena.init(segSize)
+			m, _ := newMemoryWith(t, 512<<10, arena.Options{SegmentSize: segSize}) // many segments: their ends add up
 			ctx := context.Background()
 			for i := range 3000 {
 				key := fmt.Sprintf("k%05d", i)
@@ -377,7 +324,7 @@ func TestMemoryArenaSameSizeRecords(t *testing.T) {
 					require.NoError(t, err)
 				}
 				if i > 200 {
-					checkArenaBounds(t, m.arena, i)
+					checkArenaBounds(t, m, i)
 				}
 			}
 			checkMemory(t, m)
@@ -390,8 +337,7 @@ func TestMemoryArenaSameSizeRecords(t *testing.T) {
 // the slack of the live bytes, frees the memory of those it no longer needs, and moves records
 // without changing their bytes.
 func TestMemoryArenaStaysCompact(t *testing.T) {
-	m, _ := newInternalMemory(t, 64<<10)
-	m.arena.init(8 << 10)
+	m, _ := newMemoryWith(t, 64<<10, arena.Options{SegmentSize: 8 << 10})
 	rnd := rand.New(rand.NewPCG(1, 2))
 	ctx := context.Background()
 	body := func(k int) []byte { return []byte(strings.Repeat(strconv.Itoa(k), 10+k%90)) }
@@ -410,16 +356,15 @@ func TestMemoryArenaStaysCompact(t *testing.T) {
 			replays++
 			require.Equal(t, body(k), rec.Response.Body, "key %s", key)
 		}
-		a := m.arena
 		if op > 1000 {
-			checkArenaBounds(t, a, op)
+			checkArenaBounds(t, m, op)
 		}
 		if op%100 == 0 {
 			checkMemory(t, m)
 		}
 	}
 	require.Greater(t, replays, 5000)
-	require.Positive(t, m.arena.moved, "records were moved")
+	require.Positive(t, m.arena.Stats().MovedBytes, "records were moved")
 	checkMemory(t, m)
 }
 
@@ -427,8 +372,7 @@ func TestMemoryArenaStaysCompact(t *testing.T) {
 // replay copies its record before releasing it. With small segments reused all the time, every
 // replay still reads its own record's bytes (and the race detector sees no unguarded read).
 func TestMemoryConcurrentReplaysKeepTheirBytes(t *testing.T) {
-	m, _ := newInternalMemory(t, 16<<10)
-	m.arena.init(2 << 10)
+	m, _ := newMemoryWith(t, 16<<10, arena.Options{SegmentSize: 2 << 10})
 	body := func(k int) []byte { return []byte(strings.Repeat(strconv.Itoa(k), 5+k%40)) }
 	var wg sync.WaitGroup
 	var replays atomic.Int64
@@ -465,11 +409,10 @@ func TestMemoryConcurrentReplaysKeepTheirBytes(t *testing.T) {
 // all (and fault in the pages of the copy) under the lock: appending to one slice of entries
 // stalled a call for 3 to 150 ms each time it grew, as an empty store filled.
 func TestMemoryGrowsWithoutMoving(t *testing.T) {
-	m, _ := newInternalMemory(t, 0)
-	m.arena.init(2 << 10)
+	m, _ := newMemoryWith(t, 0, arena.Options{SegmentSize: 2 << 10})
 	ctx := context.Background()
 	first := m.entry(0)
-	const n = 3*chunkLen + 10
+	const n = 3*4096 + 10 // over three chunks of entries
 	for i := range n {
 		l, _, err := m.Acquire(ctx, "k"+strconv.Itoa(i), internalClaim)
 		require.NoError(t, err)
@@ -477,22 +420,21 @@ func TestMemoryGrowsWithoutMoving(t *testing.T) {
 	}
 	checkMemory(t, m)
 	require.Same(t, first, m.entry(0), "entries did not move")
-	require.Equal(t, n+1, int(m.entries.len()))
-	require.Greater(t, m.arena.held(), 100, "the arena grew")
+	require.Equal(t, n+1, int(m.entries.Len()))
+	require.Greater(t, m.arena.Stats().Segments, 100, "the arena grew")
 }
 
 // TestMemoryArenaShrinksAsRecordsExpire: when records stop coming and expire, the arena frees
 // its segments as they empty, down to the few its slack allows.
 func TestMemoryArenaShrinksAsRecordsExpire(t *testing.T) {
-	m, clk := newInternalMemory(t, 256<<10)
-	m.arena.init(8 << 10)
+	m, clk := newMemoryWith(t, 512<<10, arena.Options{SegmentSize: 8 << 10})
 	ctx := context.Background()
-	for i := range 2000 { // several times the bound: every segment is used, emptied and reused
+	for i := range 4000 { // twice the bound and more: every segment is used, emptied and reused
 		l, _, err := m.Acquire(ctx, "k"+strconv.Itoa(i), internalClaim)
 		require.NoError(t, err)
 		require.NoError(t, m.Complete(ctx, l, Response{Status: 200, Body: make([]byte, 50+i%400)}))
 	}
-	peak := m.arena.held()
+	peak := m.arena.Stats().Segments
 	require.Greater(t, peak, 20)
 	clk.Advance(internalClaim.TTL)
 	for m.Len() > 0 {
@@ -500,7 +442,7 @@ func TestMemoryArenaShrinksAsRecordsExpire(t *testing.T) {
 		require.NoError(t, err)
 	}
 	checkMemory(t, m)
-	require.LessOrEqual(t, m.arena.held(), 3, "segments held once every record expired, of %d", peak)
+	require.LessOrEqual(t, m.arena.Stats().Segments, 3, "segments held once every record expired, of %d", peak)
 }
 
 // TestMemoryRecordTooLargeForItsSizes: a record whose bytes would not fit the int32 sizes of an
@@ -539,7 +481,7 @@ func TestMemoryBigCompletionCopiesOnce(t *testing.T) {
 		require.NoError(t, err)
 		leases[i] = l
 	}
-	resp := Response{Status: 201, Body: make([]byte, 4*m.arena.maxInline())}
+	resp := Response{Status: 201, Body: make([]byte, 4*m.maxInline)}
 	next := 0
 	allocs := testing.AllocsPerRun(n, func() {
 		resp.Body[0] = byte(next)
@@ -553,7 +495,7 @@ func TestMemoryBigCompletionCopiesOnce(t *testing.T) {
 		rec, err := lookup(m, "big-"+strconv.Itoa(i))
 		require.NoError(t, err)
 		require.Equal(t, Completed, rec.State)
-		require.Len(t, rec.Response.Body, 4*m.arena.maxInline())
+		require.Len(t, rec.Response.Body, 4*m.maxInline)
 		require.Equal(t, byte(i), rec.Response.Body[0], "record %d keeps its own body", i)
 		require.Equal(t, claim.Fingerprint, rec.Fingerprint)
 	}
@@ -617,8 +559,7 @@ func TestMemoryCompletionReusesItsBuffer(t *testing.T) {
 // for a segment) that a long fingerprint makes too big for one is held on its own, whole, and
 // stays so while later completions reuse the pool.
 func TestMemoryLongFingerprintRecord(t *testing.T) {
-	m, _ := newInternalMemory(t, 0)
-	m.arena.init(8 << 10) // records over 512 bytes are held on their own
+	m, _ := newMemoryWith(t, 0, arena.Options{SegmentSize: 8 << 10}) // records over 512 bytes are held on their own
 	ctx := context.Background()
 	claim := internalClaim
 	claim.Fingerprint = bytes.Repeat([]byte{'f'}, 300)

@@ -26,7 +26,7 @@ func newMemory(t testing.TB, maxBytes int64) (*cache.Memory, *clock.Fake) {
 func TestMemoryConformance(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) storetest.Harness {
 		m, clk := newMemory(t, 0)
-		return storetest.Harness{Store: m, Advance: clk.Advance}
+		return storetest.Harness{Store: m, Advance: clk.Advance, Now: clk.Now}
 	})
 }
 

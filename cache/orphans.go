@@ -4,6 +4,8 @@ import (
 	"errors"
 	"sync"
 	"time"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
 const (
@@ -29,19 +31,21 @@ type orphan struct {
 // flapping Redis does not leave keys that answer 409 for a whole lease after it recovers while
 // nothing runs. A release is owner-checked: it frees nothing but the lease's own record.
 type orphans struct {
+	clock clock.Clock
 	queue chan orphan
 	done  chan struct{}
 	once  sync.Once
 }
 
-func newOrphans() *orphans {
-	return &orphans{queue: make(chan orphan, maxOrphans), done: make(chan struct{})}
+// newOrphans returns an empty queue of orphans whose expiry and retries follow clk.
+func newOrphans(clk clock.Clock) *orphans {
+	return &orphans{clock: clk, queue: make(chan orphan, maxOrphans), done: make(chan struct{})}
 }
 
 // add queues l, which expires by itself after lockTTL; it drops it if the queue is full.
 func (o *orphans) add(l Lease, lockTTL time.Duration) {
 	select {
-	case o.queue <- orphan{lease: l, until: time.Now().Add(lockTTL)}:
+	case o.queue <- orphan{lease: l, until: o.clock.Now().Add(lockTTL)}:
 	default:
 	}
 }
@@ -60,16 +64,28 @@ func (o *orphans) run(release releaseFunc, firstWait time.Duration) {
 	var next time.Time
 	wait := firstWait
 	for {
-		var retry <-chan time.Time
+		var retry chan struct{}
+		var timer clock.Timer
 		if len(waiting) > 0 {
-			retry = time.After(time.Until(next))
+			retry = make(chan struct{})
+			if d := next.Sub(o.clock.Now()); d > 0 {
+				timer = o.clock.AfterFunc(d, func() { close(retry) })
+			} else {
+				close(retry) // due now: a clock's timers fire only once it moves past now
+			}
 		}
 		select {
 		case <-o.done:
+			if timer != nil {
+				timer.Stop()
+			}
 			return
 		case l := <-o.queue:
+			if timer != nil {
+				timer.Stop()
+			}
 			if len(waiting) == 0 {
-				next = time.Now()
+				next = o.clock.Now()
 			}
 			if len(waiting) < maxOrphans {
 				waiting = append(waiting, l)
@@ -78,12 +94,12 @@ func (o *orphans) run(release releaseFunc, firstWait time.Duration) {
 		case <-retry:
 		}
 		waiting = o.drain(waiting)
-		waiting = freeOnce(waiting, release)
+		waiting = freeOnce(waiting, release, o.clock.Now())
 		if len(waiting) == 0 {
 			wait = firstWait
 			continue
 		}
-		next = time.Now().Add(wait)
+		next = o.clock.Now().Add(wait)
 		wait = min(2*wait, orphanMaxWait)
 	}
 }
@@ -101,11 +117,10 @@ func (o *orphans) drain(waiting []orphan) []orphan {
 	return waiting
 }
 
-// freeOnce tries each unexpired lease once, in batches, and returns those to try again. Once a
-// batch finds Redis unreachable, the pass stops: the rest would fail alike, and an outage
+// freeOnce tries each lease unexpired at now once, in batches, and returns those to try again.
+// Once a batch finds Redis unreachable, the pass stops: the rest would fail alike, and an outage
 // should not cost a connection attempt per batch every pass.
-func freeOnce(waiting []orphan, release releaseFunc) []orphan {
-	now := time.Now()
+func freeOnce(waiting []orphan, release releaseFunc, now time.Time) []orphan {
 	var kept, batch []orphan
 	leases := make([]Lease, 0, orphanBatch)
 	down := false

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
-	"strconv"
 	"strings"
 	"time"
 
@@ -15,6 +14,7 @@ import (
 	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache/seal"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
 // DefaultRedisTimeout bounds each Redis call when RedisOptions.Timeout is zero.
@@ -24,60 +24,66 @@ const DefaultRedisTimeout = 100 * time.Millisecond
 // leave together (see pipeline). Two keep one batch filling while the other is on the wire.
 const pipelineSlots = 2
 
-// Each record is one Redis string under its key, so that every operation touches one key (no
-// hash tags under Cluster), a claim is one native command, and the server stores one value:
-//
-//	offset  bytes  field
-//	0       1      layout version: recordLayout
-//	1       1      state: 'p' pending or 'c' completed
-//	2       26     owner token (kept after completion so that a retried Complete succeeds)
-//	28      13     lifetime of the completed record in milliseconds, decimal, zero-padded
-//	41      8      fingerprint length, hexadecimal
-//	49      n      fingerprint
-//	49+n           encoded response (completed only; sealed under the key with a Keyring, see sealed.go)
-//
-// The key's own expiry is the lease while pending and the TTL once completed. The scripts below
-// read the same offsets, built from these constants.
-const (
-	recordLayout = '2'
-	tokenLen     = 26
-	ttlDigits    = 13 // any time.Duration in milliseconds
-	fpLenDigits  = 8
-	headerLen    = 2 + tokenLen + ttlDigits + fpLenDigits
-)
+// A completed record of at least stagedRecordBytes is not sent through its script: its bytes go
+// first to a staging key of the same slot, in a plain SET, and the script, once it has checked
+// the owner, renames that key onto the record's (see Complete). A script's arguments and writes
+// are copied in and out of Lua, which cost redis-server 4 to 7 times a plain SET of the bytes
+// from 64 KiB to 1 MiB; staged, a first execution costs 1.0 to 1.2 times a SET plus the small
+// commands. Below a few KiB the two cost about the same (BenchmarkRedisFirstExecutionCPU).
+const stagedRecordBytes = 4 << 10
 
-// luaOwned starts every script below: it reads the record at KEYS[1] into cur and sets owned
-// when the record has this layout and ARGV[1] as its token. The offsets come from the constants
-// above (Lua counts from 1).
+// stagingTTL bounds how long the staged bytes of a completion whose script never ran (the round
+// trip broke between the two commands) linger.
+const stagingTTL = time.Minute
+
+// luaOwned starts every owner-checked script below: it reads the first bytes of the record at
+// KEYS[1], whatever its size, into head, sets owned when the record has a known layout and
+// ARGV[1] as its token, and st to its state. The offsets come from the constants in
+// redis_record.go (Lua counts from 1).
 var luaOwned = fmt.Sprintf(`
-local cur = redis.call('GET', KEYS[1])
-local owned = cur and string.sub(cur, 1, 1) == '%c' and string.sub(cur, 3, %d) == ARGV[1]
-`, recordLayout, 2+tokenLen)
+local head = redis.call('GETRANGE', KEYS[1], 0, %d)
+local layout = string.sub(head, 1, 1)
+local owned = (layout == '%c' or layout == '%c') and string.sub(head, 3, %d) == ARGV[1]
+local st = string.sub(head, 2, 2)
+`, ownerLen-1, recordLayout, layout2, ownerLen)
 
 var (
-	// renewScript: KEYS[1] key; ARGV token, lock ms. Returns 1 when renewed.
-	renewScript = redis.NewScript(luaOwned + `
-if owned and string.sub(cur, 2, 2) == 'p' then
+	// renewScript: KEYS[1] key; ARGV token, lock ms, the lease's new end (Unix ms, padded).
+	// Returns 1 when renewed.
+	renewScript = redis.NewScript(luaOwned + fmt.Sprintf(`
+if owned and st == 'p' then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if layout == '%c' then redis.call('SETRANGE', KEYS[1], %d, ARGV[3]) end
   return 1
 end
 return 0
-`)
-	// completeScript: KEYS[1] key; ARGV token, encoded response. Returns 1 when completed; a
-	// completed record stays completed, so a retried Complete succeeds.
-	completeScript = redis.NewScript(luaOwned + fmt.Sprintf(`
+`, recordLayout, expiresOffset))
+	// completeScript: KEYS[1] key; ARGV token, the completed record, TTL ms. Returns 1 when
+	// completed; a completed record stays completed, so a retried Complete succeeds.
+	completeScript = redis.NewScript(luaOwned + `
 if not owned then return 0 end
-local st = string.sub(cur, 2, 2)
 if st == 'c' then return 1 end
 if st ~= 'p' then return 0 end
-local ttl = tonumber(string.sub(cur, %d, %d))
-if not ttl or ttl <= 0 then return redis.error_reply('record has no valid ttl') end
-redis.call('SET', KEYS[1], '%cc' .. string.sub(cur, 3) .. ARGV[2], 'PX', ttl)
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1
-`, 3+tokenLen, 2+tokenLen+ttlDigits, recordLayout))
+`)
+	// completeStagedScript: KEYS[1] key, KEYS[2] the staging key holding the completed record;
+	// ARGV token, TTL ms. Returns 1 when completed, as completeScript; the staged bytes are gone
+	// either way.
+	completeStagedScript = redis.NewScript(luaOwned + `
+if owned and st == 'p' then
+  if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ERR idempotency: staged record missing') end
+  redis.call('RENAME', KEYS[2], KEYS[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+redis.call('DEL', KEYS[2])
+if owned and st == 'c' then return 1 end
+return 0
+`)
 	// releaseScript: KEYS[1] key; ARGV token. Returns 1 when deleted.
 	releaseScript = redis.NewScript(luaOwned + `
-if owned and string.sub(cur, 2, 2) == 'p' then
+if owned and st == 'p' then
   redis.call('DEL', KEYS[1])
   return 1
 end
@@ -85,7 +91,9 @@ return 0
 `)
 )
 
-// RedisOptions selects and configures a Redis deployment, following the command-line settings.
+// RedisOptions selects and configures a Redis deployment, following the command-line settings,
+// and the store on it. OpenRedis uses every field; NewRedis, given a client, only the store's
+// (Timeout, DisableBatching, Clock).
 type RedisOptions struct {
 	// URL is a redis:// or rediss:// (TLS) URL with optional user, password and database. For
 	// Cluster and Sentinel, its user, password and TLS apply to the nodes and its host is ignored.
@@ -98,10 +106,19 @@ type RedisOptions struct {
 	// TLSConfig, when set, replaces the TLS configuration derived from a rediss:// URL (for
 	// example to trust a private CA). It turns TLS on for any URL scheme.
 	TLSConfig *tls.Config
-	// Timeout bounds every call (default DefaultRedisTimeout).
-	Timeout time.Duration
 	// PoolSize is the connection pool size per node (default go-redis': 10 per CPU).
 	PoolSize int
+
+	// Timeout bounds every call of the store, from its start to its reply (default
+	// DefaultRedisTimeout): the one deadline a store call gets (see Store).
+	Timeout time.Duration
+	// DisableBatching sends every call in a round trip of its own instead of sharing round trips
+	// among concurrent calls in pipelined batches (see pipeline), which measure better under load
+	// and are on by default.
+	DisableBatching bool
+	// Clock gives the times stored in records (CreatedAt, ExpiresAt) and paces the background
+	// release of orphaned leases (default the wall clock). Deadlines are on the wall clock.
+	Clock clock.Clock
 	// Keyring, when set, seals every response the store keeps (status, headers and body) with
 	// its active key, bound to the record's key, and opens them on Acquire (SPEC §12). Responses
 	// stored without a keyring still read; one that cannot be opened (its key is not in the
@@ -110,14 +127,16 @@ type RedisOptions struct {
 }
 
 // Redis is a Store backed by Redis 7.0 or later (or Valkey): standalone, Sentinel or Cluster.
-// Each operation is one command on one key, so it is atomic on the server and costs one round
-// trip; under load, concurrent calls share round trips in pipelined batches. Acquire is a native
-// SET NX GET; the owner-checked operations are scripts, sent by SHA (EVALSHA) and loaded on first
-// use.
+// Each operation is one command or script on one key, so it is atomic on the server and costs
+// one round trip; by default, concurrent calls share round trips in pipelined batches. Acquire is
+// a native SET NX GET; the owner-checked operations are scripts, sent by SHA (EVALSHA) and loaded
+// on first use. Completing a large record stages its bytes in a second key of the same slot for
+// the length of one round trip, then renames it onto the record in the owner-checked script.
 type Redis struct {
 	client  redis.UniversalClient
 	timeout time.Duration
-	pipe    *pipeline
+	clock   clock.Clock
+	send    sender
 	orphans *orphans
 	ring    *seal.Keyring // seals responses, when set
 }
@@ -132,19 +151,24 @@ func OpenRedis(opts RedisOptions) (*Redis, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := NewRedis(client, opts.Timeout)
-	r.ring = opts.Keyring
-	return r, nil
+	return NewRedis(client, opts), nil
 }
 
-// NewRedis returns a Store that uses client, bounding every call by timeout (default
-// DefaultRedisTimeout). The Store owns the client: Close closes it.
-func NewRedis(client redis.UniversalClient, timeout time.Duration) *Redis {
-	if timeout <= 0 {
-		timeout = DefaultRedisTimeout
+// NewRedis returns a Store that uses client, configured by the store's fields of opts (Timeout,
+// DisableBatching, Clock, Keyring); the others are OpenRedis'. The Store owns the client: Close closes it.
+func NewRedis(client redis.UniversalClient, opts RedisOptions) *Redis {
+	if opts.Timeout <= 0 {
+		opts.Timeout = DefaultRedisTimeout
 	}
-	r := &Redis{client: client, timeout: timeout, pipe: newPipeline(client, timeout, pipelineSlots), orphans: newOrphans()}
-	go r.orphans.run(r.releaseOrphans, timeout)
+	if opts.Clock == nil {
+		opts.Clock = clock.Real{}
+	}
+	var send sender = newPipeline(client, pipelineSlots)
+	if opts.DisableBatching {
+		send = direct{client: client}
+	}
+	r := &Redis{client: client, timeout: opts.Timeout, clock: opts.Clock, send: send, orphans: newOrphans(opts.Clock), ring: opts.Keyring}
+	go r.orphans.run(r.releaseOrphans, opts.Timeout)
 	return r
 }
 
@@ -256,13 +280,17 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	if err := checkClaim(c); err != nil {
 		return Lease{}, nil, err
 	}
-	ctx, cancel := r.bound(ctx)
+	ctx, cancel, deadline := r.bound(ctx)
 	defer cancel()
+	// The record's times are in milliseconds: the lease carries the same instant.
+	now := time.UnixMilli(r.clock.Now().UnixMilli())
 	token := newToken()
-	pending := appendPending(make([]byte, 0, headerLen+len(c.Fingerprint)), token, c)
-	lease := Lease{key: key, token: token}
-	found, err := r.pipe.run(ctx, &call{
-		args: []any{"set", key, pending, "nx", "px", c.LockTTL.Milliseconds(), "get"},
+	c.Route = routeOf(c.Route)
+	pending := appendPending(make([]byte, 0, headerLen+len(c.Fingerprint)+routeLenDigits+len(c.Route)), token, c, now)
+	lease := Lease{key: key, token: token, fingerprint: string(c.Fingerprint), route: c.Route, ttl: c.TTL, created: now}
+	found, err := r.send.run(ctx, &call{
+		args:     []any{"set", key, pending, "nx", "px", c.LockTTL.Milliseconds(), "get"},
+		deadline: deadline,
 		// The SET may have run while this caller never learned it: free what it may have
 		// created rather than block the key for a whole lease.
 		undo: func(*redis.Cmd) { r.orphans.add(lease, c.LockTTL) },
@@ -272,7 +300,7 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 		return lease, nil, nil
 	case err == nil:
 	case redis.HasErrorPrefix(err, "WRONGTYPE"):
-		return Lease{}, nil, fmt.Errorf("cache: redis acquire: %w: the key holds another type than a record of layout %c", ErrCorrupt, recordLayout)
+		return Lease{}, nil, fmt.Errorf("cache: redis acquire: %w: the key holds another type than a record", ErrCorrupt)
 	case redis.HasErrorPrefix(err, "syntax error"):
 		// Redis before 7.0 refuses NX and GET together.
 		return Lease{}, nil, fmt.Errorf("cache: redis acquire: the server needs to be Redis 7.0 or later (SET NX GET): %w", err)
@@ -299,67 +327,56 @@ func newToken() string {
 	return t
 }
 
-// appendPending appends the pending record of c owned by token to b.
-func appendPending(b []byte, token string, c Claim) []byte {
-	b = append(b, recordLayout, 'p')
-	b = append(b, token...)
-	b = appendPadded(b, uint64(c.TTL.Milliseconds()), 10, ttlDigits)
-	b = appendPadded(b, uint64(len(c.Fingerprint)), 16, fpLenDigits)
-	return append(b, c.Fingerprint...)
+// bound limits ctx to the store's timeout from now, unless it ends earlier, and returns that
+// deadline too: the one place a Redis call's deadline is set (the batcher runs each batch until
+// the latest deadline among its calls). Deadlines are on the wall clock, as contexts are.
+func (r *Redis) bound(ctx context.Context) (context.Context, context.CancelFunc, time.Time) {
+	deadline := time.Now().Add(r.timeout)
+	if d, ok := ctx.Deadline(); ok && !d.After(deadline) {
+		return ctx, func() {}, d
+	}
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	return ctx, cancel, deadline
 }
 
-// appendPadded appends n in base, left-padded with zeros to width digits.
-func appendPadded(b []byte, n uint64, base, width int) []byte {
-	var digits [20]byte
-	d := strconv.AppendUint(digits[:0], n, base)
-	for range width - len(d) {
-		b = append(b, '0')
-	}
-	return append(b, d...)
+// run sends one call bounded by the store's timeout.
+func (r *Redis) run(ctx context.Context, c *call) *redis.Cmd {
+	ctx, cancel, deadline := r.bound(ctx)
+	defer cancel()
+	c.deadline = deadline
+	return r.send.run(ctx, c)
 }
 
-// bound gives ctx the store's timeout, unless it already has an earlier deadline.
-func (r *Redis) bound(ctx context.Context) (context.Context, context.CancelFunc) {
-	if d, ok := ctx.Deadline(); ok && time.Until(d) <= r.timeout {
-		return ctx, func() {}
+// Lookup implements [Store.Lookup]. It reads the record and the key's expiry in one transaction
+// (MULTI GET PTTL EXEC), one round trip; the expiry fills ExpiresAt for a record of layout 2,
+// which does not carry it.
+func (r *Redis) Lookup(ctx context.Context, key string) (*Record, error) {
+	ctx, cancel, _ := r.bound(ctx)
+	defer cancel()
+	var get *redis.StringCmd
+	var pttl *redis.DurationCmd
+	_, err := r.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
+		get, pttl = p.Get(ctx, key), p.PTTL(ctx, key)
+		return nil
+	})
+	now := r.clock.Now()
+	if get != nil && errors.Is(get.Err(), redis.Nil) {
+		return nil, ErrNotFound
 	}
-	return context.WithTimeout(ctx, r.timeout)
-}
-
-// decodeRecord decodes the record stored under key, opening its response with ring, and returns
-// it with its owner token.
-func decodeRecord(v string, ring *seal.Keyring, key string) (*Record, string, error) {
-	if len(v) < headerLen {
-		return nil, "", fmt.Errorf("%w: a record of %d bytes", ErrCorrupt, len(v))
+	switch {
+	case get != nil && redis.HasErrorPrefix(get.Err(), "WRONGTYPE"):
+		return nil, fmt.Errorf("cache: redis lookup: %w: the key holds another type than a record", ErrCorrupt)
+	case err != nil:
+		return nil, redisError("lookup", err)
 	}
-	if v[0] != recordLayout {
-		return nil, "", fmt.Errorf("%w: record layout %q is not supported by this version", ErrCorrupt, v[0])
+	rec, _, err := decodeRecord(get.Val(), r.ring, key)
+	if err != nil {
+		return nil, err
 	}
-	token := v[2 : 2+tokenLen]
-	n, err := strconv.ParseUint(v[headerLen-fpLenDigits:headerLen], 16, 32)
-	if err != nil || n > uint64(len(v)-headerLen) {
-		return nil, "", fmt.Errorf("%w: record fingerprint length %q", ErrCorrupt, v[headerLen-fpLenDigits:headerLen])
+	if d := pttl.Val(); rec.ExpiresAt.IsZero() && d > 0 {
+		rec.ExpiresAt = now.Add(d)
 	}
-	// One copy of the fingerprint and the response, each capped at its own end.
-	b := []byte(v[headerLen:])
-	rec := &Record{}
-	if n > 0 {
-		rec.Fingerprint = b[:n:n]
-	}
-	switch v[1] {
-	case 'p':
-		rec.State = Pending
-	case 'c':
-		rec.State = Completed
-		resp, err := decodeStoredResponse(b[n:], ring, key)
-		if err != nil {
-			return nil, "", err
-		}
-		rec.Response = resp
-	default:
-		return nil, "", fmt.Errorf("%w: record state %q", ErrCorrupt, v[1])
-	}
-	return rec, token, nil
+	return rec, nil
 }
 
 // Renew implements [Store.Renew].
@@ -367,29 +384,80 @@ func (r *Redis) Renew(ctx context.Context, l Lease, d time.Duration) error {
 	if err := checkRenewal(d); err != nil {
 		return err
 	}
-	return r.owned(ctx, "renew", renewScript, l, d.Milliseconds())
+	end := appendMillis(nil, r.clock.Now().Add(d))
+	return r.owned(ctx, "renew", &call{script: renewScript, keys: []string{l.key}, args: []any{l.token, d.Milliseconds(), end}}, l)
 }
 
-// Complete implements [Store.Complete].
+// Complete implements [Store.Complete]. The record is built whole here, from the lease, so that
+// Redis stores the bytes it is sent without splicing them in Lua; one of at least
+// stagedRecordBytes goes to a staging key in a plain SET, pipelined with the script that checks
+// the owner and renames it onto the record's key, so that its bytes never pass through Lua. The
+// staging key's name holds the lease's token, so that two leases never share one, and is in the
+// record's slot (stagingKey).
 func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
+	if l.token == "" {
+		return ErrLeaseLost
+	}
 	resp = resp.normalized()
-	blob := appendStoredResponse(make([]byte, 0, storedResponseSize(resp, r.ring)), resp, r.ring, sealedAAD(r.ring, l.key))
-	return r.owned(ctx, "complete", completeScript, l, blob)
+	rec := appendCompleted(make([]byte, 0, completedSize(l, resp, r.ring)), l, r.clock.Now().Add(l.ttl), resp, r.ring)
+	ttl := l.ttl.Milliseconds()
+	c := &call{script: completeScript, keys: []string{l.key}, args: []any{l.token, rec, ttl}}
+	if len(rec) >= stagedRecordBytes {
+		if staging, ok := stagingKey(l.key, l.token); ok {
+			c = &call{
+				script: completeStagedScript, keys: []string{l.key, staging}, args: []any{l.token, ttl},
+				stage: []any{"set", staging, rec, "px", stagingTTL.Milliseconds()},
+			}
+		}
+	}
+	return r.owned(ctx, "complete", c, l)
+}
+
+// stagingKey returns the key a large completion of key by token stages its bytes in: a name that
+// starts with key, so that ACL key patterns that admit the record admit it, and that is in key's
+// Cluster slot. Cluster hashes only the part of a name within its first {…} when that part is not
+// empty, else the whole name. A key with such a part keeps it first; a key with no brace at all
+// is put in one at the name's end. Any other key (a brace without such a part, the empty key)
+// has no such name: stagingKey reports false, and the completion goes through its script.
+func stagingKey(key, token string) (string, bool) {
+	open := strings.IndexByte(key, '{')
+	switch {
+	case open >= 0:
+		if end := strings.IndexByte(key[open+1:], '}'); end > 0 {
+			return key + ":staged:" + token, true
+		}
+		return "", false
+	case key == "" || strings.IndexByte(key, '}') >= 0:
+		return "", false
+	}
+	return key + ":staged:" + token + "{" + key + "}", true
 }
 
 // Release implements [Store.Release].
 func (r *Redis) Release(ctx context.Context, l Lease) error {
-	return r.owned(ctx, "release", releaseScript, l)
+	return r.owned(ctx, "release", &call{script: releaseScript, keys: []string{l.key}, args: []any{l.token}}, l)
 }
 
-// owned runs an owner-checked script that answers 1 on success and 0 when the lease is lost.
-func (r *Redis) owned(ctx context.Context, op string, s *redis.Script, l Lease, args ...any) error {
+// Purge implements [Store.Purge]: one DEL. A lease on the purged record is lost as any other:
+// its token is gone with the record.
+func (r *Redis) Purge(ctx context.Context, key string) error {
+	n, err := r.run(ctx, &call{args: []any{"del", key}}).Int64()
+	switch {
+	case err != nil:
+		return redisError("purge", err)
+	case n == 0:
+		return ErrNotFound
+	}
+	return nil
+}
+
+// owned runs an owner-checked script call for l that answers 1 on success and 0 when the lease
+// is lost.
+func (r *Redis) owned(ctx context.Context, op string, c *call, l Lease) error {
 	if l.token == "" {
 		return ErrLeaseLost
 	}
-	ctx, cancel := r.bound(ctx)
-	defer cancel()
-	n, err := r.pipe.script(ctx, s, []string{l.key}, append([]any{l.token}, args...)...).Int64()
+	n, err := r.run(ctx, c).Int64()
 	if err != nil {
 		return redisError(op, err)
 	}
@@ -427,7 +495,7 @@ func (r *Redis) releaseOrphans(ls []Lease) []error {
 // Ping implements [Store.Ping]. For Cluster it pings every known master and, when one does not
 // answer, reloads the slot map so that a failover is noticed without waiting for a MOVED reply.
 func (r *Redis) Ping(ctx context.Context) error {
-	ctx, cancel := r.bound(ctx)
+	ctx, cancel, _ := r.bound(ctx)
 	defer cancel()
 	cc, ok := r.client.(*redis.ClusterClient)
 	if !ok {
@@ -445,7 +513,7 @@ func (r *Redis) Ping(ctx context.Context) error {
 // Close implements [Store.Close].
 func (r *Redis) Close() error {
 	r.orphans.stop()
-	r.pipe.close()
+	r.send.close()
 	err := r.client.Close()
 	if errors.Is(err, redis.ErrClosed) {
 		return nil

@@ -1,11 +1,13 @@
 package cache
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -18,6 +20,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/slowlink"
 )
 
@@ -35,10 +39,16 @@ func (passHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Proces
 // ends. RESP2 keeps connection set-up (HELLO) out of the hook.
 func hookedRedis(t *testing.T, hook redis.Hook, timeout time.Duration) (*Redis, *miniredis.Miniredis) {
 	t.Helper()
+	return hookedRedisWith(t, hook, RedisOptions{Timeout: timeout})
+}
+
+// hookedRedisWith is hookedRedis with the store's options.
+func hookedRedisWith(t *testing.T, hook redis.Hook, opts RedisOptions) (*Redis, *miniredis.Miniredis) {
+	t.Helper()
 	mr := miniredis.RunT(t)
 	client := redis.NewClient(&redis.Options{Addr: mr.Addr(), Protocol: 2})
 	client.AddHook(hook)
-	s := NewRedis(client, timeout)
+	s := NewRedis(client, opts)
 	t.Cleanup(func() { _ = s.Close() })
 	return s, mr
 }
@@ -182,8 +192,11 @@ type pipelineCounter struct {
 	passHook
 	single, batched, batches, held atomic.Int64
 	sets                           atomic.Int64 // SET commands sent, alone or batched
+	batchedCalls                   atomic.Int64 // SET and EVALSHA commands sent in pipelines
 	hold                           atomic.Bool
 	release                        chan struct{}
+	// seen, when set, is given the context of each pipelined batch once it is let go.
+	seen func(ctx context.Context)
 }
 
 func (h *pipelineCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
@@ -205,11 +218,17 @@ func (h *pipelineCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) re
 			h.held.Add(int64(len(cmds)))
 			<-h.release
 		}
+		if h.seen != nil {
+			h.seen(ctx)
+		}
 		h.batches.Add(1)
 		h.batched.Add(int64(len(cmds)))
 		for _, cmd := range cmds {
 			if cmd.Name() == "set" {
 				h.sets.Add(1)
+			}
+			if cmd.Name() == "set" || cmd.Name() == "evalsha" {
+				h.batchedCalls.Add(1)
 			}
 		}
 		return next(ctx, cmds)
@@ -228,9 +247,9 @@ func waitAllWaiting(t *testing.T, s *Redis, hook *pipelineCounter, n int) int {
 	t.Helper()
 	var queued int
 	require.Eventually(t, func() bool {
-		s.pipe.mu.Lock()
-		queued = len(s.pipe.queue)
-		s.pipe.mu.Unlock()
+		s.send.(*pipeline).mu.Lock()
+		queued = len(s.send.(*pipeline).queue)
+		s.send.(*pipeline).mu.Unlock()
 		return int(hook.held.Load())+queued == n
 	}, 10*time.Second, time.Millisecond)
 	return queued
@@ -307,7 +326,7 @@ func TestRedisPipelineClose(t *testing.T) {
 		}()
 	}
 	queued := waitAllWaiting(t, s, hook, n)
-	s.pipe.close()
+	s.send.close()
 	hook.hold.Store(false)
 	close(hook.release)
 	wg.Wait()
@@ -344,9 +363,9 @@ func TestRedisAbandonedQueuedCallIsNeverSent(t *testing.T) {
 	defer cancel()
 	_, _, err := s.Acquire(ctx, "queued", Claim{LockTTL: time.Hour, TTL: time.Hour})
 	require.ErrorIs(t, err, context.DeadlineExceeded)
-	s.pipe.mu.Lock()
-	queued := len(s.pipe.queue)
-	s.pipe.mu.Unlock()
+	s.send.(*pipeline).mu.Lock()
+	queued := len(s.send.(*pipeline).queue)
+	s.send.(*pipeline).mu.Unlock()
 	require.Zero(t, queued, "the abandoned call left the queue")
 
 	hook.hold.Store(false)
@@ -480,7 +499,7 @@ func TestOrphanPassStopsWhenRedisIsDown(t *testing.T) {
 	for i := range 3 * orphanBatch {
 		waiting = append(waiting, orphan{lease: Lease{key: "down" + strconv.Itoa(i)}, until: future})
 	}
-	kept := freeOnce(waiting, release)
+	kept := freeOnce(waiting, release, time.Now())
 	require.Len(t, kept, 1+3*orphanBatch, "every lease whose release did not run is kept, and only those")
 	require.Equal(t, "loading", kept[0].lease.key, "an error reply is not an answer")
 	for _, o := range kept[1:] {
@@ -492,7 +511,7 @@ func TestOrphanPassStopsWhenRedisIsDown(t *testing.T) {
 // A pass takes every lease queued by then and sends them in full batches, however the leases
 // trickled in.
 func TestOrphansGoInFullBatches(t *testing.T) {
-	o := newOrphans()
+	o := newOrphans(clock.Real{})
 	const n = 3*orphanBatch + 100
 	for i := range n {
 		o.add(Lease{key: strconv.Itoa(i)}, time.Hour)
@@ -660,4 +679,354 @@ func TestTLSServerNameFollowsTheNode(t *testing.T) {
 	require.NotNil(t, c.(*redis.Client).Options().TLSConfig)
 	require.Empty(t, c.(*redis.Client).Options().TLSConfig.ServerName)
 	_ = c.Close()
+}
+
+// layout2Record is a record as the version before layout 3 wrote it: no times.
+func layout2Record(state byte, token string, ttl time.Duration, fp string, resp *Response) string {
+	b := []byte{layout2, state}
+	b = append(b, token...)
+	b = appendPadded(b, uint64(ttl.Milliseconds()), 10, ttlDigits)
+	b = appendPadded(b, uint64(len(fp)), 16, fpLenDigits)
+	b = append(b, fp...)
+	if resp != nil {
+		b = appendResponse(b, *resp)
+	}
+	return string(b)
+}
+
+// Records written before layout 3, raw, as the previous version left them in Redis, still read
+// (without CreatedAt; Lookup takes ExpiresAt from the key's expiry), and their owner, should one
+// still hold its lease, renews, completes (small and staged) and releases them. On miniredis and
+// on a real redis-server.
+func TestRedisLayout2RecordsStillWork(t *testing.T) {
+	servers := map[string]func(t *testing.T) (redis.UniversalClient, func(time.Duration)){
+		"miniredis": func(t *testing.T) (redis.UniversalClient, func(time.Duration)) {
+			mr := miniredis.RunT(t)
+			return redis.NewClient(&redis.Options{Addr: mr.Addr()}), mr.FastForward
+		},
+		"redis-server": func(t *testing.T) (redis.UniversalClient, func(time.Duration)) {
+			srv := redistest.Start(t, redistest.Options{})
+			return redis.NewClient(&redis.Options{Addr: srv.Addr(), DisableIdentity: true}), nil
+		},
+	}
+	for name, open := range servers {
+		t.Run(name, func(t *testing.T) {
+			client, _ := open(t)
+			s := NewRedis(client, RedisOptions{Timeout: 5 * time.Second})
+			t.Cleanup(func() { _ = s.Close() })
+			ctx := t.Context()
+			raw := func(key, v string, px time.Duration) {
+				t.Helper()
+				require.NoError(t, client.Set(ctx, key, v, px).Err())
+			}
+			get := func(key string) string {
+				t.Helper()
+				v, err := client.Get(ctx, key).Result()
+				require.NoError(t, err)
+				return v
+			}
+			resp := Response{Status: 201, Headers: []Header{{Name: "content-type", Value: []byte("application/json")}}, Body: []byte(`{"id":1}`)}
+			large := Response{Status: 200, Body: bytes.Repeat([]byte{0x5a}, 64<<10)}
+
+			// A completed record replays, and its owner's retried Complete still succeeds.
+			token := newToken()
+			raw("done", layout2Record('c', token, time.Hour, "fp", &resp), time.Hour)
+			_, rec, err := s.Acquire(ctx, "done", internalClaim)
+			require.NoError(t, err)
+			require.Equal(t, Completed, rec.State)
+			require.Equal(t, []byte("fp"), rec.Fingerprint)
+			require.Equal(t, resp, rec.Response)
+			require.True(t, rec.CreatedAt.IsZero(), "layout 2 has no creation time")
+			require.True(t, rec.ExpiresAt.IsZero(), "Acquire does not ask for the key's expiry")
+			rec, err = s.Lookup(ctx, "done")
+			require.NoError(t, err)
+			require.Equal(t, resp, rec.Response)
+			require.WithinDuration(t, time.Now().Add(time.Hour), rec.ExpiresAt, time.Minute, "Lookup reads the key's expiry")
+			old := Lease{key: "done", token: token, fingerprint: "fp", ttl: time.Hour}
+			require.NoError(t, s.Complete(ctx, old, resp), "a retried Complete")
+			require.ErrorIs(t, s.Release(ctx, old), ErrLeaseLost)
+			require.Equal(t, layout2Record('c', token, time.Hour, "fp", &resp), get("done"), "left as it was")
+
+			// A pending record is found pending; its owner renews it (layout 2 stays layout 2)
+			// and completes it, small or large; another releases it.
+			for _, tc := range []struct {
+				key  string
+				resp *Response
+			}{{"small", &resp}, {"large", &large}, {"released", nil}} {
+				token := newToken()
+				pending := layout2Record('p', token, time.Hour, "fp", nil)
+				raw(tc.key, pending, time.Minute)
+				_, rec, err := s.Acquire(ctx, tc.key, internalClaim)
+				require.NoError(t, err)
+				require.Equal(t, Pending, rec.State, tc.key)
+				require.Equal(t, []byte("fp"), rec.Fingerprint)
+				require.True(t, rec.CreatedAt.IsZero())
+				l := Lease{key: tc.key, token: token, fingerprint: "fp", ttl: time.Hour}
+				require.NoError(t, s.Renew(ctx, l, 2*time.Minute))
+				require.Equal(t, pending, get(tc.key), "a renewal of a layout 2 record changes its expiry only")
+				require.Greater(t, client.PTTL(ctx, tc.key).Val(), time.Minute)
+				if tc.resp == nil {
+					require.NoError(t, s.Release(ctx, l))
+					_, err := s.Lookup(ctx, tc.key)
+					require.ErrorIs(t, err, ErrNotFound)
+					continue
+				}
+				require.NoError(t, s.Complete(ctx, l, *tc.resp), tc.key)
+				require.NoError(t, s.Complete(ctx, l, *tc.resp), "%s: a retried Complete", tc.key)
+				rec, err = s.Lookup(ctx, tc.key)
+				require.NoError(t, err)
+				require.Equal(t, Completed, rec.State)
+				require.Equal(t, []byte("fp"), rec.Fingerprint)
+				require.Equal(t, *tc.resp, rec.Response)
+				require.True(t, rec.CreatedAt.IsZero(), "the creation time stays unknown")
+				require.WithinDuration(t, time.Now().Add(time.Hour), rec.ExpiresAt, time.Minute)
+				require.Greater(t, client.PTTL(ctx, tc.key).Val(), 50*time.Minute, "the record lives its TTL")
+			}
+			keys, err := client.Keys(ctx, "*").Result()
+			require.NoError(t, err)
+			require.ElementsMatch(t, []string{"done", "small", "large"}, keys, "no staged bytes left behind")
+		})
+	}
+}
+
+func TestStagingKey(t *testing.T) {
+	for _, tc := range []struct {
+		key, want string
+		ok        bool
+	}{
+		{"idempotency:abc", "idempotency:abc:staged:T{idempotency:abc}", true}, // the whole key is the tag
+		{"a{tag}b", "a{tag}b:staged:T", true},                                  // its tag stays first
+		{"x{y}z{w}", "x{y}z{w}:staged:T", true},                                // the first tag counts
+		{"p:{0123}", "p:{0123}:staged:T", true},                                // a prefix that tags
+		{"a{b", "", false},                                                     // a brace, no tag
+		{"a{}b{c}", "", false},                                                 // an empty first tag
+		{"a}b", "", false},
+		{"{}", "", false},
+		{"", "", false}, // the empty tag would hash the whole name
+	} {
+		got, ok := stagingKey(tc.key, "T")
+		require.Equal(t, tc.ok, ok, tc.key)
+		require.Equal(t, tc.want, got, tc.key)
+		if ok {
+			require.True(t, strings.HasPrefix(got, tc.key), "%s: the staging key starts with the record's", tc.key)
+		}
+	}
+}
+
+// stagedCounter records the commands a completion sends, but for a new connection's set-up.
+type stagedCounter struct {
+	passHook
+	mu   sync.Mutex
+	sent [][]string
+}
+
+func (h *stagedCounter) record(cmds ...redis.Cmder) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, c := range cmds {
+		if c.Name() == "hello" || c.Name() == "client" {
+			continue // a new connection's set-up
+		}
+		var args []string
+		for _, a := range c.Args() {
+			if s, ok := a.(string); ok {
+				args = append(args, s)
+			} else {
+				args = append(args, fmt.Sprintf("<%T>", a))
+			}
+		}
+		h.sent = append(h.sent, args)
+	}
+}
+
+func (h *stagedCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.record(cmd)
+		return next(ctx, cmd)
+	}
+}
+func (h *stagedCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		h.record(cmds...)
+		return next(ctx, cmds)
+	}
+}
+
+// A large completion's bytes go in a plain SET of a staging key, renamed by the script; a small
+// one's go through the script. A stale lease's staged bytes never reach the record, and none stay.
+func TestRedisLargeCompletionIsStaged(t *testing.T) {
+	hook := &stagedCounter{}
+	s, mr := hookedRedis(t, hook, time.Second)
+	ctx := t.Context()
+	// Loaded, so that each call goes by SHA at once.
+	require.NoError(t, completeScript.Load(ctx, s.client).Err())
+	require.NoError(t, completeStagedScript.Load(ctx, s.client).Err())
+	for _, size := range []int{100, stagedRecordBytes} {
+		key := "k" + strconv.Itoa(size)
+		l, _, err := s.Acquire(ctx, key, internalClaim)
+		require.NoError(t, err)
+		hook.mu.Lock()
+		hook.sent = nil
+		hook.mu.Unlock()
+		require.NoError(t, s.Complete(ctx, l, Response{Status: 200, Body: make([]byte, size)}))
+		hook.mu.Lock()
+		sent := hook.sent
+		hook.mu.Unlock()
+		if size < stagedRecordBytes {
+			require.Len(t, sent, 1)
+			require.Equal(t, "evalsha", sent[0][0])
+			continue
+		}
+		require.Len(t, sent, 2, "one pipeline: the staging SET, then the script")
+		require.Equal(t, []string{"set", key + ":staged:" + l.token + "{" + key + "}", "<[]uint8>", "px", "<int64>"}, sent[0])
+		require.Equal(t, "evalsha", sent[1][0])
+		require.NotContains(t, sent[1], "<[]uint8>", "the record's bytes do not go through the script")
+		_, rec, err := s.Acquire(ctx, key, internalClaim)
+		require.NoError(t, err)
+		require.Len(t, rec.Response.Body, size)
+	}
+	require.ElementsMatch(t, []string{"k100", "k" + strconv.Itoa(stagedRecordBytes)}, mr.Keys(), "no staged bytes left")
+
+	// A stale lease: its staged bytes are dropped, the owner's record is untouched.
+	stale, _, err := s.Acquire(ctx, "contended", Claim{LockTTL: time.Second, TTL: time.Hour})
+	require.NoError(t, err)
+	mr.FastForward(2 * time.Second)
+	owner, _, err := s.Acquire(ctx, "contended", internalClaim)
+	require.NoError(t, err)
+	require.ErrorIs(t, s.Complete(ctx, stale, Response{Status: 200, Body: make([]byte, 2*stagedRecordBytes)}), ErrLeaseLost)
+	_, rec, err := s.Acquire(ctx, "contended", internalClaim)
+	require.NoError(t, err)
+	require.Equal(t, Pending, rec.State)
+	require.NoError(t, s.Complete(ctx, owner, Response{Status: 201, Body: bytes.Repeat([]byte("o"), 2*stagedRecordBytes)}))
+	require.Len(t, mr.Keys(), 3, "no staged bytes left")
+}
+
+// A retried large completion (go-redis sends the pipeline again after a lost reply) stages its
+// bytes twice and succeeds, and leaves no staged bytes.
+func TestRedisRetriedLargeCompletion(t *testing.T) {
+	s, mr := hookedRedis(t, retried{}, time.Second)
+	ctx := t.Context()
+	l, _, err := s.Acquire(ctx, "k", internalClaim)
+	require.NoError(t, err)
+	body := bytes.Repeat([]byte("r"), 3*stagedRecordBytes)
+	require.NoError(t, s.Complete(ctx, l, Response{Status: 200, Body: body}))
+	require.Equal(t, []string{"k"}, mr.Keys())
+	_, rec, err := s.Acquire(ctx, "k", internalClaim)
+	require.NoError(t, err)
+	require.Equal(t, body, rec.Response.Body)
+}
+
+// With batching off, concurrent calls each go in a round trip of their own, at once: none waits
+// for another's, and none shares a pipeline.
+func TestRedisUnbatchedSendsEachCallAlone(t *testing.T) {
+	hook := &pipelineCounter{release: make(chan struct{})}
+	s, mr := hookedRedisWith(t, hook, RedisOptions{Timeout: 10 * time.Second, DisableBatching: true})
+	hook.hold.Store(true)
+	const n = 20
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			l, _, err := s.Acquire(t.Context(), "k"+strconv.Itoa(i), Claim{LockTTL: time.Hour, TTL: time.Hour})
+			if assert.NoError(t, err) && assert.True(t, l.Held()) {
+				assert.NoError(t, s.Complete(t.Context(), l, Response{Status: 200}))
+			}
+		})
+	}
+	// Every call is in the hook at once: sent, not queued behind the others.
+	require.Eventually(t, func() bool { return hook.held.Load() == n }, 10*time.Second, time.Millisecond)
+	hook.hold.Store(false)
+	close(hook.release)
+	wg.Wait()
+	require.Zero(t, hook.batchedCalls.Load(), "no call in a pipelined batch (a new connection's set-up is one)")
+	require.Equal(t, int64(n), hook.sets.Load())
+	require.Len(t, mr.Keys(), n)
+}
+
+// A batch serves callers with deadlines of their own: it runs until the latest of them, so that
+// no caller's call is cut short by another's earlier deadline, and the batcher adds none of its
+// own (the store's timeout is set once, in Redis.bound).
+func TestBatchRunsUntilItsLatestDeadline(t *testing.T) {
+	hook := &pipelineCounter{release: make(chan struct{})}
+	s, _ := hookedRedisWith(t, hook, RedisOptions{Timeout: time.Hour})
+	p := s.send.(*pipeline)
+	hook.hold.Store(true)
+	// Both slots busy, so that the next calls queue and leave in one batch.
+	var wg sync.WaitGroup
+	for _, k := range []string{"a", "b"} {
+		wg.Go(func() {
+			_, _, err := s.Acquire(t.Context(), k, Claim{LockTTL: time.Hour, TTL: time.Hour})
+			assert.NoError(t, err)
+		})
+	}
+	require.Eventually(t, func() bool { return hook.held.Load() == 2 }, 10*time.Second, time.Millisecond)
+	var deadlines []time.Time
+	var mu sync.Mutex
+	hook.seen = func(ctx context.Context) {
+		d, _ := ctx.Deadline()
+		mu.Lock()
+		deadlines = append(deadlines, d)
+		mu.Unlock()
+	}
+	soon, late := time.Now().Add(time.Minute), time.Now().Add(2*time.Minute)
+	for _, d := range []time.Time{soon, late} {
+		wg.Go(func() {
+			ctx, cancel := context.WithDeadline(t.Context(), d)
+			defer cancel()
+			_, _, err := s.Acquire(ctx, "q"+d.String(), Claim{LockTTL: time.Hour, TTL: time.Hour})
+			assert.NoError(t, err)
+		})
+	}
+	require.Eventually(t, func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return len(p.queue) == 2
+	}, 10*time.Second, time.Millisecond)
+	hook.hold.Store(false)
+	close(hook.release)
+	wg.Wait()
+	mu.Lock()
+	defer mu.Unlock()
+	require.Contains(t, deadlines, late, "the batch of both queued calls ran until the later deadline")
+}
+
+// The orphan releaser runs on the store's clock: a release that found Redis down is tried again
+// once the clock has moved by the pause, not before, and a lease whose lock TTL has passed on
+// that clock is dropped untried.
+func TestOrphansRetryOnTheStoreClock(t *testing.T) {
+	clk := clock.NewFake(time.Unix(1_700_000_000, 0))
+	o := newOrphans(clk)
+	refused := &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")}
+	calls := make(chan []Lease, 10)
+	var down atomic.Bool
+	down.Store(true)
+	release := func(ls []Lease) []error {
+		calls <- slices.Clone(ls)
+		errs := make([]error, len(ls))
+		if down.Load() {
+			for i := range errs {
+				errs[i] = refused
+			}
+		}
+		return errs
+	}
+	const pause = 100 * time.Millisecond
+	go o.run(release, pause)
+	defer o.stop()
+	o.add(Lease{key: "long"}, time.Hour)
+	o.add(Lease{key: "short"}, pause/2)
+	first := <-calls
+	if len(first) == 1 { // the two may come in one pass or in two
+		first = append(first, <-calls...)
+	}
+	require.ElementsMatch(t, []Lease{{key: "long"}, {key: "short"}}, first)
+	require.Eventually(t, func() bool { return clk.Pending() == 1 }, 10*time.Second, time.Millisecond, "a retry is set on the clock")
+	select {
+	case ls := <-calls:
+		t.Fatalf("retried before the clock moved: %v", ls)
+	default:
+	}
+	down.Store(false)
+	clk.Advance(pause)
+	require.Equal(t, []Lease{{key: "long"}}, <-calls, "the expired lease is dropped, the other tried again")
+	require.Eventually(t, func() bool { return clk.Pending() == 0 }, 10*time.Second, time.Millisecond, "nothing left to retry")
 }

@@ -1,7 +1,9 @@
 package cache_test
 
 import (
+	"bytes"
 	"context"
+	"strconv"
 	"testing"
 	"time"
 
@@ -42,6 +44,55 @@ func TestRedisConformanceStandalone(t *testing.T) {
 			},
 		}
 	})
+}
+
+func TestRedisConformanceStandaloneUnbatched(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t, redistest.Options{})
+	admin := srv.Client(t)
+	storetest.Run(t, func(t *testing.T) storetest.Harness {
+		require.NoError(t, admin.FlushAll(t.Context()).Err())
+		s, err := cache.OpenRedis(cache.RedisOptions{URL: srv.URL(), Timeout: time.Second, DisableBatching: true})
+		require.NoError(t, err)
+		return storetest.Harness{
+			Store:   s,
+			Advance: realTime,
+			Scale:   realTimeScale,
+			Outage: func() func() {
+				srv.Stop()
+				return srv.Restart
+			},
+		}
+	})
+}
+
+// TestRedisClusterLargeRecords completes large records, whose bytes are staged in a second key,
+// under keys whose names tag their slot and keys whose names cannot be tagged: each lands whole,
+// with the owner checked, and no staged bytes stay on any master.
+func TestRedisClusterLargeRecords(t *testing.T) {
+	t.Parallel()
+	cl := redistest.StartCluster(t, 3, 0)
+	s, err := cache.OpenRedis(cache.RedisOptions{ClusterAddrs: cl.Addrs(), Timeout: 2 * time.Second})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+	body := bytes.Repeat([]byte{0x42}, 256<<10)
+	keys := []string{"idempotency:a", "idempotency:b", "idempotency:{tenant}:c", "x{y}z", "a}b", "a{}b", "a{b", "{}"}
+	for _, key := range keys {
+		l, _, err := s.Acquire(t.Context(), key, testClaim)
+		require.NoError(t, err, key)
+		require.NoError(t, s.Complete(t.Context(), l, cache.Response{Status: 200, Body: body}), key)
+		rec, err := s.Lookup(t.Context(), key)
+		require.NoError(t, err, key)
+		require.Equal(t, cache.Completed, rec.State, key)
+		require.Equal(t, body, rec.Response.Body, key)
+	}
+	var n int64
+	for _, m := range cl.Masters() {
+		size, err := m.Client(t).DBSize(t.Context()).Result()
+		require.NoError(t, err)
+		n += size
+	}
+	require.Equal(t, int64(len(keys)), n, "one key per record, no staged bytes left")
 }
 
 func TestRedisConformanceCluster(t *testing.T) {
@@ -116,6 +167,35 @@ func TestRedisTLSAndACL(t *testing.T) {
 		require.Error(t, s.Ping(ctx), "%s must be refused", o.URL)
 		cancel()
 		_ = s.Close()
+	}
+}
+
+// An ACL user limited to the records' key prefix can do everything the store does, a large
+// completion's staging included: its staging key starts with the record's.
+func TestRedisACLKeyPrefix(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t, redistest.Options{})
+	admin := srv.Client(t)
+	require.NoError(t, admin.Do(t.Context(), "ACL", "SETUSER", "records", "on", ">s3cret-pass", "~idempotency:*", "+@all").Err())
+	s, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://records:s3cret-pass@" + srv.Addr() + "/0", Timeout: 2 * time.Second})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+	ctx := t.Context()
+	_, _, err = s.Acquire(ctx, "other:k", testClaim)
+	require.ErrorContains(t, err, "NOPERM", "the user is limited to the prefix")
+	for i, body := range [][]byte{[]byte("small"), bytes.Repeat([]byte("l"), 256<<10)} {
+		key := "idempotency:" + strconv.Itoa(i)
+		l, _, err := s.Acquire(ctx, key, testClaim)
+		require.NoError(t, err)
+		require.NoError(t, s.Renew(ctx, l, time.Minute))
+		require.NoError(t, s.Complete(ctx, l, cache.Response{Status: 200, Body: body}))
+		rec, err := s.Lookup(ctx, key)
+		require.NoError(t, err)
+		require.Equal(t, body, rec.Response.Body)
+		require.NoError(t, s.Purge(ctx, key))
+		l, _, err = s.Acquire(ctx, key, testClaim)
+		require.NoError(t, err)
+		require.NoError(t, s.Release(ctx, l))
 	}
 }
 

@@ -13,12 +13,30 @@ import (
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/cache/storetest"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
 func TestRedisConformanceMiniredis(t *testing.T) {
 	storetest.Run(t, func(t *testing.T) storetest.Harness {
 		mr := miniredis.RunT(t)
 		s, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + mr.Addr() + "/0", Timeout: 500 * time.Millisecond})
+		require.NoError(t, err)
+		return storetest.Harness{
+			Store:   s,
+			Advance: mr.FastForward,
+			Outage: func() func() {
+				mr.Close()
+				return func() { require.NoError(t, mr.Restart()) }
+			},
+		}
+	})
+}
+
+// The same store with batching off: every call in a round trip of its own.
+func TestRedisConformanceMiniredisUnbatched(t *testing.T) {
+	storetest.Run(t, func(t *testing.T) storetest.Harness {
+		mr := miniredis.RunT(t)
+		s, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + mr.Addr() + "/0", Timeout: 500 * time.Millisecond, DisableBatching: true})
 		require.NoError(t, err)
 		return storetest.Harness{
 			Store:   s,
@@ -66,7 +84,8 @@ func TestRedisCorruptRecords(t *testing.T) {
 
 func TestRedisRecordLayoutAndExpiry(t *testing.T) {
 	mr := miniredis.RunT(t)
-	s, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + mr.Addr() + "/0"})
+	clk := clock.NewFake(time.UnixMilli(1_700_000_000_000))
+	s, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + mr.Addr() + "/0", Clock: clk})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = s.Close() })
 	ctx := t.Context()
@@ -76,15 +95,25 @@ func TestRedisRecordLayoutAndExpiry(t *testing.T) {
 	require.Nil(t, rec)
 	v, err := mr.Get("idempotency:k")
 	require.NoError(t, err)
-	require.Regexp(t, `^2p[A-Z2-7]{26}0000007200000`+`00000002fp$`, v, "layout 2, pending, token, TTL ms, fingerprint")
+	require.Regexp(t, `^3p[A-Z2-7]{26}0000007200000`+`1700000000000`+`1700000030000`+`00000002fp00$`, v,
+		"layout 3, pending, token, TTL ms, created and lease end in Unix ms, fingerprint, route (none)")
 	token := v[2:28]
 	require.Equal(t, 30*time.Second, mr.TTL("idempotency:k"))
 	require.Len(t, mr.Keys(), 1, "one key per record")
 
+	clk.Advance(time.Second)
+	require.NoError(t, s.Renew(ctx, l, time.Minute))
+	v, err = mr.Get("idempotency:k")
+	require.NoError(t, err)
+	require.Equal(t, "3p"+token+"0000007200000"+"1700000000000"+"1700000061000"+"00000002fp00", v, "a renewal moves the lease's end")
+	require.Equal(t, time.Minute, mr.TTL("idempotency:k"))
+
+	clk.Advance(time.Second)
 	require.NoError(t, s.Complete(ctx, l, cache.Response{Status: 200}))
 	v, err = mr.Get("idempotency:k")
 	require.NoError(t, err)
-	require.True(t, strings.HasPrefix(v, "2c"+token+"000000720000000000002fp\x01"), "completed, same owner, then the response (format 1): %q", v)
+	require.True(t, strings.HasPrefix(v, "3c"+token+"0000007200000"+"1700000000000"+"1700007202000"+"00000002fp00\x01"),
+		"completed, same owner, created unchanged, expiry at the TTL's end, no route, then the response (format 1): %q", v)
 	require.Equal(t, 2*time.Hour, mr.TTL("idempotency:k"))
 	require.Len(t, mr.Keys(), 1)
 }

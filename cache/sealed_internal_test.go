@@ -113,7 +113,7 @@ func TestMemorySealedCompletionCopiesOnce(t *testing.T) {
 	const n = 50
 	claim := internalClaim
 	claim.Fingerprint = make([]byte, 32)
-	for _, size := range []int{1024, 4 * m.arena.maxInline()} {
+	for _, size := range []int{1024, 4 * m.maxInline} {
 		leases := make([]Lease, n+1+10)
 		for i := range leases {
 			l, _, err := m.Acquire(ctx, "sealed-"+strconv.Itoa(size)+"-"+strconv.Itoa(i), claim)

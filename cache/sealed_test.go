@@ -93,13 +93,18 @@ func redisAtRest(open func(t *testing.T, ring *seal.Keyring) cache.Store, raw re
 		require.NoError(t, err)
 		return b
 	}
-	// The record layout of redis.go: a header of 49 bytes whose last 8 are the fingerprint's
-	// length in hexadecimal, the fingerprint, the response.
+	// The record layout of redis_record.go (layout 3): a header of 75 bytes whose last 8 are the
+	// fingerprint's length in hexadecimal, the fingerprint, the route's length in 2 hexadecimal
+	// digits, the route, the response.
 	responseAt := func(t *testing.T, b []byte) int {
-		require.Greater(t, len(b), 49)
-		n, err := strconv.ParseUint(string(b[41:49]), 16, 32)
+		require.Greater(t, len(b), 75)
+		require.Equal(t, byte('3'), b[0], "record layout")
+		n, err := strconv.ParseUint(string(b[67:75]), 16, 32)
 		require.NoError(t, err)
-		return 49 + int(n)
+		at := 75 + int(n)
+		r, err := strconv.ParseUint(string(b[at:at+2]), 16, 16)
+		require.NoError(t, err)
+		return at + 2 + int(r)
 	}
 	return atRest{
 		store: func(t *testing.T, ring *seal.Keyring) cache.Store {
@@ -370,7 +375,7 @@ func TestSealedConformance(t *testing.T) {
 			clk := clock.NewFake(time.Unix(1_700_000_000, 0))
 			m, err := cache.NewMemory(cache.MemoryOptions{Clock: clk, Keyring: keyring(t, keys, "k1")})
 			require.NoError(t, err)
-			return storetest.Harness{Store: m, Advance: clk.Advance}
+			return storetest.Harness{Store: m, Advance: clk.Advance, Now: clk.Now}
 		})
 	})
 	t.Run("miniredis", func(t *testing.T) {

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -165,10 +166,13 @@ func TestOutcomeTable(t *testing.T) {
 				require.False(t, res.executed)
 				require.Equal(t, 201, res.status)
 				require.Equal(t, body, res.body)
+				rec := h.record(t, "k")
 				require.Equal(t, []string{
 					"content-type", "application/octet-stream", "set-cookie", "a=1; Path=/", "x-trace", "t1",
 					"set-cookie", "b=2", "x-idempotency-replayed", "true",
-				}, res.headers, "every header in order, minus hop-by-hop, content-length, date and x-envoy-*")
+					"x-idempotency-expires", rec.ExpiresAt.UTC().Format(http.TimeFormat),
+					"x-idempotency-first-sent", rec.CreatedAt.UTC().Format(http.TimeFormat),
+				}, res.headers, "every header in order, minus hop-by-hop, content-length, date and x-envoy-*; then the record's expiry and first-sent time (SPEC §11)")
 				ir := res.final.GetImmediateResponse()
 				for _, o := range ir.GetHeaders().GetSetHeaders() {
 					require.Empty(t, o.GetHeader().GetValue(), "values travel in raw_value only")
@@ -300,14 +304,14 @@ func TestOutcomeTable(t *testing.T) {
 }
 
 // failingStore fails every call while broken is set; with slow set, calls block until their
-// deadline instead.
+// deadline instead: the end of their context or, as a store bounds its own calls (cache.Store),
+// the store's timeout.
 type failingStore struct {
 	cache.Store
-	broken atomic.Bool
-	slow   bool
-	calls  atomic.Int32
-	// timeout bounds each call, as a store bounds its own calls (cache.Store).
+	broken  atomic.Bool
+	slow    bool
 	timeout time.Duration
+	calls   atomic.Int32
 }
 
 var errDown = errors.New("store is down")
@@ -318,10 +322,12 @@ func (f *failingStore) fail(ctx context.Context) error {
 		return nil
 	}
 	if f.slow {
-		ctx, cancel := context.WithTimeout(ctx, f.timeout)
-		defer cancel()
-		<-ctx.Done()
-		return ctx.Err()
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(f.timeout):
+			return context.DeadlineExceeded
+		}
 	}
 	return errDown
 }

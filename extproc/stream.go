@@ -585,7 +585,7 @@ func (st *stream) claim(body []byte) {
 		st.reqBody = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
 	}
 
-	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.ttl}
+	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.ttl, Route: r.Name}
 	wait, preferred := st.waitBudget()
 	var deadline time.Time
 	for {

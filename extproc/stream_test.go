@@ -203,7 +203,7 @@ func TestBufferedResponseWithTrailersIsComplete(t *testing.T) {
 }
 
 func TestReplayHeaders(t *testing.T) {
-	h := newHarness(t, harnessOptions{policy: "defaults: {exclude_response_headers: [x-trace], replay_header: idempotent-replayed}"})
+	h := newHarness(t, harnessOptions{policy: `defaults: {exclude_response_headers: [x-trace], replay_header: idempotent-replayed, expires_header: "", first_sent_header: ""}`})
 	up := upstream{status: 200, body: []byte("no type"), headers: []string{
 		"set-cookie", "a=1", "vary", "accept", "set-cookie", "b=2", "x-trace", "t", "set-cookie", "c=3",
 	}}
@@ -488,6 +488,7 @@ func TestRequestBodyNeverCame(t *testing.T) {
 // failure: no error is logged and no store_error counted.
 func TestStreamEndedDuringClaim(t *testing.T) {
 	store := newFailingStore(t, true) // calls block until their context ends
+	store.timeout = time.Minute
 	h := newHarness(t, harnessOptions{policy: "store_timeout: 1m", store: store})
 	s := h.open()
 	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))

@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -28,6 +29,9 @@ type Harness struct {
 	// Scale, when over 1, multiplies the suite's leases and TTLs: a store on real time sets it
 	// for margins against a loaded machine's stalls, at the cost of a slower suite.
 	Scale int
+	// Now, when set, is the store's clock (the times it stores in records); the wall clock
+	// otherwise.
+	Now func() time.Time
 
 	lockTTL, ttl time.Duration
 }
@@ -68,6 +72,18 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"LongestTTL", testLongestTTL},
 		{"CancelledContext", testCancelledContext},
 		{"Outage", testOutage},
+		{"LookupPending", testLookupPending},
+		{"LookupCompleted", testLookupCompleted},
+		{"LookupOutcomeUnknown", testLookupOutcomeUnknown},
+		{"LookupAbsent", testLookupAbsent},
+		{"RecordTimes", testRecordTimes},
+		{"RecordRoute", testRecordRoute},
+		{"PurgePending", testPurgePending},
+		{"PurgeCompleted", testPurgeCompleted},
+		{"PurgeAbsent", testPurgeAbsent},
+		{"PurgeThenOldOwner", testPurgeThenOldOwner},
+		{"LargeCompleteIsFinal", testLargeCompleteIsFinal},
+		{"CancelledLookupAndPurge", testCancelledLookupAndPurge},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -75,6 +91,9 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 			t.Cleanup(func() { _ = h.Store.Close() })
 			scale := time.Duration(max(h.Scale, 1))
 			h.lockTTL, h.ttl = lockTTL*scale, ttl*scale
+			if h.Now == nil {
+				h.Now = time.Now
+			}
 			c.f(t, h)
 		})
 	}
@@ -406,6 +425,11 @@ func testOutage(t *testing.T, h Harness) {
 		"renew":    func(ctx context.Context) error { return s.Renew(ctx, l, time.Minute) },
 		"complete": func(ctx context.Context) error { return s.Complete(ctx, l, cache.Response{Status: 200}) },
 		"release":  func(ctx context.Context) error { return s.Release(ctx, l) },
+		"lookup": func(ctx context.Context) error {
+			_, err := s.Lookup(ctx, "k")
+			return err
+		},
+		"purge": func(ctx context.Context) error { return s.Purge(ctx, "other") },
 	}
 	for name, call := range calls {
 		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
@@ -414,6 +438,7 @@ func testOutage(t *testing.T, h Harness) {
 		cancel()
 		require.Error(t, err, "%s must fail while the server is down", name)
 		require.NotErrorIs(t, err, cache.ErrLeaseLost, "%s: an outage is not a lost lease", name)
+		require.NotErrorIs(t, err, cache.ErrNotFound, "%s: an outage is not a missing record", name)
 		require.Less(t, time.Since(start), 5*time.Second, "%s must fail within the store's timeout, not the caller's 10 s", name)
 	}
 	restore()
@@ -435,6 +460,254 @@ func testOutage(t *testing.T, h Harness) {
 	if err := s.Complete(t.Context(), l, cache.Response{Status: 200}); err != nil && !errors.Is(err, cache.ErrLeaseLost) {
 		require.NoError(t, err, "the first lease is either still held or lost with the server's data")
 	}
+}
+
+// window is the span of the store's clock a call ran in: its times must fall within it, give or
+// take the millisecond a store may round them to.
+type window struct{ from, to time.Time }
+
+func (h Harness) around(f func()) window {
+	from := h.Now()
+	f()
+	return window{from, h.Now()}
+}
+
+// requireWithin checks that got is at from+d to to+d, give or take a millisecond.
+func requireWithin(t *testing.T, w window, d time.Duration, got time.Time, what string) {
+	t.Helper()
+	require.False(t, got.IsZero(), "%s is set", what)
+	lo, hi := w.from.Add(d-time.Millisecond), w.to.Add(d+time.Millisecond)
+	require.True(t, !got.Before(lo) && !got.After(hi), "%s: %v is not within [%v, %v]", what, got, lo, hi)
+}
+
+func lookup(t *testing.T, s cache.Store, key string) *cache.Record {
+	t.Helper()
+	rec, err := s.Lookup(t.Context(), key)
+	require.NoError(t, err, "lookup %q", key)
+	require.NotNil(t, rec)
+	return rec
+}
+
+func requireAbsent(t *testing.T, s cache.Store, key string) {
+	t.Helper()
+	rec, err := s.Lookup(t.Context(), key)
+	require.ErrorIs(t, err, cache.ErrNotFound, "key %q should hold no record", key)
+	require.Nil(t, rec)
+}
+
+// requireSameRecord compares what Lookup and Acquire returned for one record.
+func requireSameRecord(t *testing.T, want, got *cache.Record) {
+	t.Helper()
+	require.Equal(t, want.State, got.State)
+	require.Equal(t, want.Fingerprint, got.Fingerprint)
+	requireResponse(t, want.Response, got.Response)
+	require.True(t, want.CreatedAt.Equal(got.CreatedAt), "created at: %v and %v", want.CreatedAt, got.CreatedAt)
+	require.WithinDuration(t, want.ExpiresAt, got.ExpiresAt, time.Millisecond)
+}
+
+func testLookupPending(t *testing.T, h Harness) {
+	s := h.Store
+	var l cache.Lease
+	w := h.around(func() { l = mustOwn(t, s, "k", h.claim("fp-1")) })
+	rec := lookup(t, s, "k")
+	require.Equal(t, cache.Pending, rec.State)
+	require.Equal(t, []byte("fp-1"), rec.Fingerprint)
+	requireWithin(t, w, 0, rec.CreatedAt, "a pending record's creation")
+	requireWithin(t, w, h.lockTTL, rec.ExpiresAt, "a pending record's expiry, its lease's end")
+	requireSameRecord(t, rec, mustFind(t, s, "k"))
+	// Lookup changed nothing: the owner still completes.
+	require.NoError(t, s.Complete(t.Context(), l, cache.Response{Status: 201}))
+	require.Equal(t, cache.Completed, lookup(t, s, "k").State)
+}
+
+func testLookupCompleted(t *testing.T, h Harness) {
+	s := h.Store
+	var l cache.Lease
+	created := h.around(func() { l = mustOwn(t, s, "k", h.claim("fp-1")) })
+	resp := cache.Response{Status: 201, Headers: []cache.Header{{Name: "content-type", Value: []byte("application/json")}, {Name: "set-cookie", Value: []byte("a=1")}}, Body: []byte(`{"id":1}`)}
+	h.Advance(h.lockTTL / 3)
+	completed := h.around(func() { require.NoError(t, s.Complete(t.Context(), l, resp)) })
+	rec := lookup(t, s, "k")
+	require.Equal(t, cache.Completed, rec.State)
+	require.Equal(t, []byte("fp-1"), rec.Fingerprint)
+	requireResponse(t, resp, rec.Response)
+	require.False(t, rec.Response.OutcomeUnknown)
+	requireWithin(t, created, 0, rec.CreatedAt, "a completed record's creation, its claim's")
+	requireWithin(t, completed, h.ttl, rec.ExpiresAt, "a completed record's expiry, its TTL's end")
+	requireSameRecord(t, rec, mustFind(t, s, "k"))
+}
+
+func testLookupOutcomeUnknown(t *testing.T, h Harness) {
+	s := h.Store
+	l := mustOwn(t, s, "k", h.claim("fp-1"))
+	require.NoError(t, s.Complete(t.Context(), l, cache.Response{Status: 504, Body: []byte("dropped"), OutcomeUnknown: true}))
+	rec := lookup(t, s, "k")
+	require.Equal(t, cache.Completed, rec.State)
+	require.True(t, rec.Response.OutcomeUnknown)
+	require.True(t, rec.Response.BodyOmitted)
+	require.Empty(t, rec.Response.Body)
+	require.Equal(t, 504, rec.Response.Status)
+	require.Equal(t, []byte("fp-1"), rec.Fingerprint)
+	requireSameRecord(t, rec, mustFind(t, s, "k"))
+}
+
+func testLookupAbsent(t *testing.T, h Harness) {
+	s := h.Store
+	requireAbsent(t, s, "never")
+	l := mustOwn(t, s, "released", h.claim("a"))
+	require.NoError(t, s.Release(t.Context(), l))
+	requireAbsent(t, s, "released")
+	mustOwn(t, s, "expired", h.claim("a"))
+	done := mustOwn(t, s, "completed", h.claim("a"))
+	require.NoError(t, s.Complete(t.Context(), done, cache.Response{Status: 200}))
+	h.Advance(h.lockTTL * 3 / 2)
+	requireAbsent(t, s, "expired")
+	require.Equal(t, cache.Completed, lookup(t, s, "completed").State)
+	h.Advance(h.ttl)
+	requireAbsent(t, s, "completed")
+	requireAbsent(t, s, "never")
+}
+
+// testRecordTimes follows a record's times through Acquire, Renew and Complete: the creation is
+// the claim's and never moves; the expiry is the lease's end, moved by a renewal, then the TTL's.
+// testRecordRoute: a record carries the route that claimed it, pending and completed, cut to
+// MaxRouteBytes.
+func testRecordRoute(t *testing.T, h Harness) {
+	s := h.Store
+	c := h.claim("fp")
+	c.Route = "payments"
+	l := mustOwn(t, s, "k", c)
+	require.Equal(t, "payments", lookup(t, s, "k").Route)
+	_, rec, err := s.Acquire(t.Context(), "k", c)
+	require.NoError(t, err)
+	require.Equal(t, "payments", rec.Route, "a duplicate's Acquire finds it too")
+	require.NoError(t, s.Complete(t.Context(), l, cache.Response{Status: 201, Body: []byte("ok")}))
+	got := lookup(t, s, "k")
+	require.Equal(t, "payments", got.Route)
+	require.Equal(t, []byte("ok"), got.Response.Body, "the route does not shift the response")
+	require.Equal(t, []byte("fp"), got.Fingerprint)
+
+	long := h.claim("fp")
+	long.Route = strings.Repeat("r", cache.MaxRouteBytes+10)
+	mustOwn(t, s, "long", long)
+	require.Equal(t, strings.Repeat("r", cache.MaxRouteBytes), lookup(t, s, "long").Route)
+	none := mustOwn(t, s, "none", h.claim("fp"))
+	require.Empty(t, lookup(t, s, "none").Route)
+	require.NoError(t, s.Release(t.Context(), none))
+}
+
+func testRecordTimes(t *testing.T, h Harness) {
+	s := h.Store
+	var l cache.Lease
+	created := h.around(func() { l = mustOwn(t, s, "k", h.claim("a")) })
+	rec := mustFind(t, s, "k")
+	requireWithin(t, created, 0, rec.CreatedAt, "creation")
+	requireWithin(t, created, h.lockTTL, rec.ExpiresAt, "the lease's end")
+	first := rec.CreatedAt
+
+	h.Advance(h.lockTTL / 3)
+	renewed := h.around(func() { require.NoError(t, s.Renew(t.Context(), l, h.lockTTL*2)) })
+	rec = mustFind(t, s, "k")
+	require.True(t, first.Equal(rec.CreatedAt), "a renewal keeps the creation")
+	requireWithin(t, renewed, h.lockTTL*2, rec.ExpiresAt, "the renewed lease's end")
+
+	h.Advance(h.lockTTL / 3)
+	completed := h.around(func() { require.NoError(t, s.Complete(t.Context(), l, cache.Response{Status: 200})) })
+	rec = mustFind(t, s, "k")
+	require.True(t, first.Equal(rec.CreatedAt), "completing keeps the creation")
+	requireWithin(t, completed, h.ttl, rec.ExpiresAt, "the TTL's end")
+}
+
+func testPurgePending(t *testing.T, h Harness) {
+	s := h.Store
+	old := mustOwn(t, s, "k", h.claim("a"))
+	require.NoError(t, s.Purge(t.Context(), "k"))
+	requireAbsent(t, s, "k")
+	owner := mustOwn(t, s, "k", h.claim("b"))
+	require.ErrorIs(t, s.Renew(t.Context(), old, h.lockTTL), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Complete(t.Context(), old, cache.Response{Status: 200, Body: []byte("old")}), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Release(t.Context(), old), cache.ErrLeaseLost)
+	rec := lookup(t, s, "k")
+	require.Equal(t, cache.Pending, rec.State)
+	require.Equal(t, []byte("b"), rec.Fingerprint, "the new owner's record is untouched")
+	require.NoError(t, s.Complete(t.Context(), owner, cache.Response{Status: 200, Body: []byte("new")}))
+	require.Equal(t, []byte("new"), mustFind(t, s, "k").Response.Body)
+}
+
+func testPurgeCompleted(t *testing.T, h Harness) {
+	s := h.Store
+	for i, resp := range []cache.Response{{Status: 200, Body: []byte("done")}, {Status: 0, OutcomeUnknown: true}} {
+		key := fmt.Sprintf("k%d", i)
+		l := mustOwn(t, s, key, h.claim("a"))
+		require.NoError(t, s.Complete(t.Context(), l, resp))
+		require.NoError(t, s.Purge(t.Context(), key))
+		requireAbsent(t, s, key)
+		require.ErrorIs(t, s.Complete(t.Context(), l, resp), cache.ErrLeaseLost, "a purged record is not completed again")
+		requireAbsent(t, s, key)
+		mustOwn(t, s, key, h.claim("b"))
+	}
+}
+
+func testPurgeAbsent(t *testing.T, h Harness) {
+	s := h.Store
+	require.ErrorIs(t, s.Purge(t.Context(), "never"), cache.ErrNotFound)
+	mustOwn(t, s, "k", h.claim("a"))
+	require.NoError(t, s.Purge(t.Context(), "k"))
+	require.ErrorIs(t, s.Purge(t.Context(), "k"), cache.ErrNotFound, "a purge is done once")
+	mustOwn(t, s, "expired", h.claim("a"))
+	h.Advance(h.lockTTL * 3 / 2)
+	require.ErrorIs(t, s.Purge(t.Context(), "expired"), cache.ErrNotFound)
+}
+
+// testPurgeThenOldOwner: the owner of a purged record learns it lost its lease, and writes
+// nothing, whether or not another request has claimed the key since.
+func testPurgeThenOldOwner(t *testing.T, h Harness) {
+	s := h.Store
+	old := mustOwn(t, s, "k", h.claim("a"))
+	require.NoError(t, s.Purge(t.Context(), "k"))
+	require.ErrorIs(t, s.Complete(t.Context(), old, cache.Response{Status: 200, Body: bytes.Repeat([]byte("x"), 64<<10)}), cache.ErrLeaseLost)
+	requireAbsent(t, s, "k")
+	require.ErrorIs(t, s.Release(t.Context(), old), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Renew(t.Context(), old, h.lockTTL), cache.ErrLeaseLost)
+	requireAbsent(t, s, "k")
+	mustOwn(t, s, "k", h.claim("b"))
+}
+
+// testLargeCompleteIsFinal is testCompleteIsFinal for a response large enough that a store may
+// write it otherwise (Redis stages it), with a stale owner's completion between.
+func testLargeCompleteIsFinal(t *testing.T, h Harness) {
+	s := h.Store
+	stale := mustOwn(t, s, "k", h.claim("a"))
+	h.Advance(h.lockTTL * 3 / 2)
+	l := mustOwn(t, s, "k", h.claim("b"))
+	body := bytes.Repeat([]byte{0xab, 0xcd}, 40<<10)
+	resp := cache.Response{Status: 201, Headers: []cache.Header{{Name: "content-type", Value: []byte("application/octet-stream")}}, Body: body}
+	require.ErrorIs(t, s.Complete(t.Context(), stale, cache.Response{Status: 200, Body: bytes.Repeat([]byte("s"), 80<<10)}), cache.ErrLeaseLost)
+	require.Equal(t, cache.Pending, mustFind(t, s, "k").State)
+	require.NoError(t, s.Complete(t.Context(), l, resp))
+	require.NoError(t, s.Complete(t.Context(), l, resp), "completing again with the same lease must succeed")
+	require.ErrorIs(t, s.Complete(t.Context(), stale, cache.Response{Status: 200, Body: bytes.Repeat([]byte("s"), 80<<10)}), cache.ErrLeaseLost)
+	require.ErrorIs(t, s.Release(t.Context(), l), cache.ErrLeaseLost)
+	rec := mustFind(t, s, "k")
+	require.Equal(t, cache.Completed, rec.State)
+	require.Equal(t, []byte("b"), rec.Fingerprint)
+	requireResponse(t, resp, rec.Response)
+	requireSameRecord(t, rec, lookup(t, s, "k"))
+}
+
+func testCancelledLookupAndPurge(t *testing.T, h Harness) {
+	s := h.Store
+	mustOwn(t, s, "k", h.claim("a"))
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	_, err := s.Lookup(ctx, "k")
+	require.Error(t, err)
+	require.NotErrorIs(t, err, cache.ErrNotFound)
+	err = s.Purge(ctx, "k")
+	require.Error(t, err)
+	require.NotErrorIs(t, err, cache.ErrNotFound)
+	// The cancelled purge deleted nothing.
+	require.Equal(t, cache.Pending, lookup(t, s, "k").State)
 }
 
 // requireResponse compares responses, treating nil and empty byte slices alike.

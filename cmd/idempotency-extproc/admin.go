@@ -12,10 +12,14 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 )
 
-// adminHandler serves /metrics, /healthz (the process runs) and /readyz (the process is not
-// shutting down, and the store answers a ping within pingTimeout).
-func adminHandler(reg *prometheus.Registry, store cache.Store, pingTimeout time.Duration, draining *atomic.Bool) http.Handler {
+// adminHandler serves /metrics, /healthz (the process runs), /readyz (the process is not
+// shutting down, and the store answers a ping within pingTimeout) and, when records is not nil,
+// the records API.
+func adminHandler(reg *prometheus.Registry, store cache.Store, pingTimeout time.Duration, draining *atomic.Bool, records *recordsAPI) http.Handler {
 	mux := http.NewServeMux()
+	if records != nil {
+		records.register(mux)
+	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))

@@ -32,6 +32,7 @@ type config struct {
 	redisClusterAddrs   []string
 	redisSentinelAddrs  []string
 	redisSentinelMaster string
+	redisBatching       bool
 	memoryMaxBytes      int64
 	logLevel            zerolog.Level
 	logFormat           string
@@ -123,6 +124,15 @@ func settings() []setting {
 					return errors.New("must not be empty")
 				}
 				c.redisSentinelMaster = v
+				return nil
+			}},
+		{name: "redis-batching", def: "true", doc: "`true` shares round trips among concurrent Redis calls in pipelined batches (measured faster under load); `false` sends each call in a round trip of its own",
+			apply: func(c *config, v string) error {
+				b, err := strconv.ParseBool(v)
+				if err != nil {
+					return fmt.Errorf("must be true or false, got %q", v)
+				}
+				c.redisBatching = b
 				return nil
 			}},
 		{name: "memory-max-bytes", def: strconv.Itoa(cache.DefaultMemoryMaxBytes), doc: "memory store bound; least recently used completed records go first",
@@ -343,11 +353,12 @@ func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*c
 // redisOptions are the Redis store's options, each call bounded by timeout.
 func (c *config) redisOptions(timeout time.Duration) cache.RedisOptions {
 	return cache.RedisOptions{
-		URL:            c.redisURL,
-		ClusterAddrs:   c.redisClusterAddrs,
-		SentinelAddrs:  c.redisSentinelAddrs,
-		SentinelMaster: c.redisSentinelMaster,
-		Timeout:        timeout,
-		Keyring:        c.keyring,
+		URL:             c.redisURL,
+		ClusterAddrs:    c.redisClusterAddrs,
+		SentinelAddrs:   c.redisSentinelAddrs,
+		SentinelMaster:  c.redisSentinelMaster,
+		Timeout:         timeout,
+		Keyring:         c.keyring,
+		DisableBatching: !c.redisBatching,
 	}
 }

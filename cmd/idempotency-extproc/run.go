@@ -58,6 +58,10 @@ func (o runOptions) withDefaults() runOptions {
 	return o
 }
 
+// recordsTimeout bounds a records API call, which makes one store call per key prefix, each
+// bounded by the store.
+const recordsTimeout = 5 * time.Second
+
 // readinessInterval is how often the store is pinged for gRPC health; /readyz pings on demand.
 const readinessInterval = 500 * time.Millisecond
 
@@ -98,8 +102,8 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	if _, ok := store.(*cache.Memory); ok {
-		reg.MustRegister(memorySegmentMetrics()...)
+	if m, ok := store.(*cache.Memory); ok {
+		reg.MustRegister(memoryMetrics(m)...)
 	}
 	metrics, err := extproc.NewMetrics(reg)
 	if err != nil {
@@ -147,9 +151,15 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	healthpb.RegisterHealthServer(gs, healthSrv)
 	setHealth(healthSrv, healthpb.HealthCheckResponse_NOT_SERVING)
 
+	var records *recordsAPI
+	if cfg.adminToken != nil {
+		if records, err = newRecordsAPI(store, cfg.adminToken, extproc.StorePrefixes(cfg.policy), recordsTimeout, log, reg); err != nil {
+			return err
+		}
+	}
 	var draining atomic.Bool
 	admin := &http.Server{
-		Handler:           adminHandler(reg, store, pingTimeout(cfg.policy.StoreTimeout), &draining),
+		Handler:           adminHandler(reg, store, pingTimeout(cfg.policy.StoreTimeout), &draining, records),
 		ReadHeaderTimeout: 5 * time.Second,
 	}
 
@@ -222,23 +232,32 @@ func (l redisLogger) Printf(_ context.Context, format string, v ...any) {
 	l.log.Debug().Str("component", "go-redis").Msgf(format, v...)
 }
 
-// memorySegmentMetrics report where the memory store keeps its records' bytes (cache.Segments):
-// the segments mapped outside the Go heap are in the process' resident memory but in none of the
-// Go runtime's memory metrics, and a segment that could not be mapped is on the Go heap.
-func memorySegmentMetrics() []prometheus.Collector {
+// memoryMetrics report what the memory store m holds (cache.Memory.Stats): its accounted bytes,
+// which --memory-max-bytes bounds, and records, and where it keeps their bytes: the segments
+// mapped outside the Go heap are in the process' resident memory but in none of the Go runtime's
+// memory metrics, and a segment that could not be mapped is on the Go heap.
+func memoryMetrics(m *cache.Memory) []prometheus.Collector {
 	return []prometheus.Collector{
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "idempotency_memory_bytes",
+			Help: "Bytes the memory store accounts for against --memory-max-bytes: records' keys, fingerprints, responses and per-record overhead.",
+		}, func() float64 { return float64(m.Stats().Bytes) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "idempotency_memory_records",
+			Help: "Records the memory store holds, pending and completed, including expired ones not yet removed.",
+		}, func() float64 { return float64(m.Stats().Records) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "idempotency_memory_mapped_bytes",
 			Help: "Bytes of the memory store's segments mapped outside the Go heap.",
-		}, func() float64 { return float64(cache.Segments().MappedBytes) }),
+		}, func() float64 { return float64(m.Stats().Arena.MappedBytes) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "idempotency_memory_heap_segments_total",
 			Help: "Memory store segments allocated on the Go heap because mapping one failed or is not supported.",
-		}, func() float64 { return float64(cache.Segments().HeapSegments) }),
+		}, func() float64 { return float64(m.Stats().Arena.HeapSegments) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "idempotency_memory_unmap_failures_total",
 			Help: "Freed memory store segments the system refused to unmap, left mapped and unused.",
-		}, func() float64 { return float64(cache.Segments().UnmapFailures) }),
+		}, func() float64 { return float64(m.Stats().Arena.UnmapFailures) }),
 	}
 }
 

@@ -13,6 +13,7 @@
 //
 //	go run ./e2e/bench                    # 3 s per cell
 //	go run ./e2e/bench -duration 10s -streams 64
+//	go run ./e2e/bench -redis-batching=false -only "first execution,redis store"
 //
 // It needs redis-server (and redis-benchmark) on PATH for the Redis rows; without them those
 // rows are skipped. Ratios, not absolute numbers, are the claims: the client, the processor and
@@ -43,7 +44,12 @@ func main() {
 	memoryBytes := flag.Int64("memory-bytes", 0, "the memory stores' bound (default the binary's, 256 MiB)")
 	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory, .memory-empty and .redis")
 	traceOut := flag.String("trace", "", "write execution traces (go tool trace) of the whole run, named as -cpuprofile's")
+	redisBatching := flag.Bool("redis-batching", true, "let the Redis store share round trips among concurrent calls in pipelined batches (false: a round trip per call)")
 	flag.Parse()
+	if !*redisBatching {
+		// The target processes read it.
+		_ = os.Setenv(envUnbatched, "1")
+	}
 	prefixes := map[string]string{envProfile: *cpuprofile, envTrace: *traceOut}
 	for _, rec := range recorders {
 		prefix := prefixes[rec.env]
@@ -77,6 +83,9 @@ func main() {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1) //nolint:gocritic // the profile is not needed on failure
+	}
+	if !*redisBatching {
+		fmt.Println("Redis store with batching off (-redis-batching=false): a round trip per store call.")
 	}
 	res.print(os.Stdout)
 }

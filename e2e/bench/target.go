@@ -36,6 +36,8 @@ const (
 	envProfile = "IDEMPOTENCY_BENCH_CPUPROFILE"   // when set, the prefix of the target's CPU profile
 	envTrace   = "IDEMPOTENCY_BENCH_TRACE"        // when set, the prefix of the target's execution trace
 	envMemory  = "IDEMPOTENCY_BENCH_MEMORY_BYTES" // the memory stores' bound, when not the default
+	// envUnbatched, set to 1, turns the Redis store's batching off (cache.RedisOptions.DisableBatching).
+	envUnbatched = "IDEMPOTENCY_BENCH_REDIS_UNBATCHED"
 )
 
 // profileSuffix names each target's CPU profile and execution trace.
@@ -134,7 +136,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		}
 		p = srv
 	case targetRedis:
-		rs, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + redisAddr + "/0", Timeout: time.Second})
+		rs, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + redisAddr + "/0", Timeout: time.Second, DisableBatching: os.Getenv(envUnbatched) == "1"})
 		if err != nil {
 			return err
 		}

@@ -1,4 +1,4 @@
-package cache
+package arena
 
 import (
 	"os"
@@ -30,7 +30,7 @@ func touchFaults(t *testing.T, b []byte) int64 {
 func TestSegmentIsPopulated(t *testing.T) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	size := defaultSegmentSize
+	size := DefaultSegmentSize
 	pages := int64(size / os.Getpagesize())
 
 	plain, err := syscall.Mmap(-1, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)

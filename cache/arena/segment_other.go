@@ -1,11 +1,11 @@
 //go:build !unix
 
-package cache
+package arena
 
 import "errors"
 
 // mapSegment is not supported on this system: segments are allocated on the Go heap.
-var mapSegment = func(int) ([]byte, error) { return nil, errors.ErrUnsupported }
+func mapSegment(int) ([]byte, error) { return nil, errors.ErrUnsupported }
 
 // munmapSegment is never called where mapSegment always fails.
 func munmapSegment([]byte) error { return errors.ErrUnsupported }

@@ -1,0 +1,175 @@
+package cache
+
+import (
+	"context"
+	"errors"
+	"net"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// sender sends the Redis store's calls: plain go-redis calls (direct), or the same calls shared
+// across requests in pipelined batches (pipeline, RedisOptions.DisableBatching off). Either way a
+// call's meaning is the same: one command or script on one key, atomic on its own.
+type sender interface {
+	// run sends c and returns its reply, or ctx's error when ctx ends first. A call whose reply
+	// its caller does not learn (ctx ended, the round trip failed) may still have run: its undo,
+	// if it has one, then runs on a goroutine of its own, after the reply is in.
+	run(ctx context.Context, c *call) *redis.Cmd
+	// close fails the calls not yet sent with ErrClosed.
+	close()
+}
+
+// call is one command, or one script when script is set, and its reply.
+type call struct {
+	script *redis.Script // nil: args is the whole command
+	keys   []string      // the script's keys
+	args   []any
+	// stage, when set, is a command sent just before the script, on the same connection and in
+	// the same round trip: the staged bytes of a large completion (see Redis.Complete).
+	stage []any
+	// deadline is when the caller stops waiting, which Redis.bound set. A batch carrying the
+	// call runs until the latest deadline of its calls.
+	deadline time.Time
+	// undo, when set, runs with the reply of a call that may have run while its caller did not
+	// learn what it did: the caller stopped waiting, or the round trip failed.
+	undo func(*redis.Cmd)
+
+	// The batcher's bookkeeping, guarded by pipeline.mu.
+	taken bool          // out of the queue, in a batch
+	left  bool          // the caller stopped waiting after the call was taken
+	cmd   *redis.Cmd    // the reply, set while the call is queued or in a batch
+	done  chan struct{} // closed when cmd is set; only a queued call, which waits, has one
+}
+
+// send sends c in a round trip of its own under ctx. A script goes by SHA and is loaded if need
+// be; a staged call goes as a pipeline of its two commands.
+func (c *call) send(ctx context.Context, client redis.UniversalClient) *redis.Cmd {
+	switch {
+	case c.stage != nil:
+		return sendBatch(ctx, client, []*call{c})[0]
+	case c.script != nil:
+		return c.script.Run(ctx, client, c.keys, c.args...)
+	}
+	return client.Do(ctx, c.args...)
+}
+
+// direct sends every call in a round trip of its own, on the caller's goroutine: go-redis as it
+// is, with the undo of a call whose outcome the caller did not learn.
+type direct struct{ client redis.UniversalClient }
+
+var _ sender = direct{}
+
+func (d direct) run(ctx context.Context, c *call) *redis.Cmd {
+	if err := ctx.Err(); err != nil {
+		return errorCmd(ctx, err)
+	}
+	cmd := c.send(ctx, d.client)
+	if c.undo != nil && unanswered(cmd.Err()) {
+		go c.undo(cmd)
+	}
+	return cmd
+}
+
+func (direct) close() {}
+
+// unanswered tells whether err leaves unknown what a command did: every error but a reply of
+// the server's (redis.Nil among them) and the store's own ErrClosed. A refused connection is
+// unanswered too: go-redis retries a command whose connection broke and returns the last
+// attempt's error, so a refused dial may follow a first attempt that was written. So is an error
+// reply that go-redis retries (retriedReply): it may be the answer to a second attempt, after a
+// first one ran and its reply was lost.
+func unanswered(err error) bool {
+	var reply redis.Error
+	switch {
+	case err == nil, errors.Is(err, ErrClosed), errors.Is(err, redis.ErrClosed):
+		return false
+	case errors.As(err, &reply):
+		return retriedReply(err)
+	}
+	return true
+}
+
+// retriedReply tells whether go-redis retries a command that got the error reply err.
+//
+// Nothing in go-redis answers that question: which replies it retries is decided in a private
+// function (shouldRetry in its error.go), with no exported list or predicate. What it exports is
+// one predicate per kind of reply, each matching the reply however it is wrapped (typed errors,
+// replies inside a script's error): these are the kinds shouldRetry retries in go-redis v9.23.
+// TestRetriedRepliesFollowGoRedis sends every error reply Redis has through a stand-in server
+// and fails when go-redis retries another set than this one, so an upgrade that changes the list
+// is caught.
+func retriedReply(err error) bool {
+	return redis.IsLoadingError(err) || redis.IsReadOnlyError(err) || redis.IsClusterDownError(err) ||
+		redis.IsTryAgainError(err) || redis.IsMasterDownError(err) || redis.IsNoReplicasError(err) ||
+		redis.IsMaxClientsError(err)
+}
+
+// unreachable tells whether err is a refused or failed connection: Redis is not there at all.
+func unreachable(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
+}
+
+// sendBatch sends calls in one pipelined round trip and returns their replies. Scripts go by
+// SHA; those a node refuses for not knowing them (a first call, a restart, a failover) are
+// loaded once each (on every node under Cluster) and the refused calls sent again together, by
+// SHA, or whole (EVAL) if the load failed: under Cluster one node down or slow fails it. A staged
+// call's stage goes just before its script, and once: a script sent again finds it in place.
+func sendBatch(ctx context.Context, client redis.UniversalClient, calls []*call) []*redis.Cmd {
+	cmds := make([]*redis.Cmd, len(calls))
+	stages := make([]*redis.Cmd, len(calls))
+	add := func(pipe redis.Pipeliner, i int) {
+		if c := calls[i]; c.script != nil {
+			cmds[i] = pipe.EvalSha(ctx, c.script.Hash(), c.keys, c.args...)
+		} else {
+			cmds[i] = pipe.Do(ctx, c.args...)
+		}
+	}
+	pipe := client.Pipeline()
+	for i, c := range calls {
+		if c.stage != nil {
+			stages[i] = pipe.Do(ctx, c.stage...)
+		}
+		add(pipe, i)
+	}
+	_, _ = pipe.Exec(ctx)
+	var refused []int
+	loaded := map[*redis.Script]bool{}
+	for i, cmd := range cmds {
+		s := calls[i].script
+		if err := cmd.Err(); s == nil || err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
+			continue
+		}
+		if _, tried := loaded[s]; !tried {
+			loaded[s] = s.Load(ctx, client).Err() == nil
+		}
+		refused = append(refused, i)
+	}
+	if len(refused) > 0 {
+		pipe := client.Pipeline()
+		for _, i := range refused {
+			if c := calls[i]; loaded[c.script] {
+				add(pipe, i)
+			} else {
+				cmds[i] = c.script.Eval(ctx, pipe, c.keys, c.args...)
+			}
+		}
+		_, _ = pipe.Exec(ctx)
+	}
+	for i, st := range stages {
+		// A failed stage fails its call with its own error (an OOM reply, a broken connection)
+		// rather than with the script's finding nothing staged.
+		if st != nil && st.Err() != nil && cmds[i].Err() != nil {
+			cmds[i] = errorCmd(ctx, st.Err())
+		}
+	}
+	return cmds
+}
+
+func errorCmd(ctx context.Context, err error) *redis.Cmd {
+	cmd := redis.NewCmd(ctx)
+	cmd.SetErr(err)
+	return cmd
+}

@@ -1,0 +1,153 @@
+package main
+
+import (
+	"context"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+)
+
+// The records API on the admin listener (SPEC §10): GET and DELETE /v1/records/{key_hash},
+// behind a bearer token read from --admin-token-file. Without the token file these paths answer
+// 404, as any unknown path does.
+
+// recordView is a record as the API shows it.
+type recordView struct {
+	KeyHash   string  `json:"key_hash"`
+	Route     string  `json:"route"`
+	State     string  `json:"state"`
+	CreatedAt *string `json:"created_at"`
+	ExpiresAt *string `json:"expires_at"`
+	Status    int     `json:"status"`
+	BodyBytes int     `json:"body_bytes"`
+}
+
+// recordsAPI serves the records API.
+type recordsAPI struct {
+	store    cache.Store
+	token    []byte
+	prefixes []string // the policy's key prefixes: a key_hash names a record under one of them
+	timeout  time.Duration
+	log      zerolog.Logger
+	requests *prometheus.CounterVec
+}
+
+// The op and result labels of idempotency_admin_requests_total.
+var (
+	recordOps     = []string{"get", "purge"}
+	recordResults = []string{"ok", "not_found", "unauthorized", "bad_request", "store_error"}
+)
+
+func newRecordsAPI(store cache.Store, token []byte, prefixes []string, timeout time.Duration, log zerolog.Logger, reg prometheus.Registerer) (*recordsAPI, error) {
+	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "idempotency_admin_requests_total",
+		Help: "Calls of the records API on the admin listener, by operation (get, purge) and result.",
+	}, []string{"op", "result"})
+	for _, op := range recordOps {
+		for _, r := range recordResults {
+			requests.WithLabelValues(op, r)
+		}
+	}
+	if err := reg.Register(requests); err != nil {
+		return nil, err
+	}
+	return &recordsAPI{store: store, token: token, prefixes: prefixes, timeout: timeout, log: log, requests: requests}, nil
+}
+
+// register adds the API's routes to mux.
+func (a *recordsAPI) register(mux *http.ServeMux) {
+	mux.HandleFunc("GET /v1/records/{key_hash}", func(w http.ResponseWriter, r *http.Request) { a.serve(w, r, "get") })
+	mux.HandleFunc("DELETE /v1/records/{key_hash}", func(w http.ResponseWriter, r *http.Request) { a.serve(w, r, "purge") })
+}
+
+func (a *recordsAPI) serve(w http.ResponseWriter, r *http.Request, op string) {
+	keyHash := r.PathValue("key_hash")
+	result := a.handle(w, r, op, keyHash)
+	a.requests.WithLabelValues(op, result).Inc()
+	ev := a.log.Info()
+	if result == "store_error" {
+		ev = a.log.Warn()
+	}
+	if !validKeyHash(keyHash) {
+		keyHash = "" // not ours to log: it could be anything
+	}
+	ev.Str("component", "records-api").Str("method", r.Method).Str("op", op).Str("key_hash", keyHash).Str("result", result).Msg("records API call")
+}
+
+func (a *recordsAPI) handle(w http.ResponseWriter, r *http.Request, op, keyHash string) string {
+	if !a.authorized(r) {
+		w.Header().Set("WWW-Authenticate", `Bearer realm="idempotency-extproc"`)
+		writeProblem(w, http.StatusUnauthorized, "unauthorized", "This call needs Authorization: Bearer with the admin token.")
+		return "unauthorized"
+	}
+	if !validKeyHash(keyHash) {
+		writeProblem(w, http.StatusBadRequest, "invalid-key-hash", "A key_hash is the 64 lower-case hex digits the logs print.")
+		return "bad_request"
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), a.timeout)
+	defer cancel()
+	for _, prefix := range a.prefixes {
+		key := prefix + keyHash
+		var err error
+		var rec *cache.Record
+		if op == "get" {
+			rec, err = a.store.Lookup(ctx, key)
+		} else {
+			err = a.store.Purge(ctx, key)
+		}
+		switch {
+		case errors.Is(err, cache.ErrNotFound):
+			continue
+		case err != nil && !errors.Is(err, cache.ErrCorrupt):
+			writeProblem(w, http.StatusServiceUnavailable, "store-unavailable", "The idempotency store did not answer; retry later.")
+			return "store_error"
+		case op == "purge":
+			w.WriteHeader(http.StatusNoContent)
+			return "ok"
+		}
+		view := recordView{KeyHash: keyHash, Route: rec.Route, State: "pending"}
+		if rec.State == cache.Completed {
+			view.State, view.Status, view.BodyBytes = "completed", rec.Response.Status, len(rec.Response.Body)
+			if rec.Response.OutcomeUnknown {
+				view.State = "outcome_unknown"
+			}
+		}
+		view.CreatedAt, view.ExpiresAt = rfc3339(rec.CreatedAt), rfc3339(rec.ExpiresAt)
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(view)
+		return "ok"
+	}
+	writeProblem(w, http.StatusNotFound, "record-not-found", "No live record has this key_hash.")
+	return "not_found"
+}
+
+// authorized compares the bearer token in constant time.
+func (a *recordsAPI) authorized(r *http.Request) bool {
+	got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	return ok && subtle.ConstantTimeCompare([]byte(got), a.token) == 1
+}
+
+func rfc3339(t time.Time) *string {
+	if t.IsZero() {
+		return nil
+	}
+	s := t.UTC().Format(time.RFC3339)
+	return &s
+}
+
+// writeProblem writes an RFC 9457 problem.
+func writeProblem(w http.ResponseWriter, status int, code, detail string) {
+	w.Header().Set("Content-Type", "application/problem+json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]any{
+		"type": "about:blank", "title": http.StatusText(status), "status": status, "detail": detail, "code": code,
+	})
+}

@@ -1,0 +1,213 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
+)
+
+const recordsPolicy = `
+defaults: {lock_ttl: 30s}
+routes:
+  - {name: pay, match: {path_prefix: /v1/payments}}
+  - {name: unknown, match: {path_prefix: /v1/unknown}, unknown_outcome: record}
+`
+
+// claimOn opens a stream that claims key with a bodiless POST to path; the request runs
+// upstream until the stream ends.
+func claimOn(t *testing.T, addr, path, key string) extprocv3.ExternalProcessor_ProcessClient {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	t.Cleanup(cancel)
+	s, err := extprocv3.NewExternalProcessorClient(dial(t, addr)).Process(ctx)
+	require.NoError(t, err)
+	m := bodilessPost(key)
+	m.GetRequestHeaders().Headers.Headers[1] = &corev3.HeaderValue{Key: ":path", RawValue: []byte(path)}
+	require.NoError(t, s.Send(m))
+	resp, err := s.Recv()
+	require.NoError(t, err)
+	require.NotNil(t, resp.GetRequestHeaders(), "claimed %s on %s", key, path)
+	return s
+}
+
+// keyHashOf runs the key-hash subcommand.
+func keyHashOf(t *testing.T, policyFile, path, key string) string {
+	t.Helper()
+	var out bytes.Buffer
+	require.NoError(t, dispatch(t.Context(), []string{"key-hash", "--config", policyFile, "--path", path, "--key", key}, env(nil), &out, io.Discard))
+	h, _, _ := strings.Cut(out.String(), "\t")
+	return h
+}
+
+// recordsCall runs the records subcommand and returns its output.
+func recordsCall(t *testing.T, adminURL, tokenFile string, args ...string) (string, error) {
+	t.Helper()
+	var out bytes.Buffer
+	err := dispatch(t.Context(), append(append([]string{"records"}, args...), "--admin-url", adminURL, "--token-file", tokenFile), env(nil), &out, io.Discard)
+	return out.String(), err
+}
+
+// The records API (SPEC §10) on each store: behind its token, it shows a record in each state
+// and purges it whatever its state; a purged stuck lease lets the next retry run. The CLI drives
+// it against the running program.
+func TestRecordsAPI(t *testing.T) {
+	backends := map[string]func(t *testing.T) []string{
+		"memory": func(*testing.T) []string { return []string{"--store", "memory"} },
+		"redis": func(t *testing.T) []string {
+			return []string{"--store", "redis", "--redis-url", redistest.Start(t, redistest.Options{}).URL()}
+		},
+		"cluster": func(t *testing.T) []string {
+			c := redistest.StartCluster(t, 3, 0)
+			return []string{"--store", "redis", "--redis-cluster-addrs", strings.Join(c.Addrs(), ",")}
+		},
+	}
+	for name, backend := range backends {
+		t.Run(name, func(t *testing.T) {
+			const token = "adm-7f3c-token"
+			tokenFile := writeNamed(t, "token", token+"\n")
+			policyFile := writeFile(t, recordsPolicy)
+			logs := newLogLines()
+			ctx, cancel := context.WithCancel(context.Background())
+			t.Cleanup(cancel)
+			done := make(chan error, 1)
+			args := append(backend(t), "--config", policyFile, "--admin-token-file", tokenFile, "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0")
+			go func() { done <- runWith(ctx, args, env(nil), logs, runOptions{drainTimeout: 200 * time.Millisecond}) }()
+			ready := logs.wait(t, "ready", 20*time.Second)
+			grpcAddr, adminURL := ready["grpc_addr"].(string), "http://"+ready["admin_addr"].(string)
+
+			// A stuck pending key.
+			claimOn(t, grpcAddr, "/v1/payments", "stuck")
+			stuck := keyHashOf(t, policyFile, "/v1/payments", "stuck")
+			require.Len(t, stuck, 64)
+
+			// Authorization: missing, wrong, right.
+			url := adminURL + "/v1/records/" + stuck
+			for _, auth := range []string{"", "Bearer wrong", "Basic " + token, "Bearer " + token + "x"} {
+				req, _ := http.NewRequest(http.MethodGet, url, nil)
+				if auth != "" {
+					req.Header.Set("Authorization", auth)
+				}
+				resp, err := http.DefaultClient.Do(req)
+				require.NoError(t, err)
+				body, _ := io.ReadAll(resp.Body)
+				_ = resp.Body.Close()
+				require.Equal(t, http.StatusUnauthorized, resp.StatusCode, "%q", auth)
+				require.Equal(t, "application/problem+json", resp.Header.Get("Content-Type"))
+				require.NotContains(t, string(body), token)
+			}
+			out, err := recordsCall(t, adminURL, writeNamed(t, "wrong", "nope"), "get", stuck)
+			require.ErrorContains(t, err, "refused the token (401)")
+			require.Empty(t, out)
+
+			out, err = recordsCall(t, adminURL, tokenFile, "get", stuck)
+			require.NoError(t, err)
+			var view map[string]any
+			require.NoError(t, json.Unmarshal([]byte(out), &view))
+			require.Equal(t, stuck, view["key_hash"])
+			require.Equal(t, "pay", view["route"])
+			require.Equal(t, "pending", view["state"])
+			created, err := time.Parse(time.RFC3339, view["created_at"].(string))
+			require.NoError(t, err)
+			require.WithinDuration(t, time.Now(), created, time.Minute)
+			expires, err := time.Parse(time.RFC3339, view["expires_at"].(string))
+			require.NoError(t, err)
+			require.WithinDuration(t, time.Now().Add(30*time.Second), expires, 10*time.Second, "the lease's end")
+
+			// A duplicate gets 409 until the stuck key is purged; then the retry runs.
+			dup, err := extprocv3.NewExternalProcessorClient(dial(t, grpcAddr)).Process(t.Context())
+			require.NoError(t, err)
+			require.NoError(t, dup.Send(bodilessPost("stuck")))
+			resp, err := dup.Recv()
+			require.NoError(t, err)
+			require.Equal(t, 409, int(resp.GetImmediateResponse().GetStatus().GetCode()))
+			out, err = recordsCall(t, adminURL, tokenFile, "purge", stuck)
+			require.NoError(t, err)
+			require.Equal(t, "purged "+stuck+"\n", out)
+			claimOn(t, grpcAddr, "/v1/payments", "stuck") // runs again
+
+			// Completed.
+			s := claimOn(t, grpcAddr, "/v1/payments", "done")
+			require.NoError(t, s.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+				Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("201")}}},
+			}}}))
+			_, err = s.Recv()
+			require.NoError(t, err)
+			require.NoError(t, s.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte("0123456789"), EndOfStream: true}}}))
+			_, err = s.Recv()
+			require.NoError(t, err)
+			out, err = recordsCall(t, adminURL, tokenFile, "get", keyHashOf(t, policyFile, "/v1/payments", "done"))
+			require.NoError(t, err)
+			require.NoError(t, json.Unmarshal([]byte(out), &view))
+			require.Equal(t, "completed", view["state"])
+			require.Equal(t, 201.0, view["status"])
+			require.Equal(t, 10.0, view["body_bytes"])
+
+			// Outcome unknown: the stream ends before any response, under unknown_outcome: record.
+			amb := claimOn(t, grpcAddr, "/v1/unknown", "amb")
+			_ = amb.CloseSend()
+			ambHash := keyHashOf(t, policyFile, "/v1/unknown", "amb")
+			require.Eventually(t, func() bool {
+				out, err := recordsCall(t, adminURL, tokenFile, "get", ambHash)
+				return err == nil && strings.Contains(out, `"outcome_unknown"`) && strings.Contains(out, `"unknown"`)
+			}, 10*time.Second, 20*time.Millisecond)
+			_, err = recordsCall(t, adminURL, tokenFile, "purge", ambHash)
+			require.NoError(t, err)
+
+			// 404s.
+			_, err = recordsCall(t, adminURL, tokenFile, "get", strings.Repeat("0", 64))
+			require.ErrorContains(t, err, "no record")
+			_, err = recordsCall(t, adminURL, tokenFile, "purge", ambHash)
+			require.ErrorContains(t, err, "no record", "purged already")
+
+			m := scrape(t, adminURL+"/metrics")
+			require.Contains(t, m, `idempotency_admin_requests_total{op="get",result="unauthorized"} 5`)
+			require.Contains(t, m, `idempotency_admin_requests_total{op="purge",result="ok"} 2`)
+			require.Contains(t, m, `idempotency_admin_requests_total{op="get",result="not_found"} 1`)
+			require.Contains(t, logs.String(), `"message":"records API call"`)
+			require.Contains(t, logs.String(), `"key_hash":"`+stuck+`"`)
+			require.NotContains(t, logs.String(), token, "the token is never logged")
+			cancel()
+			require.NoError(t, <-done)
+		})
+	}
+}
+
+// Without --admin-token-file the records paths answer 404, and the CLI says how to turn them on.
+func TestRecordsAPIOffWithoutAToken(t *testing.T) {
+	logs := newLogLines()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	done := make(chan error, 1)
+	go func() {
+		done <- runWith(ctx, []string{"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, env(nil), logs, runOptions{})
+	}()
+	ready := logs.wait(t, "ready", 10*time.Second)
+	adminURL := "http://" + ready["admin_addr"].(string)
+	require.Equal(t, http.StatusNotFound, get(t, adminURL+"/v1/records/"+strings.Repeat("a", 64)))
+	_, err := recordsCall(t, adminURL, writeNamed(t, "tok", "t"), "get", strings.Repeat("a", 64))
+	require.ErrorContains(t, err, "start the server with --admin-token-file")
+	require.NotContains(t, scrape(t, adminURL+"/metrics"), "idempotency_admin_requests_total")
+	cancel()
+	require.NoError(t, <-done)
+}
+
+func scrape(t *testing.T, url string) string {
+	t.Helper()
+	resp, err := http.Get(url)
+	require.NoError(t, err)
+	defer func() { _ = resp.Body.Close() }()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return string(b)
+}
