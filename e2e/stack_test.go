@@ -263,7 +263,7 @@ func newStack(t *testing.T, o stackOptions) *stack {
 		DownstreamTrailers:    settings.DownstreamTrailers,
 		RouteTimeout:          settings.RouteTimeout,
 		DisabledPrefixes:      settings.DisabledPrefixes,
-		LocalRepliesToExtProc: o.localReplies,
+		Envoy:                 proxy.Behaviour{SkipExtProcOnLocalReply: !o.localReplies},
 	})
 	s.url = s.proxy.URL()
 	return s

@@ -159,8 +159,10 @@ func answer(req *extprocv3.ProcessingRequest, c *extprocv3.CommonResponse) *extp
 		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{Response: c}}}
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{Response: c}}}
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{HeaderMutation: c.GetHeaderMutation()}}}
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
-		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}}
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{HeaderMutation: c.GetHeaderMutation()}}}
 	}
 	return &extprocv3.ProcessingResponse{}
 }
@@ -211,6 +213,8 @@ func kind(req *extprocv3.ProcessingRequest) string {
 		return "response_headers"
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		return "response_body"
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		return "request_trailers"
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
 		return "response_trailers"
 	}
