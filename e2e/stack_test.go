@@ -252,18 +252,18 @@ func newStack(t *testing.T, o stackOptions) *stack {
 		}
 	}
 	s.proxy = proxy.Start(t, proxy.Config{
-		HealthCheck:           hc,
-		StreamRetries:         settings.StreamRetries,
-		Filter:                settings.Filter,
-		Processors:            addrs,
-		Upstream:              upURL,
-		ListenerBufferLimit:   settings.ListenerBufferLimit,
-		UpstreamBufferLimit:   settings.UpstreamBufferLimit,
-		UpstreamTrailers:      settings.UpstreamTrailers,
-		DownstreamTrailers:    settings.DownstreamTrailers,
-		RouteTimeout:          settings.RouteTimeout,
-		DisabledPrefixes:      settings.DisabledPrefixes,
-		Envoy:                 proxy.Behaviour{SkipExtProcOnLocalReply: !o.localReplies},
+		HealthCheck:         hc,
+		StreamRetries:       settings.StreamRetries,
+		Filter:              settings.Filter,
+		Processors:          addrs,
+		Upstream:            upURL,
+		ListenerBufferLimit: settings.ListenerBufferLimit,
+		UpstreamBufferLimit: settings.UpstreamBufferLimit,
+		UpstreamTrailers:    settings.UpstreamTrailers,
+		DownstreamTrailers:  settings.DownstreamTrailers,
+		RouteTimeout:        settings.RouteTimeout,
+		DisabledPrefixes:    settings.DisabledPrefixes,
+		Envoy:               proxy.Behaviour{SkipExtProcOnLocalReply: !o.localReplies},
 	})
 	s.url = s.proxy.URL()
 	return s
