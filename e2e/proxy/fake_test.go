@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
+	"google.golang.org/grpc/metadata"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -46,6 +47,10 @@ type streamLog struct {
 	byHandler bool
 	// ctxDone reports whether the stream context was done when the stream ended.
 	ctxDone bool
+	// md is the stream's initial metadata.
+	md metadata.MD
+	// ended is when the stream ended, as the server saw it.
+	ended time.Time
 }
 
 // fakeProcessor is a minimal ext_proc server driven by a handler.
@@ -90,8 +95,10 @@ func serveProcessor(t *testing.T, ln net.Listener, addr string, h handler) *fake
 
 func (f *fakeProcessor) Process(st extprocv3.ExternalProcessor_ProcessServer) error {
 	var log streamLog
+	log.md, _ = metadata.FromIncomingContext(st.Context())
 	defer func() {
 		log.ctxDone = st.Context().Err() != nil
+		log.ended = time.Now()
 		f.logs <- log
 	}()
 	for {

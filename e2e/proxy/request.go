@@ -436,10 +436,23 @@ func (k requestSink) tooLarge() {
 // upstreamCall is the router's upstream request.
 type upstreamCall struct {
 	ctx    context.Context
-	cancel context.CancelFunc
+	stop   context.CancelCauseFunc
 	body   *upstreamBody
 	result chan upstreamResult
 	start  time.Time
+}
+
+// cancel resets the upstream request; the body is closed too, since the transport may be
+// blocked reading it.
+func (uc *upstreamCall) cancel(cause ...error) {
+	err := context.Canceled
+	if len(cause) > 0 {
+		err = cause[0]
+	}
+	uc.stop(err)
+	if uc.body != nil {
+		_ = uc.body.Close()
+	}
 }
 
 type upstreamResult struct {
@@ -469,7 +482,7 @@ func (x *exchange) routerHeaders(h headerList, eos bool) {
 	}
 	u.Scheme, u.Host = x.p.upstream.Scheme, x.p.upstream.Host
 	ctx, cancel := context.WithCancelCause(x.ctx)
-	uc := &upstreamCall{ctx: ctx, cancel: func() { cancel(context.Canceled) }, result: make(chan upstreamResult, 1), start: time.Now()}
+	uc := &upstreamCall{ctx: ctx, stop: cancel, result: make(chan upstreamResult, 1), start: time.Now()}
 	method, _ := h.get(":method")
 	req, err := http.NewRequestWithContext(ctx, method, u.String(), nil)
 	if err != nil {
@@ -528,7 +541,7 @@ func (x *exchange) startRouteTimer() {
 // reset once they reached the filter chain.
 func (x *exchange) onRouteTimeout() {
 	if x.up != nil {
-		x.up.cancel()
+		x.up.cancel(errRouteTimeout)
 	}
 	if x.res == nil {
 		x.sendLocalReply(localReply{code: http.StatusGatewayTimeout, body: "upstream request timeout",
