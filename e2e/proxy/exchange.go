@@ -360,7 +360,7 @@ func (x *exchange) onReceiveMessage(resp *extprocv3.ProcessingResponse) {
 		err = x.enc.handleTrailersResponse(r.ResponseTrailers.GetHeaderMutation())
 	case *extprocv3.ProcessingResponse_ImmediateResponse:
 		if x.filter.GetDisableImmediateResponse() {
-			err = errSpurious
+			err = &spuriousError{msg: "unhandled immediate response due to config disabled it"}
 			break
 		}
 		x.setDynamicMetadata(resp)
@@ -372,7 +372,7 @@ func (x *exchange) onReceiveMessage(resp *extprocv3.ProcessingResponse) {
 		return
 	default:
 		// streamed_immediate_response and unknown kinds are not implemented: spurious.
-		err = errSpurious
+		err = &spuriousError{msg: "unhandled message"}
 	}
 	switch {
 	case err == nil:

@@ -30,8 +30,15 @@ const (
 )
 
 // errSpurious is an answer that does not fit the direction's state (absl::FailedPreconditionError
-// in ProcessorState): Filter::onReceiveMessage counts it as spurious.
+// in ProcessorState): Filter::onReceiveMessage counts it as spurious. Its message becomes the
+// local reply's details.
 var errSpurious = errors.New("spurious message")
+
+// spuriousError is an errSpurious with Envoy's own message.
+type spuriousError struct{ msg string }
+
+func (e *spuriousError) Error() string        { return e.msg }
+func (e *spuriousError) Is(target error) bool { return target == errSpurious }
 
 // direction is 0 for the request (decoding), 1 for the response (encoding).
 type direction int
@@ -448,6 +455,11 @@ func (s *dirState) forwardData(data []byte, eos bool) {
 	if s.ended {
 		return
 	}
+	// Once trailers exist the data does not end the stream for the next filters: the trailers
+	// do (FilterManager::decodeData / encodeData: end_stream && !trailers).
+	if eos && s.trailers != nil {
+		eos = false
+	}
 	s.forwardHeaders(false)
 	if eos {
 		s.ended = true
@@ -702,7 +714,7 @@ func (s *dirState) handleBodyResponse(r *extprocv3.BodyResponse) error {
 		bm := c.GetBodyMutation()
 		if sr := bm.GetStreamedResponse(); sr != nil {
 			if s.bodyMode != modeDuplex {
-				return errSpurious
+				return &spuriousError{msg: "spurious message: streamed_response is received while body_mode_ is not FULL_DUPLEX_STREAMED"}
 			}
 			// handleDuplexStreamedBodyResponse.
 			if len(sr.GetBody()) > 0 {
@@ -717,7 +729,7 @@ func (s *dirState) handleBodyResponse(r *extprocv3.BodyResponse) error {
 			cont = sr.GetEndOfStream()
 		} else {
 			if s.bodyMode == modeDuplex {
-				return errSpurious
+				return &spuriousError{msg: "spurious message: Normal body mutation response is received while body_mode_ is FULL_DUPLEX_STREAMED"}
 			}
 			// handleStreamedBodyResponse.
 			chunk, _ := s.dequeue()
