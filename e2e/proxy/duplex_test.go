@@ -228,7 +228,7 @@ func TestFullDuplexFailureModeAllow(t *testing.T) {
 func TestObservabilityMode(t *testing.T) {
 	f := bufferedFilter()
 	f.ObservabilityMode = true
-	f.ProcessingMode.RequestBodyMode = bodySTR // sent
+	f.ProcessingMode.RequestBodyMode = bodySTR  // sent
 	f.ProcessingMode.ResponseBodyMode = bodyBUF // not sent
 	f.MessageTimeout = durationpb.New(10 * time.Millisecond)
 	f.DeferredCloseTimeout = durationpb.New(300 * time.Millisecond)
