@@ -902,12 +902,17 @@ func TestUpstreamFailures(t *testing.T) {
 					addr := closedAddr(t)
 					opts = append(opts, func(c *proxy.Config) { c.Upstream = "http://" + addr })
 				}
-				e := newEnv(t, bufferedFilter(), nil, opts...)
+				f := bufferedFilter()
+				f.ResponseAttributes = append(f.ResponseAttributes, "upstream.request_attempt_count")
+				e := newEnv(t, f, nil, opts...)
 				resp, _ := e.do(t, http.MethodPost, "/pay", []byte("x"), "X-Test-Delay", "5s")
 				require.Equal(t, tt.wantStatus, resp.StatusCode)
 				rec := e.record(t)
 				require.Equal(t, tt.wantDetails, rec.CodeDetails)
 				require.Equal(t, tt.wantFlags, rec.ResponseFlags)
+				// The router sets the attempt count before it asks for a connection
+				// (Router::Filter::continueDecodeHeaders): a refused connection counts.
+				require.Equal(t, 1, rec.Attempts)
 
 				log := e.proc.next(t)
 				if !toExtProc {
@@ -922,6 +927,7 @@ func TestUpstreamFailures(t *testing.T) {
 				require.Equal(t, tt.wantDetails, attrs["response.code_details"].GetStringValue())
 				require.Equal(t, float64(tt.wantStatus), attrs["response.code"].GetNumberValue())
 				require.Equal(t, tt.wantFlagBit, attrs["response.flags"].GetNumberValue())
+				require.Equal(t, float64(1), attrs["upstream.request_attempt_count"].GetNumberValue())
 			})
 		}
 	}
