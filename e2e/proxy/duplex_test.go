@@ -162,7 +162,10 @@ func TestFullDuplexPlainBodyResponseIsSpurious(t *testing.T) {
 			}
 			return c.handle(st, req)
 		}
-		e := newEnv(t, duplexFilter(), h)
+		// The body comes after the header answer, so the headers are downstream already.
+		e := newEnv(t, duplexFilter(), h, func(c *proxy.Config) {
+			c.Shapes = func(*http.Request) proxy.Shapes { return proxy.Shapes{Response: proxy.BodyShape{DuringHeaders: proxy.Held}} }
+		})
 		req, err := http.NewRequest(http.MethodPost, e.proxy.URL()+"/x", bytes.NewReader([]byte("b")))
 		require.NoError(t, err)
 		req.Header.Set("X-Test-Body-Bytes", "100")
@@ -174,6 +177,23 @@ func TestFullDuplexPlainBodyResponseIsSpurious(t *testing.T) {
 		require.Error(t, err, "then the stream is reset")
 		e.proc.next(t)
 		require.Equal(t, int64(1), e.proxy.Stats().Resets)
+	})
+	t.Run("response complete during the header call", func(t *testing.T) {
+		c := &collector{}
+		h := func(st extprocv3.ExternalProcessor_ProcessServer, req *extprocv3.ProcessingRequest) error {
+			if kind(req) == "response_body" {
+				return st.Send(cont(req))
+			}
+			return c.handle(st, req)
+		}
+		// The headers stay held until the first streamed_response (handleCompleteBodyAvailable
+		// with the callback state StreamedBodyCallback): the spurious answer is a 500.
+		e := newEnv(t, duplexFilter(), h, func(c *proxy.Config) {
+			c.Shapes = func(*http.Request) proxy.Shapes { return proxy.Shapes{Response: proxy.BodyShape{DuringHeaders: proxy.Whole}} }
+		})
+		resp, _ := e.do(t, http.MethodPost, "/x", []byte("b"), "X-Test-Body-Bytes", "100")
+		require.Equal(t, http.StatusInternalServerError, resp.StatusCode)
+		e.proc.next(t)
 	})
 }
 
