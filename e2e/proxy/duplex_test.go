@@ -164,7 +164,9 @@ func TestFullDuplexPlainBodyResponseIsSpurious(t *testing.T) {
 		}
 		// The body comes after the header answer, so the headers are downstream already.
 		e := newEnv(t, duplexFilter(), h, func(c *proxy.Config) {
-			c.Shapes = func(*http.Request) proxy.Shapes { return proxy.Shapes{Response: proxy.BodyShape{DuringHeaders: proxy.Held}} }
+			c.Shapes = func(*http.Request) proxy.Shapes {
+				return proxy.Shapes{Response: proxy.BodyShape{DuringHeaders: proxy.Held}}
+			}
 		})
 		req, err := http.NewRequest(http.MethodPost, e.proxy.URL()+"/x", bytes.NewReader([]byte("b")))
 		require.NoError(t, err)
@@ -189,7 +191,9 @@ func TestFullDuplexPlainBodyResponseIsSpurious(t *testing.T) {
 		// The headers stay held until the first streamed_response (handleCompleteBodyAvailable
 		// with the callback state StreamedBodyCallback): the spurious answer is a 500.
 		e := newEnv(t, duplexFilter(), h, func(c *proxy.Config) {
-			c.Shapes = func(*http.Request) proxy.Shapes { return proxy.Shapes{Response: proxy.BodyShape{DuringHeaders: proxy.Whole}} }
+			c.Shapes = func(*http.Request) proxy.Shapes {
+				return proxy.Shapes{Response: proxy.BodyShape{DuringHeaders: proxy.Whole}}
+			}
 		})
 		resp, _ := e.do(t, http.MethodPost, "/x", []byte("b"), "X-Test-Body-Bytes", "100")
 		require.Equal(t, http.StatusInternalServerError, resp.StatusCode)
