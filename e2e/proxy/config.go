@@ -384,7 +384,7 @@ func verifyFilter(f *filterextproc.ExternalProcessor) error {
 		}
 	}
 	if f.GetDisableClearRouteCache() && f.GetRouteCacheAction() != filterextproc.ExternalProcessor_DEFAULT {
-		return fmt.Errorf("proxy: disable_clear_route_cache and route_cache_action can not be set to none-default at the same time.")
+		return fmt.Errorf("proxy: disable_clear_route_cache and route_cache_action can not be set to none-default at the same time")
 	}
 	return nil
 }

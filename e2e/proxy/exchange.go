@@ -20,9 +20,6 @@ import (
 // filterName keys ProcessingRequest.attributes (ext_proc.cc FilterName, reference §2.2).
 const filterName = "envoy.filters.http.ext_proc"
 
-// errClientGone ends a request whose client went away: nothing more is written.
-var errClientGone = errors.New("proxy: downstream disconnected")
-
 // openState is Filter::StreamOpenState.
 type openState int
 
@@ -476,6 +473,15 @@ func (x *exchange) closeIfLastResponse(resp *extprocv3.ProcessingResponse, lastB
 		last = lastBody
 	case *extprocv3.ProcessingResponse_ResponseTrailers:
 		last = true
+	}
+	// The response's last answer does not close a stream whose request direction still waits
+	// for answers: Envoy 1.37.0 does, a bug later releases fix (envoyproxy/envoy#45617, #46836).
+	switch resp.GetResponse().(type) {
+	case *extprocv3.ProcessingResponse_ResponseHeaders, *extprocv3.ProcessingResponse_ResponseBody,
+		*extprocv3.ProcessingResponse_ResponseTrailers:
+		if !dec.ended && !x.localComplete && !dec.noExternalProcess() {
+			last = false
+		}
 	}
 	if last {
 		x.p.stats.streamsClosedEarly.Add(1)

@@ -53,9 +53,6 @@ func (h *headerList) del(name string) {
 	*h = slices.DeleteFunc(*h, func(f field) bool { return f.name == name })
 }
 
-// clone returns a copy that shares nothing with h.
-func (h headerList) clone() headerList { return slices.Clone(h) }
-
 // headerMap converts the list for a ProcessingRequest, keeping only the names fw lets through
 // (MutationUtils::headersToProto). Values go in raw_value only; value stays empty (reference
 // §2.4).

@@ -447,6 +447,7 @@ func compileBodyFormat(f *corev3.SubstitutionFormatString) (*bodyFormatter, erro
 	var text string
 	switch s := f.GetFormat().(type) {
 	case *corev3.SubstitutionFormatString_TextFormat:
+		//lint:ignore SA1019 Envoy still reads text_format.
 		text = s.TextFormat
 	case *corev3.SubstitutionFormatString_TextFormatSource:
 		t, err := dataSourceString(s.TextFormatSource)

@@ -129,9 +129,15 @@ func (s *sideStream) active() bool {
 	return s != nil && s.stream != nil && !s.closed && !s.ended
 }
 
+// closeGrace bounds the wait between the half-close and the reset.
+const closeGrace = 20 * time.Millisecond
+
 // close ends the stream the way Envoy's default close does (ExternalProcessorStreamImpl::close
-// without ext_proc_graceful_grpc_close): a half-close immediately followed by a reset, so the
-// server's Recv sees io.EOF or Canceled (reference §6). It waits for the receiving goroutine.
+// without ext_proc_graceful_grpc_close): a half-close followed by a reset, so the server's Recv
+// sees io.EOF or Canceled (reference §6). Envoy writes every message to the connection as it
+// sends it; grpc-go queues them and a reset drops what is still queued, so the reset waits (up
+// to closeGrace) for the server to end the stream after the half-close. It waits for the
+// receiving goroutine.
 func (s *sideStream) close() {
 	if s == nil {
 		return
@@ -139,6 +145,21 @@ func (s *sideStream) close() {
 	s.closed = true
 	if s.stream != nil {
 		_ = s.stream.CloseSend()
+		t := time.NewTimer(closeGrace)
+	wait:
+		for !s.ended {
+			select {
+			case r := <-s.recv:
+				if r.err != nil {
+					s.ended = true
+				}
+			case <-s.done:
+				break wait
+			case <-t.C:
+				break wait
+			}
+		}
+		t.Stop()
 	}
 	s.cancel()
 	if s.done != nil {

@@ -69,11 +69,10 @@ type queuedChunk struct {
 // parts of the filter manager's per-filter iteration state it relies on: whether iteration is
 // paused, the buffered data and the held trailers. Everything runs on the exchange's goroutine.
 type dirState struct {
-	x    *exchange
-	dir  direction
-	out  sink
-	lim  int
-	shpe BodyShape
+	x   *exchange
+	dir direction
+	out sink
+	lim int
 
 	sendHeaders, sendTrailers bool
 	bodyMode                  filterextproc.ProcessingMode_BodySendMode
