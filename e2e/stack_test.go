@@ -241,30 +241,11 @@ func newStack(t *testing.T, o stackOptions) *stack {
 	}
 	settings, err := envoyconf.ProxySettings(b)
 	require.NoError(t, err)
-	var hc *proxy.HealthCheck
-	if h := settings.ProcessorHealthCheck; h != nil {
-		hc = &proxy.HealthCheck{
-			Interval:           h.GetInterval().AsDuration(),
-			Timeout:            h.GetTimeout().AsDuration(),
-			UnhealthyThreshold: int(h.GetUnhealthyThreshold().GetValue()),
-			HealthyThreshold:   int(h.GetHealthyThreshold().GetValue()),
-			ServiceName:        h.GetGrpcHealthCheck().GetServiceName(),
-		}
-	}
-	s.proxy = proxy.Start(t, proxy.Config{
-		HealthCheck:           hc,
-		StreamRetries:         settings.StreamRetries,
-		Filter:                settings.Filter,
-		Processors:            addrs,
-		Upstream:              upURL,
-		ListenerBufferLimit:   settings.ListenerBufferLimit,
-		UpstreamBufferLimit:   settings.UpstreamBufferLimit,
-		UpstreamTrailers:      settings.UpstreamTrailers,
-		DownstreamTrailers:    settings.DownstreamTrailers,
-		RouteTimeout:          settings.RouteTimeout,
-		DisabledPrefixes:      settings.DisabledPrefixes,
-		LocalRepliesToExtProc: o.localReplies,
-	})
+	// The bootstrap's routes, per-route ext_proc configuration, local_reply_config, jwt_authn
+	// and tracing reach the emulator as they reach a real Envoy.
+	cfg := settings.ProxyConfig(addrs, upURL)
+	cfg.Envoy = proxy.Behaviour{SkipExtProcOnLocalReply: !o.localReplies}
+	s.proxy = proxy.Start(t, cfg)
 	s.url = s.proxy.URL()
 	return s
 }

@@ -20,6 +20,8 @@ import (
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
+
+	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
 )
 
 // storeTimeout is the processor's default store_timeout (SPEC §6).
@@ -184,12 +186,17 @@ func TestEnvoyYAMLProxySettings(t *testing.T) {
 	require.Equal(t, time.Second, hc.GetInterval().AsDuration())
 	require.Equal(t, uint32(1), hc.GetUnhealthyThreshold().GetValue())
 	s.ProcessorHealthCheck = nil
+	require.True(t, s.Routes[0].ExtProc.GetDisabled(), "/healthz disables ext_proc")
 	require.Equal(t, Settings{
 		FilterName:          "envoy.filters.http.ext_proc",
 		ListenerBufferLimit: 1 << 20,
 		UpstreamBufferLimit: 1 << 20,
 		RouteTimeout:        30 * time.Second,
 		DisabledPrefixes:    []string{"/healthz"},
+		Routes: []proxy.Route{
+			{Prefix: "/healthz", Timeout: 15 * time.Second, ExtProc: s.Routes[0].ExtProc},
+			{Prefix: "/", Timeout: 30 * time.Second},
+		},
 		ProcessorCluster:    "idempotency_extproc",
 		ProcessorThresholds: Thresholds{100000, 100000, 100000, 100000},
 		UpstreamCluster:     "upstream_app",
@@ -265,6 +272,7 @@ func TestProxySettingsDefaults(t *testing.T) {
 		ListenerBufferLimit: 1 << 20,
 		UpstreamBufferLimit: 1 << 20,
 		RouteTimeout:        15 * time.Second,
+		Routes:              []proxy.Route{{Prefix: "/", Timeout: 15 * time.Second}},
 		ProcessorCluster:    "proc",
 		ProcessorThresholds: Thresholds{1024, 1024, 1024, 3},
 		UpstreamCluster:     "app",
@@ -280,12 +288,6 @@ func TestProxySettingsDefaults(t *testing.T) {
 
 func TestProxySettingsRejects(t *testing.T) {
 	for _, tc := range []struct{ name, old, new, want string }{
-		{"per-route overrides", "route: { cluster: app }",
-			"route: { cluster: app }\n                typed_per_filter_config:\n                  my_ext_proc:\n                    \"@type\": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute\n                    overrides: { failure_mode_allow: true }",
-			"overrides are not supported"},
-		{"disabled on a regex route", "routes:\n",
-			"routes:\n              - match: { safe_regex: { regex: \"^/h\" } }\n                route: { cluster: app }\n                typed_per_filter_config:\n                  my_ext_proc:\n                    \"@type\": type.googleapis.com/envoy.config.route.v3.FilterConfig\n                    disabled: true\n",
-			"disables ext_proc on a non-prefix match"},
 		{"filter disabled by default", "- name: my_ext_proc\n", "- name: my_ext_proc\n            disabled: true\n",
 			"disabled by default"},
 		{"weighted clusters", "route: { cluster: app }", "route: { weighted_clusters: { clusters: [{ name: app, weight: 1 }] } }",

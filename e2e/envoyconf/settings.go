@@ -20,8 +20,11 @@ import (
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	jwtauthnv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/jwt_authn/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
+
+	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
 )
 
 // Envoy's defaults for what Settings reports when the bootstrap leaves it unset.
@@ -58,8 +61,21 @@ type Settings struct {
 	// RouteTimeout is the "/" route's timeout (Envoy default 15s; 0 means none).
 	RouteTimeout time.Duration
 	// DisabledPrefixes are the route prefixes whose typed_per_filter_config disables ext_proc,
-	// in route order, up to the "/" route (later routes never match).
+	// in route order, up to the "/" route (later routes never match). Routes holds them too.
 	DisabledPrefixes []string
+	// Routes is the virtual host's route table, in order: names, matches (prefix, path,
+	// safe_regex), metadata, timeouts (unset: 15s; 0: none, as -1) and the ext_proc filter's
+	// typed_per_filter_config (ExtProcPerRoute, or FilterConfig disabled or wrapping one).
+	Routes []proxy.Route
+	// VirtualHostExtProc is the virtual host's typed_per_filter_config for the ext_proc filter.
+	VirtualHostExtProc *filterextproc.ExtProcPerRoute
+	// LocalReplyConfig is the connection manager's local_reply_config, nil when unset.
+	LocalReplyConfig *hcmv3.LocalReplyConfig
+	// JWTAuthn is the jwt_authn filter placed before ext_proc in http_filters, nil when none.
+	JWTAuthn *jwtauthnv3.JwtAuthentication
+	// Tracing is set when the connection manager has tracing configured (the proxy models the
+	// OpenTelemetry tracer); Unsampled when random_sampling is 0.
+	Tracing *proxy.Tracing
 	// ProcessorCluster is the ext_proc envoy_grpc cluster name.
 	ProcessorCluster string
 	// ProcessorThresholds are the processor cluster's circuit breaker thresholds.
@@ -143,10 +159,11 @@ func hcmFilter(b *bootstrapv3.Bootstrap) (*listenerv3.Filter, *hcmv3.HttpConnect
 }
 
 // ProxySettings extracts Settings from b. It fails when the first listener's HTTP connection
-// manager has no ext_proc filter or no inline route_config, when no route matches prefix "/" with
-// a single cluster, when a referenced cluster is not a static cluster, and when the bootstrap
-// asks for something a test proxy would not honour: a filter disabled by default, ext_proc
-// disabled on a virtual host or a non-prefix route, or per-route overrides.
+// manager has no ext_proc filter or no inline route_config with one virtual host, when no route
+// matches prefix "/", when a route does not go to the single upstream cluster, when a referenced cluster is not a static
+// cluster, and when the bootstrap asks for something the test proxy would not honour: a filter
+// disabled by default, route matches on headers or query parameters, per-route grpc_service, a
+// jwt_authn filter after ext_proc.
 func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
 	f, hf, err := extProcOf(b)
 	if err != nil {
@@ -194,42 +211,52 @@ func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
 	if rc == nil {
 		return Settings{}, errors.New("http_connection_manager has no inline route_config")
 	}
+	vhs := rc.GetVirtualHosts()
+	if len(vhs) != 1 {
+		return Settings{}, fmt.Errorf("route_config has %d virtual hosts, the test proxy models one", len(vhs))
+	}
+	vh := vhs[0]
+	if s.VirtualHostExtProc, err = perRoute(vh.GetTypedPerFilterConfig()[filterName]); err != nil {
+		return Settings{}, fmt.Errorf("virtual host %q: %w", vh.GetName(), err)
+	}
 	var root *routev3.Route
-	for _, vh := range rc.GetVirtualHosts() {
-		off, err := disables(vh.GetTypedPerFilterConfig()[filterName])
+	for i, r := range vh.GetRoutes() {
+		rt, err := proxyRoute(r, filterName)
 		if err != nil {
-			return Settings{}, fmt.Errorf("virtual host %q: %w", vh.GetName(), err)
+			return Settings{}, fmt.Errorf("virtual host %q route %d (%q): %w", vh.GetName(), i, r.GetName(), err)
 		}
-		if off {
-			return Settings{}, fmt.Errorf("virtual host %q disables ext_proc: not supported by the test proxy", vh.GetName())
+		cl := r.GetRoute().GetCluster()
+		if cl == "" {
+			return Settings{}, fmt.Errorf("virtual host %q route %d (%q) does not route to a single cluster", vh.GetName(), i, r.GetName())
 		}
-		for i, r := range vh.GetRoutes() {
-			prefix, isPrefix := r.GetMatch().GetPathSpecifier().(*routev3.RouteMatch_Prefix)
-			off, err := disables(r.GetTypedPerFilterConfig()[filterName])
-			if err != nil {
-				return Settings{}, fmt.Errorf("virtual host %q route %d: %w", vh.GetName(), i, err)
-			}
-			switch {
-			case off && !isPrefix:
-				return Settings{}, fmt.Errorf("virtual host %q route %d disables ext_proc on a non-prefix match", vh.GetName(), i)
-			case off && root == nil: // routes after the catch-all never match
-				s.DisabledPrefixes = append(s.DisabledPrefixes, prefix.Prefix)
-			}
-			if root == nil && isPrefix && prefix.Prefix == "/" {
-				root = r
-			}
+		if s.UpstreamCluster == "" {
+			s.UpstreamCluster = cl
+		} else if cl != s.UpstreamCluster {
+			return Settings{}, fmt.Errorf("routes use clusters %q and %q: the test proxy has one upstream", s.UpstreamCluster, cl)
+		}
+		s.Routes = append(s.Routes, rt)
+		if root == nil && rt.Prefix != "" && rt.ExtProc.GetDisabled() {
+			s.DisabledPrefixes = append(s.DisabledPrefixes, rt.Prefix)
+		}
+		if root == nil && rt.Prefix == "/" {
+			root = r
 		}
 	}
 	if root == nil {
+		// The shipped configurations end with a catch-all route (a contract check relies on
+		// this error); a request no route matches would get the router's 404.
 		return Settings{}, errors.New(`no route with prefix "/"`)
-	}
-	s.UpstreamCluster = root.GetRoute().GetCluster()
-	if s.UpstreamCluster == "" {
-		return Settings{}, errors.New(`the "/" route does not route to a single cluster`)
 	}
 	s.RouteTimeout = defaultRouteTimeout
 	if t := root.GetRoute().GetTimeout(); t != nil {
 		s.RouteTimeout = t.AsDuration()
+	}
+	s.LocalReplyConfig = hcm.GetLocalReplyConfig()
+	if tr := hcm.GetTracing(); tr != nil {
+		s.Tracing = &proxy.Tracing{Unsampled: tr.GetRandomSampling() != nil && tr.GetRandomSampling().GetValue() == 0}
+	}
+	if s.JWTAuthn, err = jwtBefore(hcm, hf); err != nil {
+		return Settings{}, err
 	}
 	uc := cluster(b, s.UpstreamCluster)
 	if uc == nil {
@@ -247,30 +274,131 @@ func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
 	return s, nil
 }
 
-// disables reports whether a typed_per_filter_config entry turns the filter off, as
-// ExtProcPerRoute{disabled: true} or as the generic FilterConfig{disabled: true}. Per-route
-// overrides are an error: the test proxy does not implement them.
-func disables(a *anypb.Any) (bool, error) {
+// perRoute decodes a typed_per_filter_config entry for ext_proc: ExtProcPerRoute, or the generic
+// FilterConfig (disabled, or wrapping an ExtProcPerRoute). Nil stays nil.
+func perRoute(a *anypb.Any) (*filterextproc.ExtProcPerRoute, error) {
 	if a == nil {
-		return false, nil
+		return nil, nil
 	}
 	m, err := a.UnmarshalNew()
 	if err != nil {
-		return false, err
+		return nil, err
 	}
 	switch c := m.(type) {
 	case *filterextproc.ExtProcPerRoute:
-		if c.GetOverrides() != nil {
-			return false, errors.New("ExtProcPerRoute overrides are not supported by the test proxy")
+		if c.GetOverrides().GetGrpcService() != nil {
+			return nil, errors.New("ExtProcPerRoute overrides.grpc_service is not supported by the test proxy")
 		}
-		return c.GetDisabled(), nil
+		return c, nil
 	case *routev3.FilterConfig:
 		if c.GetDisabled() {
-			return true, nil
+			return &filterextproc.ExtProcPerRoute{Override: &filterextproc.ExtProcPerRoute_Disabled{Disabled: true}}, nil
 		}
-		return disables(c.GetConfig())
+		return perRoute(c.GetConfig())
 	}
-	return false, fmt.Errorf("unexpected per-route config %s for ext_proc", m.ProtoReflect().Descriptor().FullName())
+	return nil, fmt.Errorf("unexpected per-route config %s for ext_proc", m.ProtoReflect().Descriptor().FullName())
+}
+
+// proxyRoute maps one route: its name, match, metadata, timeout and ext_proc per-route config.
+// Matches on headers or query parameters, and route actions other than a cluster, are errors.
+func proxyRoute(r *routev3.Route, filterName string) (proxy.Route, error) {
+	m := r.GetMatch()
+	if len(m.GetHeaders()) > 0 || len(m.GetQueryParameters()) > 0 || m.GetGrpc() != nil || m.GetRuntimeFraction() != nil {
+		return proxy.Route{}, errors.New("matches on headers, query parameters, grpc or runtime are not supported by the test proxy")
+	}
+	if m.GetCaseSensitive() != nil && !m.GetCaseSensitive().GetValue() {
+		return proxy.Route{}, errors.New("case-insensitive matches are not supported by the test proxy")
+	}
+	rt := proxy.Route{Name: r.GetName(), Metadata: r.GetMetadata()}
+	switch ps := m.GetPathSpecifier().(type) {
+	case *routev3.RouteMatch_Prefix:
+		rt.Prefix = ps.Prefix
+		if rt.Prefix == "" {
+			rt.Prefix = "/"
+		}
+	case *routev3.RouteMatch_Path:
+		rt.Path = ps.Path
+	case *routev3.RouteMatch_SafeRegex:
+		rt.Regex = ps.SafeRegex.GetRegex()
+	default:
+		return proxy.Route{}, fmt.Errorf("path specifier %T is not supported by the test proxy", ps)
+	}
+	if r.GetRoute() == nil {
+		return proxy.Route{}, errors.New("only route actions (to a cluster) are supported by the test proxy")
+	}
+	rt.Timeout = defaultRouteTimeout
+	if t := r.GetRoute().GetTimeout(); t != nil {
+		rt.Timeout = t.AsDuration()
+		if rt.Timeout == 0 {
+			rt.Timeout = -1 // Envoy: 0 disables the timeout
+		}
+	}
+	var err error
+	if rt.ExtProc, err = perRoute(r.GetTypedPerFilterConfig()[filterName]); err != nil {
+		return proxy.Route{}, err
+	}
+	return rt, nil
+}
+
+// jwtBefore returns the jwt_authn filter's configuration when one precedes the ext_proc filter
+// hf in http_filters; one after it is an error (the test proxy runs it first).
+func jwtBefore(hcm *hcmv3.HttpConnectionManager, hf *hcmv3.HttpFilter) (*jwtauthnv3.JwtAuthentication, error) {
+	var found *jwtauthnv3.JwtAuthentication
+	seenExtProc := false
+	for _, f := range hcm.GetHttpFilters() {
+		if f == hf || f.GetName() == hf.GetName() {
+			seenExtProc = true
+			continue
+		}
+		tc := f.GetTypedConfig()
+		if tc == nil || !tc.MessageIs(&jwtauthnv3.JwtAuthentication{}) {
+			continue
+		}
+		if seenExtProc {
+			return nil, fmt.Errorf("http filter %q (jwt_authn) runs after ext_proc: not supported by the test proxy", f.GetName())
+		}
+		if found != nil {
+			return nil, errors.New("more than one jwt_authn filter: not supported by the test proxy")
+		}
+		found = &jwtauthnv3.JwtAuthentication{}
+		if err := tc.UnmarshalTo(found); err != nil {
+			return nil, fmt.Errorf("http filter %q: %w", f.GetName(), err)
+		}
+	}
+	return found, nil
+}
+
+// ProxyConfig is the proxy.Config that runs s with the given processors (host:port or
+// unix:///path) and upstream base URL: the filter, the buffer limits, trailers, the route table,
+// local_reply_config, jwt_authn, tracing, the processor cluster's health check and the stream
+// retries. Callers add what a bootstrap does not say (AccessLog, Envoy, Shapes, TLS).
+func (s Settings) ProxyConfig(processors []string, upstream string) proxy.Config {
+	cfg := proxy.Config{
+		Filter:              s.Filter,
+		Processors:          processors,
+		Upstream:            upstream,
+		ListenerBufferLimit: s.ListenerBufferLimit,
+		UpstreamBufferLimit: s.UpstreamBufferLimit,
+		UpstreamTrailers:    s.UpstreamTrailers,
+		DownstreamTrailers:  s.DownstreamTrailers,
+		RouteTimeout:        s.RouteTimeout,
+		Routes:              s.Routes,
+		VirtualHostExtProc:  s.VirtualHostExtProc,
+		LocalReplyConfig:    s.LocalReplyConfig,
+		JWTAuthn:            s.JWTAuthn,
+		Tracing:             s.Tracing,
+		StreamRetries:       s.StreamRetries,
+	}
+	if h := s.ProcessorHealthCheck; h != nil {
+		cfg.HealthCheck = &proxy.HealthCheck{
+			Interval:           h.GetInterval().AsDuration(),
+			Timeout:            h.GetTimeout().AsDuration(),
+			UnhealthyThreshold: int(h.GetUnhealthyThreshold().GetValue()),
+			HealthyThreshold:   int(h.GetHealthyThreshold().GetValue()),
+			ServiceName:        h.GetGrpcHealthCheck().GetServiceName(),
+		}
+	}
+	return cfg
 }
 
 func cluster(b *bootstrapv3.Bootstrap, name string) *clusterv3.Cluster {

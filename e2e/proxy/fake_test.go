@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -46,6 +47,10 @@ type streamLog struct {
 	byHandler bool
 	// ctxDone reports whether the stream context was done when the stream ended.
 	ctxDone bool
+	// md is the stream's initial metadata.
+	md metadata.MD
+	// ended is when the stream ended, as the server saw it.
+	ended time.Time
 }
 
 // fakeProcessor is a minimal ext_proc server driven by a handler.
@@ -90,8 +95,10 @@ func serveProcessor(t *testing.T, ln net.Listener, addr string, h handler) *fake
 
 func (f *fakeProcessor) Process(st extprocv3.ExternalProcessor_ProcessServer) error {
 	var log streamLog
+	log.md, _ = metadata.FromIncomingContext(st.Context())
 	defer func() {
 		log.ctxDone = st.Context().Err() != nil
+		log.ended = time.Now()
 		f.logs <- log
 	}()
 	for {
@@ -159,8 +166,10 @@ func answer(req *extprocv3.ProcessingRequest, c *extprocv3.CommonResponse) *extp
 		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{Response: c}}}
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{Response: c}}}
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{HeaderMutation: c.GetHeaderMutation()}}}
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
-		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}}
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{HeaderMutation: c.GetHeaderMutation()}}}
 	}
 	return &extprocv3.ProcessingResponse{}
 }
@@ -211,6 +220,8 @@ func kind(req *extprocv3.ProcessingRequest) string {
 		return "response_headers"
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		return "response_body"
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		return "request_trailers"
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
 		return "response_trailers"
 	}

@@ -3,11 +3,12 @@ package proxy
 import (
 	"fmt"
 	"net/http"
+	"regexp"
 	"slices"
 	"strings"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
 )
 
 // field is one header entry. Names are lower case, as in Envoy's header maps (reference §2.4).
@@ -29,12 +30,19 @@ func (h headerList) get(name string) (string, bool) {
 	return "", false
 }
 
+// has reports whether name is present.
+func (h headerList) has(name string) bool {
+	_, ok := h.get(name)
+	return ok
+}
+
 // add appends an entry (Envoy's addCopy).
 func (h *headerList) add(name, value string) {
 	*h = append(*h, field{name: name, value: value})
 }
 
-// set removes every entry of name and appends one (Envoy's setCopy).
+// set removes every entry of name and appends one (Envoy's HeaderMapImpl::setCopy: remove,
+// then addCopy).
 func (h *headerList) set(name, value string) {
 	h.del(name)
 	h.add(name, value)
@@ -45,11 +53,15 @@ func (h *headerList) del(name string) {
 	*h = slices.DeleteFunc(*h, func(f field) bool { return f.name == name })
 }
 
-// headerMap converts the list for a ProcessingRequest. Values go in raw_value only; value stays
-// empty (reference §2.4).
-func (h headerList) headerMap() *corev3.HeaderMap {
+// headerMap converts the list for a ProcessingRequest, keeping only the names fw lets through
+// (MutationUtils::headersToProto). Values go in raw_value only; value stays empty (reference
+// §2.4).
+func (h headerList) headerMap(fw *forwardRules) *corev3.HeaderMap {
 	m := &corev3.HeaderMap{Headers: make([]*corev3.HeaderValue, 0, len(h))}
 	for _, f := range h {
+		if !fw.forwarded(f.name) {
+			continue
+		}
 		m.Headers = append(m.Headers, &corev3.HeaderValue{Key: f.name, RawValue: []byte(f.value)})
 	}
 	return m
@@ -88,112 +100,93 @@ func (h *headerList) fromHTTP(hdr http.Header, skip ...string) {
 	}
 }
 
-// mutationError is a header or body mutation that Envoy rejects with a local reply
-// (reference §2.7, §5).
-type mutationError struct{ msg string }
-
-func (e *mutationError) Error() string { return e.msg }
-
-// applyMutation applies m to h the way Envoy's MutationUtils::applyHeaderMutations does with the
-// default mutation rules: removals first, then sets (reference §2.7). Disallowed names are
-// silently ignored and counted; invalid names or values, or a HeaderValue with both value and
-// raw_value, are errors. It returns the number of ignored mutations.
-func applyMutation(h *headerList, m *extprocv3.HeaderMutation) (rejected int, err error) {
-	if m == nil {
-		return 0, nil
-	}
-	for _, name := range m.GetRemoveHeaders() {
-		if !validName(name) {
-			return rejected, &mutationError{msg: "Invalid character in remove_headers mutation."}
-		}
-		lower := strings.ToLower(name)
-		// Default rules: pseudo-headers, host and x-envoy-* cannot be removed (reference §2.7).
-		if !mutable(lower) {
-			rejected++
-			continue
-		}
-		h.del(lower)
-	}
-	for _, opt := range m.GetSetHeaders() {
-		hv := opt.GetHeader()
-		if hv == nil {
-			continue
-		}
-		if !validName(hv.GetKey()) {
-			return rejected, &mutationError{msg: "Invalid character in set_headers mutation."}
-		}
-		// Setting both value and raw_value is an error (reference §0.3, §2.7).
-		if hv.GetValue() != "" && len(hv.GetRawValue()) > 0 {
-			return rejected, &mutationError{msg: "Only one of value or raw_value in the HeaderValue message should be set."}
-		}
-		// Envoy reads raw_value only: a mutation that sets only value yields an empty header
-		// (reference §0.3, §2.7).
-		value := string(hv.GetRawValue())
-		if !validValue(value) {
-			return rejected, &mutationError{msg: "Invalid character in set_headers mutation."}
-		}
-		lower := strings.ToLower(hv.GetKey())
-		if !mutable(lower) {
-			rejected++
-			continue
-		}
-		// The deprecated append BoolValue: unset or false overwrites, true adds; append_action is
-		// not honoured by ext_proc (reference §2.7).
-		//lint:ignore SA1019 ext_proc honours only the deprecated append (reference §2.7).
-		if opt.GetAppend().GetValue() {
-			h.add(lower, value)
-		} else {
-			h.set(lower, value)
-		}
-	}
-	return rejected, nil
+// stringMatcher is a compiled envoy.type.matcher.v3.StringMatcher (Matchers::StringMatcherImpl):
+// exact, prefix, suffix, contains (each optionally case-insensitive) or safe_regex (full match).
+type stringMatcher struct {
+	kind       string
+	pattern    string
+	ignoreCase bool
+	re         *regexp.Regexp
 }
 
-// mutable reports whether the default HeaderMutationRules let a processor change name: not
-// x-envoy-*, host, :authority, :scheme, :method or any other pseudo-header (reference §2.6,
-// §2.7, §4.1 mutation_rules).
-func mutable(name string) bool {
-	return !strings.HasPrefix(name, ":") && name != "host" && !strings.HasPrefix(name, "x-envoy")
-}
-
-// validName reports whether name is a valid header name: an RFC 9110 token, or a pseudo-header
-// name (reference §2.7, headerNameIsValid).
-func validName(name string) bool {
-	name = strings.TrimPrefix(name, ":")
-	if name == "" {
-		return false
-	}
-	for i := 0; i < len(name); i++ {
-		if !isTokenChar(name[i]) {
-			return false
+func compileStringMatcher(m *matcherv3.StringMatcher) (*stringMatcher, error) {
+	sm := &stringMatcher{ignoreCase: m.GetIgnoreCase()}
+	switch p := m.GetMatchPattern().(type) {
+	case *matcherv3.StringMatcher_Exact:
+		sm.kind, sm.pattern = "exact", p.Exact
+	case *matcherv3.StringMatcher_Prefix:
+		sm.kind, sm.pattern = "prefix", p.Prefix
+	case *matcherv3.StringMatcher_Suffix:
+		sm.kind, sm.pattern = "suffix", p.Suffix
+	case *matcherv3.StringMatcher_Contains:
+		sm.kind, sm.pattern = "contains", p.Contains
+	case *matcherv3.StringMatcher_SafeRegex:
+		re, err := regexp.Compile("^(?:" + p.SafeRegex.GetRegex() + ")$")
+		if err != nil {
+			return nil, err
 		}
+		sm.kind, sm.re = "regex", re
+	default:
+		return nil, fmt.Errorf("unsupported string matcher %T", p)
 	}
-	return true
+	if sm.ignoreCase {
+		sm.pattern = strings.ToLower(sm.pattern)
+	}
+	return sm, nil
 }
 
-func isTokenChar(c byte) bool {
-	switch {
-	case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9':
+func (m *stringMatcher) match(s string) bool {
+	if m.kind == "regex" {
+		return m.re.MatchString(s)
+	}
+	if m.ignoreCase {
+		s = strings.ToLower(s)
+	}
+	switch m.kind {
+	case "exact":
+		return s == m.pattern
+	case "prefix":
+		return strings.HasPrefix(s, m.pattern)
+	case "suffix":
+		return strings.HasSuffix(s, m.pattern)
+	default:
+		return strings.Contains(s, m.pattern)
+	}
+}
+
+// forwardRules are the filter's forward_rules. A nil *forwardRules forwards everything.
+type forwardRules struct {
+	allowed, disallowed []*stringMatcher
+}
+
+func compileForwardRules(allowed, disallowed []*matcherv3.StringMatcher) (*forwardRules, error) {
+	fw := &forwardRules{}
+	for _, m := range allowed {
+		sm, err := compileStringMatcher(m)
+		if err != nil {
+			return nil, fmt.Errorf("forward_rules.allowed_headers: %w", err)
+		}
+		fw.allowed = append(fw.allowed, sm)
+	}
+	for _, m := range disallowed {
+		sm, err := compileStringMatcher(m)
+		if err != nil {
+			return nil, fmt.Errorf("forward_rules.disallowed_headers: %w", err)
+		}
+		fw.disallowed = append(fw.disallowed, sm)
+	}
+	return fw, nil
+}
+
+// forwarded is MutationUtils::headerCanBeForwarded: a name on the disallowed list is never sent;
+// otherwise an empty allowed list, or a match on it, lets it through. Pseudo-headers are subject
+// to the same rules.
+func (fw *forwardRules) forwarded(name string) bool {
+	if fw == nil {
 		return true
 	}
-	return strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0
-}
-
-// validValue reports whether v is a valid header value: no NUL, CR or LF (reference §2.7,
-// headerValueIsValid).
-func validValue(v string) bool {
-	return !strings.ContainsAny(v, "\x00\r\n")
-}
-
-// contentLengthMismatch reports the error Envoy raises when a body mutation does not match the
-// content-length header that BUFFERED mode keeps (reference §3 content-length).
-func contentLengthMismatch(h headerList, bodyLen int) error {
-	v, ok := h.get("content-length")
-	if !ok {
-		return nil
+	if slices.ContainsFunc(fw.disallowed, func(m *stringMatcher) bool { return m.match(name) }) {
+		return false
 	}
-	if v != fmt.Sprint(bodyLen) {
-		return &mutationError{msg: "mismatch between content length and the length of the mutated body"}
-	}
-	return nil
+	return len(fw.allowed) == 0 || slices.ContainsFunc(fw.allowed, func(m *stringMatcher) bool { return m.match(name) })
 }

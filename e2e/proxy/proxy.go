@@ -1,27 +1,55 @@
 // Package proxy is an HTTP reverse proxy that drives ext_proc servers the way Envoy's ext_proc
-// HTTP filter does, for end-to-end tests on machines without an Envoy binary.
+// HTTP filter does, for end-to-end tests on machines without an Envoy binary. It models Envoy,
+// not the product: every behaviour cites the Envoy source it follows (file and function; the
+// project's notes, reference/envoy-extproc.md, are cited as "reference §N").
 //
-// Each HTTP request gets one ExternalProcessor.Process stream, and the proxy follows Envoy's
-// sequencing: lock-step messages bounded by message_timeout, raw_value headers with
-// pseudo-headers, attributes and protocol_config on the first messages, BUFFERED, STREAMED and
-// BUFFERED_PARTIAL bodies with Envoy's buffer limits, ImmediateResponse local replies,
-// mode_override with allowed_override_modes, the default header mutation rules, failure_mode_allow
-// and status_on_error, router local replies (503, 504), and the half-close plus reset that ends
-// every stream. Comments cite the project's Envoy ext_proc notes (reference/envoy-extproc.md)
-// as "reference §N".
+// Modelled, from Envoy 1.37's source (ext_proc.cc, processor_state.cc, mutation_utils.cc,
+// mutation_rules.cc, matching_utils.cc, http/utility.cc, local_reply.cc, filter_manager.cc,
+// router.cc, grpc/async_client_impl.cc, jwt_authn/filter.cc):
+//   - one side stream per request, opened by the first message, with protocol_config on it,
+//     attributes on each direction's first message and metadata_context on every message;
+//   - every body mode: BUFFERED (held during the header call, 413/500 over the buffer limit),
+//     STREAMED (pipelined chunks, data held until each answer, the watermark stopping the reading
+//     above the buffer limit, the timer re-armed at each send), BUFFERED_PARTIAL (one message up
+//     to the limit, the rest unseen), FULL_DUPLEX_STREAMED (no timer, streamed_response required,
+//     trailers answered), NONE; in every mode a body complete during the header call goes as one
+//     message (ProcessorState::handleCompleteBodyAvailable); request and response trailers with
+//     SEND/SKIP; send_body_without_waiting_for_header_response;
+//   - answers: header and body mutations under mutation_rules (disallow_is_error included),
+//     CONTINUE_AND_REPLACE, mode_override (merged with the filter-level mode), allowed override
+//     modes, override_message_timeout, dynamic_metadata for receiving namespaces, spurious
+//     answers, ImmediateResponse;
+//   - failures: message_timeout (504), gRPC errors and status_on_error, failure_mode_allow (not
+//     once a FULL_DUPLEX_STREAMED body flowed), clean close, observability_mode (send and go,
+//     deferred close);
+//   - local replies in Utility::sendLocalReply's order, local_reply_config, gRPC trailers-only
+//     conversion, through the encoder filters before response headers, straight to the codec
+//     after, a reset once headers went downstream; Envoy versions that skip ext_proc for local
+//     replies (Behaviour);
+//   - the router: a route table with names, metadata and ExtProcPerRoute (disabled, overrides of
+//     processing_mode, grpc_initial_metadata, metadata_options, failure_mode_allow), 404 without
+//     a route, 503 on connect failure or reset before headers, 504 on the route timeout, resets
+//     after the response started, the attempt count;
+//   - jwt_authn before ext_proc (local JWKS, HS256/RS256), forward_rules, the early stream close
+//     of 1.37, the trace context on the side stream, mTLS peer identity.
 //
-// What it does not do is listed in the doc comment of Config.
+// Not modelled: HTTP/2 downstream, streamed_immediate_response, the GRPC body mode,
+// clear_route_cache and route re-selection, graceful gRPC close, grpc_service overrides per route,
+// typed metadata, connection-level metadata, header count and size limits, the upstream side's
+// own flow control, retries, and CEL expressions other than attribute paths. Body data arrives in
+// reads of up to DefaultReadSize unless a Shape says otherwise; real chunk sizes follow socket
+// reads.
 package proxy
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"math"
 	"net"
 	"net/http"
 	"net/url"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -36,165 +64,19 @@ import (
 	"google.golang.org/protobuf/proto"
 )
 
-// Defaults that match Envoy's (reference §4.1, §9).
-const (
-	// DefaultBufferLimit is Envoy's default per_connection_buffer_limit_bytes (1 MiB).
-	DefaultBufferLimit = 1 << 20
-	// DefaultRouteTimeout is Envoy's default route timeout.
-	DefaultRouteTimeout = 15 * time.Second
-	// DefaultMessageTimeout is ext_proc's default message_timeout.
-	DefaultMessageTimeout = 200 * time.Millisecond
-)
-
-// Config describes one proxy: an HTTP listener with a single ext_proc filter in front of a
-// router with one upstream cluster.
-//
-// Response trailers, kept only with UpstreamTrailers: a response whose upstream sent trailers
-// ends its body with end_of_stream false (no empty last chunk), then a response_trailers
-// message when response_trailer_mode is SEND, in every body mode (trailer mutations are not
-// applied); downstream, with DownstreamTrailers, a response without a content-length carries
-// them.
-//
-// Not implemented: request trailers (no request_trailers message is ever sent, as if no
-// request had trailers), FULL_DUPLEX_STREAMED and GRPC body modes, observability_mode,
-// send_body_without_waiting_for_header_response pipelining (the flag is reported in
-// protocol_config and disables mode_override, but bodies still wait for the header answer),
-// metadata_options and dynamic_metadata, forward_rules, mutation_rules other than the defaults
-// (and so :path and :status mutations, which Envoy's defaults allow, are ignored like the other
-// pseudo-headers), streamed_immediate_response, grpc_status in ImmediateResponse,
-// clear_route_cache, per-route overrides other than disabling ext_proc, the early stream close
-// of Envoy 1.37+, and HTTP/2 downstream.
-//
-// Approximations: STREAMED bodies are strictly lock-step (Envoy may pipeline chunks); a message
-// the processor sends while no answer is awaited is noticed only when the next answer is
-// awaited, as a spurious answer; the route timeout starts when the upstream request starts and
-// keeps running while the processor handles the response headers.
-type Config struct {
-	// Filter is the ext_proc filter configuration. The proxy honours processing_mode,
-	// allow_mode_override, allowed_override_modes, message_timeout, max_message_timeout,
-	// failure_mode_allow, status_on_error, disable_immediate_response,
-	// send_body_without_waiting_for_header_response (see the type's doc), request_attributes and
-	// response_attributes. grpc_service is ignored: the processors are in Processors. Nil means
-	// an empty configuration (headers SEND, bodies NONE).
-	Filter *filterextproc.ExternalProcessor
-	// Processors are the ext_proc gRPC addresses, host:port or unix:///path. Each HTTP request
-	// opens one stream to the next address, round robin.
-	Processors []string
-	// Upstream is the upstream base URL, e.g. http://127.0.0.1:8080. Only its scheme and host
-	// are used; the request's path is forwarded as is.
-	Upstream string
-	// ListenerBufferLimit bounds BUFFERED request bodies (Envoy's listener
-	// per_connection_buffer_limit_bytes); 0 means DefaultBufferLimit.
-	ListenerBufferLimit uint32
-	// UpstreamBufferLimit bounds BUFFERED response bodies (the upstream cluster's
-	// per_connection_buffer_limit_bytes); 0 means DefaultBufferLimit.
-	UpstreamBufferLimit uint32
-	// UpstreamTrailers and DownstreamTrailers are the enable_trailers of the upstream cluster's
-	// and of the connection manager's HTTP/1 options: without the first, the upstream's trailers
-	// are dropped (the body ends as if there were none); without the second, they do not go
-	// downstream.
-	UpstreamTrailers, DownstreamTrailers bool
-	// RouteTimeout bounds the upstream exchange, from sending the request to the end of the
-	// response body; 0 means DefaultRouteTimeout.
-	RouteTimeout time.Duration
-	// DisabledPrefixes are path prefixes whose route disables ext_proc (ExtProcPerRoute
-	// disabled: true): such requests are proxied untouched and open no stream.
-	DisabledPrefixes []string
-	// LocalRepliesToExtProc makes router-generated replies (503 connect failure, 504 timeout)
-	// go through the response phases, with response.code_details other than via_upstream, as
-	// Envoy did before CVE-2025-30157 and may again on 1.37+ (reference §7). When false the
-	// processor sees no response phase for them: its stream just ends.
-	LocalRepliesToExtProc bool
-	// AccessLog, when set, is called once per request after the response has been written (or
-	// the request abandoned), like a line of Envoy's access log.
-	AccessLog func(Record)
-	// HealthCheck, when set, is the processor cluster's active gRPC health check: each processor
-	// is asked grpc.health.v1 Check(ServiceName) every Interval; one that fails
-	// UnhealthyThreshold checks in a row gets no new stream until it passes HealthyThreshold in a
-	// row. When none is healthy all are used, as Envoy's panic threshold does.
-	HealthCheck *HealthCheck
-	// StreamRetries is how many other processors a request tries when its stream cannot be
-	// opened (grpc_service.retry_policy with connect-failure or refused-stream): nothing reached
-	// the processor that refused it.
-	StreamRetries int
-}
-
-// HealthCheck is an active gRPC health check of the processors (Envoy's cluster health_checks
-// with grpc_health_check).
-type HealthCheck struct {
-	Interval, Timeout                    time.Duration
-	UnhealthyThreshold, HealthyThreshold int
-	ServiceName                          string
-}
-
-// Record describes one finished request, with the fields of Envoy's access log that tests need.
-type Record struct {
-	// RequestID is the x-request-id sent to the processor and the upstream.
-	RequestID string
-	// Method and Path are the request's :method and :path.
-	Method, Path string
-	// Processor is the address whose stream served the request, "" when ext_proc was disabled.
-	Processor string
-	// Status is the status sent downstream, 0 when none was sent.
-	Status int
-	// CodeDetails is %RESPONSE_CODE_DETAILS%: via_upstream, an ImmediateResponse's details,
-	// ext_proc_error_…, upstream_response_timeout, request_payload_too_large, ….
-	CodeDetails string
-	// ResponseFlags is %RESPONSE_FLAGS%: "-", UF, UT, UC, DC or UR.
-	ResponseFlags string
-	// Duration is the time from receiving the request to the end of its handling.
-	Duration time.Duration
-}
-
-// Stats are counters that mirror the ext_proc filter's stats (reference §5, §15) plus a few of
-// the proxy's own. All counts are totals since New.
-type Stats struct {
-	// StreamsStarted counts gRPC streams opened (streams_started).
-	StreamsStarted int64
-	// StreamErrors counts streams that could not be opened or that ended with a gRPC error
-	// status (streams_failed).
-	StreamErrors int64
-	// MessagesSent and MessagesReceived count ProcessingRequests and ProcessingResponses.
-	MessagesSent, MessagesReceived int64
-	// Spurious counts responses of the wrong kind (spurious_msgs_received).
-	Spurious int64
-	// MessageTimeouts counts expired message timers (message_timeouts).
-	MessageTimeouts int64
-	// FailureModeAllowed counts failures ignored because of failure_mode_allow.
-	FailureModeAllowed int64
-	// ImmediateResponses counts ImmediateResponses received and acted on.
-	ImmediateResponses int64
-	// RejectedMutations counts header mutations ignored by the default mutation rules
-	// (rejected_header_mutations).
-	RejectedMutations int64
-	// ImmediateMutationErrors counts ImmediateResponses whose header mutation was invalid:
-	// Envoy logs "Immediate response mutations failed" and sends the reply anyway.
-	ImmediateMutationErrors int64
-	// ModeOverrides and ModeOverridesIgnored count mode_override fields honoured and ignored.
-	ModeOverrides, ModeOverridesIgnored int64
-	// TimeoutOverrides and TimeoutOverridesIgnored count override_message_timeout fields
-	// (override_message_timeout_received / _ignored).
-	TimeoutOverrides, TimeoutOverridesIgnored int64
-	// LocalReplies counts replies generated by the proxy itself other than ImmediateResponses:
-	// 413, 500, 503, 504, status_on_error.
-	LocalReplies int64
-	// Resets counts downstream connections closed mid-response, Envoy's stream reset.
-	Resets int64
-}
-
 type counters struct {
-	streamsStarted, streamErrors, messagesSent, messagesReceived, spurious, messageTimeouts,
-	failureModeAllowed, immediateResponses, immediateMutationErrors, rejectedMutations, modeOverrides,
-	modeOverridesIgnored, timeoutOverrides, timeoutOverridesIgnored, localReplies,
-	resets atomic.Int64
+	streamsStarted, streamErrors, streamsClosedEarly, messagesSent, messagesReceived, spurious,
+	messageTimeouts, failureModeAllowed, immediateResponses, immediateMutationErrors,
+	rejectedMutations, modeOverrides, modeOverridesIgnored, timeoutOverrides,
+	timeoutOverridesIgnored, localReplies, resets atomic.Int64
 }
 
 // Proxy is an Envoy-compatible HTTP proxy with one ext_proc filter. It is safe for concurrent
-// use; every goroutine it starts for a request ends before ServeHTTP returns.
+// use. Every goroutine it starts for a request ends before ServeHTTP returns, except the
+// deferred close of an observability-mode stream, which Close waits for.
 type Proxy struct {
 	cfg            Config
 	filter         *filterextproc.ExternalProcessor
-	mode           *filterextproc.ProcessingMode
 	upstream       *url.URL
 	messageTimeout time.Duration
 	maxMsgTimeout  time.Duration
@@ -202,6 +84,11 @@ type Proxy struct {
 	requestLimit   int64
 	responseLimit  int64
 	routeTimeout   time.Duration
+	routes         []*route
+	rules          *mutationRules
+	forward        *forwardRules
+	localReply     *localReplyConfig
+	jwt            *jwtFilter
 
 	conns     []*grpc.ClientConn
 	clients   []extprocv3.ExternalProcessorClient
@@ -214,7 +101,7 @@ type Proxy struct {
 	stop   context.CancelFunc
 	mu     sync.Mutex
 	closed bool
-	wg     sync.WaitGroup // requests in flight
+	wg     sync.WaitGroup // requests in flight, health checks, deferred closes
 
 	srv       *http.Server
 	ln        net.Listener
@@ -224,8 +111,8 @@ type Proxy struct {
 }
 
 // New checks cfg, copies cfg.Filter, fills in Envoy's defaults and dials (lazily) every
-// processor. It fails on a configuration the proxy cannot follow faithfully, such as
-// FULL_DUPLEX_STREAMED.
+// processor. It fails on a configuration Envoy rejects (FULL_DUPLEX_STREAMED without trailer mode
+// SEND or with failure_mode_allow) and on one the proxy cannot follow faithfully.
 func New(cfg Config) (*Proxy, error) {
 	if len(cfg.Processors) == 0 {
 		return nil, errors.New("proxy: no processors")
@@ -238,22 +125,15 @@ func New(cfg Config) (*Proxy, error) {
 	if cfg.Filter != nil {
 		filter = proto.Clone(cfg.Filter).(*filterextproc.ExternalProcessor)
 	}
-	mode := filter.GetProcessingMode()
-	if mode == nil {
-		mode = &filterextproc.ProcessingMode{}
+	if filter.ProcessingMode == nil {
+		filter.ProcessingMode = &filterextproc.ProcessingMode{}
 	}
-	for _, m := range []filterextproc.ProcessingMode_BodySendMode{mode.GetRequestBodyMode(), mode.GetResponseBodyMode()} {
-		if !supportedBodyMode(m) {
-			return nil, fmt.Errorf("proxy: body mode %v is not implemented", m)
-		}
-	}
-	if filter.GetObservabilityMode() {
-		return nil, errors.New("proxy: observability_mode is not implemented")
+	if err := verifyFilter(filter); err != nil {
+		return nil, err
 	}
 	p := &Proxy{
 		cfg:            cfg,
 		filter:         filter,
-		mode:           mode,
 		upstream:       u,
 		messageTimeout: DefaultMessageTimeout,
 		statusOnError:  http.StatusInternalServerError,
@@ -278,6 +158,23 @@ func New(cfg Config) (*Proxy, error) {
 	}
 	if p.routeTimeout <= 0 {
 		p.routeTimeout = DefaultRouteTimeout
+	}
+	if p.routes, err = buildRoutes(cfg); err != nil {
+		return nil, err
+	}
+	if p.rules, err = compileMutationRules(filter.GetMutationRules()); err != nil {
+		return nil, fmt.Errorf("proxy: %w", err)
+	}
+	if fr := filter.GetForwardRules(); fr != nil {
+		if p.forward, err = compileForwardRules(fr.GetAllowedHeaders().GetPatterns(), fr.GetDisallowedHeaders().GetPatterns()); err != nil {
+			return nil, fmt.Errorf("proxy: %w", err)
+		}
+	}
+	if p.localReply, err = compileLocalReplyConfig(cfg.LocalReplyConfig); err != nil {
+		return nil, fmt.Errorf("proxy: %w", err)
+	}
+	if p.jwt, err = compileJWT(cfg.JWTAuthn); err != nil {
+		return nil, fmt.Errorf("proxy: %w", err)
 	}
 	p.transport = &http.Transport{
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
@@ -365,17 +262,8 @@ func (p *Proxy) pick(avoid int) int {
 	return start
 }
 
-func supportedBodyMode(m filterextproc.ProcessingMode_BodySendMode) bool {
-	switch m {
-	case filterextproc.ProcessingMode_NONE, filterextproc.ProcessingMode_STREAMED,
-		filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_BUFFERED_PARTIAL:
-		return true
-	}
-	return false
-}
-
-// Start builds a proxy with New and serves it on 127.0.0.1 on a free port until the test ends.
-// It fails the test if cfg is invalid.
+// Start builds a proxy with New and serves it on 127.0.0.1 on a free port until the test ends,
+// over TLS when cfg.TLS is set. It fails the test if cfg is invalid.
 func Start(t testing.TB, cfg Config) *Proxy {
 	t.Helper()
 	p, err := New(cfg)
@@ -386,6 +274,9 @@ func Start(t testing.TB, cfg Config) *Proxy {
 	if err != nil {
 		_ = p.Close()
 		t.Fatalf("proxy.Start: %v", err)
+	}
+	if cfg.TLS != nil {
+		ln = tls.NewListener(ln, cfg.TLS)
 	}
 	p.ln = ln
 	p.srv = &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
@@ -403,6 +294,9 @@ func (p *Proxy) URL() string {
 	if p.ln == nil {
 		return ""
 	}
+	if p.cfg.TLS != nil {
+		return "https://" + p.ln.Addr().String()
+	}
 	return "http://" + p.ln.Addr().String()
 }
 
@@ -412,6 +306,7 @@ func (p *Proxy) Stats() Stats {
 	return Stats{
 		StreamsStarted:          c.streamsStarted.Load(),
 		StreamErrors:            c.streamErrors.Load(),
+		StreamsClosedEarly:      c.streamsClosedEarly.Load(),
 		MessagesSent:            c.messagesSent.Load(),
 		MessagesReceived:        c.messagesReceived.Load(),
 		Spurious:                c.spurious.Load(),
@@ -465,7 +360,7 @@ func (p *Proxy) enter() bool {
 	return true
 }
 
-// ServeHTTP proxies one request, running the ext_proc phases around the upstream exchange.
+// ServeHTTP proxies one request through the filter chain.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if !p.enter() {
 		http.Error(w, "proxy closed", http.StatusServiceUnavailable)
@@ -478,29 +373,9 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	stopAfter := context.AfterFunc(p.ctx, cancel)
 	defer stopAfter()
 
-	x := &exchange{
-		p:     p,
-		w:     w,
-		r:     r,
-		ctx:   ctx,
-		start: time.Now(),
-		mode:  proto.Clone(p.mode).(*filterextproc.ProcessingMode),
+	x := &exchange{p: p, filter: p.filter, w: w, r: r, ctx: ctx, cancel: cancel, start: time.Now()}
+	if p.cfg.Shapes != nil {
+		x.shape = p.cfg.Shapes(r)
 	}
-	if !p.disabled(r.URL.Path) {
-		i := p.pick(-1)
-		sctx, scancel := context.WithCancel(ctx)
-		x.side = &sideStream{index: i, addr: p.cfg.Processors[i], client: p.clients[i], ctx: sctx, cancel: scancel, active: true}
-		x.rec.Processor = x.side.addr
-	}
-	x.serve()
-}
-
-// disabled reports whether path is under a route with ext_proc disabled (reference §4.4).
-func (p *Proxy) disabled(path string) bool {
-	for _, prefix := range p.cfg.DisabledPrefixes {
-		if strings.HasPrefix(path, prefix) {
-			return true
-		}
-	}
-	return false
+	x.run()
 }

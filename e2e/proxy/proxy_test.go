@@ -137,7 +137,7 @@ func TestContinuePassthrough(t *testing.T) {
 
 	rec := e.record(t)
 	require.Equal(t, proxy.Record{RequestID: ids[0], Method: "POST", Path: "/v1/pay?x=1", Processor: e.proc.addr,
-		Status: 201, CodeDetails: "via_upstream", ResponseFlags: "-", Duration: rec.Duration}, rec)
+		Status: 201, CodeDetails: "via_upstream", ResponseFlags: "-", Attempts: 1, Duration: rec.Duration}, rec)
 	st := e.proxy.Stats()
 	require.Equal(t, int64(1), st.StreamsStarted)
 	require.Equal(t, int64(4), st.MessagesSent)
@@ -165,7 +165,7 @@ func TestImmediateResponse(t *testing.T) {
 			setRaw("set-cookie", "a=1", false),
 			setRaw("set-cookie", "b=2", true),
 			setRaw("x-envoy-upstream-service-time", "7", false), // dropped by the default rules
-			setRaw(":status", "418", false),                     // dropped: pseudo-header
+			setRaw(":status", "418", false),                     // allowed, then overwritten by the local reply rewrite
 		},
 		valueOnly("x-value-only", "v"),
 	)}
@@ -190,7 +190,7 @@ func TestImmediateResponse(t *testing.T) {
 				"Content-Type": {"application/json"}, "Set-Cookie": {"a=1", "b=2"},
 				"Content-Length": {"8"}, "X-Value-Only": {""},
 			},
-			wantKinds: []string{"request_headers"}, wantDetails: "replayed_hit", wantRejects: 2,
+			wantKinds: []string{"request_headers"}, wantDetails: "replayed_hit", wantRejects: 1,
 		},
 		{
 			name: "at request_body", at: "request_body",
@@ -229,7 +229,7 @@ func TestImmediateResponse(t *testing.T) {
 			wantStatus: 201, wantBody: "x",
 			wantHeaders:      map[string][]string{"X-Before": {"1"}, "X-Both": nil, "X-After": nil},
 			wantKinds:        []string{"request_headers"},
-			wantMutationErrs: 1,
+			wantMutationErrs: 1, wantRejects: 1,
 		},
 		{
 			name: "invalid header name", at: "request_body",
@@ -238,7 +238,7 @@ func TestImmediateResponse(t *testing.T) {
 			}}, ""),
 			wantStatus: 201, wantBody: "x",
 			wantKinds:        []string{"request_headers", "request_body"},
-			wantMutationErrs: 1,
+			wantMutationErrs: 1, wantRejects: 1,
 		},
 		{
 			name: "invalid header value", at: "request_headers",
@@ -248,7 +248,7 @@ func TestImmediateResponse(t *testing.T) {
 			wantStatus: 201, wantBody: "x",
 			wantHeaders:      map[string][]string{"X-Bad": nil},
 			wantKinds:        []string{"request_headers"},
-			wantMutationErrs: 1,
+			wantMutationErrs: 1, wantRejects: 1,
 		},
 	}
 	for _, tt := range tests {
@@ -354,7 +354,7 @@ func TestProcessorFailures(t *testing.T) {
 		wantStats   func(proxy.Stats) int64
 	}{
 		{name: "spurious answer", h: on("request_headers", wrongKind), wantStatus: 500,
-			wantDetails: "ext_proc_error_spurious_message", wantStats: func(s proxy.Stats) int64 { return s.Spurious }},
+			wantDetails: "spurious_message", wantStats: func(s proxy.Stats) int64 { return s.Spurious }},
 		{name: "message timeout", h: on("request_headers", slow(time.Second)),
 			cfg:        func(c *proxy.Config) { c.Filter.MessageTimeout = durationpb.New(100 * time.Millisecond) },
 			wantStatus: 504, wantDetails: "ext_proc_error_per-message_timeout_exceeded",
@@ -456,18 +456,48 @@ func TestOverrideMessageTimeout(t *testing.T) {
 }
 
 func TestRequestOverBufferLimit(t *testing.T) {
-	e := newEnv(t, bufferedFilter(), nil, func(c *proxy.Config) { c.ListenerBufferLimit = 1024 })
-	resp, _ := e.do(t, http.MethodPost, "/pay", bytes.Repeat([]byte("a"), 100<<10))
-	require.Equal(t, http.StatusRequestEntityTooLarge, resp.StatusCode)
-	require.Equal(t, "request_payload_too_large", e.record(t).CodeDetails)
-	// The processor never gets the body (reference §0.5, §9).
-	require.Equal(t, []string{"request_headers"}, kinds(e.proc.next(t).msgs))
-	require.Zero(t, e.up.Total())
+	for _, tc := range []struct {
+		name      string
+		envoy     proxy.Behaviour
+		wantKinds []string
+	}{
+		// 1.37 sends the filter manager's 413 through the encoder filters, ext_proc included.
+		{"1.37", proxy.Envoy137(), []string{"request_headers", "response_headers", "response_body"}},
+		// 1.34–1.36 keep local replies away from the processor (skip_ext_proc_on_local_reply).
+		{"1.36", proxy.Envoy136(), []string{"request_headers"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			// Whole: the body keeps arriving while request_headers is answered, so the 413 comes
+			// after the processor saw (and answered) the headers.
+			whole := func(*http.Request) proxy.Shapes {
+				return proxy.Shapes{Request: proxy.BodyShape{DuringHeaders: proxy.Whole}}
+			}
+			e := newEnv(t, bufferedFilter(), nil, func(c *proxy.Config) {
+				c.ListenerBufferLimit = 1024
+				c.Envoy = tc.envoy
+				c.Shapes = whole
+			})
+			resp, got := e.do(t, http.MethodPost, "/pay", bytes.Repeat([]byte("a"), 100<<10))
+			require.Equal(t, http.StatusRequestEntityTooLarge, resp.StatusCode)
+			require.Equal(t, "Payload Too Large", string(got))
+			require.Equal(t, "request_payload_too_large", e.record(t).CodeDetails)
+			// The processor never gets the body (reference §0.5, §9).
+			log := e.proc.next(t)
+			require.Equal(t, tc.wantKinds, kinds(log.msgs))
+			require.Zero(t, e.up.Total())
+			if len(log.msgs) > 1 {
+				attrs := log.msgs[1].GetAttributes()[fieldsKey].GetFields()
+				require.Equal(t, "request_payload_too_large", attrs["response.code_details"].GetStringValue())
+				require.Equal(t, "Payload Too Large", string(log.msgs[2].GetResponseBody().GetBody()))
+			}
 
-	// At the limit exactly, the body goes through.
-	resp, _ = e.do(t, http.MethodPost, "/pay", bytes.Repeat([]byte("a"), 1024))
-	require.Equal(t, http.StatusOK, resp.StatusCode)
-	require.Len(t, kinds(e.proc.next(t).msgs), 4)
+			// At the limit exactly, the body goes through.
+			resp, _ = e.do(t, http.MethodPost, "/pay", bytes.Repeat([]byte("a"), 1024))
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+			require.Len(t, kinds(e.proc.next(t).msgs), 4)
+			e.record(t)
+		})
+	}
 }
 
 func TestResponseOverBufferLimit(t *testing.T) {
@@ -510,7 +540,9 @@ func TestStreamedResponse(t *testing.T) {
 					continue
 				}
 				chunks++
-				require.LessOrEqual(t, len(b.GetBody()), 64<<10)
+				// Data held during the header call goes as one chunk: up to the buffer limit plus
+				// the read that crossed it (ProcessorState::sendBufferedDataInStreamedMode).
+				require.LessOrEqual(t, len(b.GetBody()), proxy.DefaultBufferLimit+proxy.DefaultReadSize)
 				require.Equal(t, i == len(log.msgs)-1, b.GetEndOfStream(), "only the last chunk ends the stream")
 				streamed = append(streamed, b.GetBody()...)
 			}
@@ -684,14 +716,38 @@ func TestStreamedRequestBody(t *testing.T) {
 func TestBufferedPartialResponse(t *testing.T) {
 	f := bufferedFilter()
 	f.ProcessingMode.ResponseBodyMode = bodyPART
-	e := newEnv(t, f, nil, func(c *proxy.Config) { c.UpstreamBufferLimit = 1024 })
+	// The body arrives after the header answer, in reads of 512 bytes: the message holds what
+	// was queued when the queue first exceeded the limit, end_of_stream false; the rest passes
+	// unseen (Filter::handleDataBufferedPartialMode).
+	shapes := func(*http.Request) proxy.Shapes {
+		return proxy.Shapes{Response: proxy.BodyShape{DuringHeaders: proxy.Held, Chunks: []int{512}}}
+	}
+	e := newEnv(t, f, nil, func(c *proxy.Config) { c.UpstreamBufferLimit = 1024; c.Shapes = shapes })
 	resp, got := e.do(t, http.MethodPost, "/x", []byte("x"), "X-Test-Body-Bytes", "4096")
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 	require.True(t, bytes.Equal(upstream.Body(4096), got))
 	log := e.proc.next(t)
-	last := log.msgs[len(log.msgs)-1].GetResponseBody()
-	require.Len(t, last.GetBody(), 1024)
+	require.Equal(t, []string{"request_headers", "request_body", "response_headers", "response_body"}, kinds(log.msgs))
+	last := log.msgs[3].GetResponseBody()
+	require.Len(t, last.GetBody(), 1536)
 	require.False(t, last.GetEndOfStream())
+	require.Equal(t, int64(-1), resp.ContentLength, "BUFFERED_PARTIAL removes content-length")
+
+	// A body that fits and arrives during the header call goes whole, end_of_stream true
+	// (ProcessorState::handleCompleteBodyAvailable).
+	e2 := newEnv(t, f, nil, func(c *proxy.Config) {
+		c.UpstreamBufferLimit = 1024
+		c.Shapes = func(*http.Request) proxy.Shapes {
+			return proxy.Shapes{Response: proxy.BodyShape{DuringHeaders: proxy.Whole}}
+		}
+	})
+	resp, got = e2.do(t, http.MethodPost, "/x", []byte("x"), "X-Test-Body-Bytes", "1000")
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.True(t, bytes.Equal(upstream.Body(1000), got))
+	log = e2.proc.next(t)
+	whole := log.msgs[len(log.msgs)-1].GetResponseBody()
+	require.Len(t, whole.GetBody(), 1000)
+	require.True(t, whole.GetEndOfStream())
 }
 
 func TestMutations(t *testing.T) {
@@ -704,7 +760,7 @@ func TestMutations(t *testing.T) {
 					setRaw("x-added", "1", false),
 					setRaw("x-multi", "c", true),
 					setRaw("host", "evil", false),            // ignored
-					setRaw(":path", "/elsewhere", false),     // ignored
+					setRaw(":path", "/elsewhere", false),     // allowed by the default rules
 					setRaw("x-envoy-retry-on", "5xx", false), // ignored
 				},
 				RemoveHeaders: []string{"x-remove-me", ":authority"}, // the latter ignored
@@ -741,13 +797,13 @@ func TestMutations(t *testing.T) {
 	reqs := e.up.Requests()
 	require.Len(t, reqs, 1)
 	r := reqs[0]
-	require.Equal(t, "/orig", r.Path)
+	require.Equal(t, "/elsewhere", r.Path)
 	require.Equal(t, sha([]byte("new")), r.BodySHA256)
 	require.Equal(t, "1", r.Header.Get("X-Added"))
 	require.Equal(t, []string{"a", "c"}, r.Header.Values("X-Multi"))
 	require.Empty(t, r.Header.Get("X-Remove-Me"))
 	require.Empty(t, r.Header.Get("X-Envoy-Retry-On"))
-	require.Equal(t, int64(4), e.proxy.Stats().RejectedMutations)
+	require.Equal(t, int64(3), e.proxy.Stats().RejectedMutations)
 	e.proc.next(t)
 }
 
@@ -837,21 +893,26 @@ func TestUpstreamFailures(t *testing.T) {
 	}
 	for _, tt := range tests {
 		for _, toExtProc := range []bool{false, true} {
-			t.Run(fmt.Sprintf("%s/LocalRepliesToExtProc=%v", tt.name, toExtProc), func(t *testing.T) {
+			t.Run(fmt.Sprintf("%s/local replies to ext_proc=%v", tt.name, toExtProc), func(t *testing.T) {
 				opts := []func(*proxy.Config){func(c *proxy.Config) {
-					c.LocalRepliesToExtProc = toExtProc
+					c.Envoy.SkipExtProcOnLocalReply = !toExtProc
 					c.RouteTimeout = 200 * time.Millisecond
 				}}
 				if tt.refused {
 					addr := closedAddr(t)
 					opts = append(opts, func(c *proxy.Config) { c.Upstream = "http://" + addr })
 				}
-				e := newEnv(t, bufferedFilter(), nil, opts...)
+				f := bufferedFilter()
+				f.ResponseAttributes = append(f.ResponseAttributes, "upstream.request_attempt_count")
+				e := newEnv(t, f, nil, opts...)
 				resp, _ := e.do(t, http.MethodPost, "/pay", []byte("x"), "X-Test-Delay", "5s")
 				require.Equal(t, tt.wantStatus, resp.StatusCode)
 				rec := e.record(t)
 				require.Equal(t, tt.wantDetails, rec.CodeDetails)
 				require.Equal(t, tt.wantFlags, rec.ResponseFlags)
+				// The router sets the attempt count before it asks for a connection
+				// (Router::Filter::continueDecodeHeaders): a refused connection counts.
+				require.Equal(t, 1, rec.Attempts)
 
 				log := e.proc.next(t)
 				if !toExtProc {
@@ -866,6 +927,7 @@ func TestUpstreamFailures(t *testing.T) {
 				require.Equal(t, tt.wantDetails, attrs["response.code_details"].GetStringValue())
 				require.Equal(t, float64(tt.wantStatus), attrs["response.code"].GetNumberValue())
 				require.Equal(t, tt.wantFlagBit, attrs["response.flags"].GetNumberValue())
+				require.Equal(t, float64(1), attrs["upstream.request_attempt_count"].GetNumberValue())
 			})
 		}
 	}
@@ -1083,10 +1145,16 @@ func TestDisabledPrefix(t *testing.T) {
 func TestNewRejects(t *testing.T) {
 	full := proto.Clone(bufferedFilter()).(*filterextproc.ExternalProcessor)
 	full.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+	fullAllow := proto.Clone(full).(*filterextproc.ExternalProcessor)
+	fullAllow.ProcessingMode.ResponseTrailerMode = filterextproc.ProcessingMode_SEND
+	fullAllow.FailureModeAllow = true
 	for name, cfg := range map[string]proxy.Config{
-		"no processors":        {Upstream: "http://127.0.0.1:1"},
-		"bad upstream":         {Processors: []string{"127.0.0.1:1"}, Upstream: "127.0.0.1:1"},
-		"FULL_DUPLEX_STREAMED": {Processors: []string{"127.0.0.1:1"}, Upstream: "http://127.0.0.1:1", Filter: full},
+		"no processors": {Upstream: "http://127.0.0.1:1"},
+		"bad upstream":  {Processors: []string{"127.0.0.1:1"}, Upstream: "127.0.0.1:1"},
+		// config.cc verifyProcessingModeConfig: FULL_DUPLEX_STREAMED needs trailer mode SEND…
+		"FULL_DUPLEX_STREAMED without trailers SEND": {Processors: []string{"127.0.0.1:1"}, Upstream: "http://127.0.0.1:1", Filter: full},
+		// … and no failure_mode_allow.
+		"FULL_DUPLEX_STREAMED with failure_mode_allow": {Processors: []string{"127.0.0.1:1"}, Upstream: "http://127.0.0.1:1", Filter: fullAllow},
 	} {
 		t.Run(name, func(t *testing.T) {
 			_, err := proxy.New(cfg)

@@ -1,0 +1,390 @@
+package proxy
+
+import (
+	"crypto/tls"
+	"fmt"
+	"net/http"
+	"regexp"
+	"strings"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	jwtauthnv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/jwt_authn/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+	"google.golang.org/protobuf/types/known/structpb"
+)
+
+// Defaults that match Envoy's (reference §4.1, §9).
+const (
+	// DefaultBufferLimit is Envoy's default per_connection_buffer_limit_bytes (1 MiB).
+	DefaultBufferLimit = 1 << 20
+	// DefaultRouteTimeout is Envoy's default route timeout.
+	DefaultRouteTimeout = 15 * time.Second
+	// DefaultMessageTimeout is ext_proc's default message_timeout.
+	DefaultMessageTimeout = 200 * time.Millisecond
+	// DefaultDeferredCloseTimeout is ext_proc's default deferred_close_timeout, used only in
+	// observability mode (ext_proc.h DEFAULT_DEFERRED_CLOSE_TIMEOUT_MS).
+	DefaultDeferredCloseTimeout = 5 * time.Second
+	// DefaultReadSize is the size of the reads that feed the filter chain with body data when no
+	// Shape says otherwise. Envoy's data callbacks follow socket reads, whose size depends on
+	// timing and on the peer's writes; 16 KiB is a typical read and the approximation the proxy
+	// uses.
+	DefaultReadSize = 16 << 10
+)
+
+// Config describes one proxy: an HTTP/1 listener whose connection manager runs an optional
+// jwt_authn filter, one ext_proc filter and the router, with one upstream cluster and a route
+// table. The package doc lists what is modelled and what is not.
+type Config struct {
+	// Filter is the ext_proc filter configuration. The proxy honours processing_mode,
+	// allow_mode_override, allowed_override_modes, message_timeout, max_message_timeout,
+	// failure_mode_allow, status_on_error, disable_immediate_response,
+	// send_body_without_waiting_for_header_response, request_attributes, response_attributes,
+	// mutation_rules, forward_rules, metadata_options (untyped namespaces), observability_mode,
+	// deferred_close_timeout and grpc_service.initial_metadata. The rest of grpc_service is
+	// ignored: the processors are in Processors. Nil means an empty configuration (headers
+	// SEND, bodies NONE). New rejects what Envoy's config.cc verifyProcessingModeConfig rejects.
+	Filter *filterextproc.ExternalProcessor
+	// Processors are the ext_proc gRPC addresses, host:port or unix:///path. Each HTTP request
+	// opens its stream (when it first needs one) to the next address, round robin.
+	Processors []string
+	// Upstream is the upstream base URL, e.g. http://127.0.0.1:8080. Only its scheme and host
+	// are used; the request's path is forwarded as is.
+	Upstream string
+	// ListenerBufferLimit bounds request bodies held by the filter chain (Envoy's listener
+	// per_connection_buffer_limit_bytes); 0 means DefaultBufferLimit.
+	ListenerBufferLimit uint32
+	// UpstreamBufferLimit bounds response bodies held by the filter chain (the upstream
+	// cluster's per_connection_buffer_limit_bytes); 0 means DefaultBufferLimit.
+	UpstreamBufferLimit uint32
+	// UpstreamTrailers and DownstreamTrailers are the enable_trailers of the upstream cluster's
+	// and of the connection manager's HTTP/1 options. Without UpstreamTrailers the upstream's
+	// response trailers are dropped and request trailers are not sent upstream; without
+	// DownstreamTrailers the client's request trailers are dropped and response trailers do not
+	// go downstream.
+	UpstreamTrailers, DownstreamTrailers bool
+	// RouteTimeout is the timeout of routes that set none; 0 means DefaultRouteTimeout. It starts
+	// once the whole request has gone to the router and ends with the upstream response.
+	RouteTimeout time.Duration
+	// Routes is the virtual host's route table, in order: the first route that matches the
+	// request's :path wins, and a request no route matches gets the router's 404. Empty means a
+	// single unnamed route with prefix "/".
+	Routes []Route
+	// VirtualHostExtProc is the virtual host's typed_per_filter_config for the ext_proc filter,
+	// merged under each route's (Http::Utility::getAllPerFilterConfig, less specific first).
+	VirtualHostExtProc *filterextproc.ExtProcPerRoute
+	// DisabledPrefixes are path prefixes whose route disables ext_proc (ExtProcPerRoute
+	// disabled: true). They are routes placed before Routes; kept for older callers.
+	DisabledPrefixes []string
+	// LocalReplyConfig is the connection manager's local_reply_config. The proxy implements
+	// mappers with status_code, header and runtime-free and/or filters, status_code, body,
+	// headers_to_add and body_format_override, and body_format (text_format, text_format_source
+	// inline_string, json_format, content_type) with the commands %LOCAL_REPLY_BODY%,
+	// %RESPONSE_CODE%, %RESPONSE_CODE_DETAILS%, %RESPONSE_FLAGS%, %REQ(x)%, %RESP(x)%,
+	// %PROTOCOL% and %DYNAMIC_METADATA(ns:key)%. New rejects anything else.
+	LocalReplyConfig *hcmv3.LocalReplyConfig
+	// JWTAuthn, when set, is a jwt_authn filter placed before ext_proc in http_filters. The proxy
+	// implements providers with issuer, audiences, local_jwks (inline_string, HS256 "oct" and
+	// RS256 "RSA" keys), from_headers (default Authorization: Bearer), forward,
+	// payload_in_metadata and header_in_metadata, and rules matching a prefix, path or
+	// safe_regex that require a provider_name, requires_any of them, or allow_missing. New
+	// rejects anything else.
+	JWTAuthn *jwtauthnv3.JwtAuthentication
+	// Tracing, when set, is the connection manager's tracing with the OpenTelemetry tracer: the
+	// request's span follows an incoming W3C traceparent, and the ext_proc stream's initial
+	// metadata carries a child span's traceparent.
+	Tracing *Tracing
+	// TLS, when set, makes Start serve the listener over TLS with it (set ClientAuth and
+	// ClientCAs for mTLS: connection.uri_san_peer_certificate is the client certificate's first
+	// URI SAN).
+	TLS *tls.Config
+	// Envoy selects the behaviours that differ between Envoy versions; the zero value is 1.37.
+	Envoy Behaviour
+	// Shapes, when set, is asked once per request for the timing-dependent shape of its bodies,
+	// so that tests can reproduce a shape instead of relying on timing.
+	Shapes func(*http.Request) Shapes
+	// AccessLog, when set, is called once per request after the response has been written (or
+	// the request abandoned), like a line of Envoy's access log.
+	AccessLog func(Record)
+	// HealthCheck, when set, is the processor cluster's active gRPC health check: each processor
+	// is asked grpc.health.v1 Check(ServiceName) every Interval; one that fails
+	// UnhealthyThreshold checks in a row gets no new stream until it passes HealthyThreshold in a
+	// row. When none is healthy all are used, as Envoy's panic threshold does.
+	HealthCheck *HealthCheck
+	// StreamRetries is how many other processors a request tries when its stream cannot be
+	// opened (grpc_service.retry_policy with connect-failure or refused-stream): nothing reached
+	// the processor that refused it.
+	StreamRetries int
+}
+
+// Route is one route of the virtual host.
+type Route struct {
+	// Name is the route's name: the xds.route_name attribute.
+	Name string
+	// Prefix, Path and Regex are the route's match (RouteMatch prefix, path and safe_regex);
+	// at most one may be set, none means prefix "/". Prefix is compared with the whole :path,
+	// Path and Regex with :path without its query string, as Envoy's route matchers do.
+	Prefix, Path, Regex string
+	// Metadata is the route's metadata: the xds.route_metadata attribute.
+	Metadata *corev3.Metadata
+	// ExtProc is the route's typed_per_filter_config for the ext_proc filter.
+	ExtProc *filterextproc.ExtProcPerRoute
+	// Timeout is the route's timeout; 0 means Config.RouteTimeout, a negative value none.
+	Timeout time.Duration
+}
+
+// Behaviour holds the behaviours that differ between Envoy versions. The zero value is Envoy
+// 1.37 as read from its source; Envoy136 and Envoy133 return the older ones.
+type Behaviour struct {
+	// SkipExtProcOnLocalReply keeps local replies made by other filters and by the router (a
+	// jwt_authn 401, the router's 503 and 504, a 413) away from the processor: it sees no
+	// response phase for them and its stream just ends. Envoy 1.34 to 1.36 behave so
+	// (CVE-2025-30157, runtime guard envoy.reloadable_features.skip_ext_proc_on_local_reply).
+	// Envoy 1.37 sends them again (PR #41769): its ext_proc.cc Filter::encodeHeaders has no
+	// such check and the guard is gone from runtime_features.cc. The 1.34–1.36 code itself
+	// could not be read; the model follows its release note.
+	SkipExtProcOnLocalReply bool
+	// NoStreamCloseOptimization keeps the side stream open until the HTTP stream ends, as before
+	// Envoy 1.37. Without it the stream is closed right after the last expected answer
+	// (ext_proc.cc Filter::closeGrpcStreamIfLastRespReceived, runtime guard
+	// envoy.reloadable_features.ext_proc_stream_close_optimization) and when encodeHeaders finds
+	// nothing to process on the response path.
+	NoStreamCloseOptimization bool
+}
+
+// Envoy137 is the behaviour of Envoy 1.37 (the zero Behaviour).
+func Envoy137() Behaviour { return Behaviour{} }
+
+// Envoy136 is the behaviour of Envoy 1.34 to 1.36.
+func Envoy136() Behaviour {
+	return Behaviour{SkipExtProcOnLocalReply: true, NoStreamCloseOptimization: true}
+}
+
+// Envoy133 is the behaviour of Envoy 1.33 and earlier: local replies reach the processor and the
+// stream stays open.
+func Envoy133() Behaviour { return Behaviour{NoStreamCloseOptimization: true} }
+
+// Shapes is the timing-dependent shape of one request's bodies.
+type Shapes struct {
+	Request, Response BodyShape
+}
+
+// DuringHeaders says what happens to body data while the header message of its direction is
+// being answered.
+type DuringHeaders int
+
+const (
+	// Race lets the body arrive as it does: the answer and the data race, as in Envoy.
+	Race DuringHeaders = iota
+	// Whole delivers the whole body (as far as the buffer limit lets it) before the header
+	// answer is acted on: the case ext_proc handles in ProcessorState::handleCompleteBodyAvailable.
+	Whole
+	// Held delivers no body data until the header answer has been acted on.
+	Held
+)
+
+// BodyShape controls how one body reaches the filter chain.
+type BodyShape struct {
+	// DuringHeaders is what body data does while the headers are being answered.
+	DuringHeaders DuringHeaders
+	// Chunks are the sizes of successive reads, each a data callback (a STREAMED message); the
+	// last size repeats. Empty means reads of up to DefaultReadSize, as the data arrives.
+	Chunks []int
+	// Pipeline, when positive, bounds how many STREAMED chunks may wait for their answers before
+	// the proxy reads more: 1 is lock-step. Zero leaves only Envoy's buffer limit.
+	Pipeline int
+}
+
+// Tracing is the connection manager's tracing configuration with the OpenTelemetry tracer.
+type Tracing struct {
+	// Unsampled makes traces that start at the proxy (no incoming traceparent) unsampled, as
+	// random_sampling 0 would; Envoy's default samples them all. A request with a traceparent
+	// keeps its flag.
+	Unsampled bool
+}
+
+// HealthCheck is an active gRPC health check of the processors (Envoy's cluster health_checks
+// with grpc_health_check).
+type HealthCheck struct {
+	Interval, Timeout                    time.Duration
+	UnhealthyThreshold, HealthyThreshold int
+	ServiceName                          string
+}
+
+// Record describes one finished request, with the fields of Envoy's access log that tests need.
+type Record struct {
+	// RequestID is the x-request-id sent to the processor and the upstream.
+	RequestID string
+	// Method and Path are the request's :method and :path.
+	Method, Path string
+	// Route is the name of the route the request matched, "" for none or an unnamed one.
+	Route string
+	// Processor is the address whose stream served the request, "" when no stream was opened.
+	Processor string
+	// Status is the status sent downstream, 0 when none was sent.
+	Status int
+	// CodeDetails is %RESPONSE_CODE_DETAILS%: via_upstream, an ImmediateResponse's details,
+	// ext_proc_error_…, upstream_response_timeout, request_payload_too_large, ….
+	CodeDetails string
+	// ResponseFlags is %RESPONSE_FLAGS%: "-", UF, UT, UC, UR, NR, DC.
+	ResponseFlags string
+	// Attempts is %UPSTREAM_REQUEST_ATTEMPT_COUNT%: 1 once the router tried the upstream.
+	Attempts int
+	// DynamicMetadata is the request's dynamic metadata by namespace (jwt_authn's and what the
+	// processor wrote in receiving namespaces); read it with DynamicMetadataValue.
+	DynamicMetadata map[string]*structpb.Struct
+	// TraceParent is the traceparent of the request's span, "" without tracing.
+	TraceParent string
+	// Duration is the time from receiving the request to the end of its handling.
+	Duration time.Duration
+}
+
+// DynamicMetadataValue formats %DYNAMIC_METADATA(ns:key)%: a string as is, any other value as
+// JSON, "-" when absent. Nested keys are separated by ':' as in Envoy's format.
+func (r Record) DynamicMetadataValue(ns string, keys ...string) string {
+	s := r.DynamicMetadata[ns]
+	if s == nil {
+		return "-"
+	}
+	v := structpb.NewStructValue(s)
+	for _, k := range keys {
+		f, ok := v.GetStructValue().GetFields()[k]
+		if !ok {
+			return "-"
+		}
+		v = f
+	}
+	if sv, ok := v.GetKind().(*structpb.Value_StringValue); ok {
+		return sv.StringValue
+	}
+	b, err := v.MarshalJSON()
+	if err != nil {
+		return "-"
+	}
+	return string(b)
+}
+
+// Stats are counters that mirror the ext_proc filter's stats (reference §5, §15) plus a few of
+// the proxy's own. All counts are totals since New.
+type Stats struct {
+	// StreamsStarted counts gRPC streams opened (streams_started).
+	StreamsStarted int64
+	// StreamErrors counts streams that could not be opened or that ended with a gRPC error
+	// status (streams_failed).
+	StreamErrors int64
+	// StreamsClosedEarly counts streams closed right after their last expected answer.
+	StreamsClosedEarly int64
+	// MessagesSent and MessagesReceived count ProcessingRequests and ProcessingResponses.
+	MessagesSent, MessagesReceived int64
+	// Spurious counts responses of the wrong kind (spurious_msgs_received).
+	Spurious int64
+	// MessageTimeouts counts expired message timers (message_timeouts).
+	MessageTimeouts int64
+	// FailureModeAllowed counts failures ignored because of failure_mode_allow.
+	FailureModeAllowed int64
+	// ImmediateResponses counts ImmediateResponses received and acted on.
+	ImmediateResponses int64
+	// RejectedMutations counts header mutations refused by the mutation rules or invalid
+	// (rejected_header_mutations).
+	RejectedMutations int64
+	// ImmediateMutationErrors counts ImmediateResponses whose header mutation failed: Envoy logs
+	// "Immediate response mutations failed" and sends the reply anyway.
+	ImmediateMutationErrors int64
+	// ModeOverrides and ModeOverridesIgnored count mode_override fields honoured and ignored.
+	ModeOverrides, ModeOverridesIgnored int64
+	// TimeoutOverrides and TimeoutOverridesIgnored count override_message_timeout fields
+	// (override_message_timeout_received / _ignored).
+	TimeoutOverrides, TimeoutOverridesIgnored int64
+	// LocalReplies counts local replies other than ImmediateResponses: 413, 500, 503, 504, 401,
+	// 404, status_on_error.
+	LocalReplies int64
+	// Resets counts downstream streams reset mid-response.
+	Resets int64
+}
+
+// route is a Route ready for matching.
+type route struct {
+	Route
+	regex *regexp.Regexp
+}
+
+// matches reports whether r matches path (the :path header), as Envoy's PrefixRouteEntryImpl,
+// PathRouteEntryImpl and RegexRouteEntryImpl do (case sensitive, query removed for path and
+// regex).
+func (r *route) matches(path string) bool {
+	noQuery, _, _ := strings.Cut(path, "?")
+	switch {
+	case r.Path != "":
+		return noQuery == r.Path
+	case r.regex != nil:
+		return r.regex.MatchString(noQuery)
+	default:
+		prefix := r.Prefix
+		if prefix == "" {
+			prefix = "/"
+		}
+		return strings.HasPrefix(path, prefix)
+	}
+}
+
+// buildRoutes turns the configuration's route table into routes, DisabledPrefixes first.
+func buildRoutes(cfg Config) ([]*route, error) {
+	var out []*route
+	for _, p := range cfg.DisabledPrefixes {
+		out = append(out, &route{Route: Route{Prefix: p, ExtProc: &filterextproc.ExtProcPerRoute{
+			Override: &filterextproc.ExtProcPerRoute_Disabled{Disabled: true},
+		}}})
+	}
+	routes := cfg.Routes
+	if len(routes) == 0 {
+		routes = []Route{{}}
+	}
+	for i, r := range routes {
+		n := 0
+		for _, s := range []string{r.Prefix, r.Path, r.Regex} {
+			if s != "" {
+				n++
+			}
+		}
+		if n > 1 {
+			return nil, fmt.Errorf("proxy: route %d (%q) sets more than one of prefix, path and regex", i, r.Name)
+		}
+		rt := &route{Route: r}
+		if r.Regex != "" {
+			// safe_regex matches the whole path (RE2 full match).
+			re, err := regexp.Compile("^(?:" + r.Regex + ")$")
+			if err != nil {
+				return nil, fmt.Errorf("proxy: route %d (%q): %w", i, r.Name, err)
+			}
+			rt.regex = re
+		}
+		out = append(out, rt)
+	}
+	return out, nil
+}
+
+// verifyFilter rejects what Envoy's ext_proc config.cc verifyProcessingModeConfig rejects at
+// load time, for the filter-level processing mode only (per-route modes are not checked there).
+func verifyFilter(f *filterextproc.ExternalProcessor) error {
+	m := f.GetProcessingMode()
+	full := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+	if m.GetRequestBodyMode() == full && m.GetRequestTrailerMode() != filterextproc.ProcessingMode_SEND {
+		return fmt.Errorf("proxy: If the ext_proc filter has the request_body_mode set to FULL_DUPLEX_STREAMED, then the request_trailer_mode has to be set to SEND")
+	}
+	if m.GetResponseBodyMode() == full && m.GetResponseTrailerMode() != filterextproc.ProcessingMode_SEND {
+		return fmt.Errorf("proxy: If the ext_proc filter has the response_body_mode set to FULL_DUPLEX_STREAMED, then the response_trailer_mode has to be set to SEND")
+	}
+	if (m.GetRequestBodyMode() == full || m.GetResponseBodyMode() == full) && f.GetFailureModeAllow() {
+		return fmt.Errorf("proxy: If the ext_proc filter has either the request_body_mode or the response_body_mode set to FULL_DUPLEX_STREAMED, then the failure_mode_allow has to be left as false")
+	}
+	for _, bm := range []filterextproc.ProcessingMode_BodySendMode{m.GetRequestBodyMode(), m.GetResponseBodyMode()} {
+		if bm == filterextproc.ProcessingMode_GRPC {
+			return fmt.Errorf("proxy: body mode GRPC is not implemented by Envoy")
+		}
+	}
+	if f.GetDisableClearRouteCache() && f.GetRouteCacheAction() != filterextproc.ExternalProcessor_DEFAULT {
+		return fmt.Errorf("proxy: disable_clear_route_cache and route_cache_action can not be set to none-default at the same time")
+	}
+	return nil
+}
