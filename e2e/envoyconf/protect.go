@@ -235,10 +235,11 @@ func (c *checker) forwardRules(path string, fr *filterextproc.HeaderForwardingRu
 	type hidden struct{ names, whys []string }
 	byField := map[string]*hidden{}
 	var order []string
+	var evalErr error
 	hide := func(name, why string) {
 		field, err := forwardBlocker(fr, name)
 		if err != nil {
-			c.refuse(path, "%v", err)
+			evalErr = err
 			return
 		}
 		if field == "" {
@@ -259,11 +260,15 @@ func (c *checker) forwardRules(path string, fr *filterextproc.HeaderForwardingRu
 	hide(":path", roleWhy["request"])
 	hide("content-type", roleWhy["content-type"])
 	for _, h := range c.n.request {
-		hide(h.name, fmt.Sprintf("%s of route %q: %s", h.name, h.route, roleWhy[h.role]))
+		hide(h.name, fmt.Sprintf("%s is a %s of route %q: %s", h.name, h.role, h.route, roleWhy[h.role]))
 	}
 	hide(":status", "the processor could not tell which responses to store")
 	for _, h := range storedHeaderSample {
 		hide(h, "stored responses would lack the response headers it hides: replays would differ from first responses")
+	}
+	if evalErr != nil {
+		c.refuse(path, "%v", evalErr)
+		return
 	}
 	for _, field := range order {
 		h := byField[field]
@@ -346,10 +351,11 @@ func (c *checker) mutationRules(path string, r *mutationrulesv3.HeaderMutationRu
 	type refused struct{ names, whys []string }
 	byField := map[string]*refused{}
 	var order []string
+	var evalErr error
 	check := func(name, why string) {
 		field, err := mutationBlocker(r, name)
 		if err != nil {
-			c.refuse(path, "%v", err)
+			evalErr = err
 			return
 		}
 		if field == "" {
@@ -375,6 +381,10 @@ func (c *checker) mutationRules(path string, r *mutationrulesv3.HeaderMutationRu
 	check("retry-after", "409 request-in-progress answers carry retry-after")
 	for _, h := range storedHeaderSample {
 		check(h, "replays set the stored response headers: a replay would lack the ones refused")
+	}
+	if evalErr != nil {
+		c.refuse(path, "%v", evalErr)
+		return
 	}
 	for _, field := range order {
 		x := byField[field]
