@@ -67,6 +67,10 @@ func TestComposeMatchesEnvoyYAML(t *testing.T) {
 	require.Equal(t, "Dockerfile", proc.Build.Dockerfile)
 	require.Contains(t, proc.Command, "--store=redis")
 	require.Contains(t, proc.Command, "--redis-url=redis://redis:6379/0")
+	// The processor runs envoy/policy.yaml, whose routes envoy.yaml names.
+	require.Contains(t, proc.Command, "--config=/etc/idempotency/policy.yaml")
+	require.Contains(t, proc.Volumes, "./policy.yaml:/etc/idempotency/policy.yaml:ro")
+	shippedPolicy(t)
 	require.Contains(t, proc.Expose, "9002")
 	require.Equal(t, "service_healthy", proc.DependsOn["redis"].Condition)
 	require.NotNil(t, c.Services["redis"].Healthcheck)
@@ -74,9 +78,11 @@ func TestComposeMatchesEnvoyYAML(t *testing.T) {
 
 	b, err := Load(envoyFile(t, "envoy.yaml"))
 	require.NoError(t, err)
-	s, err := ProxySettings(b)
+	f, err := ExtProc(b)
 	require.NoError(t, err)
-	for _, name := range []string{s.ProcessorCluster, s.UpstreamCluster} {
+	upstream, err := catchAllCluster(b)
+	require.NoError(t, err)
+	for _, name := range []string{f.GetGrpcService().GetEnvoyGrpc().GetClusterName(), upstream} {
 		for _, lle := range cluster(b, name).GetLoadAssignment().GetEndpoints() {
 			for _, e := range lle.GetLbEndpoints() {
 				sa := e.GetEndpoint().GetAddress().GetSocketAddress()

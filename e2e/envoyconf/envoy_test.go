@@ -90,8 +90,7 @@ func freePort(t testing.TB) int {
 
 func fakeBootstrap(t testing.TB) ([]byte, int) {
 	t.Helper()
-	b, err := Load(envoyFile(t, "envoy.yaml"))
-	require.NoError(t, err)
+	b := loadForProxy(t)
 	admin := freePort(t)
 	js, err := Rewrite(b, Ports{Listener: freePort(t), Admin: admin, Processors: []string{"127.0.0.1:1"}, Upstream: "127.0.0.1:2"})
 	require.NoError(t, err)

@@ -1,6 +1,8 @@
 package envoyconf
 
 import (
+	"errors"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -22,6 +24,7 @@ import (
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
 // storeTimeout is the processor's default store_timeout (SPEC §6).
@@ -31,6 +34,12 @@ const storeTimeout = 100 * time.Millisecond
 
 // shippedMode is the processing_mode every shipped configuration spells out, as the README
 // documents it: CheckSpec also accepts a STREAMED response body.
+// The attributes every shipped configuration requests: what the processor reads (SPEC §8, §9).
+var (
+	shippedRequestAttributes  = []string{"request.id", "xds.route_name", "connection.uri_san_peer_certificate"}
+	shippedResponseAttributes = []string{"response.code", "response.code_details", "response.flags", "upstream.request_attempt_count"}
+)
+
 var shippedMode = &filterextproc.ProcessingMode{
 	RequestHeaderMode:   filterextproc.ProcessingMode_SEND,
 	RequestBodyMode:     filterextproc.ProcessingMode_BUFFERED,
@@ -77,9 +86,10 @@ func typedConfigs(t testing.TB, m proto.Message) []proto.Message {
 }
 
 // checkBootstrap is the whole verdict on a standalone bootstrap: it parses, every message
-// (typed configs included) passes its validation rules, the ext_proc filter meets SPEC §5, the
-// processor cluster's circuit breakers are far above Envoy's 1024, and the buffer limits hold a
-// 1 MiB body. The shipped envoy.yaml must pass it; every broken variant must fail it.
+// (typed configs included) passes its validation rules, the ext_proc filter meets SPEC §5,
+// nothing in it breaks protection under envoy/policy.yaml (SPEC §8), the processor cluster's
+// circuit breakers are far above Envoy's 1024, and the buffer limits hold a 1 MiB body. The
+// shipped envoy.yaml must pass it; every broken variant must fail it.
 func checkBootstrap(t testing.TB, yamlText string) error {
 	t.Helper()
 	b, err := Parse([]byte(yamlText))
@@ -89,14 +99,53 @@ func checkBootstrap(t testing.TB, yamlText string) error {
 	if err := Validate(b); err != nil {
 		return err
 	}
-	s, err := ProxySettings(b)
+	d, err := BootstrapDeployment(b, "envoy.yaml")
 	if err != nil {
 		return err
 	}
-	if err := CheckSpec(s.Filter, storeTimeout); err != nil {
+	if err := errors.Join(CheckSpec(d.Filter, storeTimeout), CheckProtection(d, shippedPolicy(t))); err != nil {
 		return err
 	}
-	return checkLimits(s.ProcessorThresholds, s.ListenerBufferLimit, s.UpstreamBufferLimit)
+	th, listener, upstream, err := bootstrapLimits(b, d.Filter)
+	if err != nil {
+		return err
+	}
+	return checkLimits(th, listener, upstream)
+}
+
+// bootstrapLimits returns the processor cluster's thresholds and the listener's and the catch-all
+// route's cluster's buffer limits, with Envoy's defaults.
+func bootstrapLimits(b *bootstrapv3.Bootstrap, f *filterextproc.ExternalProcessor) (Thresholds, uint32, uint32, error) {
+	name := f.GetGrpcService().GetEnvoyGrpc().GetClusterName()
+	pc := cluster(b, name)
+	if pc == nil {
+		return Thresholds{}, 0, 0, fmt.Errorf("ext_proc cluster %q is not a static cluster", name)
+	}
+	up, err := catchAllCluster(b)
+	if err != nil {
+		return Thresholds{}, 0, 0, err
+	}
+	uc := cluster(b, up)
+	if uc == nil {
+		return Thresholds{}, 0, 0, fmt.Errorf("upstream cluster %q is not a static cluster", up)
+	}
+	return thresholds(pc), bufferLimit(b.GetStaticResources().GetListeners()[0]), bufferLimit(uc), nil
+}
+
+// shippedPolicy is envoy/policy.yaml, the policy the shipped configurations are checked against.
+func shippedPolicy(t testing.TB) *policy.Policy {
+	t.Helper()
+	p, err := policy.Parse([]byte(readEnvoyFile(t, "policy.yaml")))
+	require.NoError(t, err)
+	return p
+}
+
+// loadForProxy loads envoy.yaml for the tests of ProxySettings and Rewrite (settings.go).
+func loadForProxy(t testing.TB) *bootstrapv3.Bootstrap {
+	t.Helper()
+	b, err := Load(envoyFile(t, "envoy.yaml"))
+	require.NoError(t, err)
+	return b
 }
 
 func checkLimits(th Thresholds, listener, upstream uint32) error {
@@ -143,6 +192,8 @@ func TestEnvoyYAMLMeetsSpec(t *testing.T) {
 		"envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
 		"envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
 		"envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+		"envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+		"envoy.extensions.filters.http.jwt_authn.v3.PerRouteConfig",
 		"envoy.extensions.filters.http.router.v3.Router",
 		"envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
 	} {
@@ -159,8 +210,10 @@ func TestEnvoyYAMLMeetsSpec(t *testing.T) {
 	require.Len(t, f.GetAllowedOverrideModes(), 2)
 	require.True(t, proto.Equal(PassThroughMode(), f.GetAllowedOverrideModes()[0]))
 	require.True(t, proto.Equal(NoStoreMode(), f.GetAllowedOverrideModes()[1]))
-	require.Equal(t, []string{"request.id"}, f.GetRequestAttributes())
-	require.ElementsMatch(t, []string{"response.code", "response.code_details", "response.flags"}, f.GetResponseAttributes())
+	require.Equal(t, shippedRequestAttributes, f.GetRequestAttributes())
+	require.Equal(t, shippedResponseAttributes, f.GetResponseAttributes())
+	require.Equal(t, []string{JWTNamespace}, f.GetMetadataOptions().GetForwardingNamespaces().GetUntyped())
+	require.Equal(t, []string{OutcomeNamespace}, f.GetMetadataOptions().GetReceivingNamespaces().GetUntyped())
 	require.Equal(t, 500*time.Millisecond, f.GetMessageTimeout().AsDuration())
 	require.Equal(t, filterextproc.ExternalProcessor_RETAIN, f.GetRouteCacheAction())
 	require.False(t, f.GetFailureModeAllow())
@@ -171,8 +224,7 @@ func TestEnvoyYAMLMeetsSpec(t *testing.T) {
 }
 
 func TestEnvoyYAMLProxySettings(t *testing.T) {
-	b, err := Load(envoyFile(t, "envoy.yaml"))
-	require.NoError(t, err)
+	b := loadForProxy(t)
 	s, err := ProxySettings(b)
 	require.NoError(t, err)
 
@@ -187,6 +239,10 @@ func TestEnvoyYAMLProxySettings(t *testing.T) {
 	require.Equal(t, uint32(1), hc.GetUnhealthyThreshold().GetValue())
 	s.ProcessorHealthCheck = nil
 	require.True(t, s.Routes[0].ExtProc.GetDisabled(), "/healthz disables ext_proc")
+	require.Equal(t, "refunds", s.Routes[2].ExtProc.GetOverrides().GetGrpcInitialMetadata()[0].GetValue(),
+		"the refunds route names its policy route in the stream's initial metadata")
+	require.Contains(t, s.JWTAuthn.GetProviders(), "demo", "jwt_authn runs before ext_proc")
+	s.JWTAuthn = nil
 	require.Equal(t, Settings{
 		FilterName:          "envoy.filters.http.ext_proc",
 		ListenerBufferLimit: 1 << 20,
@@ -194,8 +250,11 @@ func TestEnvoyYAMLProxySettings(t *testing.T) {
 		RouteTimeout:        30 * time.Second,
 		DisabledPrefixes:    []string{"/healthz"},
 		Routes: []proxy.Route{
-			{Prefix: "/healthz", Timeout: 15 * time.Second, ExtProc: s.Routes[0].ExtProc},
-			{Prefix: "/", Timeout: 30 * time.Second},
+			{Name: "healthz", Prefix: "/healthz", Timeout: 15 * time.Second, ExtProc: s.Routes[0].ExtProc},
+			{Name: "transfers", Prefix: "/v1/transfers", Timeout: 30 * time.Second},
+			{Name: "refunds", Prefix: "/v1/refunds", Timeout: 30 * time.Second, ExtProc: s.Routes[2].ExtProc},
+			{Name: "documents", Prefix: "/v1/documents", Timeout: 30 * time.Second},
+			{Name: "default", Prefix: "/", Timeout: 30 * time.Second},
 		},
 		ProcessorCluster:    "idempotency_extproc",
 		ProcessorThresholds: Thresholds{100000, 100000, 100000, 100000},
@@ -247,8 +306,7 @@ static_resources:
 
 // EnableHTTP1Trailers turns on enable_trailers on both sides, and ProxySettings reads them.
 func TestEnableHTTP1Trailers(t *testing.T) {
-	b, err := Load(envoyFile(t, "envoy.yaml"))
-	require.NoError(t, err)
+	b := loadForProxy(t)
 	s, err := ProxySettings(b)
 	require.NoError(t, err)
 	require.False(t, s.UpstreamTrailers || s.DownstreamTrailers, "off in the shipped file, as in Envoy")
@@ -281,7 +339,7 @@ func TestProxySettingsDefaults(t *testing.T) {
 	// Envoy's defaults fail the contract: no modes spelled out, no attributes, 1024 streams.
 	err = checkBootstrap(t, minimal)
 	require.Error(t, err)
-	require.ErrorContains(t, err, "request_body_mode is NONE, want BUFFERED")
+	require.ErrorContains(t, err, "request_body_mode is NONE, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED")
 	require.ErrorContains(t, err, "allow_mode_override is false")
 	require.ErrorContains(t, err, "response.code_details")
 }
@@ -357,15 +415,19 @@ func TestEnvoyYAMLBrokenVariantsFail(t *testing.T) {
 		want           string
 	}{
 		{"response body NONE", "response_body_mode: BUFFERED", "response_body_mode: NONE", 1,
-			"processing_mode.response_body_mode is NONE, want BUFFERED or STREAMED"},
-		{"request body STREAMED", "request_body_mode: BUFFERED", "request_body_mode: STREAMED", 1,
-			"processing_mode.request_body_mode is STREAMED, want BUFFERED"},
-		{"request headers skipped", "request_header_mode: SEND\n                request_body_mode: BUFFERED",
-			"request_header_mode: SKIP\n                request_body_mode: BUFFERED", 1,
+			"processing_mode.response_body_mode is NONE, want BUFFERED, STREAMED or FULL_DUPLEX_STREAMED"},
+		{"request body NONE", "request_body_mode: BUFFERED", "request_body_mode: NONE", 1,
+			"processing_mode.request_body_mode is NONE, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED"},
+		{"request body GRPC", "request_body_mode: BUFFERED", "request_body_mode: GRPC", 1,
+			"processing_mode.request_body_mode is GRPC"},
+		{"request body full duplex without trailers", "request_body_mode: BUFFERED", "request_body_mode: FULL_DUPLEX_STREAMED", 1,
+			"processing_mode.request_trailer_mode is SKIP, want SEND with request_body_mode FULL_DUPLEX_STREAMED"},
+		{"request headers skipped", "processing_mode:\n                request_header_mode: SEND",
+			"processing_mode:\n                request_header_mode: SKIP", 1,
 			"processing_mode.request_header_mode is SKIP, want SEND"},
 		{"request trailers sent", "request_body_mode: BUFFERED\n                request_trailer_mode: SKIP",
 			"request_body_mode: BUFFERED\n                request_trailer_mode: SEND", 1,
-			"processing_mode.request_trailer_mode is SEND, want SKIP"},
+			"processing_mode.request_trailer_mode is SEND, want SKIP with request_body_mode BUFFERED"},
 		{"response trailer mode left DEFAULT", "response_body_mode: BUFFERED\n                response_trailer_mode: SKIP",
 			"response_body_mode: BUFFERED\n                response_trailer_mode: DEFAULT", 1,
 			"processing_mode.response_trailer_mode is DEFAULT, want SKIP or SEND"},
@@ -375,6 +437,18 @@ func TestEnvoyYAMLBrokenVariantsFail(t *testing.T) {
 			"failure_mode_allow is true, want false"},
 		{"no response.code_details", `"response.code", "response.code_details", "response.flags"`,
 			`"response.code", "response.flags"`, 1, `response_attributes lacks "response.code_details"`},
+		{"no attempt count", `, "upstream.request_attempt_count"]`, `]`, 1,
+			`response_attributes lacks "upstream.request_attempt_count"`},
+		{"outcome namespace not received", "untyped: [idempotency]", "untyped: []", 1,
+			`http_filters[envoy.filters.http.ext_proc].typed_config.metadata_options.receiving_namespaces.untyped: lacks "idempotency"`},
+		{"local reply rewritten", "          codec_type: AUTO\n", "          codec_type: AUTO\n          local_reply_config: { body_format: { text_format: \"%LOCAL_REPLY_BODY%\" } }\n", 1,
+			"http_connection_manager.local_reply_config.body_format"},
+		{"refunds names no policy route", "value: refunds }", "value: refund }", 1,
+			`grpc_initial_metadata[0]: names policy route "refund", which the policy does not define`},
+		{"refunds route failing open", "                      grpc_initial_metadata:\n",
+			"                      failure_mode_allow: true\n                      grpc_initial_metadata:\n", 1,
+			"route_config.virtual_hosts[0].routes[2].typed_per_filter_config[envoy.filters.http.ext_proc].overrides.failure_mode_allow"},
+		{"jwt requirement unknown to jwt_authn", "requirement_name: demo", "requirement_name: \"\"", 1, "RequirementName"},
 		{"no mode override", "allow_mode_override: true", "allow_mode_override: false", 1,
 			"allow_mode_override is false"},
 		{"message timeout below store timeout", "message_timeout: 0.5s", "message_timeout: 0.05s", 1,
@@ -514,8 +588,7 @@ func TestCheckSpecRules(t *testing.T) {
 }
 
 func TestRewrite(t *testing.T) {
-	b, err := Load(envoyFile(t, "envoy.yaml"))
-	require.NoError(t, err)
+	b := loadForProxy(t)
 	before := proto.Clone(b)
 
 	js, err := Rewrite(b, Ports{
@@ -569,8 +642,7 @@ func TestRewrite(t *testing.T) {
 }
 
 func TestRewriteRejects(t *testing.T) {
-	b, err := Load(envoyFile(t, "envoy.yaml"))
-	require.NoError(t, err)
+	b := loadForProxy(t)
 	ok := Ports{Listener: 1, Admin: 2, Processors: []string{"127.0.0.1:3"}, Upstream: "127.0.0.1:4"}
 	for _, tc := range []struct {
 		name   string
@@ -590,6 +662,6 @@ func TestRewriteRejects(t *testing.T) {
 			require.ErrorContains(t, err, tc.want)
 		})
 	}
-	_, err = Rewrite(&bootstrapv3.Bootstrap{}, ok)
+	_, err := Rewrite(&bootstrapv3.Bootstrap{}, ok)
 	require.ErrorContains(t, err, "no static listener")
 }

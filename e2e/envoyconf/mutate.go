@@ -7,6 +7,7 @@ import (
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
@@ -53,6 +54,50 @@ func MutateExtProc(b *bootstrapv3.Bootstrap, fn func(*filterextproc.ExternalProc
 	})
 }
 
+// MutateRoute applies fn to the route named name in the inline route_config of b's first HTTP
+// connection manager. It fails when no route has that name.
+func MutateRoute(b *bootstrapv3.Bootstrap, name string, fn func(*routev3.Route) error) error {
+	return MutateHCM(b, func(hcm *hcmv3.HttpConnectionManager) error {
+		for _, vh := range hcm.GetRouteConfig().GetVirtualHosts() {
+			for _, r := range vh.GetRoutes() {
+				if r.GetName() == name {
+					return fn(r)
+				}
+			}
+		}
+		return fmt.Errorf("no route named %q", name)
+	})
+}
+
+// MutateExtProcPerRoute applies fn to the ext_proc ExtProcPerRoute of the route named name (an
+// empty one when the route has none) and stores the result in the route's
+// typed_per_filter_config, under the ext_proc filter's name.
+func MutateExtProcPerRoute(b *bootstrapv3.Bootstrap, name string, fn func(*filterextproc.ExtProcPerRoute)) error {
+	_, hf, err := extProcOf(b)
+	if err != nil {
+		return err
+	}
+	key := hf.GetName()
+	return MutateRoute(b, name, func(r *routev3.Route) error {
+		c := &filterextproc.ExtProcPerRoute{}
+		if a, ok := r.GetTypedPerFilterConfig()[key]; ok {
+			if err := a.UnmarshalTo(c); err != nil {
+				return fmt.Errorf("route %q: %w", name, err)
+			}
+		}
+		fn(c)
+		a, err := anypb.New(c)
+		if err != nil {
+			return err
+		}
+		if r.TypedPerFilterConfig == nil {
+			r.TypedPerFilterConfig = map[string]*anypb.Any{}
+		}
+		r.TypedPerFilterConfig[key] = a
+		return nil
+	})
+}
+
 // upstreamHTTPOptions is the typed_extension_protocol_options key of a cluster's HTTP options.
 const upstreamHTTPOptions = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
@@ -70,11 +115,14 @@ func EnableHTTP1Trailers(b *bootstrapv3.Bootstrap) error {
 	if err != nil {
 		return err
 	}
-	s, err := ProxySettings(b)
+	name, err := catchAllCluster(b)
 	if err != nil {
 		return err
 	}
-	c := cluster(b, s.UpstreamCluster)
+	c := cluster(b, name)
+	if c == nil {
+		return fmt.Errorf("cluster %q is not a static cluster", name)
+	}
 	if _, ok := c.GetTypedExtensionProtocolOptions()[upstreamHTTPOptions]; ok {
 		return fmt.Errorf("cluster %q already has HTTP protocol options", c.GetName())
 	}
@@ -93,4 +141,21 @@ func EnableHTTP1Trailers(b *bootstrapv3.Bootstrap) error {
 	}
 	c.TypedExtensionProtocolOptions[upstreamHTTPOptions] = a
 	return nil
+}
+
+// catchAllCluster returns the cluster of the first route with prefix "/" in b's first connection
+// manager.
+func catchAllCluster(b *bootstrapv3.Bootstrap) (string, error) {
+	hcm, err := firstHCM(b)
+	if err != nil {
+		return "", err
+	}
+	for _, vh := range hcm.GetRouteConfig().GetVirtualHosts() {
+		for _, r := range vh.GetRoutes() {
+			if r.GetMatch().GetPrefix() == "/" && r.GetRoute().GetCluster() != "" {
+				return r.GetRoute().GetCluster(), nil
+			}
+		}
+	}
+	return "", errors.New(`no route with prefix "/" and a single cluster`)
 }

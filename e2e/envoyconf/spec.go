@@ -21,21 +21,42 @@ var (
 	NoStoreMode     = extproc.NoStoreMode
 )
 
-// CheckSpec returns every way f departs from the Envoy side of the contract (SPEC §5), joined
-// with errors.Join, or nil. Each error names the field. The rules:
+// The response attributes SPEC §5 and §8 require: response.code_details tells an Envoy-made
+// response from an upstream one, and upstream.request_attempt_count tells whether an Envoy-made
+// one came before the request was sent upstream (release) or after (an unknown outcome).
+var requiredResponseAttributes = []string{"response.code_details", "upstream.request_attempt_count"}
+
+// CheckSpec returns every way f departs from the Envoy side of the contract (SPEC §5, with the
+// body modes of §8), joined with errors.Join, or nil. Each error names the field. The rules:
 //
-//   - processing_mode spells out request_header_mode SEND, request_body_mode BUFFERED,
-//     response_header_mode SEND, response_body_mode BUFFERED or STREAMED and both trailer modes
-//     SKIP (DEFAULT is reported: the project spells every mode out);
+//   - processing_mode spells out every field (DEFAULT is reported: the project spells every
+//     mode out) with request_header_mode and response_header_mode SEND;
+//   - request_body_mode is BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED, the
+//     modes in which the processor claims a request that carries a body (SPEC §8). NONE is
+//     refused: under it a covered request with a body gets 500 body-not-available unless its
+//     route's fingerprint omits the body, which this check, having no policy, cannot know
+//     (CheckProtection allows NONE per route where the policy needs no body). GRPC is not
+//     implemented by Envoy;
+//   - response_body_mode is BUFFERED, STREAMED or FULL_DUPLEX_STREAMED, the modes that capture a
+//     whole response for replay. NONE and BUFFERED_PARTIAL keep requests at most once but store
+//     some or all responses without their body (duplicates get 409 response-not-replayable):
+//     CheckProtection accepts them per route, not for a whole filter;
+//   - request_trailer_mode is SKIP, or SEND under STREAMED (the trailers message then ends the
+//     body) and FULL_DUPLEX_STREAMED; response_trailer_mode is SKIP or SEND. A body mode of
+//     FULL_DUPLEX_STREAMED needs its direction's trailer mode SEND (Envoy refuses the config
+//     otherwise);
 //   - allow_mode_override is true, and allowed_override_modes is empty or exactly PassThroughMode
 //     and NoStoreMode, every field equal (Envoy compares raw values, so DEFAULT is not SKIP);
-//   - response_attributes contains response.code_details;
+//   - response_attributes contains response.code_details and upstream.request_attempt_count;
 //   - failure_mode_allow is false;
 //   - message_timeout (Envoy default 200ms) is above storeTimeout;
 //   - the filter uses grpc_service, and nothing disables what the processor relies on:
 //     observability_mode, disable_immediate_response and
 //     send_body_without_waiting_for_header_response (which makes Envoy ignore mode_override)
 //     are false.
+//
+// The shipped configurations use BUFFERED in both directions; the other modes are accepted
+// because the processor handles them (SPEC §8), not because they are recommended.
 func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) error {
 	if f == nil {
 		return errors.New("no ext_proc filter config")
@@ -58,17 +79,36 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	}
 	wantHeader("request_header_mode", pm.GetRequestHeaderMode(), filterextproc.ProcessingMode_SEND)
 	wantHeader("response_header_mode", pm.GetResponseHeaderMode(), filterextproc.ProcessingMode_SEND)
-	wantHeader("request_trailer_mode", pm.GetRequestTrailerMode(), filterextproc.ProcessingMode_SKIP)
+
+	reqBody, respBody := pm.GetRequestBodyMode(), pm.GetResponseBodyMode()
+	switch reqBody {
+	case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED,
+		filterextproc.ProcessingMode_BUFFERED_PARTIAL, filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
+	default:
+		bad("processing_mode.request_body_mode is %s, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED", reqBody)
+	}
+	switch respBody {
+	case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED,
+		filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
+	default:
+		bad("processing_mode.response_body_mode is %s, want BUFFERED, STREAMED or FULL_DUPLEX_STREAMED", respBody)
+	}
+	fullDuplex := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+	switch m := pm.GetRequestTrailerMode(); {
+	case reqBody == fullDuplex && m != filterextproc.ProcessingMode_SEND:
+		bad("processing_mode.request_trailer_mode is %s, want SEND with request_body_mode FULL_DUPLEX_STREAMED", m)
+	case m == filterextproc.ProcessingMode_SEND && reqBody != fullDuplex && reqBody != filterextproc.ProcessingMode_STREAMED:
+		bad("processing_mode.request_trailer_mode is SEND, want SKIP with request_body_mode %s", reqBody)
+	case m != filterextproc.ProcessingMode_SKIP && m != filterextproc.ProcessingMode_SEND:
+		bad("processing_mode.request_trailer_mode is %s, want SKIP", m)
+	}
 	// SEND lets the processor see the end of a STREAMED response whose upstream sends trailers:
 	// its last chunk then has end_of_stream false (reference §2.4).
-	if m := pm.GetResponseTrailerMode(); m != filterextproc.ProcessingMode_SKIP && m != filterextproc.ProcessingMode_SEND {
+	switch m := pm.GetResponseTrailerMode(); {
+	case respBody == fullDuplex && m != filterextproc.ProcessingMode_SEND:
+		bad("processing_mode.response_trailer_mode is %s, want SEND with response_body_mode FULL_DUPLEX_STREAMED", m)
+	case m != filterextproc.ProcessingMode_SKIP && m != filterextproc.ProcessingMode_SEND:
 		bad("processing_mode.response_trailer_mode is %s, want SKIP or SEND", m)
-	}
-	if m := pm.GetRequestBodyMode(); m != filterextproc.ProcessingMode_BUFFERED {
-		bad("processing_mode.request_body_mode is %s, want BUFFERED", m)
-	}
-	if m := pm.GetResponseBodyMode(); m != filterextproc.ProcessingMode_BUFFERED && m != filterextproc.ProcessingMode_STREAMED {
-		bad("processing_mode.response_body_mode is %s, want BUFFERED or STREAMED", m)
 	}
 
 	if !f.GetAllowModeOverride() {
@@ -79,8 +119,10 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	}
 	errs = append(errs, checkOverrideModes(f.GetAllowedOverrideModes())...)
 
-	if !slices.Contains(f.GetResponseAttributes(), "response.code_details") {
-		bad("response_attributes lacks %q (the processor could not tell Envoy-generated responses from upstream ones)", "response.code_details")
+	for _, a := range requiredResponseAttributes {
+		if !slices.Contains(f.GetResponseAttributes(), a) {
+			bad("response_attributes lacks %q (%s)", a, attributeWhy[a])
+		}
 	}
 	if f.GetFailureModeAllow() {
 		bad("failure_mode_allow is true, want false (requests would bypass idempotency when the processor fails)")
@@ -99,6 +141,14 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 		bad("disable_immediate_response is true (replays and errors could not be sent)")
 	}
 	return errors.Join(errs...)
+}
+
+// attributeWhy says what the processor loses without each attribute it reads.
+var attributeWhy = map[string]string{
+	"response.code_details":               "the processor could not tell Envoy-generated responses from upstream ones",
+	"upstream.request_attempt_count":      "every Envoy-generated response would count as an unknown outcome, even one made before the request was sent upstream",
+	"xds.route_name":                      "route_name_* matchers would never match: requests would get another policy route",
+	"connection.uri_san_peer_certificate": "the peer_identity scope would be empty: every mTLS peer would share one scope",
 }
 
 func checkOverrideModes(modes []*filterextproc.ProcessingMode) []error {

@@ -2,6 +2,8 @@ package proxy
 
 import (
 	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
 	"crypto/hmac"
 	"crypto/rsa"
 	"crypto/sha256"
@@ -68,8 +70,9 @@ type jwtLocation struct{ header, prefix string }
 
 type jwk struct {
 	kid, alg string
-	secret   []byte         // oct
-	rsa      *rsa.PublicKey // RSA
+	secret   []byte           // oct
+	rsa      *rsa.PublicKey   // RSA
+	ec       *ecdsa.PublicKey // EC, P-256
 }
 
 type jwtRule struct {
@@ -374,9 +377,17 @@ func (p *jwtProvider) verifyToken(tok string, now time.Time) (*structpb.Struct, 
 			if rsa.VerifyPKCS1v15(k.rsa, crypto.SHA256, sum[:], sig) == nil {
 				return mustStruct(hb), mustStruct(pb), jwtOK
 			}
+		case hdr.Alg == "ES256" && k.ec != nil:
+			// JWS (RFC 7518 §3.4): the signature is R and S, 32 bytes each, big-endian, as
+			// jwt_verify_lib's verifySignatureEC reads it.
+			matched = true
+			sum := sha256.Sum256(signed)
+			if len(sig) == 64 && ecdsa.Verify(k.ec, sum[:], new(big.Int).SetBytes(sig[:32]), new(big.Int).SetBytes(sig[32:])) {
+				return mustStruct(hb), mustStruct(pb), jwtOK
+			}
 		}
 	}
-	if hdr.Alg != "HS256" && hdr.Alg != "RS256" {
+	if hdr.Alg != "HS256" && hdr.Alg != "RS256" && hdr.Alg != "ES256" {
 		return nil, nil, jwtUnsupportedAlgo
 	}
 	if !matched {
@@ -407,6 +418,14 @@ func audienceAllowed(aud any, allowed []string) bool {
 	return false
 }
 
+// leftPad pads b with zeros on the left to n bytes.
+func leftPad(b []byte, n int) []byte {
+	if len(b) >= n {
+		return b
+	}
+	return append(make([]byte, n-len(b)), b...)
+}
+
 func mustStruct(js []byte) *structpb.Struct {
 	s := &structpb.Struct{}
 	if err := s.UnmarshalJSON(js); err != nil {
@@ -415,7 +434,8 @@ func mustStruct(js []byte) *structpb.Struct {
 	return s
 }
 
-// parseJWKS reads a JWKS with "oct" (HS256) and "RSA" (RS256) keys.
+// parseJWKS reads a JWKS with "oct" (HS256), "RSA" (RS256) and P-256 "EC" (ES256) keys, the
+// key types of jwt_verify_lib (jwks.cc) that the tests use.
 func parseJWKS(text string) ([]jwk, error) {
 	var set struct {
 		Keys []struct {
@@ -425,6 +445,9 @@ func parseJWKS(text string) ([]jwk, error) {
 			K   string `json:"k"`
 			N   string `json:"n"`
 			E   string `json:"e"`
+			Crv string `json:"crv"`
+			X   string `json:"x"`
+			Y   string `json:"y"`
 		} `json:"keys"`
 	}
 	if err := json.Unmarshal([]byte(text), &set); err != nil {
@@ -447,6 +470,20 @@ func parseJWKS(text string) ([]jwk, error) {
 				return nil, fmt.Errorf("local_jwks: key %q: %w", k.Kid, err)
 			}
 			key.rsa = &rsa.PublicKey{N: new(big.Int).SetBytes(n), E: int(new(big.Int).SetBytes(e).Int64())}
+		case "EC":
+			if k.Crv != "P-256" {
+				return nil, fmt.Errorf("local_jwks: key %q: curve %q is not supported", k.Kid, k.Crv)
+			}
+			x, err1 := base64.RawURLEncoding.DecodeString(strings.TrimRight(k.X, "="))
+			y, err2 := base64.RawURLEncoding.DecodeString(strings.TrimRight(k.Y, "="))
+			if err := errors.Join(err1, err2); err != nil {
+				return nil, fmt.Errorf("local_jwks: key %q: %w", k.Kid, err)
+			}
+			pub, err := ecdsa.ParseUncompressedPublicKey(elliptic.P256(), append(append([]byte{4}, leftPad(x, 32)...), leftPad(y, 32)...))
+			if err != nil {
+				return nil, fmt.Errorf("local_jwks: key %q: not a point of P-256: %w", k.Kid, err)
+			}
+			key.ec = pub
 		default:
 			return nil, fmt.Errorf("local_jwks: key type %q is not supported", k.Kty)
 		}

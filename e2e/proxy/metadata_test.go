@@ -2,6 +2,8 @@ package proxy_test
 
 import (
 	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/rsa"
@@ -219,6 +221,37 @@ func TestJWTRS256(t *testing.T) {
 	log := env.proc.next(t)
 	p := log.msgs[0].GetMetadataContext().GetFilterMetadata()[jwtNS].GetFields()["jwt_payload"].GetStructValue()
 	require.Equal(t, "bob", p.GetFields()["sub"].GetStringValue())
+}
+
+// ES256 with a P-256 JWKS (the shipped envoy.yaml's key type) works the same way; a signature
+// that does not verify is 401.
+func TestJWTES256(t *testing.T) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(t, err)
+	pub, err := key.PublicKey.Bytes() // 0x04 | X | Y
+	require.NoError(t, err)
+	jwks := `{"keys":[{"kty":"EC","crv":"P-256","kid":"e1","alg":"ES256","x":"` + b64.EncodeToString(pub[1:33]) + `","y":"` + b64.EncodeToString(pub[33:]) + `"}]}`
+	sign := func(claims map[string]any) string {
+		h, _ := json.Marshal(map[string]string{"alg": "ES256", "typ": "JWT", "kid": "e1"})
+		p, err := json.Marshal(claims)
+		require.NoError(t, err)
+		in := b64.EncodeToString(h) + "." + b64.EncodeToString(p)
+		sum := sha256.Sum256([]byte(in))
+		r, s, err := ecdsa.Sign(rand.Reader, key, sum[:])
+		require.NoError(t, err)
+		sig := append(r.FillBytes(make([]byte, 32)), s.FillBytes(make([]byte, 32))...)
+		return in + "." + b64.EncodeToString(sig)
+	}
+	env := newEnv(t, metadataFilter(), nil, func(c *proxy.Config) { c.JWTAuthn = jwtConfig(jwks, false) })
+	tok := sign(claims(map[string]any{"sub": "carol"}))
+	resp, _ := env.do(t, http.MethodPost, "/pay", []byte("x"), "Authorization", "Bearer "+tok)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	log := env.proc.next(t)
+	p := log.msgs[0].GetMetadataContext().GetFilterMetadata()[jwtNS].GetFields()["jwt_payload"].GetStructValue()
+	require.Equal(t, "carol", p.GetFields()["sub"].GetStringValue())
+	forged := tok[:len(tok)-4] + "AAAA"
+	resp, _ = env.do(t, http.MethodPost, "/pay", []byte("x"), "Authorization", "Bearer "+forged)
+	require.Equal(t, http.StatusUnauthorized, resp.StatusCode)
 }
 
 // An ImmediateResponse's dynamic_metadata is written too (setDecoderDynamicMetadata before

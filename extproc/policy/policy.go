@@ -351,6 +351,16 @@ func (m matcher) holds(s Selector) ([]string, bool) {
 	return nil, false
 }
 
+// MatchesRouteName reports whether the route is matched by Envoy's route name (a route_name_*
+// matcher), which Envoy sends only when xds.route_name is in request_attributes.
+func (r *Route) MatchesRouteName() bool {
+	switch r.match.kind {
+	case matchRouteNameExact, matchRouteNamePrefix, matchRouteNameRegex:
+		return true
+	}
+	return false
+}
+
 // StatusSet is a set of HTTP status codes, given as classes ("2xx") or codes (409).
 type StatusSet struct{ bits [10]uint64 }
 

@@ -1,0 +1,547 @@
+package envoyconf
+
+import (
+	"errors"
+	"fmt"
+	"regexp"
+	"slices"
+	"strings"
+
+	mutationrulesv3 "github.com/envoyproxy/go-control-plane/envoy/config/common/mutation_rules/v3"
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+)
+
+// Refusal is one setting CheckProtection refuses: the path of the field in the deployment's
+// source and why the setting breaks protection.
+type Refusal struct {
+	Source string // Deployment.Source
+	Field  string // e.g. "http_filters[envoy.filters.http.ext_proc].typed_config.forward_rules.allowed_headers"
+	Reason string
+}
+
+func (r *Refusal) Error() string {
+	if r.Source == "" {
+		return r.Field + ": " + r.Reason
+	}
+	return r.Source + ": " + r.Field + ": " + r.Reason
+}
+
+// Refusals returns every Refusal in err, which may be one or an errors.Join of several, in order.
+func Refusals(err error) []*Refusal {
+	var out []*Refusal
+	var walk func(error)
+	walk = func(e error) {
+		if e == nil {
+			return
+		}
+		if r, ok := e.(*Refusal); ok {
+			out = append(out, r)
+			return
+		}
+		switch u := e.(type) {
+		case interface{ Unwrap() []error }:
+			for _, x := range u.Unwrap() {
+				walk(x)
+			}
+		case interface{ Unwrap() error }:
+			walk(u.Unwrap())
+		}
+	}
+	walk(err)
+	return out
+}
+
+// The names CheckProtection uses for what the processor reads and writes outside the policy.
+const (
+	// RouteMetadataKey is the gRPC initial metadata key with which an Envoy route names a policy
+	// route (SPEC §9).
+	RouteMetadataKey = "x-idempotency-route"
+	// JWTNamespace is the dynamic metadata namespace jwt_authn writes verified payloads to.
+	JWTNamespace = "envoy.filters.http.jwt_authn"
+	// OutcomeNamespace is the namespace the processor writes its outcome to (the policy's
+	// metadata_namespace, SPEC §9, whose default it is).
+	OutcomeNamespace = "idempotency"
+)
+
+// storedHeaderSample stands for "the stored response headers in general": the response fields of
+// RFC 9110 and RFC 6265 an upstream commonly sends. A forward rule that hides one of them from the
+// processor, or a mutation rule that refuses it, makes replays differ from first responses. Rules
+// aimed only at other names (an operator's own x-internal-* headers, say) are accepted; the
+// README says such headers are missing from replays.
+var storedHeaderSample = []string{
+	"content-type", "content-encoding", "content-language", "content-location", "location",
+	"cache-control", "etag", "last-modified", "expires", "vary", "link", "set-cookie",
+	"retry-after", "www-authenticate", "allow",
+}
+
+// CheckProtection returns every setting of d that silently breaks idempotency under p (SPEC
+// §8), each a *Refusal naming the field, joined with errors.Join; nil when there is none. It
+// complements CheckSpec, which holds the filter-level config to the contract without a policy.
+// It refuses:
+//
+//   - local_reply_config on the connection manager (mappers or body_format): it rewrites every
+//     local reply it matches, and replays and the processor's problem responses are local replies;
+//   - forward_rules that hide from the processor a request header it reads (:method, :path,
+//     content-type, and each enabled route's key, scope and fingerprint headers and ttl_header)
+//     or a response header it stores (:status and the storedHeaderSample);
+//   - mutation_rules with disallow_is_error (a refused mutation in a CONTINUE answer fails the
+//     request with 500 after the upstream ran), or that refuse a header the processor sets
+//     (each replay_header, content-type, retry-after) or the stored headers (storedHeaderSample);
+//   - processing_request_modifier, at filter level or per route: it may rename the attributes and
+//     metadata keys the processor looks up;
+//   - request_attributes without xds.route_name or connection.uri_san_peer_certificate when the
+//     policy reads them, metadata_options without forwarding envoy.filters.http.jwt_authn when
+//     it reads JWT claims, and metadata_options without receiving the outcome namespace
+//     (idempotency), at filter level and in per-route metadata_options (which replace the lists);
+//   - per route (every typed_per_filter_config of the filter): overrides.failure_mode_allow true;
+//     a processing_mode that skips request headers (use disabled: true to opt a route out), skips
+//     response headers, or uses the GRPC body mode (not implemented by Envoy); request_body_mode
+//     NONE where the policy route (the one named by x-idempotency-route, else any enabled route)
+//     needs the body; FULL_DUPLEX_STREAMED without its direction's trailer mode SEND; request
+//     trailers SEND with a body mode other than STREAMED or FULL_DUPLEX_STREAMED; and an
+//     x-idempotency-route initial metadata that names no policy route (the processor would answer
+//     500 unknown-idempotency-route).
+//
+// A per-route processing_mode replaces the filter-level one whole, and is read as Envoy reads
+// it: DEFAULT header modes send, DEFAULT trailer modes skip. Per-route body modes the processor
+// handles (SPEC §8) are accepted: BUFFERED, STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED, and
+// NONE where the body is not needed, for requests; all but GRPC for responses.
+func CheckProtection(d Deployment, p *policy.Policy) error {
+	if p == nil {
+		return errors.New("no policy")
+	}
+	return checkProtection(d, needsOf(p))
+}
+
+// neededHeader is a request header the processor reads, with the first route that reads it.
+type neededHeader struct {
+	name, role, route string
+}
+
+// policyNeeds is what a policy reads from Envoy and writes back through it.
+type policyNeeds struct {
+	request       []neededHeader  // request headers, each name once
+	replayHeaders []string        // the replay headers of enabled routes
+	routes        map[string]bool // every route name the policy defines → it needs the request body
+	anyBody       bool            // some enabled route needs the request body
+	// What the policy reads besides headers: the xds.route_name attribute (route_name_*
+	// matchers), the mTLS peer's URI SAN (peer_identity scope), the verified JWT payload
+	// (jwt_claim scope).
+	routeNameAttribute, peerIdentity, jwtPayload bool
+	outcomeNamespace                             string
+}
+
+// needsOf derives policyNeeds from p's routes and default, enabled ones only: the scope list's
+// header entries join the request headers, a jwt_claim entry needs the verified payload, a
+// peer_identity entry the peer's URI SAN, a route_name_* matcher the route name, and the outcome
+// goes to p's metadata_namespace.
+func needsOf(p *policy.Policy) policyNeeds {
+	n := policyNeeds{routes: map[string]bool{}, outcomeNamespace: p.MetadataNamespace}
+	seen := map[string]bool{}
+	add := func(name, role, route string) {
+		if name == "" || seen[name] {
+			return
+		}
+		seen[name] = true
+		n.request = append(n.request, neededHeader{name, role, route})
+	}
+	for _, r := range append(slices.Clone(p.Routes), p.Default) {
+		body := r.Enabled && (slices.Contains(r.Fingerprint, policy.PartBody) || r.MissingKey == policy.MissingKeyBodyHash)
+		n.routes[r.Name] = n.routes[r.Name] || body
+		if !r.Enabled {
+			continue
+		}
+		n.anyBody = n.anyBody || body
+		for _, h := range r.KeyHeaders {
+			add(h, "key header", r.Name)
+		}
+		for _, src := range r.Scope {
+			switch src.Kind {
+			case policy.ScopeHeader:
+				add(src.Name, "scope header", r.Name)
+			case policy.ScopeJWTClaim:
+				n.jwtPayload = true
+			case policy.ScopePeerIdentity:
+				n.peerIdentity = true
+			}
+		}
+		n.routeNameAttribute = n.routeNameAttribute || r.MatchesRouteName()
+		for _, h := range r.FingerprintHeaders {
+			add(h, "fingerprint header", r.Name)
+		}
+		add(r.TTLHeader, "ttl_header", r.Name)
+		if !slices.Contains(n.replayHeaders, r.ReplayHeader) {
+			n.replayHeaders = append(n.replayHeaders, r.ReplayHeader)
+		}
+	}
+	return n
+}
+
+// roleWhy says what hiding a request header of each role from the processor does.
+var roleWhy = map[string]string{
+	"key header":         "requests would look keyless: they pass through unprotected (or get 400 under missing_key: required)",
+	"scope header":       "every caller would share one scope and could be replayed another caller's response",
+	"fingerprint header": "requests that differ in it would replay each other instead of getting 422",
+	"ttl_header":         "per-request TTLs would be ignored",
+	"request":            "the processor could not tell the method or route of a request",
+	"content-type":       "gRPC requests would be covered although their replays cannot be faithful",
+}
+
+type checker struct {
+	d    Deployment
+	n    policyNeeds
+	errs []error
+}
+
+func (c *checker) refuse(field, format string, args ...any) {
+	c.errs = append(c.errs, &Refusal{Source: c.d.Source, Field: field, Reason: fmt.Sprintf(format, args...)})
+}
+
+func checkProtection(d Deployment, n policyNeeds) error {
+	if d.Filter == nil {
+		return fmt.Errorf("%s: no ext_proc filter config", d.Source)
+	}
+	c := &checker{d: d, n: n}
+	f, fp := d.Filter, d.FilterPath
+
+	if lr := d.LocalReply; lr != nil {
+		for i := range lr.GetMappers() {
+			c.refuse(fmt.Sprintf("%s.local_reply_config.mappers[%d]", d.HCMPath, i),
+				"rewrites the local replies it matches, and replays and the processor's problem responses are local replies: clients would get a different status, body or content-type")
+		}
+		if lr.GetBodyFormat() != nil {
+			c.refuse(d.HCMPath+".local_reply_config.body_format",
+				"rewrites the body of every local reply, and replays are local replies: a replayed body would not be the stored one")
+		}
+	}
+	c.forwardRules(fp+".forward_rules", f.GetForwardRules())
+	c.mutationRules(fp+".mutation_rules", f.GetMutationRules())
+	if f.GetProcessingRequestModifier() != nil {
+		c.refuse(fp+".processing_request_modifier", "may rename the attributes and metadata the processor looks up")
+	}
+	c.requestAttributes(fp+".request_attributes", f.GetRequestAttributes())
+	c.metadataOptions(fp+".metadata_options", f.GetMetadataOptions())
+
+	for _, e := range d.Routes {
+		c.route(e)
+	}
+	return errors.Join(c.errs...)
+}
+
+// forwardRules refuses forward rules that hide a header the processor reads or stores.
+func (c *checker) forwardRules(path string, fr *filterextproc.HeaderForwardingRules) {
+	if fr == nil {
+		return
+	}
+	type hidden struct{ names, whys []string }
+	byField := map[string]*hidden{}
+	var order []string
+	var evalErr error
+	hide := func(name, why string) {
+		field, err := forwardBlocker(fr, name)
+		if err != nil {
+			evalErr = err
+			return
+		}
+		if field == "" {
+			return
+		}
+		h := byField[field]
+		if h == nil {
+			h = &hidden{}
+			byField[field] = h
+			order = append(order, field)
+		}
+		h.names = append(h.names, name)
+		if !slices.Contains(h.whys, why) {
+			h.whys = append(h.whys, why)
+		}
+	}
+	hide(":method", roleWhy["request"])
+	hide(":path", roleWhy["request"])
+	hide("content-type", roleWhy["content-type"])
+	for _, h := range c.n.request {
+		hide(h.name, fmt.Sprintf("%s is a %s of route %q: %s", h.name, h.role, h.route, roleWhy[h.role]))
+	}
+	hide(":status", "the processor could not tell which responses to store")
+	for _, h := range storedHeaderSample {
+		hide(h, "stored responses would lack the response headers it hides: replays would differ from first responses")
+	}
+	if evalErr != nil {
+		c.refuse(path, "%v", evalErr)
+		return
+	}
+	for _, field := range order {
+		h := byField[field]
+		c.refuse(path+"."+field, "hides %s from the processor (forward rules apply to request and response headers alike): %s",
+			strings.Join(h.names, ", "), strings.Join(h.whys, "; "))
+	}
+}
+
+// forwardBlocker returns the forward_rules field that keeps Envoy from sending header name to
+// the processor, "" when it is sent. It follows Envoy's MutationUtils::headerCanBeForwarded: a
+// name matching a disallowed pattern is hidden; otherwise a non-empty allow list must match it.
+func forwardBlocker(fr *filterextproc.HeaderForwardingRules, name string) (string, error) {
+	for i, m := range fr.GetDisallowedHeaders().GetPatterns() {
+		ok, err := matchString(m, name)
+		if err != nil {
+			return "", fmt.Errorf("disallowed_headers.patterns[%d]: %w", i, err)
+		}
+		if ok {
+			return fmt.Sprintf("disallowed_headers.patterns[%d]", i), nil
+		}
+	}
+	allowed := fr.GetAllowedHeaders().GetPatterns()
+	if len(allowed) == 0 {
+		return "", nil
+	}
+	for i, m := range allowed {
+		ok, err := matchString(m, name)
+		if err != nil {
+			return "", fmt.Errorf("allowed_headers.patterns[%d]: %w", i, err)
+		}
+		if ok {
+			return "", nil
+		}
+	}
+	return "allowed_headers", nil
+}
+
+// matchString evaluates an Envoy StringMatcher against s the way Envoy does: ignore_case applies
+// to exact, prefix, suffix and contains; safe_regex must match the whole string (RE2 full match).
+func matchString(m *matcherv3.StringMatcher, s string) (bool, error) {
+	fold := func(x string) string {
+		if m.GetIgnoreCase() {
+			return strings.ToLower(x)
+		}
+		return x
+	}
+	switch p := m.GetMatchPattern().(type) {
+	case *matcherv3.StringMatcher_Exact:
+		return fold(s) == fold(p.Exact), nil
+	case *matcherv3.StringMatcher_Prefix:
+		return strings.HasPrefix(fold(s), fold(p.Prefix)), nil
+	case *matcherv3.StringMatcher_Suffix:
+		return strings.HasSuffix(fold(s), fold(p.Suffix)), nil
+	case *matcherv3.StringMatcher_Contains:
+		return strings.Contains(fold(s), fold(p.Contains)), nil
+	case *matcherv3.StringMatcher_SafeRegex:
+		return fullMatch(p.SafeRegex.GetRegex(), s)
+	}
+	return false, errors.New("a custom or empty string matcher cannot be evaluated here")
+}
+
+func fullMatch(re, s string) (bool, error) {
+	r, err := regexp.Compile(`^(?:` + re + `)$`)
+	if err != nil {
+		return false, fmt.Errorf("regex %q: %w", re, err)
+	}
+	return r.MatchString(s), nil
+}
+
+// mutationRules refuses header mutation rules that keep the processor's answers from carrying
+// the headers it sets, or that turn a refused mutation into a 500.
+func (c *checker) mutationRules(path string, r *mutationrulesv3.HeaderMutationRules) {
+	if r == nil {
+		r = &mutationrulesv3.HeaderMutationRules{} // Envoy's defaults still refuse x-envoy-* and routing headers
+	}
+	if r.GetDisallowIsError().GetValue() {
+		c.refuse(path+".disallow_is_error",
+			"a refused mutation in a CONTINUE answer fails the request with 500 after the upstream ran: the outcome is then unknown, and a retry may run it again")
+	}
+	type refused struct{ names, whys []string }
+	byField := map[string]*refused{}
+	var order []string
+	var evalErr error
+	check := func(name, why string) {
+		field, err := mutationBlocker(r, name)
+		if err != nil {
+			evalErr = err
+			return
+		}
+		if field == "" {
+			return
+		}
+		x := byField[field]
+		if x == nil {
+			x = &refused{}
+			byField[field] = x
+			order = append(order, field)
+		}
+		if !slices.Contains(x.names, name) {
+			x.names = append(x.names, name)
+		}
+		if !slices.Contains(x.whys, why) {
+			x.whys = append(x.whys, why)
+		}
+	}
+	for _, h := range c.n.replayHeaders {
+		check(h, "the replay header tells a client that it got a replay")
+	}
+	check("content-type", "problem responses and replays set content-type: Envoy would send text/plain")
+	check("retry-after", "409 request-in-progress answers carry retry-after")
+	for _, h := range storedHeaderSample {
+		check(h, "replays set the stored response headers: a replay would lack the ones refused")
+	}
+	if evalErr != nil {
+		c.refuse(path, "%v", evalErr)
+		return
+	}
+	for _, field := range order {
+		x := byField[field]
+		c.refuse(path+"."+field, "refuses mutations of %s (mutation rules apply to immediate responses too): %s",
+			strings.Join(x.names, ", "), strings.Join(x.whys, "; "))
+	}
+}
+
+// mutationBlocker returns the mutation_rules field that refuses a mutation of header name, ""
+// when it is allowed. It follows Envoy's MutationRules::Checker::isAllowed, in its order.
+func mutationBlocker(r *mutationrulesv3.HeaderMutationRules, name string) (string, error) {
+	name = strings.ToLower(name)
+	if re := r.GetDisallowExpression(); re != nil {
+		ok, err := fullMatch(re.GetRegex(), name)
+		if err != nil {
+			return "", fmt.Errorf("disallow_expression: %w", err)
+		}
+		if ok {
+			return "disallow_expression", nil
+		}
+	}
+	if re := r.GetAllowExpression(); re != nil {
+		ok, err := fullMatch(re.GetRegex(), name)
+		if err != nil {
+			return "", fmt.Errorf("allow_expression: %w", err)
+		}
+		if ok {
+			return "", nil
+		}
+	}
+	switch {
+	case r.GetDisallowAll().GetValue():
+		return "disallow_all", nil
+	case !r.GetAllowAllRouting().GetValue() && slices.Contains([]string{"host", ":authority", ":method", ":scheme"}, name):
+		return "allow_all_routing", nil
+	case r.GetDisallowSystem().GetValue() && strings.HasPrefix(name, ":"):
+		return "disallow_system", nil
+	case !r.GetAllowEnvoy().GetValue() && strings.HasPrefix(name, "x-envoy"):
+		return "allow_envoy", nil
+	}
+	return "", nil
+}
+
+func (c *checker) requestAttributes(path string, attrs []string) {
+	for _, want := range []struct {
+		attr string
+		need bool
+	}{
+		{"xds.route_name", c.n.routeNameAttribute},
+		{"connection.uri_san_peer_certificate", c.n.peerIdentity},
+	} {
+		if want.need && !slices.Contains(attrs, want.attr) {
+			c.refuse(path, "lacks %q, which the policy reads: %s", want.attr, attributeWhy[want.attr])
+		}
+	}
+}
+
+func (c *checker) metadataOptions(path string, mo *filterextproc.MetadataOptions) {
+	if c.n.jwtPayload && !slices.Contains(mo.GetForwardingNamespaces().GetUntyped(), JWTNamespace) {
+		c.refuse(path+".forwarding_namespaces.untyped", "lacks %q: the policy scopes by JWT claims, which would all be empty (every caller in one scope, or 401 under require_scope)", JWTNamespace)
+	}
+	if ns := c.n.outcomeNamespace; !slices.Contains(mo.GetReceivingNamespaces().GetUntyped(), ns) {
+		c.refuse(path+".receiving_namespaces.untyped", "lacks %q: Envoy drops the outcome the processor writes there, so access logs and traces never show it", ns)
+	}
+}
+
+// route checks one per-route config of the filter.
+func (c *checker) route(e RouteEntry) {
+	cfg := e.Config
+	if cfg == nil || cfg.GetDisabled() {
+		return
+	}
+	o := cfg.GetOverrides()
+	if o == nil {
+		return
+	}
+	path := e.Path + ".overrides"
+	if o.GetFailureModeAllow().GetValue() {
+		c.refuse(path+".failure_mode_allow", "requests on this route would bypass idempotency whenever the processor fails, and may run twice")
+	}
+	if o.GetProcessingRequestModifier() != nil {
+		c.refuse(path+".processing_request_modifier", "may rename the attributes and metadata the processor looks up")
+	}
+	if o.GetMetadataOptions() != nil {
+		c.metadataOptions(path+".metadata_options", o.GetMetadataOptions())
+	}
+	needsBody := c.n.anyBody
+	for i, h := range o.GetGrpcInitialMetadata() {
+		if !strings.EqualFold(h.GetKey(), RouteMetadataKey) {
+			continue
+		}
+		name := headerValueString(h)
+		body, ok := c.n.routes[name]
+		if !ok {
+			c.refuse(fmt.Sprintf("%s.grpc_initial_metadata[%d]", path, i),
+				"names policy route %q, which the policy does not define: the processor answers 500 unknown-idempotency-route", name)
+			continue
+		}
+		needsBody = body
+	}
+	if pm := o.GetProcessingMode(); pm != nil {
+		c.routeMode(path+".processing_mode", pm, needsBody)
+	}
+}
+
+func headerValueString(h *corev3.HeaderValue) string {
+	if v := h.GetValue(); v != "" {
+		return v
+	}
+	return string(h.GetRawValue())
+}
+
+// routeMode checks a per-route processing_mode, read as Envoy reads it.
+func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needsBody bool) {
+	const (
+		skip       = filterextproc.ProcessingMode_SKIP
+		send       = filterextproc.ProcessingMode_SEND
+		none       = filterextproc.ProcessingMode_NONE
+		streamed   = filterextproc.ProcessingMode_STREAMED
+		fullDuplex = filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+	)
+	if pm.GetRequestHeaderMode() == skip {
+		c.refuse(path+".request_header_mode",
+			"is SKIP: the processor would never see requests on this route, and covered ones would run unprotected (opt a route out with disabled: true)")
+	}
+	if pm.GetResponseHeaderMode() == skip {
+		c.refuse(path+".response_header_mode",
+			"is SKIP: the processor would never see the responses, so no record completes; each lease expires after lock_ttl and a retry runs again")
+	}
+	reqBody, respBody := pm.GetRequestBodyMode(), pm.GetResponseBodyMode()
+	switch reqBody {
+	case filterextproc.ProcessingMode_BUFFERED, streamed, filterextproc.ProcessingMode_BUFFERED_PARTIAL, fullDuplex:
+	case none:
+		if needsBody {
+			c.refuse(path+".request_body_mode",
+				"is NONE, but the policy route needs the body (fingerprint body or missing_key: body-hash): covered requests with a body get 500 body-not-available")
+		}
+	default:
+		c.refuse(path+".request_body_mode", "is %s, which the processor cannot claim under (GRPC is not implemented by Envoy)", reqBody)
+	}
+	switch respBody {
+	case none, filterextproc.ProcessingMode_BUFFERED, streamed, filterextproc.ProcessingMode_BUFFERED_PARTIAL, fullDuplex:
+	default:
+		c.refuse(path+".response_body_mode", "is %s, which the processor cannot capture (GRPC is not implemented by Envoy)", respBody)
+	}
+	switch m := pm.GetRequestTrailerMode(); {
+	case reqBody == fullDuplex && m != send:
+		c.refuse(path+".request_trailer_mode", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the body; Envoy refuses it at filter level)", m)
+	case m == send && reqBody != fullDuplex && reqBody != streamed:
+		c.refuse(path+".request_trailer_mode", "is SEND with request_body_mode %s: only STREAMED and FULL_DUPLEX_STREAMED read request trailers", reqBody)
+	}
+	if m := pm.GetResponseTrailerMode(); respBody == fullDuplex && m != send {
+		c.refuse(path+".response_trailer_mode", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the response; Envoy refuses it at filter level)", m)
+	}
+}
