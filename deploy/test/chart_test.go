@@ -441,3 +441,16 @@ func TestChartImage(t *testing.T) {
 	}
 	require.True(t, slices.Contains(ch.Metadata.Keywords, "envoy"))
 }
+
+// A policy given as a string (helm install --set-file policy=FILE) is written verbatim.
+func TestChartPolicyFromFile(t *testing.T) {
+	const file = "# ours\ndefaults:\n  ttl: 1h\nstore_timeout: 150ms\n"
+	objs, err := decodeAll(mustRender(t, map[string]any{"policy": file}))
+	require.NoError(t, err)
+	cms := find[*corev1.ConfigMap](objs, "v1/ConfigMap")
+	require.Len(t, cms, 1)
+	require.Equal(t, strings.TrimSpace(file), strings.TrimSpace(cms[0].Data["policy.yaml"]))
+	p, err := policy.Parse([]byte(cms[0].Data["policy.yaml"]))
+	require.NoError(t, err)
+	require.Equal(t, "150ms", p.StoreTimeout.String())
+}
