@@ -160,7 +160,7 @@ func metricNames(expr string) ([]string, error) {
 		}
 		name := vs.Name
 		for _, m := range vs.LabelMatchers {
-			if m.Name == labels.MetricName {
+			if m.Name == model.MetricNameLabel {
 				if m.Type != labels.MatchEqual {
 					errs = append(errs, fmt.Errorf("selector %s matches __name__ with %s", vs, m.Type))
 				}

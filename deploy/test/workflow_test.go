@@ -63,9 +63,6 @@ func TestWorkflow(t *testing.T) {
 	}
 	line := regexp.MustCompile(`(?m)^Supported Envoy releases: (.+)\.$`).FindSubmatch(docs)
 	require.NotNil(t, line, `no "Supported Envoy releases: …." line in README.md or docs/notes/deploy.md`)
-	var documented []string
-	for _, m := range regexp.MustCompile(`1\.\d+`).FindAllString(string(line[1]), -1) {
-		documented = append(documented, m)
-	}
+	documented := regexp.MustCompile(`1\.\d+`).FindAllString(string(line[1]), -1)
 	require.Equal(t, documented, versions, "the e2e matrix runs the documented Envoy releases")
 }
