@@ -6,12 +6,12 @@ STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 FUZZTIME ?= 10000x
 PKGS := ./...
 
-.PHONY: help test lint unit allocs bench bench-compare fuzz run
+.PHONY: help test lint unit allocs bench bench-compare fuzz run deploy-test
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-test: lint unit allocs bench fuzz ## the whole suite, as CI runs it: lint, race tests, allocation tests, benchmarks once, short fuzzing
+test: lint unit allocs bench fuzz deploy-test ## the whole suite, as CI runs it: lint, race tests, allocation tests, benchmarks once, short fuzzing, deploy/
 
 lint: ## gofmt, go vet and staticcheck must be clean
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
@@ -26,6 +26,9 @@ allocs: ## the tests that count allocations, without the race detector, which ad
 
 bench: ## every benchmark once, so they keep compiling and running
 	$(GO) test -run '^$$' -bench . -benchtime 1x -benchmem -count=1 $(PKGS)
+
+deploy-test: ## deploy/test, a module of its own: the Helm chart, dashboard, alerts, Dockerfile and CI workflow
+	cd deploy/test && $(GO) vet ./... && $(GO) test -count=1 -timeout 15m ./...
 
 bench-compare: ## the comparative benchmark of docs/performance.md (needs redis-server, redis-benchmark)
 	$(GO) run ./e2e/bench -duration 10s -rounds 5
