@@ -51,18 +51,52 @@ func writeDocs(t *testing.T, r rendered, gvks ...string) string {
 	return p
 }
 
+// withAppRoutes appends to the rendered file at path an HTTPRoute for each HTTPRoute the policy
+// targets: the application's routes, which the chart does not render and Envoy Gateway needs to
+// name the xDS routes the filter runs on.
+func withAppRoutes(t *testing.T, path string, pol *egv1a1.EnvoyExtensionPolicy) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	for _, ref := range pol.Spec.TargetRefs {
+		if ref.Kind != "HTTPRoute" {
+			continue
+		}
+		b = fmt.Appendf(b, `---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {name: %s, namespace: %s}
+spec:
+  parentRefs: [{name: eg}]
+  hostnames: [api.example.com]
+  rules:
+  - name: api
+    matches: [{path: {type: PathPrefix, value: /}}]
+    backendRefs: [{name: %s, port: 8080}]
+`, ref.Name, pol.Namespace, ref.Name)
+	}
+	require.NoError(t, os.WriteFile(path, b, 0o600))
+	return path
+}
+
 // storeTimeout is the store_timeout of the set's rendered policy.
 func (r rendered) storeTimeout(t *testing.T) time.Duration {
+	t.Helper()
+	return r.policy(t).StoreTimeout
+}
+
+// policy is the set's rendered policy.
+func (r rendered) policy(t *testing.T) *policy.Policy {
 	t.Helper()
 	for _, cm := range find[*corev1.ConfigMap](r.objs, "v1/ConfigMap") {
 		if data, ok := cm.Data["policy.yaml"]; ok {
 			p, err := policy.Parse([]byte(data))
 			require.NoError(t, err)
-			return p.StoreTimeout
+			return p
 		}
 	}
 	t.Fatal("no policy ConfigMap")
-	return 0
+	return nil
 }
 
 func (r rendered) service(t *testing.T) (*corev1.Service, int32) {
@@ -125,10 +159,14 @@ func TestChartIstioMeetsSpec(t *testing.T) {
 	for _, name := range meshSets {
 		t.Run(name, func(t *testing.T) {
 			r := renderSet(t, name)
-			f, err := envoyconf.IstioExtProc(writeDocs(t, r, "networking.istio.io/v1alpha3/EnvoyFilter"))
+			file := writeDocs(t, r, "networking.istio.io/v1alpha3/EnvoyFilter")
+			f, err := envoyconf.IstioExtProc(file)
 			require.NoError(t, err)
 			require.NoError(t, envoyconf.Validate(f))
 			require.NoError(t, envoyconf.CheckSpec(f, r.storeTimeout(t)))
+			d, err := envoyconf.IstioDeployment(file)
+			require.NoError(t, err)
+			require.NoError(t, envoyconf.CheckProtection(d, r.policy(t)), "the checks that hold envoy/ hold the chart too")
 
 			requireSuperset(t, f.GetRequestAttributes(), wantRequestAttributes, "request_attributes")
 			requireSuperset(t, f.GetResponseAttributes(), wantResponseAttributes, "response_attributes")
@@ -182,16 +220,21 @@ func TestChartEnvoyGatewayMeetsSpec(t *testing.T) {
 		btp = "gateway.envoyproxy.io/v1alpha1/BackendTrafficPolicy"
 		rg  = "gateway.networking.k8s.io/v1beta1/ReferenceGrant"
 	)
-	shipped, shippedLimits, err := envoyconf.EnvoyGatewayExtProc(filepath.Join(repoRoot, "envoy", "envoy-gateway.yaml"))
+	shippedPolicies, shippedLimits, err := envoyconf.EnvoyGateway(filepath.Join(repoRoot, "envoy", "envoy-gateway.yaml"))
 	require.NoError(t, err)
+	require.NotEmpty(t, shippedPolicies)
+	shipped := shippedPolicies[0].Deployment.Filter
 	for _, name := range meshSets {
 		t.Run(name, func(t *testing.T) {
 			r := renderSet(t, name)
-			f, limits, err := envoyconf.EnvoyGatewayExtProc(writeDocs(t, r, eep, ctp, btp, rg))
+			pols, limits, err := envoyconf.EnvoyGateway(withAppRoutes(t, writeDocs(t, r, eep, ctp, btp, rg), the[*egv1a1.EnvoyExtensionPolicy](t, r, eep)))
 			require.NoError(t, err)
+			require.Len(t, pols, 1, "the chart renders one EnvoyExtensionPolicy")
+			f := pols[0].Deployment.Filter
 			require.NoError(t, envoyconf.Validate(f))
 			require.NoError(t, envoyconf.CheckSpec(f, r.storeTimeout(t)))
-			checkThresholds(t, limits.CircuitBreaker)
+			require.NoError(t, envoyconf.CheckProtection(pols[0].Deployment, r.policy(t)), "the checks that hold envoy/ hold the chart too")
+			checkThresholds(t, pols[0].CircuitBreaker)
 			require.GreaterOrEqual(t, limits.ClientBufferLimit, uint32(1<<20))
 			require.GreaterOrEqual(t, limits.BackendBufferLimit, uint32(1<<20))
 			requireSuperset(t, f.GetRequestAttributes(), wantRequestAttributes, "request attributes")

@@ -309,7 +309,11 @@ func TestQueriedMetricsExist(t *testing.T) {
 	for _, cm := range find[*corev1.ConfigMap](r.objs, "v1/ConfigMap") {
 		policyYAML = cm.Data["policy.yaml"]
 	}
-	proc := startBinary(t, c.Args, policyYAML)
+	// The records API's series exist once it is on (the chart turns it on with an admin token
+	// Secret, which the memory set leaves off).
+	token := filepath.Join(t.TempDir(), "admin-token")
+	require.NoError(t, os.WriteFile(token, []byte("metrics-test-token\n"), 0o600))
+	proc := startBinary(t, append(slices.Clone(c.Args), "--admin-token-file="+token), policyYAML)
 
 	meshes := renderSet(t, "meshes")
 	filter, err := envoyconf.IstioExtProc(writeDocs(t, meshes, "networking.istio.io/v1alpha3/EnvoyFilter"))
