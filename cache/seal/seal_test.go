@@ -327,6 +327,17 @@ func FuzzOpen(f *testing.F) {
 // FuzzParseKeyring checks that no file panics the parser and that no error holds the text after
 // the ':' of any line (a key, or part of one), unless that text is also a valid id listed in the
 // file, which errors may name.
+// inAnID reports whether s is part of one of the ids, which the messages may name: a key that is
+// a piece of its own line's id (0000000:000000) is no secret the message could leak.
+func inAnID(ids map[string]bool, s string) bool {
+	for id := range ids {
+		if strings.Contains(id, s) {
+			return true
+		}
+	}
+	return false
+}
+
 func FuzzParseKeyring(f *testing.F) {
 	_, a := testKey('a')
 	f.Add([]byte("k1:" + a + "\n"))
@@ -356,7 +367,7 @@ seal: line : key "": the key decodes to  bytes, want 32 (AES-256)`
 		for _, line := range strings.Split(string(data), "\n") {
 			_, secret, ok := strings.Cut(line, ":")
 			secret = strings.TrimSpace(secret)
-			if !ok || len(secret) < 6 || ids[secret] || strings.Contains(wording, secret) {
+			if !ok || len(secret) < 6 || ids[secret] || strings.Contains(wording, secret) || inAnID(ids, secret) {
 				continue
 			}
 			require.NotContains(t, err.Error(), secret)
