@@ -187,6 +187,11 @@ type stackOptions struct {
 	// localReplies makes the emulator send router-generated replies to the processor, as some
 	// Envoy versions do (reference §7). A real Envoy does what its version does.
 	localReplies bool
+	// shapes pins how the emulator cuts bodies into messages, for tests that need one shape
+	// reproduced; a real Envoy cuts them as its timing says.
+	shapes func(*http.Request) proxy.Shapes
+	// accessLog receives the emulator's access-log records (a real Envoy writes its own log).
+	accessLog func(proxy.Record)
 }
 
 type stack struct {
@@ -245,6 +250,7 @@ func newStack(t *testing.T, o stackOptions) *stack {
 	// and tracing reach the emulator as they reach a real Envoy.
 	cfg := settings.ProxyConfig(addrs, upURL)
 	cfg.Envoy = proxy.Behaviour{SkipExtProcOnLocalReply: !o.localReplies}
+	cfg.Shapes, cfg.AccessLog = o.shapes, o.accessLog
 	s.proxy = proxy.Start(t, cfg)
 	s.url = s.proxy.URL()
 	return s

@@ -242,6 +242,7 @@ func TestEnvoyYAMLProxySettings(t *testing.T) {
 	require.Equal(t, "refunds", s.Routes[2].ExtProc.GetOverrides().GetGrpcInitialMetadata()[0].GetValue(),
 		"the refunds route names its policy route in the stream's initial metadata")
 	require.Contains(t, s.JWTAuthn.GetProviders(), "demo", "jwt_authn runs before ext_proc")
+	require.Equal(t, "demo", s.Routes[1].JWT.GetRequirementName(), "the transfers route requires the demo provider's token")
 	s.JWTAuthn = nil
 	require.Equal(t, Settings{
 		FilterName:          "envoy.filters.http.ext_proc",
@@ -251,7 +252,7 @@ func TestEnvoyYAMLProxySettings(t *testing.T) {
 		DisabledPrefixes:    []string{"/healthz"},
 		Routes: []proxy.Route{
 			{Name: "healthz", Prefix: "/healthz", Timeout: 15 * time.Second, ExtProc: s.Routes[0].ExtProc},
-			{Name: "transfers", Prefix: "/v1/transfers", Timeout: 30 * time.Second},
+			{Name: "transfers", Prefix: "/v1/transfers", Timeout: 30 * time.Second, JWT: s.Routes[1].JWT},
 			{Name: "refunds", Prefix: "/v1/refunds", Timeout: 30 * time.Second, ExtProc: s.Routes[2].ExtProc},
 			{Name: "documents", Prefix: "/v1/documents", Timeout: 30 * time.Second},
 			{Name: "default", Prefix: "/", Timeout: 30 * time.Second},

@@ -219,9 +219,10 @@ func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
 	if s.VirtualHostExtProc, err = perRoute(vh.GetTypedPerFilterConfig()[filterName]); err != nil {
 		return Settings{}, fmt.Errorf("virtual host %q: %w", vh.GetName(), err)
 	}
+	jwtName := jwtFilterName(hcm)
 	var root *routev3.Route
 	for i, r := range vh.GetRoutes() {
-		rt, err := proxyRoute(r, filterName)
+		rt, err := proxyRoute(r, filterName, jwtName)
 		if err != nil {
 			return Settings{}, fmt.Errorf("virtual host %q route %d (%q): %w", vh.GetName(), i, r.GetName(), err)
 		}
@@ -299,9 +300,20 @@ func perRoute(a *anypb.Any) (*filterextproc.ExtProcPerRoute, error) {
 	return nil, fmt.Errorf("unexpected per-route config %s for ext_proc", m.ProtoReflect().Descriptor().FullName())
 }
 
-// proxyRoute maps one route: its name, match, metadata, timeout and ext_proc per-route config.
-// Matches on headers or query parameters, and route actions other than a cluster, are errors.
-func proxyRoute(r *routev3.Route, filterName string) (proxy.Route, error) {
+// jwtFilterName returns the name of the connection manager's jwt_authn filter, "" when none.
+func jwtFilterName(hcm *hcmv3.HttpConnectionManager) string {
+	for _, f := range hcm.GetHttpFilters() {
+		if tc := f.GetTypedConfig(); tc != nil && tc.MessageIs(&jwtauthnv3.JwtAuthentication{}) {
+			return f.GetName()
+		}
+	}
+	return ""
+}
+
+// proxyRoute maps one route: its name, match, metadata, timeout and the per-route config of the
+// ext_proc filter and of the jwt_authn filter jwtName. Matches on headers or query parameters,
+// and route actions other than a cluster, are errors.
+func proxyRoute(r *routev3.Route, filterName, jwtName string) (proxy.Route, error) {
 	m := r.GetMatch()
 	if len(m.GetHeaders()) > 0 || len(m.GetQueryParameters()) > 0 || m.GetGrpc() != nil || m.GetRuntimeFraction() != nil {
 		return proxy.Route{}, errors.New("matches on headers, query parameters, grpc or runtime are not supported by the test proxy")
@@ -336,6 +348,12 @@ func proxyRoute(r *routev3.Route, filterName string) (proxy.Route, error) {
 	var err error
 	if rt.ExtProc, err = perRoute(r.GetTypedPerFilterConfig()[filterName]); err != nil {
 		return proxy.Route{}, err
+	}
+	if a := r.GetTypedPerFilterConfig()[jwtName]; a != nil && jwtName != "" {
+		rt.JWT = &jwtauthnv3.PerRouteConfig{}
+		if err := a.UnmarshalTo(rt.JWT); err != nil {
+			return proxy.Route{}, fmt.Errorf("jwt_authn per-route config: %w", err)
+		}
 	}
 	return rt, nil
 }

@@ -130,6 +130,9 @@ type Route struct {
 	Metadata *corev3.Metadata
 	// ExtProc is the route's typed_per_filter_config for the ext_proc filter.
 	ExtProc *filterextproc.ExtProcPerRoute
+	// JWT is the route's typed_per_filter_config for the jwt_authn filter (Config.JWTAuthn):
+	// disabled, or the name of a requirement of its requirement_map.
+	JWT *jwtauthnv3.PerRouteConfig
 	// Timeout is the route's timeout; 0 means Config.RouteTimeout, a negative value none.
 	Timeout time.Duration
 }

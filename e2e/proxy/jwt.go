@@ -175,10 +175,27 @@ func (f *jwtFilter) checkRequirement(r *jwtauthnv3.JwtRequirement) error {
 func (f *jwtFilter) decodeHeaders(x *exchange) bool {
 	path, _ := x.dec.hdrs.get(":path")
 	var req *jwtauthnv3.JwtRequirement
-	for _, r := range f.rules {
-		if r.rt.matches(path) {
-			req = r.req
-			break
+	if pr := x.routeJWT(); pr != nil {
+		// A route's own config wins over the rules (jwt_authn filter.cc Filter::decodeHeaders:
+		// a per-route config found by resolveMostSpecificPerFilterConfig goes to
+		// FilterConfigImpl::findPerRouteVerifier): disabled verifies nothing, requirement_name
+		// names one of requirement_map, an unknown name is a 403.
+		if pr.GetDisabled() {
+			return true
+		}
+		if req = f.requireds[pr.GetRequirementName()]; req == nil {
+			x.sendLocalReply(localReply{
+				code: http.StatusForbidden, body: "Failed JWT authentication: wrong requirement_name",
+				details: "jwt_authn_access_denied{Wrong_requirement_name}",
+			})
+			return false
+		}
+	} else {
+		for _, r := range f.rules {
+			if r.rt.matches(path) {
+				req = r.req
+				break
+			}
 		}
 	}
 	if req == nil {
@@ -220,6 +237,14 @@ func (f *jwtFilter) decodeHeaders(x *exchange) bool {
 		x.setMetadata(jwtNamespace, extracted)
 	}
 	return true
+}
+
+// routeJWT returns the matched route's jwt_authn config, or nil.
+func (x *exchange) routeJWT() *jwtauthnv3.PerRouteConfig {
+	if x.route == nil {
+		return nil
+	}
+	return x.route.JWT
 }
 
 // originalURI is Http::Utility::buildOriginalUri with jwt_authn's 256-character limit on the path.

@@ -75,6 +75,7 @@ type Request struct {
 type Upstream struct {
 	mu       sync.Mutex
 	counts   map[string]int
+	ran      map[string]int // requests whose whole body was read
 	total    int
 	active   int
 	requests []Request
@@ -87,7 +88,7 @@ type Upstream struct {
 // New returns an Upstream that is not listening; serve it with httptest or http.Server, and
 // call Close to release requests that hang.
 func New() *Upstream {
-	return &Upstream{counts: make(map[string]int), done: make(chan struct{})}
+	return &Upstream{counts: make(map[string]int), ran: make(map[string]int), done: make(chan struct{})}
 }
 
 // Start serves a new Upstream on 127.0.0.1 on a free port until the test ends.
@@ -123,6 +124,16 @@ func (u *Upstream) Count(key string) int {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	return u.counts[key]
+}
+
+// Ran returns the number of requests for key whose whole body the upstream read: the executions
+// of a handler that acts on a request once it has its body. It is below Count when requests
+// arrived and were reset before their body ended, as a STREAMED request whose chunks the
+// processor never let through (SPEC §8).
+func (u *Upstream) Ran(key string) int {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.ran[key]
 }
 
 // Total returns the number of requests seen.
@@ -189,6 +200,7 @@ func (u *Upstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	sum := hex.EncodeToString(h.Sum(nil))
 	u.mu.Lock()
 	u.requests[idx].BodySHA256 = sum
+	u.ran[key]++
 	u.mu.Unlock()
 
 	if r.Header.Get("X-Test-Hang") == "true" {
