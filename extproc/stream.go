@@ -998,6 +998,7 @@ func (st *stream) finish() {
 		} else {
 			st.unknownOutcome(0)
 		}
+		st.fire(evSettle)
 	}
 	if st.route == nil {
 		return

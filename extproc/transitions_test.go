@@ -1,0 +1,153 @@
+package extproc
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
+)
+
+// Messages for the table walk.
+func hdrs(method, key string, eos bool, mode filterextproc.ProcessingMode_BodySendMode) *extprocv3.ProcessingRequest {
+	h := []*corev3.HeaderValue{{Key: ":method", RawValue: []byte(method)}, {Key: ":path", RawValue: []byte("/v1/payments")}}
+	if key != "" {
+		h = append(h, &corev3.HeaderValue{Key: "idempotency-key", RawValue: []byte(key)})
+	}
+	return &extprocv3.ProcessingRequest{
+		Request:        &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: h}, EndOfStream: eos}},
+		ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: mode, ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED},
+	}
+}
+
+func reqBody(b string, eos bool) *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(b), EndOfStream: eos}}}
+}
+
+func respHdrs(status string, eos bool, details string, attempts float64) *extprocv3.ProcessingRequest {
+	attrs, _ := structpb.NewStruct(map[string]any{attrCodeDetails: details, attrAttemptCount: attempts})
+	return &extprocv3.ProcessingRequest{
+		Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+			Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte(status)}}}, EndOfStream: eos,
+		}},
+		Attributes: map[string]*structpb.Struct{extProcAttributes: attrs},
+	}
+}
+
+func respBody(b string) *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte(b), EndOfStream: true}}}
+}
+
+// downStore is a store whose Acquire fails.
+type downStore struct{ cache.Store }
+
+func (downStore) Acquire(context.Context, string, cache.Claim) (cache.Lease, *cache.Record, error) {
+	return cache.Lease{}, nil, context.DeadlineExceeded
+}
+
+// TestTransitionTable walks every row of the stream's transition table with the messages Envoy
+// sends, checking the state before and after the row's message, and that no row is left unwalked.
+// Each (from, to) pair appears once in the table, so the states name the row.
+func TestTransitionTable(t *testing.T) {
+	const buffered, streamed = filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED
+	scenarios := []struct {
+		name   string
+		policy string
+		down   bool                           // the store fails
+		prior  []*extprocv3.ProcessingRequest // sent first on another stream, left open
+		setup  []*extprocv3.ProcessingRequest
+		move   *extprocv3.ProcessingRequest // the row's message; nil: the stream ends
+		from   state
+		to     state
+	}{
+		{"not covered", "", false, nil, nil, hdrs("GET", "", true, buffered), stateStart, statePass},
+		{"400 at the headers", "", false, nil, nil, hdrs("POST", "bad key", false, buffered), stateStart, stateSettled},
+		{"the body is needed", "", false, nil, nil, hdrs("POST", "k1", false, buffered), stateStart, stateCollect},
+		{"claimed at the headers", "", false, nil, nil, hdrs("POST", "k2", true, buffered), stateStart, stateRunning},
+		{"store down, fail open, at the headers", "fail_mode: open", true, nil, nil, hdrs("POST", "k3", true, buffered), stateStart, stateUnprotected},
+		{"shadow: would answer at the body", "defaults: {mode: shadow}", false, []*extprocv3.ProcessingRequest{hdrs("POST", "k4", true, buffered)}, []*extprocv3.ProcessingRequest{hdrs("POST", "k4", false, streamed)}, reqBody("x", true), stateCollect, statePass},
+		{"413 at the body", "defaults: {max_request_bytes: 1}", false, nil, []*extprocv3.ProcessingRequest{hdrs("POST", "k5", false, streamed)}, reqBody("xx", true), stateCollect, stateSettled},
+		{"claimed at the body", "", false, nil, []*extprocv3.ProcessingRequest{hdrs("POST", "k6", false, buffered)}, reqBody("x", true), stateCollect, stateRunning},
+		{"store down, fail open, at the body", "fail_mode: open", true, nil, []*extprocv3.ProcessingRequest{hdrs("POST", "k7", false, buffered)}, reqBody("x", true), stateCollect, stateUnprotected},
+		{"storable, body follows", "", false, nil, []*extprocv3.ProcessingRequest{hdrs("POST", "k8", true, buffered)}, respHdrs("201", false, "via_upstream", 1), stateRunning, stateCapture},
+		{"released at the response headers", "", false, nil, []*extprocv3.ProcessingRequest{hdrs("POST", "k9", true, buffered)}, respHdrs("500", false, "via_upstream", 1), stateRunning, stateSettled},
+		{"the body's end", "", false, nil, []*extprocv3.ProcessingRequest{hdrs("POST", "k10", true, buffered), respHdrs("201", false, "via_upstream", 1)}, respBody("ok"), stateCapture, stateSettled},
+		{"unprotected response", "fail_mode: open", true, nil, []*extprocv3.ProcessingRequest{hdrs("POST", "k11", true, buffered)}, respHdrs("201", false, "via_upstream", 1), stateUnprotected, stateSettled},
+	}
+	walked := map[[2]state]bool{}
+	for _, sc := range scenarios {
+		t.Run(sc.name, func(t *testing.T) {
+			p, err := policy.Parse([]byte(sc.policy))
+			require.NoError(t, err)
+			clk := clock.NewFake(time.Unix(1_700_000_000, 0))
+			mem, err := cache.NewMemory(cache.MemoryOptions{Clock: clk})
+			require.NoError(t, err)
+			var store cache.Store = mem
+			if sc.down {
+				store = downStore{mem}
+			}
+			s, err := NewServer(Options{Store: store, Policy: p, Clock: clk})
+			require.NoError(t, err)
+			if sc.prior != nil {
+				first := newStream(s, t.Context())
+				defer first.finish()
+				for _, m := range sc.prior {
+					_, ok := first.handle(m)
+					require.True(t, ok)
+				}
+			}
+			st := newStream(s, t.Context())
+			defer st.finish()
+			for _, m := range sc.setup {
+				_, ok := st.handle(m)
+				require.True(t, ok)
+			}
+			require.Equal(t, sc.from, st.state, "before the row's message")
+			_, ok := st.handle(sc.move)
+			require.True(t, ok)
+			require.Equal(t, sc.to, st.state, "after it")
+			to, ok := next(sc.from, eventOf(t, sc.from, sc.to))
+			require.True(t, ok)
+			require.Equal(t, sc.to, to)
+			walked[[2]state{sc.from, sc.to}] = true
+		})
+	}
+	for _, row := range transitions {
+		require.True(t, walked[[2]state{row.from, row.to}], "row %v --%v--> %v is walked", row.from, row.on, row.to)
+	}
+	// Moves not in the table are refused.
+	_, ok := next(stateSettled, evRun)
+	require.False(t, ok)
+	_, ok = next(statePass, evStore)
+	require.False(t, ok)
+}
+
+// eventOf returns the event of the table's only row from → to.
+func eventOf(t *testing.T, from, to state) event {
+	t.Helper()
+	for _, row := range transitions {
+		if row.from == from && row.to == to {
+			return row.on
+		}
+	}
+	t.Fatalf("no row %v → %v", from, to)
+	return 0
+}
+
+// Each (from, to) pair is one row, which lets the walk above name rows by their states.
+func TestTransitionPairsAreUnique(t *testing.T) {
+	seen := map[[2]state]bool{}
+	for _, row := range transitions {
+		k := [2]state{row.from, row.to}
+		require.False(t, seen[k], "%v → %v twice", row.from, row.to)
+		seen[k] = true
+	}
+}
