@@ -43,7 +43,7 @@ type recordsAPI struct {
 // The op and result labels of idempotency_admin_requests_total.
 var (
 	recordOps     = []string{"get", "purge"}
-	recordResults = []string{"ok", "not_found", "unauthorized", "bad_request", "store_error"}
+	recordResults = []string{"ok", "unreadable", "not_found", "unauthorized", "bad_request", "store_error"}
 )
 
 func newRecordsAPI(store cache.Store, token []byte, prefixes []string, timeout time.Duration, log zerolog.Logger, reg prometheus.Registerer) (*recordsAPI, error) {
@@ -112,6 +112,11 @@ func (a *recordsAPI) handle(w http.ResponseWriter, r *http.Request, op, keyHash 
 		case op == "purge":
 			w.WriteHeader(http.StatusNoContent)
 			return "ok"
+		}
+		if rec == nil { // ErrCorrupt: it exists, but this replica cannot open it
+			w.Header().Set("Content-Type", "application/json")
+			_ = json.NewEncoder(w).Encode(recordView{KeyHash: keyHash, State: "unreadable"})
+			return "unreadable"
 		}
 		view := recordView{KeyHash: keyHash, Route: rec.Route, State: "pending"}
 		if rec.State == cache.Completed {

@@ -4,6 +4,7 @@ import (
 	"encoding/base64"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/alicebob/miniredis/v2"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -62,4 +63,60 @@ func TestRunSealsRecordsAndKeysTheirNames(t *testing.T) {
 	require.NotEqual(t, plainName, keyedName, "an HMAC name, not the SHA-256 one")
 	again, _ := storeOnce(t, "--key-hash-secret-file", secret)
 	require.Equal(t, keyedName, again, "stable under one secret")
+}
+
+// A record this replica cannot open (sealed under a key it does not hold) is never run again
+// (SPEC §12): a duplicate gets 409 response-not-replayable, whatever fail_mode says, with an
+// error log that names no secret; the records API shows it as unreadable and purges it, after
+// which the retry runs.
+func TestUnreadableRecordIsNotRunAgain(t *testing.T) {
+	keyA := "a:" + base64.StdEncoding.EncodeToString([]byte(strings.Repeat("A", 32)))
+	keyB := "b:" + base64.StdEncoding.EncodeToString([]byte(strings.Repeat("B", 32)))
+	const token = "adm-unreadable-token"
+	tokenFile := writeNamed(t, "token", token+"\n")
+	mr := miniredis.RunT(t)
+
+	// Completed under key a.
+	_, ready, cancel, done := runOnMiniredis(t, mr, runOptions{}, "--record-keys-file", writeNamed(t, "keys-a", keyA+"\n"))
+	s := openClaim(t, ready["grpc_addr"].(string), "k")
+	require.NoError(t, s.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("201")}}},
+	}}}))
+	_, err := s.Recv()
+	require.NoError(t, err)
+	require.NoError(t, s.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte("paid"), EndOfStream: true}}}))
+	_, err = s.Recv()
+	require.NoError(t, err)
+	cancel()
+	require.NoError(t, <-done)
+
+	// A replica that holds only key b, failing open.
+	policyFile := writeFile(t, "fail_mode: open\n")
+	logs, ready, cancel, done := runOnMiniredis(t, mr, runOptions{drainTimeout: 200 * time.Millisecond}, "--record-keys-file", writeNamed(t, "keys-b", keyB+"\n"),
+		"--config", policyFile, "--admin-token-file", tokenFile)
+	defer func() { cancel(); require.NoError(t, <-done) }()
+	addr, adminURL := ready["grpc_addr"].(string), "http://"+ready["admin_addr"].(string)
+	dup, err := extprocv3.NewExternalProcessorClient(dial(t, addr)).Process(t.Context())
+	require.NoError(t, err)
+	require.NoError(t, dup.Send(bodilessPost("k")))
+	resp, err := dup.Recv()
+	require.NoError(t, err)
+	imm := resp.GetImmediateResponse()
+	require.NotNil(t, imm, "answered, not sent upstream")
+	require.Equal(t, 409, int(imm.GetStatus().GetCode()))
+	require.Contains(t, string(imm.GetBody()), `"code":"response-not-replayable"`)
+	line := logs.wait(t, "stored record cannot be read; answering response-not-replayable", 5*time.Second)
+	require.Equal(t, "error", line["level"])
+	require.NotContains(t, logs.String(), strings.Repeat("B", 32))
+	require.NotContains(t, logs.String(), base64.StdEncoding.EncodeToString([]byte(strings.Repeat("B", 32))))
+
+	hash := keyHashOf(t, policyFile, "/v1/payments", "k")
+	out, err := recordsCall(t, adminURL, tokenFile, "get", hash)
+	require.NoError(t, err)
+	require.Contains(t, out, `"state": "unreadable"`)
+	out, err = recordsCall(t, adminURL, tokenFile, "purge", hash)
+	require.NoError(t, err)
+	require.Equal(t, "purged "+hash+"\n", out)
+	openClaim(t, addr, "k") // the retry runs
+	require.Contains(t, scrape(t, adminURL+"/metrics"), `idempotency_admin_requests_total{op="get",result="unreadable"} 1`)
 }
