@@ -126,6 +126,17 @@ func TestRequestBodyLimits(t *testing.T) {
 			small.trailers, small.bufferLimit = false, 0
 			require.True(t, h.run(post("/v1/payments", "k", `{}`), small, created).ran)
 		})
+		// In shadow mode the same request goes on untouched, its whole body reaching the
+		// upstream (the simulator checks it byte for byte), and is counted as would-be 413.
+		t.Run(tc.name+", shadow", func(t *testing.T) {
+			h := newHarness(t, harnessOptions{policy: "defaults: {max_request_bytes: 1024, mode: shadow}"})
+			res := h.run(post("/v1/payments", "k", bigBody(1500)), tc.sh, created)
+			require.False(t, res.stalled, "every message is answered")
+			require.True(t, res.ran)
+			require.Equal(t, 201, res.status)
+			h.waitIdle(t)
+			require.Equal(t, 1.0, h.counter("idempotency_shadow_total", "route", "default", "would", "too_large"))
+		})
 	}
 }
 

@@ -165,11 +165,12 @@ type stream struct {
 
 	// What the claim at the body's end owes Envoy: the header answer (when Envoy sends the body
 	// without waiting for it), the body chunks' answers, the trailers' answer. reqBody holds the
-	// body collected so far.
+	// body collected so far; reqEnded says whether its last chunk came.
 	owedHeaders  bool
 	owedChunks   int
 	owedTrailers bool
 	reqBody      []byte
+	reqEnded     bool
 
 	// The response being captured.
 	status      int
@@ -481,19 +482,27 @@ func (st *stream) requestBody(chunk []byte, eos bool) {
 		// A partial buffer (end_of_stream false: Envoy's buffer limit was reached, the rest
 		// would pass unseen) can neither fingerprint the request nor stand for its key.
 		// Trailers also make end_of_stream false: such requests are refused too, rather than
-		// let one run unclaimed.
+		// let one run unclaimed. (In shadow mode the buffer's answer is owed, and sent.)
+		st.owedChunks = 1
 		if !eos {
 			st.reject(problemTooLarge)
 			return
 		}
-		st.owedChunks = 1
 		st.claim(chunk)
 		return
 	}
 	// STREAMED and FULL_DUPLEX_STREAMED: Envoy may send the body as one message or as many,
 	// pipelined (reference §17.1). Collect it, withholding every answer, and claim at its end.
+	st.reqEnded = eos
 	if len(st.reqBody)+len(chunk) > st.route.MaxRequestBytes {
-		st.reqBody = nil
+		if st.shadow() {
+			// The request goes on untouched: this chunk's answer is owed too, and in
+			// FULL_DUPLEX_STREAMED the chunk itself, streamed back with what came before it.
+			st.reqBody = append(st.reqBody, chunk...)
+			st.owedChunks++
+		} else {
+			st.reqBody = nil
+		}
 		st.reject(problemTooLarge)
 		return
 	}
@@ -550,11 +559,13 @@ func (st *stream) flushOwed() {
 		st.send(reply{kind: kindRequestHeaders})
 	}
 	if st.fullDuplex(kindRequestBody) && st.owedChunks > 0 {
+		// The body streamed back ends where Envoy's did: not at all yet when the response began
+		// early or a shadowed request was too large, before the trailers when they came.
 		body := st.reqBody
 		for {
 			n := min(len(body), maxStreamedChunk)
 			last := n == len(body)
-			st.send(reply{kind: kindRequestBody, stream: true, chunk: body[:n], eos: last && !st.owedTrailers})
+			st.send(reply{kind: kindRequestBody, stream: true, chunk: body[:n], eos: last && st.reqEnded && !st.owedTrailers})
 			body = body[n:]
 			if last {
 				break
