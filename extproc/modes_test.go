@@ -253,16 +253,18 @@ func TestFullDuplexBodyStreamedBackAfterTheClaim(t *testing.T) {
 // gRPC requests are never covered (SPEC §8): Envoy would turn a replay into a trailers-only gRPC
 // error. They pass through untouched, counted as passthrough.
 func TestGRPCRequestsAreNotCovered(t *testing.T) {
-	for _, ct := range []string{"application/grpc", "application/grpc+proto", "application/grpc-web"} {
+	// Envoy's Grpc::Common::hasGrpcContentType (source/common/grpc/common.cc): exactly
+	// application/grpc, or application/grpc+…; anything else is covered like any request, its
+	// local replies left as they are.
+	covered := map[string]bool{"application/grpc-web": true, "application/grpc;charset=utf-8": true, "application/grpcx": true, "Application/grpc": true}
+	for _, ct := range []string{"application/grpc", "application/grpc+proto", "application/grpc+json", "application/grpc-web", "application/grpc;charset=utf-8", "application/grpcx", "Application/grpc"} {
 		t.Run(ct, func(t *testing.T) {
 			h := newHarness(t, harnessOptions{policy: "defaults: {missing_key: required}"})
 			req := post("/pkg.Service/Method", "k", "\x00\x00\x00\x00\x02hi", "content-type", ct)
 			res := h.do(req, created)
-			grpcWeb := ct == "application/grpc-web"
-			if grpcWeb {
-				// gRPC-Web reaches Envoy as HTTP/1 and is not turned into trailers-only replies
-				// unless converted first; it is covered like any request.
+			if covered[ct] {
 				require.Equal(t, []string{"false"}, res.header(replayed))
+				require.False(t, h.do(req, created).executed, "replayed")
 				return
 			}
 			require.True(t, res.executed)

@@ -430,11 +430,14 @@ func jwtPayload(ns *structpb.Struct, key string) (payload *structpb.Struct, ok b
 	return payload, true
 }
 
-// isGRPC reports whether the request is gRPC (content-type application/grpc, +proto, …).
+// isGRPC reports whether Envoy treats the request as gRPC, and so turns its local replies into
+// trailers-only gRPC responses: exactly Grpc::Common::hasGrpcContentType
+// (source/common/grpc/common.cc), a content-type of exactly application/grpc or beginning with
+// application/grpc+ (case-sensitive; application/grpc-web and application/grpc;… are not gRPC).
 func isGRPC(h headers) bool {
 	ct := h.get(headerCT)
 	const grpc = "application/grpc"
-	return len(ct) >= len(grpc) && string(ct[:len(grpc)]) == grpc && (len(ct) == len(grpc) || ct[len(grpc)] == '+' || ct[len(grpc)] == ';')
+	return len(ct) >= len(grpc) && string(ct[:len(grpc)]) == grpc && (len(ct) == len(grpc) || ct[len(grpc)] == '+')
 }
 
 // needsBody reports whether the claim needs the request body: to fingerprint it or to derive its
