@@ -469,7 +469,42 @@ func (d *decoder) file(root *yaml.Node, settings []Setting) (*Policy, map[string
 			p.Routes = append(p.Routes, r)
 		})
 	}
+	d.scopeKinds(p)
 	return p, values
+}
+
+// scopeKinds refuses two routes that share a key_prefix and read one scope name as a header in
+// one and as a path parameter in the other. Stored keys hash a header's and a path parameter's
+// values behind their name alone (the encoding the records of earlier releases were stored
+// under), so such a pair could give two clients the same stored key.
+func (d *decoder) scopeKinds(p *Policy) {
+	routes := append([]*Route{p.Default}, p.Routes...)
+	for i, a := range routes {
+		for j, b := range routes[i+1:] {
+			if a == nil || b == nil || a.KeyPrefix != b.KeyPrefix {
+				continue
+			}
+			for _, sa := range a.Scope {
+				for _, sb := range b.Scope {
+					if sa.Name != sb.Name || sa.Kind == sb.Kind || !headerOrParam(sa.Kind) || !headerOrParam(sb.Kind) {
+						continue
+					}
+					// b is routes[i+j]: routes[0] is the defaults.
+					d.fail(nil, fmt.Sprintf("routes[%d] (%s).scope", i+j, b.Name), "%q is a %s here and a %s in %s, which shares key_prefix %q: their stored keys could collide; give one of them its own key_prefix",
+						sb.Name, sb.Kind, sa.Kind, describeRoute(a), a.KeyPrefix)
+				}
+			}
+		}
+	}
+}
+
+func headerOrParam(k ScopeKind) bool { return k == ScopeHeader || k == ScopePathParam }
+
+func describeRoute(r *Route) string {
+	if r.Name == "default" {
+		return "the defaults"
+	}
+	return fmt.Sprintf("route %q", r.Name)
 }
 
 func (d *decoder) top(f topField, p *Policy, v *yaml.Node, path string) {

@@ -274,6 +274,9 @@ func TestInvalidNewFields(t *testing.T) {
 		{"a source listed twice", r("scope: [peer_identity, {header: a}, peer_identity]"), []string{"routes[0] (pay).scope[2]: peer_identity is listed twice"}},
 		{"a header listed twice through the shorthand", r("scope_headers: [a, A]"), []string{`routes[0] (pay).scope_headers: header "a" is listed twice`}},
 		{"a path_param that is no group", r("scope: [{path_param: ledger}]"), []string{`routes[0] (pay).scope[0].path_param: "ledger" is not a named group of path_regex`}},
+		{"a name that is a header in one route and a path_param in another of the same key_prefix",
+			"routes:\n  - {name: h, match: {path_prefix: /h}, scope: [{header: org}]}\n  - {name: o, match: {path_regex: '/o/(?P<org>[^/]+)'}, scope: [{path_param: org}]}\n",
+			[]string{`routes[1] (o).scope: "org" is a path_param here and a header in route "h", which shares key_prefix "idempotency:": their stored keys could collide; give one of them its own key_prefix`}},
 		{"a path_param without a path_regex", "routes: [{name: a, match: {route_name_exact: x}, scope: [{path_param: org}]}]\n", []string{"routes[0] (a).scope[0].path_param: needs a path_regex"}},
 		{"a path_param in defaults", "defaults: {scope: [{path_param: org}]}\n", []string{"defaults.scope[0].path_param: path_param needs a route's path_regex"}},
 		{"require_scope with an empty scope", r("scope: [], require_scope: true"), []string{"routes[0] (pay).require_scope: is true while the scope is empty"}},
@@ -434,4 +437,11 @@ func TestFieldDocs(t *testing.T) {
 		"defaults, routes in_flight_wait", "defaults, routes store_body", "defaults, routes mode", "defaults, routes expires_header"} {
 		require.True(t, seen[key], key)
 	}
+}
+
+// A header and a path parameter of one name are fine in routes of different key_prefix, whose
+// stored keys never meet.
+func TestScopeKindsApartUnderTheirOwnPrefix(t *testing.T) {
+	_, err := policy.Parse([]byte("routes:\n  - {name: h, match: {path_prefix: /h}, scope: [{header: org}]}\n  - {name: o, key_prefix: 'orgs:', match: {path_regex: '/o/(?P<org>[^/]+)'}, scope: [{path_param: org}]}\n"))
+	require.NoError(t, err)
 }
