@@ -120,6 +120,31 @@ func TestInFlightWait(t *testing.T) {
 	h.waitIdle(t)
 }
 
+// Preference-Applied counts whole seconds (RFC 7240): a sub-second in_flight_wait is reported
+// rounded up, never above what the client asked.
+func TestPreferenceAppliedRoundsUp(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: "defaults: {in_flight_wait: 500ms, lock_ttl: 30s}"})
+	first := h.open()
+	first.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+	first.send(requestBody([]byte(`{}`)))
+	base := h.clock.Pending()
+	waiting := h.open()
+	waiting.send(requestHeaders(post("/v1/payments", "k", `{}`, "prefer", "wait=3")))
+	require.NoError(t, waiting.s.Send(requestBody([]byte(`{}`))))
+	h.advanceWhenSleeping(t, base, 50*time.Millisecond)
+	first.send(responseHeaders(created))
+	first.send(responseBody(created.body, true))
+	h.advanceWhenSleeping(t, 0, 50*time.Millisecond)
+	resp, err := waiting.s.Recv()
+	require.NoError(t, err)
+	res, ok := immediateResult(resp)
+	require.True(t, ok)
+	require.Equal(t, []string{"true"}, res.header(replayed))
+	require.Equal(t, []string{"wait=1"}, res.header("preference-applied"))
+	first.end()
+	waiting.end()
+}
+
 // advanceWhenSleeping advances the harness clock by d once more than base timers are pending: a
 // waiting duplicate is asleep until its next poll.
 func (h *harness) advanceWhenSleeping(t *testing.T, base int, d time.Duration) {

@@ -247,11 +247,11 @@ type upstream struct {
 	headers []string
 	body    []byte
 	details string // response.code_details; "" means via_upstream
-	// attempts is upstream.request_attempt_count, sent for an Envoy-made response (an upstream
-	// response always counts one); noAttempts leaves the attribute out, as a filter that does not
-	// request it.
-	attempts   int
-	noAttempts bool
+	// attempts is upstream.request_attempt_count (0 for an upstream response means 1, its
+	// first attempt); noAttempts and noDetails leave the attributes out, as a filter that does
+	// not request them.
+	attempts              int
+	noAttempts, noDetails bool
 }
 
 var created = upstream{
@@ -340,12 +340,15 @@ func responseHeaders(u upstream) *extprocv3.ProcessingRequest {
 		hs = append(hs, &corev3.HeaderValue{Key: u.headers[i], RawValue: []byte(u.headers[i+1])})
 	}
 	details, attempts := u.details, u.attempts
-	if details == "" {
-		details, attempts = "via_upstream", 1
+	if details == "" && !u.noDetails {
+		details, attempts = "via_upstream", max(attempts, 1)
 	}
 	fields := map[string]any{"response.code_details": details, "upstream.request_attempt_count": attempts}
 	if u.noAttempts {
 		delete(fields, "upstream.request_attempt_count")
+	}
+	if u.noDetails {
+		delete(fields, "response.code_details")
 	}
 	attrs, err := structpb.NewStruct(fields)
 	if err != nil {

@@ -311,15 +311,17 @@ func (h *harness) run(r request, sh shape, u upstream) simResult {
 			s.put(bodyMsg(p, i == len(parts)-1 && !sh.trailers))
 			held = append(held, len(p))
 		}
-		if sh.trailers && sh.trailerSend {
-			s.put(requestTrailersMsg)
-		}
+		// Trailers wait while any chunk's answer is outstanding (Filter::onTrailers in
+		// ext_proc.cc: callbackState() != Idle holds them) and go once the queue is empty
+		// (ProcessorState::finalizeBodyResponse). A processor that withholds chunk answers
+		// until the body's end therefore stalls a request whose body ends with trailers.
 		for len(held) > 0 || !headersAnswered {
 			if res, done := await(); done {
 				return *res
 			}
 		}
 		if sh.trailers && sh.trailerSend {
+			s.put(requestTrailersMsg)
 			resp := s.next()
 			if resp == nil {
 				return stall()

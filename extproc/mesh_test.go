@@ -195,6 +195,52 @@ func TestDynamicMetadataOnEveryOutcome(t *testing.T) {
 		get(h.doFinal(post("/strict", "", `{}`), created)))
 	require.Equal(t, "invalid", get(h.doFinal(post("/v1/payments", "", `{}`, "idempotency-key", "bad key"), created))["outcome"])
 	require.Contains(t, h.logs.String(), `"key_hash":"`+keyHash+`"`, "logs carry the same whole key_hash")
+
+	// A covered request's header answer, sent while its body is awaited, carries no outcome:
+	// a client that leaves mid-body is not logged as passthrough.
+	s := h.open()
+	resp := s.send(requestHeaders(post("/v1/payments", "pending", `{}`)))
+	require.NotNil(t, resp.GetRequestHeaders())
+	require.Nil(t, resp.GetDynamicMetadata())
+	s.send(requestBody([]byte(`{}`)))
+	require.Equal(t, "in_progress", get(h.doFinal(post("/v1/payments", "pending", `{}`), created))["outcome"])
+	s.end()
+
+	// The other outcomes.
+	h2 := newHarness(t, harnessOptions{policy: `
+metadata_namespace: idem
+routes:
+  - {name: small, match: {path_prefix: /small}, max_request_bytes: 1}
+  - {name: scoped, match: {path_prefix: /scoped}, scope: [{header: x-tenant}], require_scope: true}
+  - {name: bodiless, match: {path_prefix: /bodiless}, store_body: false}
+  - {name: unsure, match: {path_prefix: /unsure}, unknown_outcome: record}
+`})
+	get = func(res result) map[string]any {
+		t.Helper()
+		require.NotNil(t, res.final)
+		return res.final.GetDynamicMetadata().GetFields()["idem"].GetStructValue().AsMap()
+	}
+	doFinal := func(r request) map[string]any { t.Helper(); return get(h2.doFinal(r, created)) }
+	big := h2.open()
+	big.send(withModes(requestHeaders(post("/small", "k", `{"a":1}`)), shape{reqMode: modeStreamed, respMode: modeBuffered}))
+	tooLarge := big.send(bodyMsg([]byte(`{"a":1}`), true))
+	require.Equal(t, "too_large", tooLarge.GetDynamicMetadata().GetFields()["idem"].GetStructValue().AsMap()["outcome"])
+	big.end()
+	require.Equal(t, "scope_missing", doFinal(post("/scoped", "k", `{}`))["outcome"])
+	misconfigured := doFinal(named(post("/v1/payments", "k", `{}`), "nowhere"))
+	require.Equal(t, "misconfigured", misconfigured["outcome"])
+	doFinal(post("/bodiless", "b", `{}`))
+	require.Equal(t, "not_replayable", doFinal(post("/bodiless", "b", `{}`))["outcome"])
+	u := h2.open()
+	u.send(requestHeaders(post("/unsure", "u", `{}`)))
+	u.send(requestBody([]byte(`{}`)))
+	u.end()
+	h2.waitIdle(t)
+	require.Equal(t, "outcome_unknown", doFinal(post("/unsure", "u", `{}`))["outcome"])
+
+	h3 := newHarness(t, harnessOptions{store: newFailingStore(t, false), policy: "metadata_namespace: idem"})
+	res := h3.doFinal(post("/v1/payments", "k", `{}`), created)
+	require.Equal(t, "store_error", res.final.GetDynamicMetadata().GetFields()["idem"].GetStructValue().AsMap()["outcome"])
 }
 
 // doFinal is do, keeping as final the answer that carried the request's dynamic metadata.

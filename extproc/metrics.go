@@ -14,6 +14,7 @@ type Metrics struct {
 	inflight        prometheus.Gauge
 	shadow          *prometheus.CounterVec
 	waitCalls       *prometheus.CounterVec
+	unreadable      *prometheus.CounterVec
 }
 
 // NewMetrics creates the metrics and registers them with reg.
@@ -52,11 +53,15 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "idempotency_wait_store_calls_total",
 			Help: "Store calls made by duplicates waiting for a request in flight (in_flight_wait), beyond their first, by route.",
 		}, []string{"route"}),
+		unreadable: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_unreadable_records_total",
+			Help: "Covered requests whose stored record this process could not open (sealed under a key it does not hold, tampered with, or of a layout it does not know), by route; each got 409 response-not-replayable and did not run.",
+		}, []string{"route"}),
 	}
 	for _, kind := range misconfigKinds {
 		m.misconfig.WithLabelValues(kind)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls} {
+	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

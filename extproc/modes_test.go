@@ -1,6 +1,7 @@
 package extproc_test
 
 import (
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -28,7 +29,6 @@ func TestEveryRequestBodyModeClaimsOnce(t *testing.T) {
 		{"streamed, one message", shape{reqMode: modeStreamed, respMode: modeBuffered, whole: true}},
 		{"streamed, three chunks", shape{reqMode: modeStreamed, respMode: modeStreamed, chunks: []int{1, 64 << 10}, respChunks: []int{3}}},
 		{"streamed, body sent before the header answer", shape{reqMode: modeStreamed, respMode: modeBuffered, chunks: []int{100}, bodyBeforeAnswer: true}},
-		{"streamed, ended by trailers", shape{reqMode: modeStreamed, respMode: modeStreamed, chunks: []int{10, 10}, trailers: true, trailerSend: true}},
 		{"full duplex, one message", shape{reqMode: modeDuplex, respMode: modeDuplex, whole: true}},
 		{"full duplex, chunks", shape{reqMode: modeDuplex, respMode: modeDuplex, chunks: []int{7, 20 << 10, 1}, respChunks: []int{2, 2}}},
 		{"full duplex, trailers", shape{reqMode: modeDuplex, respMode: modeDuplex, chunks: []int{5}, trailers: true, trailerSend: true}},
@@ -59,6 +59,36 @@ func TestEveryRequestBodyModeClaimsOnce(t *testing.T) {
 			})
 		}
 	})
+}
+
+// Under STREAMED a request whose body ends with trailers cannot be claimed: Envoy sends the
+// trailers only once every chunk is answered (Filter::onTrailers holds them while an answer is
+// outstanding; ProcessorState::finalizeBodyResponse sends them when the queue is empty), and the
+// processor answers no chunk before the body's end. It stalls into Envoy's message timeout
+// (504) without its body reaching the upstream, and leaves the key free. A request with
+// trailers and no data is claimed at its trailers. SPEC §8 and the README send routes whose
+// clients send request trailers to BUFFERED or FULL_DUPLEX_STREAMED.
+func TestStreamedRequestTrailers(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	sh := shape{reqMode: modeStreamed, respMode: modeBuffered, chunks: []int{10}, trailers: true, trailerSend: true, messageTimeout: 300 * time.Millisecond}
+	res := h.run(post("/v1/payments", "k", bigBody(40)), sh, created)
+	require.True(t, res.stalled)
+	require.False(t, res.ran)
+	h.waitIdle(t)
+	h.requireStoreEmpty(t, "k")
+	for i, mode := range []bodyMode{modeBuffered, modeDuplex} {
+		ok := sh
+		ok.reqMode = mode
+		key := "k-" + strconv.Itoa(i)
+		require.True(t, h.run(post("/v1/payments", key, bigBody(40)), ok, created).ran, "%v claims it", mode)
+		require.False(t, h.run(post("/v1/payments", key, bigBody(40)), ok, created).ran, "%v replays it", mode)
+	}
+
+	trailersOnly := shape{reqMode: modeStreamed, respMode: modeBuffered, trailers: true, trailerSend: true}
+	require.True(t, h.run(post("/v1/payments", "k2", ""), trailersOnly, created).ran)
+	dup := h.run(post("/v1/payments", "k2", ""), trailersOnly, created)
+	require.False(t, dup.ran)
+	require.Equal(t, []string{"true"}, dup.header(replayed))
 }
 
 // In STREAMED mode Envoy pipelines the chunks: the processor withholds every answer until the
@@ -274,6 +304,50 @@ func TestGRPCRequestsAreNotCovered(t *testing.T) {
 			require.Equal(t, 2.0, h.counter("idempotency_requests_total", "route", "default", "outcome", "passthrough"))
 		})
 	}
+}
+
+// Under request_trailer_mode SKIP a request with trailers and no data skips the body phase
+// (Filter::onTrailers in ext_proc.cc continues when nothing is buffered and trailers are not
+// sent): the processor first hears of it at the response, after it ran without a lease. That is
+// counted and said once, naming the setting; with SEND the trailers message ends the body and
+// the request is claimed. A response Envoy made without attempting the upstream (its own 413)
+// is no such run.
+func TestUnclaimedRequestIsCounted(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	trailersOnly := func(key string) *stream {
+		s := h.open()
+		m := requestHeaders(post("/v1/payments", key, ""))
+		m.GetRequestHeaders().EndOfStream = false // trailers follow
+		resp := s.send(m)
+		require.NotNil(t, resp.GetRequestHeaders(), "BUFFERED: the headers answered, the body awaited")
+		return s
+	}
+	for _, key := range []string{"k1", "k2"} {
+		s := trailersOnly(key)
+		resp := s.send(responseHeaders(created))
+		require.NotNil(t, resp.GetResponseHeaders())
+		s.end()
+	}
+	s := trailersOnly("k3")
+	s.send(responseHeaders(upstream{status: 413, details: "request_payload_too_large", attempts: 0}))
+	s.end()
+	h.waitIdle(t)
+	require.Equal(t, 2.0, h.counter("idempotency_envoy_misconfig_total", "kind", "unclaimed_request"))
+	require.Equal(t, 1, strings.Count(h.logs.String(), "request_trailer_mode: SEND"), "said once, naming the setting")
+
+	// With SEND: claimed at the trailers, once.
+	s = trailersOnly("k4")
+	resp := s.send(requestTrailersMsg)
+	require.NotNil(t, resp.GetRequestTrailers(), "claimed: the request runs")
+	s.send(responseHeaders(created))
+	s.send(responseBody(created.body, true))
+	s.end()
+	h.waitIdle(t)
+	s = trailersOnly("k4")
+	resp = s.send(requestTrailersMsg)
+	require.Equal(t, 201, int(resp.GetImmediateResponse().GetStatus().GetCode()), "the duplicate is replayed")
+	s.end()
+	require.Equal(t, 2.0, h.counter("idempotency_envoy_misconfig_total", "kind", "unclaimed_request"))
 }
 
 // When Envoy refuses the pass-through mode_override (allow_mode_override off, an

@@ -138,9 +138,13 @@ const (
 	// headers, or Envoy made the response after the request was sent upstream) and
 	// unknown_outcome is release: a retry runs again.
 	ReleaseUnknownOutcome = "unknown_outcome"
+	// ReleaseNotSent: the stream ended while Envoy still held the request (a BUFFERED upload
+	// claimed at its headers, the client gone before the body's end): it never reached the
+	// upstream.
+	ReleaseNotSent = "not_sent"
 )
 
-var releaseReasons = []string{ReleaseStatus, ReleaseEnvoyResponse, ReleaseUnknownOutcome}
+var releaseReasons = []string{ReleaseStatus, ReleaseEnvoyResponse, ReleaseUnknownOutcome, ReleaseNotSent}
 
 // Misconfiguration kinds, the kind label of idempotency_envoy_misconfig_total.
 const (
@@ -159,9 +163,21 @@ const (
 	// MisconfigScopeAmbiguous: jwt_claim scope with several jwt_authn payloads and no
 	// jwt_payload_key.
 	MisconfigScopeAmbiguous = "scope_ambiguous"
+	// MisconfigCodeDetailsMissing: a response came without response.code_details, so the
+	// processor cannot tell Envoy's responses from the upstream's.
+	MisconfigCodeDetailsMissing = "code_details_missing"
+	// MisconfigUpstreamRetried: the upstream answered on an attempt after the first
+	// (upstream.request_attempt_count > 1): Envoy's router re-sent a claimed request, which may
+	// have run upstream more than once.
+	MisconfigUpstreamRetried = "upstream_retried"
+	// MisconfigUnclaimedRequest: the upstream answered a covered request whose end the processor
+	// never saw (request trailers under request_trailer_mode SKIP, or an upstream that answers
+	// before the request body ends): it ran without a lease.
+	MisconfigUnclaimedRequest = "unclaimed_request"
 )
 
 var misconfigKinds = []string{
 	MisconfigModeOverrideRefused, MisconfigAttemptCountMissing, MisconfigBodyNotAvailable,
 	MisconfigObservabilityMode, MisconfigUnknownRoute, MisconfigScopeAmbiguous,
+	MisconfigCodeDetailsMissing, MisconfigUpstreamRetried, MisconfigUnclaimedRequest,
 }

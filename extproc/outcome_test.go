@@ -259,6 +259,56 @@ func TestOutcomeTable(t *testing.T) {
 				require.Equal(t, 2.0, h.counter("idempotency_envoy_misconfig_total", "kind", "attempt_count_missing"))
 				require.Equal(t, 1, strings.Count(h.logs.String(), "upstream.request_attempt_count"), "said once, naming the attribute")
 			}},
+			{"the upstream answered a retried attempt", "", func(t *testing.T, h *harness) {
+				// Envoy's router re-sent the claimed request (retry_policy): stored as usual,
+				// and counted, since the upstream may have run it twice.
+				retried := created
+				retried.attempts = 2
+				require.True(t, h.do(post("/v1/payments", "k", `{}`), retried).executed)
+				require.True(t, h.do(post("/v1/payments", "k2", `{}`), retried).executed)
+				require.False(t, h.do(post("/v1/payments", "k", `{}`), created).executed, "replayed")
+				require.Equal(t, 2.0, h.counter("idempotency_envoy_misconfig_total", "kind", "upstream_retried"))
+				require.Equal(t, 1, strings.Count(h.logs.String(), "retry_policy"), "said once, naming the setting")
+				require.Zero(t, h.counter("idempotency_envoy_misconfig_total", "kind", "code_details_missing"))
+			}},
+			{"response without code_details", "defaults: {unknown_outcome: keep, lock_ttl: 30s}", func(t *testing.T, h *harness) {
+				// A 504 may be Envoy's upstream timeout after the upstream ran: without the
+				// attribute a response that would release the key is an unknown outcome.
+				res := h.do(post("/v1/payments", "k", `{}`), upstream{status: 504, attempts: 1, noDetails: true})
+				require.Equal(t, 504, res.status)
+				dup := h.do(post("/v1/payments", "k", `{}`), created)
+				requireProblem(t, dup, 409, "request-in-progress")
+				require.Equal(t, 1.0, h.counter("idempotency_unknown_outcomes_total", "route", "default", "action", "keep"))
+				// Never attempted upstream: released.
+				h.do(post("/v1/payments", "k2", `{}`), upstream{status: 503, attempts: 0, noDetails: true})
+				h.requireStoreEmpty(t, "k2")
+				require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "default", "reason", "envoy_response"))
+				// A storable status is stored.
+				require.True(t, h.do(post("/v1/payments", "k3", `{}`), upstream{status: 201, body: []byte("ok"), attempts: 1, noDetails: true}).executed)
+				require.False(t, h.do(post("/v1/payments", "k3", `{}`), created).executed, "replayed")
+				require.Equal(t, 3.0, h.counter("idempotency_envoy_misconfig_total", "kind", "code_details_missing"))
+				require.Equal(t, 1, strings.Count(h.logs.String(), "without response.code_details"), "said once, naming the attribute")
+			}},
+			{"stream ends while Envoy holds a buffered upload claimed at its headers", "defaults: {unknown_outcome: record, fingerprint: [method, path]}", func(t *testing.T, h *harness) {
+				// Under BUFFERED Envoy forwards nothing until the body's answer
+				// (ProcessorState::handleHeadersResponse): a client gone mid-upload never reached
+				// the upstream, so no outcome-unknown record blocks its retry.
+				s := h.open()
+				resp := s.send(requestHeaders(post("/v1/payments", "k", `{"big":1}`)))
+				require.NotNil(t, resp.GetRequestHeaders(), "claimed at the headers")
+				s.end()
+				h.waitIdle(t)
+				h.requireStoreEmpty(t, "k")
+				require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "default", "reason", "not_sent"))
+				require.Zero(t, h.counter("idempotency_unknown_outcomes_total", "route", "default", "action", "record"))
+				// Once the body was answered, the upstream may have it: an unknown outcome.
+				s = h.open()
+				s.send(requestHeaders(post("/v1/payments", "k2", `{"big":1}`)))
+				s.send(requestBody([]byte(`{"big":1}`)))
+				s.end()
+				h.waitIdle(t)
+				require.True(t, h.record(t, "k2").Response.OutcomeUnknown)
+			}},
 			{"stream ends before the response, release", "", func(t *testing.T, h *harness) {
 				s := h.open()
 				s.send(requestHeaders(post("/v1/payments", "k", `{}`)))

@@ -88,8 +88,11 @@ type routeState struct {
 	outcomes map[Outcome]prometheus.Counter
 	releases map[string]prometheus.Counter
 	unknown  map[policy.UnknownOutcome]prometheus.Counter
-	// shadow counts what enforcement would have done, by outcome (shadow routes only).
+	// shadow counts what enforcement would have done, by outcome (shadow routes only: empty
+	// for a route that enforces, whose streams never count here).
 	shadow map[Outcome]prometheus.Counter
+	// unreadable counts the stored records this process could not open.
+	unreadable prometheus.Counter
 	// waitCalls counts the store calls of duplicates waiting for an in-flight request.
 	waitCalls prometheus.Counter
 	// stored continues a response that will be stored; notStored also turns its body phase off.
@@ -154,13 +157,12 @@ func NewServer(opts Options) (*Server, error) {
 			problems:     map[*problem]*extprocv3.ProcessingResponse{},
 			shadow:       map[Outcome]prometheus.Counter{},
 			waitCalls:    s.metrics.waitCalls.WithLabelValues(r.Name),
+			unreadable:   s.metrics.unreadable.WithLabelValues(r.Name),
 			name:         routeValue,
 		}
-		for _, o := range Outcomes {
-			if r.Mode == policy.ModeShadow {
+		if r.Mode == policy.ModeShadow {
+			for _, o := range Outcomes {
 				rs.shadow[o] = s.metrics.shadow.WithLabelValues(r.Name, string(o))
-			} else {
-				rs.shadow[o] = discard
 			}
 		}
 		for _, o := range Outcomes {
@@ -186,9 +188,6 @@ func NewServer(opts Options) (*Server, error) {
 	s.completeObs, s.releaseObs = d.WithLabelValues("complete"), d.WithLabelValues("release")
 	return s, nil
 }
-
-// discard is a counter that goes nowhere, for the shadow series of routes that enforce.
-var discard = prometheus.NewCounter(prometheus.CounterOpts{Name: "discard"})
 
 func withMetadata(r *extprocv3.ProcessingResponse, md *structpb.Struct) *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: r.Response, ModeOverride: r.ModeOverride, DynamicMetadata: md}

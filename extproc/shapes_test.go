@@ -13,7 +13,8 @@ import (
 // randomShape draws how Envoy delivers one request (reference §17): its body modes, how the body
 // is cut, whether it came whole during the header call, trailers, and how the exchange ends.
 // Shapes that fail by design are left out: request_body_mode NONE on a route that needs the body
-// (500 body-not-available), trailers under BUFFERED_PARTIAL (413), bodies over a limit.
+// (500 body-not-available), trailers under BUFFERED_PARTIAL (413), a body with trailers under
+// STREAMED (it stalls: TestStreamedRequestTrailers), bodies over a limit.
 func randomShape(rng *rand.Rand, bodyRoute bool) shape {
 	reqModes := []bodyMode{modeBuffered, modePartial, modeStreamed, modeDuplex}
 	if !bodyRoute {
@@ -32,7 +33,7 @@ func randomShape(rng *rand.Rand, bodyRoute bool) shape {
 	for range rng.IntN(3) {
 		sh.respChunks = append(sh.respChunks, 1+rng.IntN(8))
 	}
-	sh.trailers = rng.IntN(5) == 0 && sh.reqMode != modePartial && sh.respMode != modePartial
+	sh.trailers = rng.IntN(5) == 0 && sh.reqMode != modePartial && sh.respMode != modePartial && (sh.reqMode != modeStreamed || !bodyRoute)
 	sh.bodyBeforeAnswer = sh.reqMode == modeStreamed && rng.IntN(4) == 0
 	switch n := rng.IntN(20); {
 	case n < 3:

@@ -171,6 +171,10 @@ type stream struct {
 	owedTrailers bool
 	reqBody      []byte
 	reqEnded     bool
+	// reqHeld: Envoy holds the request's headers until the body's answer, so nothing of it has
+	// reached the upstream yet (BUFFERED and BUFFERED_PARTIAL, ProcessorState::
+	// handleHeadersResponse in processor_state.cc: "hold the headers while we buffer the body").
+	reqHeld bool
 
 	// The response being captured.
 	status      int
@@ -223,7 +227,12 @@ func (st *stream) event(e *zerolog.Event) *zerolog.Event {
 }
 
 // send queues the answer r.
-func (st *stream) send(r reply) { st.out = append(st.out, st.render(r)) }
+func (st *stream) send(r reply) {
+	if r.kind == kindRequestBody || r.kind == kindRequestTrailers {
+		st.reqHeld = false
+	}
+	st.out = append(st.out, st.render(r))
+}
 
 // handle answers one message: zero answers (withheld until the claim), one, or several (the
 // withheld ones, in order). It never panics on a message out of order; a message of no known
@@ -365,6 +374,7 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 	if m.GetEndOfStream() || !st.needsBody() {
 		// Nothing to wait for: claim now, so that a duplicate's answer comes before its body is
 		// uploaded (SPEC §8).
+		st.reqHeld = !m.GetEndOfStream() && (st.requestBodyMode == filterextproc.ProcessingMode_BUFFERED || st.requestBodyMode == filterextproc.ProcessingMode_BUFFERED_PARTIAL)
 		st.owedHeaders = true
 		st.claim(nil)
 		return
@@ -615,6 +625,7 @@ func (st *stream) claim(body []byte) {
 			// The record is there but cannot be read (a tampered or unknown-key sealed record, a
 			// layout this build does not know): the request ran once, so it must not run again,
 			// whatever fail_mode says.
+			st.rs.unreadable.Inc()
 			st.event(st.s.log.Error()).Err(err).Msg("stored record cannot be read; answering response-not-replayable")
 			st.reject(problemNotReplayable)
 			return
@@ -654,7 +665,8 @@ func (st *stream) claim(body []byte) {
 		}
 		waited := ""
 		if preferred && !deadline.IsZero() {
-			waited = "wait=" + strconv.Itoa(int(wait/time.Second))
+			// RFC 7240 counts whole seconds: the budget rounded up, never above the client's N.
+			waited = "wait=" + strconv.Itoa(int((wait+time.Second-1)/time.Second))
 		}
 		st.answerExisting(fp, rec, waited)
 		return
@@ -756,10 +768,18 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 	switch st.state {
 	case stateRunning:
 	case stateCollect:
-		// The upstream answered before the request body ended (it may answer early), or Envoy
-		// sent the request on without the body phase (trailers and no data under a trailer mode
-		// of SKIP): the request ran without a lease. What was withheld is answered first.
-		st.event(st.s.log.Warn()).Msg("the response began before the request body reached the processor whole; this request ran unprotected")
+		// The response began before the request's end reached the processor: Envoy answered it
+		// itself (an overflow, a timeout), the upstream answered early, or Envoy sent the request
+		// on without the body phase (trailers and no data under request_trailer_mode SKIP:
+		// Filter::onTrailers continues when it has nothing buffered and sends no trailers). In
+		// the last two the request ran without a lease: counted. What was withheld is answered
+		// first.
+		if o := originOf(attrs); !o.envoyMade || !o.attemptsKnown || o.attempts > 0 {
+			st.s.misconfigured(MisconfigUnclaimedRequest, func() {
+				st.event(st.s.log.Warn()).Msg("the upstream answered a covered request whose end the processor never saw, so it ran without a lease; set request_trailer_mode: SEND in the ext_proc filter's processing_mode (requests with trailers and no body otherwise skip the body phase)")
+			})
+			st.event(st.s.log.Debug()).Msg("the response began before the request body reached the processor whole; this request ran unprotected")
+		}
 		st.fire(evUnprotected)
 		st.flushOwed()
 		fallthrough
@@ -780,16 +800,27 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 	r := st.route
 	h := headers(m.GetHeaders().GetHeaders())
 	st.status = parseStatus(h.get(":status"))
-	if details, ok := stringAttribute(attrs, attrCodeDetails); ok && details != "via_upstream" {
-		// Envoy made this response (a timeout, a refused connection, an overflow): it is not the
-		// outcome of the request. Only when the request never reached the upstream is it known
-		// that nothing ran (SPEC §8).
-		attempts, known := numberAttribute(attrs, attrAttemptCount)
+	o := originOf(attrs)
+	if !o.detailsKnown {
+		st.s.misconfigured(MisconfigCodeDetailsMissing, func() {
+			st.event(st.s.log.Warn()).Msg("a response came without response.code_details; add it to the ext_proc filter's response_attributes, or responses that would release the key are treated as possibly Envoy's (unknown outcomes)")
+		})
+	}
+	if !o.envoyMade && o.attemptsKnown && o.attempts > 1 {
+		st.s.misconfigured(MisconfigUpstreamRetried, func() {
+			st.event(st.s.log.Warn()).Int64("attempts", o.attempts).Msg("Envoy's router re-sent a claimed request (a route or virtual host retry_policy or hedge_policy, or x-envoy-retry-on): the upstream may have run it more than once; remove retries from covered routes")
+		})
+	}
+	switch {
+	case o.envoyMade || (!o.detailsKnown && !r.StoreStatuses.Has(st.status)):
+		// Envoy made this response (a timeout, a refused connection, an overflow), or may have:
+		// it is not the outcome of the request. Only when the request never reached the
+		// upstream is it known that nothing ran (SPEC §8).
 		switch {
-		case known && attempts == 0:
+		case o.attemptsKnown && o.attempts == 0:
 			st.release(ReleaseEnvoyResponse)
 		default:
-			if !known {
+			if !o.attemptsKnown {
 				st.s.misconfigured(MisconfigAttemptCountMissing, func() {
 					st.event(st.s.log.Warn()).Msg("an Envoy-made response came without upstream.request_attempt_count; add it to the ext_proc filter's response_attributes, or every such response is treated as an unknown outcome")
 				})
@@ -799,8 +830,7 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 		st.fire(evSettle)
 		st.markResponse(false, false)
 		return
-	}
-	if !r.StoreStatuses.Has(st.status) {
+	case !r.StoreStatuses.Has(st.status):
 		st.release(ReleaseStatus)
 		st.fire(evSettle)
 		st.markResponse(false, false)
@@ -983,7 +1013,9 @@ func (st *stream) storeFailed(op string, err error) {
 // release reason that it has not been told. The first answer that settles, claims or passes a
 // request carries it (SPEC §9).
 func (st *stream) newMetadata() bool {
-	if st.route == nil || (st.outcome == st.sentOutcome && st.releaseReason == st.sentReason) {
+	// While the body is awaited a covered request has no outcome yet: the header answer carries
+	// none, rather than a passthrough the access log would keep if the client left mid-body.
+	if st.route == nil || st.state == stateCollect || (st.outcome == st.sentOutcome && st.releaseReason == st.sentReason) {
 		return false
 	}
 	st.sentOutcome, st.sentReason = st.outcome, st.releaseReason
@@ -1006,10 +1038,15 @@ func (st *stream) finish() {
 		return
 	}
 	if st.lease.Held() {
-		if st.state == stateCapture {
+		switch {
+		case st.state == stateCapture:
 			st.omitted = true
 			st.complete()
-		} else {
+		case st.reqHeld:
+			// Envoy still held the request when the stream ended (the client left during a
+			// BUFFERED upload claimed at its headers): it never reached the upstream.
+			st.release(ReleaseNotSent)
+		default:
 			st.unknownOutcome(0)
 		}
 		st.fire(evSettle)
@@ -1078,4 +1115,19 @@ func numberAttribute(attrs map[string]*structpb.Struct, name string) (int64, boo
 		return n, err == nil
 	}
 	return 0, false
+}
+
+// origin is what a response's attributes say about who made it (SPEC §8).
+type origin struct {
+	// detailsKnown: response.code_details came; envoyMade: it is not via_upstream.
+	detailsKnown, envoyMade bool
+	// attempts is upstream.request_attempt_count when attemptsKnown (0: never sent upstream).
+	attempts      int64
+	attemptsKnown bool
+}
+
+func originOf(attrs map[string]*structpb.Struct) origin {
+	details, detailsKnown := stringAttribute(attrs, attrCodeDetails)
+	attempts, attemptsKnown := numberAttribute(attrs, attrAttemptCount)
+	return origin{detailsKnown: detailsKnown, envoyMade: detailsKnown && details != "via_upstream", attempts: attempts, attemptsKnown: attemptsKnown}
 }
