@@ -1,7 +1,10 @@
 package e2e_test
 
 import (
+	"bufio"
 	"bytes"
+	"io"
+	"net"
 	"net/http"
 	"os"
 	"strings"
@@ -199,4 +202,69 @@ func readRepoFile(t *testing.T, rel string) []byte {
 	b, err := os.ReadFile(repoFile(t, rel))
 	require.NoError(t, err)
 	return b
+}
+
+// A request that carries trailers and no data gets no body message from Envoy (ext_proc.cc
+// Filter::onTrailers: nothing is buffered, so no body is sent; the trailers go only under
+// request_trailer_mode SEND). The shipped SEND has the key claimed at the trailers: a duplicate
+// is replayed. Under SKIP the request reaches the upstream before any claim, so a duplicate
+// runs again, and the processor counts what it saw (unclaimed_request): the reason CheckSpec
+// refuses SKIP.
+func TestRequestTrailersWithoutBody(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		mode    filterextproc.ProcessingMode_HeaderSendMode
+		runs    int
+		counted bool
+	}{
+		{filterextproc.ProcessingMode_SEND, 1, false},
+		{filterextproc.ProcessingMode_SKIP, 2, true},
+	} {
+		t.Run(tc.mode.String(), func(t *testing.T) {
+			t.Parallel()
+			s := newStack(t, stackOptions{envoy: func(b *bootstrapv3.Bootstrap) error {
+				if err := envoyconf.EnableHTTP1Trailers(b); err != nil {
+					return err
+				}
+				return envoyconf.MutateExtProc(b, func(f *filterextproc.ExternalProcessor) {
+					f.ProcessingMode.RequestTrailerMode = tc.mode
+				})
+			}})
+			first := trailersOnly(t, s.url, "trailers-only")
+			require.Equal(t, http.StatusOK, first.StatusCode)
+			require.Equal(t, "false", first.Header.Get(replayed))
+			second := trailersOnly(t, s.url, "trailers-only")
+			require.Equal(t, http.StatusOK, second.StatusCode)
+			require.Equal(t, tc.runs, s.up.Count("trailers-only"))
+			if tc.runs == 1 {
+				require.Equal(t, "true", second.Header.Get(replayed), "claimed at the trailers, so replayed")
+			}
+			_, m := s.procs[0].admin("/metrics")
+			got := metric(m, `idempotency_envoy_misconfig_total{kind="unclaimed_request"}`)
+			if tc.counted {
+				require.Positive(t, got, "the unclaimed run is counted")
+			} else {
+				require.Zero(t, got)
+			}
+		})
+	}
+}
+
+// trailersOnly sends a chunked POST with no data and one trailer, which net/http's client
+// cannot produce (it sends an empty body without chunking).
+func trailersOnly(t *testing.T, url, key string) *http.Response {
+	t.Helper()
+	conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
+	require.NoError(t, err)
+	t.Cleanup(func() { conn.Close() })
+	_, err = io.WriteString(conn, "POST /v1/payments HTTP/1.1\r\nHost: api\r\nIdempotency-Key: "+key+
+		"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nTrailer: X-Checksum\r\nConnection: close\r\n\r\n"+
+		"0\r\nX-Checksum: abc\r\n\r\n")
+	require.NoError(t, err)
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	require.NoError(t, err)
+	_, err = io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	resp.Body.Close()
+	return resp
 }

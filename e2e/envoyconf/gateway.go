@@ -910,3 +910,34 @@ func EGFilterChain(present []string, order []EGFilterPosition) ([]string, error)
 	}
 	return chain, nil
 }
+
+// WithoutGatewayGaps returns err without the refusals an Envoy Gateway config cannot avoid: its
+// translator sets request_trailer_mode SEND only for FullDuplexStreamed and SKIP for every other
+// body mode (buildProcessingMode in envoyproxy/gateway internal/xds/translator/extproc.go), and
+// EnvoyExtensionPolicy has no field for it. Under Buffered, Streamed or BufferedPartial a
+// covered request that carries trailers and no data therefore reaches the upstream unclaimed;
+// the processor counts it (idempotency_envoy_misconfig_total{kind="unclaimed_request"}) and the
+// README says so, with FullDuplexStreamed as the cure for clients that send request trailers.
+func WithoutGatewayGaps(err error) error {
+	var keep []error
+	var walk func(error)
+	walk = func(e error) {
+		if e == nil || errors.Is(e, ErrRequestTrailersSkipped) && !isJoin(e) {
+			return
+		}
+		if j, ok := e.(interface{ Unwrap() []error }); ok {
+			for _, x := range j.Unwrap() {
+				walk(x)
+			}
+			return
+		}
+		keep = append(keep, e)
+	}
+	walk(err)
+	return errors.Join(keep...)
+}
+
+func isJoin(e error) bool {
+	_, ok := e.(interface{ Unwrap() []error })
+	return ok
+}

@@ -102,7 +102,8 @@ var storedHeaderSample = []string{
 //     response headers, or uses the GRPC body mode (not implemented by Envoy); request_body_mode
 //     NONE where the policy route (the one named by x-idempotency-route, else any enabled route)
 //     needs the body; FULL_DUPLEX_STREAMED without its direction's trailer mode SEND; request
-//     trailers SEND with a body mode other than STREAMED or FULL_DUPLEX_STREAMED; and an
+//     trailers other than SEND where the policy route needs the body (a request with trailers
+//     and no data would skip the body phase and run unclaimed); and an
 //     x-idempotency-route initial metadata that names no policy route (the processor would answer
 //     500 unknown-idempotency-route).
 //
@@ -538,8 +539,8 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 	switch m := pm.GetRequestTrailerMode(); {
 	case reqBody == fullDuplex && m != send:
 		c.refuse(path+".request_trailer_mode", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the body; Envoy refuses it at filter level)", m)
-	case m == send && reqBody != fullDuplex && reqBody != streamed:
-		c.refuse(path+".request_trailer_mode", "is SEND with request_body_mode %s: only STREAMED and FULL_DUPLEX_STREAMED read request trailers", reqBody)
+	case needsBody && m != send && (reqBody == filterextproc.ProcessingMode_BUFFERED || reqBody == streamed || reqBody == filterextproc.ProcessingMode_BUFFERED_PARTIAL):
+		c.refuse(path+".request_trailer_mode", "is %s, want SEND: the policy route needs the body, and %s", m, trailerWhy)
 	}
 	if m := pm.GetResponseTrailerMode(); respBody == fullDuplex && m != send {
 		c.refuse(path+".response_trailer_mode", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the response; Envoy refuses it at filter level)", m)

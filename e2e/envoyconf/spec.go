@@ -41,10 +41,12 @@ var requiredResponseAttributes = []string{"response.code_details", "upstream.req
 //     whole response for replay. NONE and BUFFERED_PARTIAL keep requests at most once but store
 //     some or all responses without their body (duplicates get 409 response-not-replayable):
 //     CheckProtection accepts them per route, not for a whole filter;
-//   - request_trailer_mode is SKIP, or SEND under STREAMED (the trailers message then ends the
-//     body) and FULL_DUPLEX_STREAMED; response_trailer_mode is SKIP or SEND. A body mode of
-//     FULL_DUPLEX_STREAMED needs its direction's trailer mode SEND (Envoy refuses the config
-//     otherwise);
+//   - request_trailer_mode is SEND in every body mode: a request that carries trailers and no
+//     data gets no body message from Envoy, and under SKIP no trailers message either
+//     (Filter::onTrailers in ext_proc.cc returns Continue when it has nothing buffered and
+//     sendTrailers() is false), so it would reach the upstream before the processor claimed its
+//     key. response_trailer_mode is SKIP or SEND; FULL_DUPLEX_STREAMED needs it SEND (Envoy
+//     refuses the config otherwise);
 //   - allow_mode_override is true, and allowed_override_modes is empty or exactly PassThroughMode
 //     and NoStoreMode, every field equal (Envoy compares raw values, so DEFAULT is not SKIP);
 //   - response_attributes contains response.code_details and upstream.request_attempt_count;
@@ -94,13 +96,8 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 		bad("processing_mode.response_body_mode is %s, want BUFFERED, STREAMED or FULL_DUPLEX_STREAMED", respBody)
 	}
 	fullDuplex := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
-	switch m := pm.GetRequestTrailerMode(); {
-	case reqBody == fullDuplex && m != filterextproc.ProcessingMode_SEND:
-		bad("processing_mode.request_trailer_mode is %s, want SEND with request_body_mode FULL_DUPLEX_STREAMED", m)
-	case m == filterextproc.ProcessingMode_SEND && reqBody != fullDuplex && reqBody != filterextproc.ProcessingMode_STREAMED:
-		bad("processing_mode.request_trailer_mode is SEND, want SKIP with request_body_mode %s", reqBody)
-	case m != filterextproc.ProcessingMode_SKIP && m != filterextproc.ProcessingMode_SEND:
-		bad("processing_mode.request_trailer_mode is %s, want SKIP", m)
+	if m := pm.GetRequestTrailerMode(); m != filterextproc.ProcessingMode_SEND {
+		errs = append(errs, fmt.Errorf("processing_mode.request_trailer_mode is %s, want SEND (%s): %w", m, trailerWhy, ErrRequestTrailersSkipped))
 	}
 	// SEND lets the processor see the end of a STREAMED response whose upstream sends trailers:
 	// its last chunk then has end_of_stream false (reference §2.4).
@@ -142,6 +139,14 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	}
 	return errors.Join(errs...)
 }
+
+// ErrRequestTrailersSkipped is wrapped by CheckSpec's refusal of a request_trailer_mode other
+// than SEND. Envoy Gateway cannot express SEND except under FullDuplexStreamed, so
+// WithoutGatewayGaps drops it from the verdict on Envoy Gateway's configs.
+var ErrRequestTrailersSkipped = errors.New("request trailers skip the processor")
+
+// trailerWhy says what request_trailer_mode SKIP costs a route that needs the request body.
+const trailerWhy = "under SKIP a request with trailers and no body skips the body phase (Filter::onTrailers continues without a message), so it reaches the upstream before its key is claimed, and may run twice"
 
 // attributeWhy says what the processor loses without each attribute it reads.
 var attributeWhy = map[string]string{
