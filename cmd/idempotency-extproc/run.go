@@ -25,6 +25,7 @@ import (
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
 // runOptions are what tests change in run; a zero field takes its default.
@@ -173,6 +174,14 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 		Help: "1 while the store answers and the process serves new streams (as /readyz and gRPC health say), else 0.",
 	})
 	reg.MustRegister(readyGauge)
+	failOpen := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "idempotency_fail_open",
+		Help: "1 when fail_mode is open (a covered request that finds the store failing runs upstream without a lease), 0 when closed.",
+	})
+	if cfg.policy.FailMode == policy.FailOpen {
+		failOpen.Set(1)
+	}
+	reg.MustRegister(failOpen)
 	go watchStore(watchCtx, store, pingTimeout(cfg.policy.StoreTimeout), healthSrv, readyGauge, log)
 
 	log.Info().Str("grpc_addr", addrString(grpcLis)).Str("admin_addr", adminLis.Addr().String()).
