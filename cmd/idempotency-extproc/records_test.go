@@ -197,7 +197,9 @@ func TestRecordsAPIOffWithoutAToken(t *testing.T) {
 	require.Equal(t, http.StatusNotFound, get(t, adminURL+"/v1/records/"+strings.Repeat("a", 64)))
 	_, err := recordsCall(t, adminURL, writeNamed(t, "tok", "t"), "get", strings.Repeat("a", 64))
 	require.ErrorContains(t, err, "start the server with --admin-token-file")
-	require.NotContains(t, scrape(t, adminURL+"/metrics"), "idempotency_admin_requests_total")
+	m := scrape(t, adminURL+"/metrics")
+	require.NotContains(t, m, "idempotency_admin_requests_total")
+	require.Contains(t, m, "\nidempotency_fail_open 0\n", "fail_mode closed by default")
 	cancel()
 	require.NoError(t, <-done)
 }

@@ -118,5 +118,8 @@ func TestUnreadableRecordIsNotRunAgain(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "purged "+hash+"\n", out)
 	openClaim(t, addr, "k") // the retry runs
-	require.Contains(t, scrape(t, adminURL+"/metrics"), `idempotency_admin_requests_total{op="get",result="unreadable"} 1`)
+	m := scrape(t, adminURL+"/metrics")
+	require.Contains(t, m, `idempotency_admin_requests_total{op="get",result="unreadable"} 1`)
+	require.Contains(t, m, `idempotency_unreadable_records_total{route="default"} 1`)
+	require.Contains(t, m, "\nidempotency_fail_open 1\n", "the gauge IdempotencyFailOpenTraffic joins on")
 }
