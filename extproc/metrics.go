@@ -15,6 +15,7 @@ type Metrics struct {
 	shadow          *prometheus.CounterVec
 	waitCalls       *prometheus.CounterVec
 	unreadable      *prometheus.CounterVec
+	upstreamRetries *prometheus.CounterVec
 }
 
 // NewMetrics creates the metrics and registers them with reg.
@@ -57,11 +58,15 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "idempotency_unreadable_records_total",
 			Help: "Covered requests whose stored record this process could not open (sealed under a key it does not hold, tampered with, or of a layout it does not know), by route; each got 409 response-not-replayable and did not run.",
 		}, []string{"route"}),
+		upstreamRetries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_upstream_retries_total",
+			Help: "Covered requests whose response came from the upstream on an attempt after the first (upstream.request_attempt_count > 1: a route retry_policy or hedging re-sent them), by route. Harmless after connect-failure or refused-stream; after reset, 5xx or a per-try timeout the upstream may have run the request more than once.",
+		}, []string{"route"}),
 	}
 	for _, kind := range misconfigKinds {
 		m.misconfig.WithLabelValues(kind)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable} {
+	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable, m.upstreamRetries} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

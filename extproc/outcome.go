@@ -166,10 +166,6 @@ const (
 	// MisconfigCodeDetailsMissing: a response came without response.code_details, so the
 	// processor cannot tell Envoy's responses from the upstream's.
 	MisconfigCodeDetailsMissing = "code_details_missing"
-	// MisconfigUpstreamRetried: the upstream answered on an attempt after the first
-	// (upstream.request_attempt_count > 1): Envoy's router re-sent a claimed request, which may
-	// have run upstream more than once.
-	MisconfigUpstreamRetried = "upstream_retried"
 	// MisconfigUnclaimedRequest: the upstream answered a covered request whose end the processor
 	// never saw (request trailers under request_trailer_mode SKIP, or an upstream that answers
 	// before the request body ends): it ran without a lease.
@@ -179,5 +175,5 @@ const (
 var misconfigKinds = []string{
 	MisconfigModeOverrideRefused, MisconfigAttemptCountMissing, MisconfigBodyNotAvailable,
 	MisconfigObservabilityMode, MisconfigUnknownRoute, MisconfigScopeAmbiguous,
-	MisconfigCodeDetailsMissing, MisconfigUpstreamRetried, MisconfigUnclaimedRequest,
+	MisconfigCodeDetailsMissing, MisconfigUnclaimedRequest,
 }

@@ -261,14 +261,18 @@ func TestOutcomeTable(t *testing.T) {
 			}},
 			{"the upstream answered a retried attempt", "", func(t *testing.T, h *harness) {
 				// Envoy's router re-sent the claimed request (retry_policy): stored as usual,
-				// and counted, since the upstream may have run it twice.
+				// and counted apart from misconfigurations, since a retry after a connect
+				// failure is harmless (the config checks refuse the harmful conditions).
 				retried := created
 				retried.attempts = 2
 				require.True(t, h.do(post("/v1/payments", "k", `{}`), retried).executed)
 				require.True(t, h.do(post("/v1/payments", "k2", `{}`), retried).executed)
 				require.False(t, h.do(post("/v1/payments", "k", `{}`), created).executed, "replayed")
-				require.Equal(t, 2.0, h.counter("idempotency_envoy_misconfig_total", "kind", "upstream_retried"))
+				require.Equal(t, 2.0, h.counter("idempotency_upstream_retries_total", "route", "default"))
 				require.Equal(t, 1, strings.Count(h.logs.String(), "retry_policy"), "said once, naming the setting")
+				for _, kind := range []string{extproc.MisconfigCodeDetailsMissing, extproc.MisconfigUnclaimedRequest, extproc.MisconfigAttemptCountMissing} {
+					require.Zero(t, h.counter("idempotency_envoy_misconfig_total", "kind", kind), kind)
+				}
 				require.Zero(t, h.counter("idempotency_envoy_misconfig_total", "kind", "code_details_missing"))
 			}},
 			{"response without code_details", "defaults: {unknown_outcome: keep, lock_ttl: 30s}", func(t *testing.T, h *harness) {

@@ -75,6 +75,8 @@ type Server struct {
 	streams sync.WaitGroup
 	// misconfigLogs logs each kind of Envoy misconfiguration once per process.
 	misconfigLogs map[string]*sync.Once
+	// retriedLog logs once that the router retried a covered request.
+	retriedLog sync.Once
 	// storeBroken is set once a store call panicked: the store may be locked or half changed.
 	storeBroken atomic.Bool
 	// unknownRoutes are the x-idempotency-route names already logged as unknown.
@@ -93,6 +95,8 @@ type routeState struct {
 	shadow map[Outcome]prometheus.Counter
 	// unreadable counts the stored records this process could not open.
 	unreadable prometheus.Counter
+	// retried counts covered requests the router sent upstream more than once.
+	retried prometheus.Counter
 	// waitCalls counts the store calls of duplicates waiting for an in-flight request.
 	waitCalls prometheus.Counter
 	// stored continues a response that will be stored; notStored also turns its body phase off.
@@ -158,6 +162,7 @@ func NewServer(opts Options) (*Server, error) {
 			shadow:       map[Outcome]prometheus.Counter{},
 			waitCalls:    s.metrics.waitCalls.WithLabelValues(r.Name),
 			unreadable:   s.metrics.unreadable.WithLabelValues(r.Name),
+			retried:      s.metrics.upstreamRetries.WithLabelValues(r.Name),
 			name:         routeValue,
 		}
 		if r.Mode == policy.ModeShadow {

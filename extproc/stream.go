@@ -807,8 +807,12 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 		})
 	}
 	if !o.envoyMade && o.attemptsKnown && o.attempts > 1 {
-		st.s.misconfigured(MisconfigUpstreamRetried, func() {
-			st.event(st.s.log.Warn()).Int64("attempts", o.attempts).Msg("Envoy's router re-sent a claimed request (a route or virtual host retry_policy or hedge_policy, or x-envoy-retry-on): the upstream may have run it more than once; remove retries from covered routes")
+		// Not a misconfiguration by itself: retries on connect-failure or refused-stream (Istio's
+		// default policy has them) never reached the upstream. The config checks refuse the
+		// retry conditions that may run a request twice.
+		st.rs.retried.Inc()
+		st.s.retriedLog.Do(func() {
+			st.event(st.s.log.Info()).Int64("attempts", o.attempts).Msg("Envoy's router sent a covered request upstream more than once (retry_policy or hedge_policy): harmless after connect-failure or refused-stream, a possible second execution after reset, 5xx or a per-try timeout; counted in idempotency_upstream_retries_total")
 		})
 	}
 	switch {

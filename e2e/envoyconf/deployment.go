@@ -48,6 +48,11 @@ type RouteEntry struct {
 	// FilterConfig that only enables a filter disabled by default (Envoy Gateway's) as an empty
 	// ExtProcPerRoute.
 	Config *filterextproc.ExtProcPerRoute
+	// Retry and Hedge are the retry and hedge policies the router applies on this route (the
+	// route's own, else its virtual host's), nil when it has none; RetryPath is where they live.
+	Retry     *routev3.RetryPolicy
+	Hedge     *routev3.HedgePolicy
+	RetryPath string
 }
 
 // BootstrapDeployment reads the ext_proc deployment of a standalone bootstrap: the first HTTP
@@ -74,8 +79,8 @@ func BootstrapDeployment(b *bootstrapv3.Bootstrap, source string) (Deployment, e
 	if rc == nil {
 		return Deployment{}, errors.New("http_connection_manager has no inline route_config")
 	}
-	add := func(name, path string, tpfc map[string]*anypb.Any) error {
-		e := RouteEntry{Name: name, Path: path}
+	add := func(name, path string, tpfc map[string]*anypb.Any, retry RouteEntry) error {
+		e := RouteEntry{Name: name, Path: path, Retry: retry.Retry, Hedge: retry.Hedge, RetryPath: retry.RetryPath}
 		if a, ok := tpfc[d.FilterName]; ok {
 			e.Path = path + ".typed_per_filter_config[" + d.FilterName + "]"
 			c, err := deployedPerRoute(a)
@@ -89,17 +94,23 @@ func BootstrapDeployment(b *bootstrapv3.Bootstrap, source string) (Deployment, e
 		d.Routes = append(d.Routes, e)
 		return nil
 	}
-	if err := add("", "route_config", rc.GetTypedPerFilterConfig()); err != nil {
+	if err := add("", "route_config", rc.GetTypedPerFilterConfig(), RouteEntry{}); err != nil {
 		return Deployment{}, err
 	}
 	for i, vh := range rc.GetVirtualHosts() {
 		vp := "route_config.virtual_hosts[" + strconv.Itoa(i) + "]"
-		if err := add("", vp, vh.GetTypedPerFilterConfig()); err != nil {
+		if err := add("", vp, vh.GetTypedPerFilterConfig(), RouteEntry{}); err != nil {
 			return Deployment{}, err
 		}
 		for j, r := range vh.GetRoutes() {
 			rp := vp + ".routes[" + strconv.Itoa(j) + "]"
-			if err := add(r.GetName(), rp, r.GetTypedPerFilterConfig()); err != nil {
+			// A route's retry_policy (hedge_policy) replaces its virtual host's whole
+			// (route_components.proto).
+			retry := RouteEntry{Retry: vh.GetRetryPolicy(), Hedge: vh.GetHedgePolicy(), RetryPath: vp}
+			if ra := r.GetRoute(); ra.GetRetryPolicy() != nil || ra.GetHedgePolicy() != nil {
+				retry = RouteEntry{Retry: ra.GetRetryPolicy(), Hedge: ra.GetHedgePolicy(), RetryPath: rp + ".route"}
+			}
+			if err := add(r.GetName(), rp, r.GetTypedPerFilterConfig(), retry); err != nil {
 				return Deployment{}, err
 			}
 			for k, cw := range r.GetRoute().GetWeightedClusters().GetClusters() {
@@ -107,7 +118,7 @@ func BootstrapDeployment(b *bootstrapv3.Bootstrap, source string) (Deployment, e
 				if _, ok := cw.GetTypedPerFilterConfig()[d.FilterName]; !ok {
 					continue
 				}
-				if err := add(r.GetName(), cp, cw.GetTypedPerFilterConfig()); err != nil {
+				if err := add(r.GetName(), cp, cw.GetTypedPerFilterConfig(), RouteEntry{}); err != nil {
 					return Deployment{}, err
 				}
 			}

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
@@ -233,6 +234,35 @@ type egTrafficPolicy struct {
 	Connection struct {
 		BufferLimit string `yaml:"bufferLimit"`
 	} `yaml:"connection"`
+	// Retry is a BackendTrafficPolicy's retry (the router's retry_policy on its routes).
+	Retry *struct {
+		NumRetries *uint32 `yaml:"numRetries"`
+		RetryOn    *struct {
+			Triggers        []string `yaml:"triggers"`
+			HTTPStatusCodes []uint32 `yaml:"httpStatusCodes"`
+		} `yaml:"retryOn"`
+	} `yaml:"retry"`
+}
+
+// egRetryPolicy is the retry_policy Envoy Gateway builds from a BackendTrafficPolicy's retry
+// (internal/xds/translator/route.go, buildRetryPolicy): 2 retries by default; without retryOn,
+// the same default conditions as Istio's, 503 included.
+func egRetryPolicy(tp egTrafficPolicy) *routev3.RetryPolicy {
+	r := tp.Retry
+	if r == nil {
+		return nil
+	}
+	p := &routev3.RetryPolicy{NumRetries: wrapperspb.UInt32(2), RetryOn: istioDefaultRetryOn, RetriableStatusCodes: istioDefaultRetryCodes}
+	if r.NumRetries != nil {
+		p.NumRetries = wrapperspb.UInt32(*r.NumRetries)
+	}
+	if o := r.RetryOn; o != nil {
+		p.RetryOn, p.RetriableStatusCodes = strings.Join(o.Triggers, ","), o.HTTPStatusCodes
+		if len(o.HTTPStatusCodes) > 0 && !slices.Contains(o.Triggers, "retriable-status-codes") {
+			p.RetryOn = strings.Join(append(slices.Clone(o.Triggers), "retriable-status-codes"), ",")
+		}
+	}
+	return p
 }
 
 // EnvoyGateway translates every EnvoyExtensionPolicy of the Envoy Gateway file at path into the
@@ -326,6 +356,16 @@ func EnvoyGateway(path string) ([]EGPolicy, EGLimits, error) {
 		var tp egTrafficPolicy
 		if err := d.Spec.Decode(&tp); err != nil {
 			return nil, EGLimits{}, fmt.Errorf("%s: %s: %w", path, kind, err)
+		}
+		if rp := egRetryPolicy(tp); rp != nil && kind == "BackendTrafficPolicy" {
+			// The file's one BackendTrafficPolicy targets the HTTPRoute whose rules the
+			// policies enable the filter on.
+			for i := range out {
+				for j := range out[i].Deployment.Routes {
+					e := &out[i].Deployment.Routes[j]
+					e.Retry, e.RetryPath = rp, kind+" "+d.Metadata.Namespace+"/"+d.Metadata.Name+".retry"
+				}
+			}
 		}
 		if tp.Connection.BufferLimit == "" {
 			continue
@@ -762,6 +802,7 @@ func IstioDeployment(path string) (Deployment, error) {
 				Match []struct {
 					Name string `yaml:"name"`
 				} `yaml:"match"`
+				Retries *istioRetries `yaml:"retries"`
 			} `yaml:"http"`
 		}
 		if err := doc.Spec.Decode(&vs); err != nil {
@@ -769,17 +810,24 @@ func IstioDeployment(path string) (Deployment, error) {
 		}
 		for i, h := range vs.HTTP {
 			at := fmt.Sprintf("VirtualService %s/%s http[%d]", doc.Metadata.Namespace, doc.Metadata.Name, i)
+			retry, retryAt := h.Retries.policy(), at+".retries"
+			if h.Retries == nil {
+				retryAt = at + " (no retries: Istio's default retry policy)"
+			}
+			entry := func(name string) RouteEntry {
+				return RouteEntry{Name: name, Path: at, Retry: retry, RetryPath: retryAt}
+			}
 			named := false
 			for _, m := range h.Match {
 				if m.Name != "" {
-					d.Routes = append(d.Routes, RouteEntry{Name: h.Name + "." + m.Name, Path: at})
+					d.Routes = append(d.Routes, entry(h.Name+"."+m.Name))
 				} else if !named {
-					d.Routes = append(d.Routes, RouteEntry{Name: h.Name, Path: at})
+					d.Routes = append(d.Routes, entry(h.Name))
 					named = true
 				}
 			}
 			if len(h.Match) == 0 {
-				d.Routes = append(d.Routes, RouteEntry{Name: h.Name, Path: at})
+				d.Routes = append(d.Routes, entry(h.Name))
 			}
 		}
 	}
@@ -940,4 +988,53 @@ func WithoutGatewayGaps(err error) error {
 func isJoin(e error) bool {
 	_, ok := e.(interface{ Unwrap() []error })
 	return ok
+}
+
+// istioRetries is a VirtualService HTTPRoute's retries.
+type istioRetries struct {
+	Attempts              *uint32 `yaml:"attempts"`
+	RetryOn               string  `yaml:"retryOn"`
+	PerTryTimeout         string  `yaml:"perTryTimeout"`
+	RetryRemoteLocalities *bool   `yaml:"retryRemoteLocalities"`
+	Backoff               string  `yaml:"backoff"`
+}
+
+// istioDefaultRetryOn and istioDefaultRetryCodes are Istio's default retry policy, applied to
+// every HTTP route whose VirtualService sets no retries (pilot/pkg/networking/core/route/retry,
+// DefaultPolicy: 2 retries).
+const istioDefaultRetryOn = "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes"
+
+var istioDefaultRetryCodes = []uint32{503}
+
+// policy is the router retry policy Istio builds from r (retry.ConvertPolicy): nil retries get
+// the default policy, attempts 0 none; a retryOn replaces the default conditions, its numbers
+// becoming retriable status codes.
+func (r *istioRetries) policy() *routev3.RetryPolicy {
+	p := &routev3.RetryPolicy{NumRetries: wrapperspb.UInt32(2), RetryOn: istioDefaultRetryOn, RetriableStatusCodes: istioDefaultRetryCodes}
+	if r == nil {
+		return p
+	}
+	if r.Attempts != nil {
+		if *r.Attempts == 0 {
+			return nil
+		}
+		p.NumRetries = wrapperspb.UInt32(*r.Attempts)
+	}
+	if r.RetryOn != "" {
+		var conds []string
+		p.RetriableStatusCodes = nil
+		for _, c := range strings.Split(r.RetryOn, ",") {
+			c = strings.TrimSpace(c)
+			if n, err := strconv.ParseUint(c, 10, 32); err == nil {
+				p.RetriableStatusCodes = append(p.RetriableStatusCodes, uint32(n))
+				continue
+			}
+			conds = append(conds, c)
+		}
+		if len(p.RetriableStatusCodes) > 0 && !slices.Contains(conds, "retriable-status-codes") {
+			conds = append(conds, "retriable-status-codes")
+		}
+		p.RetryOn = strings.Join(conds, ",")
+	}
+	return p
 }

@@ -507,3 +507,56 @@ func TestIstioBrokenVariantsFail(t *testing.T) {
 		})
 	}
 }
+
+// Istio gives every VirtualService route its default retry policy unless the route sets retries:
+// it retries 503 and connection failures, which is safe (the policy releases 503). A retryOn that
+// retries after the upstream may have run, or a stored status, is refused; attempts 0 turns
+// retries off.
+func TestIstioRetries(t *testing.T) {
+	orig := readEnvoyFile(t, "istio-envoyfilter.yaml")
+	const at = "  - name: transfers\n    match:\n    - uri: { prefix: /v1/transfers }\n"
+	for _, tc := range []struct {
+		name, retries, want string
+	}{
+		{"default policy", "", ""},
+		{"attempts 0", "    retries: { attempts: 0, retryOn: 5xx }\n", ""},
+		{"5xx", "    retries: { attempts: 3, retryOn: \"connect-failure,5xx\" }\n", `VirtualService payments/payments-api http[0].retries.retry_policy.retry_on: has "5xx"`},
+		{"a stored status", "    retries: { attempts: 2, retryOn: \"503,201\" }\n", "status 201, which the policy stores"},
+		{"released statuses", "    retries: { attempts: 2, retryOn: \"503,refused-stream\" }\n", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			path := writeTemp(t, "istio.yaml", mutate(t, orig, at, at+tc.retries, 1))
+			err := checkIstio(t, path)
+			if tc.want == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+	d, err := IstioDeployment(envoyFile(t, "istio-envoyfilter.yaml"))
+	require.NoError(t, err)
+	require.Equal(t, "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes", d.Routes[0].Retry.GetRetryOn(), "Istio's default where retries are not set")
+	require.Equal(t, []uint32{503}, d.Routes[0].Retry.GetRetriableStatusCodes())
+}
+
+// A BackendTrafficPolicy's retry becomes the router's retry_policy on the policies' routes: one
+// that retries after the upstream may have run is refused.
+func TestEnvoyGatewayRetries(t *testing.T) {
+	orig := readEnvoyFile(t, "envoy-gateway.yaml")
+	const at = "  connection:\n    bufferLimit: 1Mi             # response bodies"
+	for _, tc := range []struct{ name, retry, want string }{
+		{"default conditions", "  retry: { numRetries: 3 }\n", ""},
+		{"reset", "  retry:\n    retryOn: { triggers: [connect-failure, reset] }\n", `BackendTrafficPolicy payments/idempotency-buffers.retry.retry_policy.retry_on: has "reset"`},
+		{"a stored status", "  retry:\n    retryOn: { httpStatusCodes: [200] }\n", "status 200, which the policy stores"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := checkEnvoyGateway(t, writeTemp(t, "eg.yaml", mutate(t, orig, at, tc.retry+at, 1)))
+			if tc.want == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+}

@@ -105,7 +105,12 @@ var storedHeaderSample = []string{
 //     trailers other than SEND where the policy route needs the body (a request with trailers
 //     and no data would skip the body phase and run unclaimed); and an
 //     x-idempotency-route initial metadata that names no policy route (the processor would answer
-//     500 unknown-idempotency-route).
+//     500 unknown-idempotency-route);
+//   - per route, the router's retry_policy (the route's, else its virtual host's; Istio's
+//     VirtualService retries or its default policy; Envoy Gateway's BackendTrafficPolicy retry)
+//     with a retry_on condition outside safeRetryOn, or retrying a status some enabled route
+//     stores, and a hedge_policy that hedges on per-try timeouts: each may send a claimed request
+//     upstream again after the upstream ran it.
 //
 // A per-route processing_mode replaces the filter-level one whole, and is read as Envoy reads
 // it: DEFAULT header modes send, DEFAULT trailer modes skip. Per-route body modes the processor
@@ -134,6 +139,9 @@ type policyNeeds struct {
 	// (jwt_claim scope).
 	routeNameAttribute, peerIdentity, jwtPayload bool
 	outcomeNamespace                             string
+	// stored reports whether some enabled route stores a response of this status (a router
+	// retry on it would run a request whose outcome counts).
+	stored func(status int) bool
 }
 
 // needsOf derives policyNeeds from p's routes and default, enabled ones only: the scope list's
@@ -142,6 +150,10 @@ type policyNeeds struct {
 // goes to p's metadata_namespace.
 func needsOf(p *policy.Policy) policyNeeds {
 	n := policyNeeds{routes: map[string]bool{}, outcomeNamespace: p.MetadataNamespace}
+	var stores []policy.StatusSet
+	n.stored = func(status int) bool {
+		return slices.ContainsFunc(stores, func(s policy.StatusSet) bool { return s.Has(status) })
+	}
 	seen := map[string]bool{}
 	add := func(name, role, route string) {
 		if name == "" || seen[name] {
@@ -156,6 +168,7 @@ func needsOf(p *policy.Policy) policyNeeds {
 		if !r.Enabled {
 			continue
 		}
+		stores = append(stores, r.StoreStatuses)
 		n.anyBody = n.anyBody || body
 		for _, h := range r.KeyHeaders {
 			add(h, "key header", r.Name)
@@ -196,6 +209,9 @@ type checker struct {
 	d    Deployment
 	n    policyNeeds
 	errs []error
+	// retryChecked holds the retry paths already checked: a virtual host's policy is every
+	// route's that has none of its own, and is reported once.
+	retryChecked map[string]bool
 }
 
 func (c *checker) refuse(field, format string, args ...any) {
@@ -460,7 +476,11 @@ func (c *checker) metadataOptions(path string, mo *filterextproc.MetadataOptions
 // route checks one per-route config of the filter.
 func (c *checker) route(e RouteEntry) {
 	cfg := e.Config
-	if cfg == nil || cfg.GetDisabled() {
+	if cfg.GetDisabled() {
+		return
+	}
+	c.retries(e)
+	if cfg == nil {
 		return
 	}
 	o := cfg.GetOverrides()
@@ -544,5 +564,54 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 	}
 	if m := pm.GetResponseTrailerMode(); respBody == fullDuplex && m != send {
 		c.refuse(path+".response_trailer_mode", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the response; Envoy refuses it at filter level)", m)
+	}
+}
+
+// safeRetryOn are the retry_on conditions under which Envoy's router retries only requests the
+// upstream never received or never answered as an application (router/retry_state_impl.cc):
+// the connection or stream was refused before the request was sent, or an upstream Envoy
+// rate-limited it. The gRPC conditions (cancelled, deadline-exceeded, internal,
+// resource-exhausted, unavailable) need a grpc-status in the response, and gRPC requests are
+// not covered (SPEC §8).
+var safeRetryOn = map[string]bool{
+	"connect-failure": true, "refused-stream": true, "reset-before-request": true, "envoy-ratelimited": true,
+	"cancelled": true, "deadline-exceeded": true, "internal": true, "resource-exhausted": true, "unavailable": true,
+}
+
+// retries refuses a retry or hedge policy on a covered route that may send a claimed request
+// upstream again after the upstream may have run it: the processor sees one request and one
+// lease, while the upstream runs it twice. A retry on a status the policy does not store is
+// allowed: that status releases the key, so the router's retry is the client's retry, earlier.
+func (c *checker) retries(e RouteEntry) {
+	if c.retryChecked[e.RetryPath] {
+		return
+	}
+	if c.retryChecked == nil {
+		c.retryChecked = map[string]bool{}
+	}
+	c.retryChecked[e.RetryPath] = true
+	if h := e.Hedge; h.GetHedgeOnPerTryTimeout() || h.GetInitialRequests().GetValue() > 1 {
+		c.refuse(e.RetryPath+".hedge_policy", "sends a claimed request upstream again while the first attempt may still be running: it may run twice")
+	}
+	rp := e.Retry
+	if rp == nil || (rp.GetNumRetries() != nil && rp.GetNumRetries().GetValue() == 0) {
+		return
+	}
+	for _, cond := range strings.Split(rp.GetRetryOn(), ",") {
+		switch cond = strings.TrimSpace(cond); {
+		case cond == "" || safeRetryOn[cond]:
+		case cond == "retriable-status-codes" || cond == "retriable-4xx":
+			codes := rp.GetRetriableStatusCodes()
+			if cond == "retriable-4xx" {
+				codes = []uint32{409}
+			}
+			for _, code := range codes {
+				if c.n.stored(int(code)) {
+					c.refuse(e.RetryPath+".retry_policy.retry_on", "retries %s on status %d, which the policy stores: the upstream ran, and the router runs it again instead of the response being kept", cond, code)
+				}
+			}
+		default:
+			c.refuse(e.RetryPath+".retry_policy.retry_on", "has %q: the router retries after the upstream may have run the request (a reset, a timeout, an answer), so a claimed request may run twice; keep only connect-failure, refused-stream and reset-before-request on covered routes", cond)
+		}
 	}
 }

@@ -295,6 +295,19 @@ func perRouteOverrides(name string, fn func(*filterextproc.ExtProcOverrides)) fu
 	}
 }
 
+// routeOnly is the path of the route at index i of the shipped envoy.yaml.
+func routeOnly(i int) string { return fmt.Sprintf("route_config.virtual_hosts[0].routes[%d]", i) }
+
+// routeRetry sets the router's retry_policy on route name.
+func routeRetry(name string, rp *routev3.RetryPolicy) func(*bootstrapv3.Bootstrap) error {
+	return func(b *bootstrapv3.Bootstrap) error {
+		return MutateRoute(b, name, func(r *routev3.Route) error {
+			r.GetRoute().RetryPolicy = rp
+			return nil
+		})
+	}
+}
+
 func extProc(fn func(*filterextproc.ExternalProcessor)) func(*bootstrapv3.Bootstrap) error {
 	return func(b *bootstrapv3.Bootstrap) error { return MutateExtProc(b, fn) }
 }
@@ -493,6 +506,46 @@ func TestCheckProtectionRefuses(t *testing.T) {
 				return nil
 			})
 		}, []want{{"route_config.virtual_hosts[0].routes[4].route.weighted_clusters.clusters[0].typed_per_filter_config[envoy.filters.http.ext_proc].overrides.failure_mode_allow", "bypass"}}},
+
+		// the router's retries and hedging
+		{"route retrying on 5xx", "", routeRetry(defaultRoute, &routev3.RetryPolicy{RetryOn: "5xx,connect-failure"}),
+			[]want{{routeOnly(defaultIdx) + ".route.retry_policy.retry_on", `has "5xx"`}}},
+		{"route retrying on a reset", "", routeRetry(defaultRoute, &routev3.RetryPolicy{RetryOn: "reset"}),
+			[]want{{routeOnly(defaultIdx) + ".route.retry_policy.retry_on", `has "reset"`}}},
+		{"route retrying only what never reached the upstream", "", routeRetry(defaultRoute, &routev3.RetryPolicy{RetryOn: "connect-failure,refused-stream,reset-before-request"}), nil},
+		{"route retrying with no retries", "", routeRetry(defaultRoute, &routev3.RetryPolicy{RetryOn: "5xx", NumRetries: wrapperspb.UInt32(0)}), nil},
+		{"route retrying a stored status", "", routeRetry(defaultRoute, &routev3.RetryPolicy{RetryOn: "retriable-status-codes", RetriableStatusCodes: []uint32{503, 201}}),
+			[]want{{routeOnly(defaultIdx) + ".route.retry_policy.retry_on", "status 201, which the policy stores"}}},
+		{"route retrying a released status", "", routeRetry(defaultRoute, &routev3.RetryPolicy{RetryOn: "retriable-status-codes,retriable-4xx", RetriableStatusCodes: []uint32{503}}), nil},
+		{"retrying a disabled route", "", routeRetry("healthz", &routev3.RetryPolicy{RetryOn: "5xx"}), nil},
+		{"virtual host retrying on gateway errors", "", func(b *bootstrapv3.Bootstrap) error {
+			return MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
+				h.GetRouteConfig().GetVirtualHosts()[0].RetryPolicy = &routev3.RetryPolicy{RetryOn: "gateway-error"}
+				return nil
+			})
+		}, []want{ // every route but healthz, where ext_proc is disabled
+			{"route_config.virtual_hosts[0].retry_policy.retry_on", `has "gateway-error"`},
+		}},
+		{"a route's own policy replaces its virtual host's", "", func(b *bootstrapv3.Bootstrap) error {
+			err := MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
+				vh := h.GetRouteConfig().GetVirtualHosts()[0]
+				vh.RetryPolicy = &routev3.RetryPolicy{RetryOn: "gateway-error"}
+				// Keep the virtual host's policy on one route only: the others get their own.
+				for _, r := range vh.GetRoutes() {
+					if r.GetName() != defaultRoute && r.GetRoute() != nil {
+						r.GetRoute().RetryPolicy = &routev3.RetryPolicy{RetryOn: "connect-failure"}
+					}
+				}
+				return nil
+			})
+			return err
+		}, []want{{"route_config.virtual_hosts[0].retry_policy.retry_on", `has "gateway-error"`}}},
+		{"hedging on per-try timeouts", "", func(b *bootstrapv3.Bootstrap) error {
+			return MutateRoute(b, defaultRoute, func(r *routev3.Route) error {
+				r.GetRoute().HedgePolicy = &routev3.HedgePolicy{HedgeOnPerTryTimeout: true}
+				return nil
+			})
+		}, []want{{routeOnly(defaultIdx) + ".route.hedge_policy", "may run twice"}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			b, err := Load(envoyFile(t, "envoy.yaml"))
