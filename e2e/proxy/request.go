@@ -119,11 +119,12 @@ func (x *exchange) requestHeaders() headerList {
 	return h
 }
 
-// isGrpc is Grpc::Common::isGrpcRequestHeaders: content-type application/grpc, or
-// application/grpc+… or application/grpc;….
+// isGrpc is Grpc::Common::isGrpcRequestHeaders, through hasGrpcContentType
+// (source/common/grpc/common.cc): content-type exactly application/grpc, or application/grpc+…
+// (application/grpc-web and application/grpc;… are not gRPC).
 func isGrpc(h headerList) bool {
 	ct, _ := h.get("content-type")
-	return ct == "application/grpc" || strings.HasPrefix(ct, "application/grpc+") || strings.HasPrefix(ct, "application/grpc;")
+	return ct == "application/grpc" || strings.HasPrefix(ct, "application/grpc+")
 }
 
 // mergePerRouteConfig is Filter::mergePerRouteConfig: the virtual host's then the route's
