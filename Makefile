@@ -28,7 +28,7 @@ bench: ## every benchmark once, so they keep compiling and running
 	$(GO) test -run '^$$' -bench . -benchtime 1x -benchmem -count=1 $(PKGS)
 
 deploy-test: ## deploy/test, a module of its own: the Helm chart, dashboard, alerts, Dockerfile and CI workflow
-	cd deploy/test && $(GO) vet ./... && $(GO) test -count=1 -timeout 15m ./...
+	cd deploy/test && $(GO) vet ./... && $(STATICCHECK) ./... && $(GO) test -count=1 -timeout 15m ./...
 
 bench-compare: ## the comparative benchmark of docs/performance.md (needs redis-server, redis-benchmark)
 	$(GO) run ./e2e/bench -duration 10s -rounds 5
