@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -15,6 +16,7 @@ import (
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
@@ -250,16 +252,58 @@ func TestRequestTrailersWithoutBody(t *testing.T) {
 	}
 }
 
+// A STREAMED request body followed by trailers is never claimed: Envoy holds the trailers while
+// a chunk's answer is outstanding (Filter::onTrailers: a callback other than Idle pauses them) and
+// the processor answers the chunks only at the claim, which waits for the end. Envoy's
+// message_timeout ends it with 504 and the upstream never gets the body (the README's known
+// limit). BUFFERED claims the same request at its trailers.
+func TestStreamedBodyWithTrailersStalls(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		mode   filterextproc.ProcessingMode_BodySendMode
+		status int
+		ran    int
+	}{
+		{filterextproc.ProcessingMode_STREAMED, http.StatusGatewayTimeout, 0},
+		{filterextproc.ProcessingMode_BUFFERED, http.StatusOK, 1},
+	} {
+		t.Run(tc.mode.String(), func(t *testing.T) {
+			t.Parallel()
+			s := newStack(t, stackOptions{envoy: func(b *bootstrapv3.Bootstrap) error {
+				if err := envoyconf.EnableHTTP1Trailers(b); err != nil {
+					return err
+				}
+				return envoyconf.MutateExtProc(b, func(f *filterextproc.ExternalProcessor) {
+					f.ProcessingMode.RequestBodyMode = tc.mode
+					f.MessageTimeout = durationpb.New(500 * time.Millisecond)
+				})
+			}})
+			r := chunkedWithTrailer(t, s.url, "streamed-trailers", `{"amount":1}`)
+			require.Equal(t, tc.status, r.StatusCode)
+			require.Equal(t, tc.ran, s.up.Ran("streamed-trailers"))
+		})
+	}
+}
+
 // trailersOnly sends a chunked POST with no data and one trailer, which net/http's client
 // cannot produce (it sends an empty body without chunking).
 func trailersOnly(t *testing.T, url, key string) *http.Response {
+	return chunkedWithTrailer(t, url, key, "")
+}
+
+// chunkedWithTrailer sends a chunked POST of body (no chunk when empty) and one trailer.
+func chunkedWithTrailer(t *testing.T, url, key, body string) *http.Response {
 	t.Helper()
+	chunk := ""
+	if body != "" {
+		chunk = strconv.FormatInt(int64(len(body)), 16) + "\r\n" + body + "\r\n"
+	}
 	conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
 	require.NoError(t, err)
 	t.Cleanup(func() { conn.Close() })
 	_, err = io.WriteString(conn, "POST /v1/payments HTTP/1.1\r\nHost: api\r\nIdempotency-Key: "+key+
 		"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nTrailer: X-Checksum\r\nConnection: close\r\n\r\n"+
-		"0\r\nX-Checksum: abc\r\n\r\n")
+		chunk+"0\r\nX-Checksum: abc\r\n\r\n")
 	require.NoError(t, err)
 	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 	require.NoError(t, err)
