@@ -4,6 +4,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
 
 	egv1a1 "github.com/envoyproxy/gateway/api/v1alpha1"
 	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
@@ -57,6 +64,8 @@ var kinds = map[string]func() any{
 	"gateway.envoyproxy.io/v1alpha1/ClientTrafficPolicy":  func() any { return &egv1a1.ClientTrafficPolicy{} },
 	"gateway.envoyproxy.io/v1alpha1/BackendTrafficPolicy": func() any { return &egv1a1.BackendTrafficPolicy{} },
 	"gateway.networking.k8s.io/v1beta1/ReferenceGrant":    func() any { return &gwapiv1b1.ReferenceGrant{} },
+	// envoy/envoy-gateway.yaml's (the chart renders none): TestShippedMeshResourcesDecode.
+	"gateway.envoyproxy.io/v1alpha1/EnvoyProxy": func() any { return &egv1a1.EnvoyProxy{} },
 	"networking.istio.io/v1alpha3/EnvoyFilter": func() any {
 		return &istioObject{Spec: &istionet.EnvoyFilter{}}
 	},
@@ -151,4 +160,31 @@ func find[T any](objs []object, gvk string) []T {
 		}
 	}
 	return out
+}
+
+// The Envoy Gateway and Istio resources of envoy/ that the chart also renders, or that only envoy/
+// ships (the EnvoyProxy with the access log and filter order), decode strictly into their API
+// types: a field Envoy Gateway or Istio does not know would be dropped or refused on apply.
+func TestShippedMeshResourcesDecode(t *testing.T) {
+	for file, want := range map[string][]string{
+		"envoy-gateway.yaml":     {"EnvoyExtensionPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyProxy"},
+		"istio-envoyfilter.yaml": {"EnvoyFilter", "DestinationRule"},
+	} {
+		data, err := os.ReadFile(filepath.Join(repoRoot, "envoy", file))
+		require.NoError(t, err)
+		seen := map[string]int{}
+		for i, doc := range strings.Split(string(data), "\n---\n") {
+			var tm metav1.TypeMeta
+			require.NoError(t, yaml.Unmarshal([]byte(doc), &tm))
+			if !slices.Contains(want, tm.Kind) {
+				continue
+			}
+			_, err := decodeStrict(manifest{template: fmt.Sprintf("envoy/%s document %d", file, i+1), yaml: doc})
+			require.NoError(t, err)
+			seen[tm.Kind]++
+		}
+		for _, k := range want {
+			require.Positive(t, seen[k], "%s has a %s", file, k)
+		}
+	}
 }

@@ -173,6 +173,17 @@ func TestChartIstioMeetsSpec(t *testing.T) {
 			require.Equal(t, wantForwarded, f.GetMetadataOptions().GetForwardingNamespaces().GetUntyped())
 			require.Equal(t, wantReceived, f.GetMetadataOptions().GetReceivingNamespaces().GetUntyped())
 
+			// The access log, where the value set turns it on, is envoy/'s.
+			logs, err := envoyconf.IstioAccessLogFormats(file)
+			require.NoError(t, err)
+			if r.value("istio.accessLog.enabled") == true {
+				shippedLogs, err := envoyconf.IstioAccessLogFormats(filepath.Join(repoRoot, "envoy", "istio-envoyfilter.yaml"))
+				require.NoError(t, err)
+				require.Equal(t, shippedLogs, logs)
+			} else {
+				require.Empty(t, logs)
+			}
+
 			svc, grpcPort := r.service(t)
 			domain := r.value("istio.clusterDomain")
 			fqdn := fmt.Sprintf("%s.%s.svc.%s", svc.Name, svc.Namespace, domain)

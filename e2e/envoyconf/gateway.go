@@ -18,8 +18,12 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
+	accesslogv3 "github.com/envoyproxy/go-control-plane/envoy/config/accesslog/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	accesslogfilev3 "github.com/envoyproxy/go-control-plane/envoy/extensions/access_loggers/file/v3"
+	accesslogstreamv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/access_loggers/stream/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
@@ -1037,4 +1041,95 @@ func (r *istioRetries) policy() *routev3.RetryPolicy {
 		p.RetryOn = strings.Join(conds, ",")
 	}
 	return p
+}
+
+// IstioAccessLogFormats returns the text formats of the access logs the Istio file at path adds
+// to the connection manager: its NETWORK_FILTER patches that MERGE an HttpConnectionManager
+// typed_config with access_log entries (stdout or file loggers).
+func IstioAccessLogFormats(path string) ([]string, error) {
+	docs, err := readDocs(path)
+	if err != nil {
+		return nil, err
+	}
+	ef, err := only(docs, "networking.istio.io", "EnvoyFilter")
+	if err != nil || ef == nil {
+		return nil, fmt.Errorf("%s: no EnvoyFilter (%v)", path, err)
+	}
+	spec, err := decodeSpec[istioSpec](ef)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	var out []string
+	for i, cp := range spec.ConfigPatches {
+		if cp.ApplyTo != "NETWORK_FILTER" || cp.Patch.Operation != "MERGE" {
+			continue
+		}
+		f := &listenerv3.Filter{}
+		if err := decodePatch(&cp, f); err != nil {
+			return nil, fmt.Errorf("%s: configPatches[%d].patch.value: %w", path, i, err)
+		}
+		hcm := &hcmv3.HttpConnectionManager{}
+		if err := f.GetTypedConfig().UnmarshalTo(hcm); err != nil {
+			return nil, fmt.Errorf("%s: configPatches[%d]: %w", path, i, err)
+		}
+		formats, err := accessLogFormats(hcm.GetAccessLog())
+		if err != nil {
+			return nil, fmt.Errorf("%s: configPatches[%d]: %w", path, i, err)
+		}
+		out = append(out, formats...)
+	}
+	return out, nil
+}
+
+// accessLogFormats returns the text format of each stdout or file access log in logs.
+func accessLogFormats(logs []*accesslogv3.AccessLog) ([]string, error) {
+	var out []string
+	for _, l := range logs {
+		m, err := l.GetTypedConfig().UnmarshalNew()
+		if err != nil {
+			return nil, err
+		}
+		switch c := m.(type) {
+		case *accesslogstreamv3.StdoutAccessLog:
+			out = append(out, c.GetLogFormat().GetTextFormatSource().GetInlineString())
+		case *accesslogfilev3.FileAccessLog:
+			out = append(out, c.GetLogFormat().GetTextFormatSource().GetInlineString())
+		}
+	}
+	return out, nil
+}
+
+// EnvoyGatewayAccessLogFormats returns the text formats of the EnvoyProxy's
+// telemetry.accessLog settings in the Envoy Gateway file at path.
+func EnvoyGatewayAccessLogFormats(path string) ([]string, error) {
+	docs, err := readDocs(path)
+	if err != nil {
+		return nil, err
+	}
+	d, err := only(docs, "gateway.envoyproxy.io", "EnvoyProxy")
+	if err != nil || d == nil {
+		return nil, fmt.Errorf("%s: no EnvoyProxy (%v)", path, err)
+	}
+	var spec struct {
+		Telemetry struct {
+			AccessLog struct {
+				Settings []struct {
+					Format struct {
+						Type string `yaml:"type"`
+						Text string `yaml:"text"`
+					} `yaml:"format"`
+				} `yaml:"settings"`
+			} `yaml:"accessLog"`
+		} `yaml:"telemetry"`
+	}
+	if err := d.Spec.Decode(&spec); err != nil {
+		return nil, fmt.Errorf("%s: EnvoyProxy %s: %w", path, d.Metadata.Name, err)
+	}
+	var out []string
+	for _, s := range spec.Telemetry.AccessLog.Settings {
+		if s.Format.Type == "Text" {
+			out = append(out, s.Format.Text)
+		}
+	}
+	return out, nil
 }

@@ -146,7 +146,13 @@ func TestEnvoyYAMLMeshNative(t *testing.T) {
 	// The access log prints the route and the outcome the processor writes.
 	log := &accesslogstream.StdoutAccessLog{}
 	require.NoError(t, hcm.GetAccessLog()[0].GetTypedConfig().UnmarshalTo(log))
-	format := log.GetLogFormat().GetTextFormatSource().GetInlineString()
+	requireOutcomeLogged(t, log.GetLogFormat().GetTextFormatSource().GetInlineString())
+}
+
+// requireOutcomeLogged holds an access log format to SPEC §9: the Envoy route and every field of
+// the outcome the processor writes, and no header that carries a key or a credential.
+func requireOutcomeLogged(t *testing.T, format string) {
+	t.Helper()
 	for _, op := range []string{"%ROUTE_NAME%", "%DYNAMIC_METADATA(idempotency:outcome)%", "%DYNAMIC_METADATA(idempotency:route)%",
 		"%DYNAMIC_METADATA(idempotency:key_hash)%", "%DYNAMIC_METADATA(idempotency:replayed)%",
 		"%DYNAMIC_METADATA(idempotency:release_reason)%"} {
@@ -154,6 +160,29 @@ func TestEnvoyYAMLMeshNative(t *testing.T) {
 	}
 	require.NotContains(t, strings.ToLower(format), "authorization")
 	require.NotContains(t, strings.ToLower(format), "idempotency-key")
+}
+
+// The Istio and Envoy Gateway files log the outcome too, each in its own form: an EnvoyFilter
+// patch that MERGEs an access log into the gateway's connection manager, and the EnvoyProxy's
+// telemetry.accessLog. Each logs exactly what envoy.yaml logs.
+func TestMeshFilesLogTheOutcome(t *testing.T) {
+	b, err := Load(envoyFile(t, "envoy.yaml"))
+	require.NoError(t, err)
+	hcm, err := firstHCM(b)
+	require.NoError(t, err)
+	standalone, err := accessLogFormats(hcm.GetAccessLog())
+	require.NoError(t, err)
+	require.Len(t, standalone, 1)
+
+	istio, err := IstioAccessLogFormats(envoyFile(t, "istio-envoyfilter.yaml"))
+	require.NoError(t, err)
+	eg, err := EnvoyGatewayAccessLogFormats(envoyFile(t, "envoy-gateway.yaml"))
+	require.NoError(t, err)
+	for name, formats := range map[string][]string{"istio": istio, "envoy gateway": eg} {
+		require.Len(t, formats, 1, name)
+		requireOutcomeLogged(t, formats[0])
+		require.Equal(t, standalone[0], formats[0], "%s logs what envoy.yaml logs", name)
+	}
 }
 
 // The demo tokens verify against envoy.yaml's local JWKS and carry the claims its provider
