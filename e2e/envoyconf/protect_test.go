@@ -776,3 +776,31 @@ func TestRefusals(t *testing.T) {
 	require.Equal(t, "a: x", a.Error())
 	require.Equal(t, "s: b: y", b.Error())
 }
+
+// In every shipped deployment the Envoy route of /v1/transfers selects the policy route
+// "transfers" by its xds.route_name (scoped by the verified JWT subject), and no other Envoy route
+// does: Envoy Gateway's generated names included.
+func TestShippedTransfersRouteIsSelectedByName(t *testing.T) {
+	p := shippedPolicy(t)
+	for _, d := range shippedDeployments(t) {
+		var transfers []string
+		for _, e := range d.Routes {
+			if e.Name == "" {
+				continue
+			}
+			r, _, err := p.Select(policy.Selector{RouteName: e.Name})
+			require.NoError(t, err)
+			if r.Name == "transfers" {
+				transfers = append(transfers, e.Name)
+			}
+		}
+		want := []string{"transfers"}
+		switch {
+		case strings.Contains(d.Source, "idempotency-transfers"):
+			want = []string{"httproute/payments/payments-api/rule/0/match/0/api_example_com"}
+		case strings.Contains(d.Source, "EnvoyExtensionPolicy"):
+			want = nil
+		}
+		require.Equal(t, want, transfers, d.Source)
+	}
+}
