@@ -154,6 +154,13 @@ type Behaviour struct {
 	// envoy.reloadable_features.ext_proc_stream_close_optimization) and when encodeHeaders finds
 	// nothing to process on the response path.
 	NoStreamCloseOptimization bool
+	// CompleteBodyWithoutDataContinues sends the trailers (or continues) when a direction's
+	// trailers arrived during its header call with no data before them, as
+	// ProcessorState::handleHeadersResponse did before handleCompleteBodyAvailable took that
+	// case over. The newest processor_state.cc read (1.37-era main) sends nothing there and does
+	// not continue, so the stream stays paused until a timeout; the version that changed it was
+	// not read, so no preset sets this.
+	CompleteBodyWithoutDataContinues bool
 }
 
 // Envoy137 is the behaviour of Envoy 1.37 (the zero Behaviour).

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -28,9 +29,13 @@ type recvResult struct {
 }
 
 // sideStream is the ext_proc gRPC stream of one HTTP request (ExternalProcessorStreamImpl). The
-// exchange's goroutine sends and closes; one goroutine started by open receives into recv. Its
-// context derives from the proxy's, not the request's, so that observability mode can close it
-// after the request (deferred_close_timeout).
+// exchange's goroutine queues messages and closes; one goroutine started by open writes the queue
+// to the stream and another receives into recv. Sending never blocks the exchange: Envoy's
+// Grpc::AsyncStream::sendMessage (async_client_impl.cc) encodes into the HTTP/2 stream's buffer
+// and returns, whatever the processor's flow-control window, so a processor that answers while
+// Envoy still sends chunks never deadlocks it. Its context derives from the proxy's, not the
+// request's, so that observability mode can close it after the request
+// (deferred_close_timeout).
 type sideStream struct {
 	p      *Proxy
 	index  int // of the processor in Config.Processors
@@ -45,6 +50,14 @@ type sideStream struct {
 	closed bool
 	// ended is set once recv delivered the stream's end.
 	ended bool
+
+	// The send queue: messages in order, then the half-close; wake (capacity 1) tells the
+	// writing goroutine there is news; written is closed when that goroutine ends.
+	outMu     sync.Mutex
+	out       []*extprocv3.ProcessingRequest
+	halfClose bool
+	wake      chan struct{}
+	written   chan struct{}
 }
 
 // open starts the stream with its initial metadata (AsyncStreamImpl::initialize: the
@@ -88,8 +101,50 @@ func (s *sideStream) open(md []*corev3.HeaderValue, deadline time.Time, discard 
 	s.p.stats.streamsStarted.Add(1)
 	s.recv = make(chan recvResult)
 	s.done = make(chan struct{})
+	s.wake = make(chan struct{}, 1)
+	s.written = make(chan struct{})
 	go s.receive(discard)
+	go s.write()
 	return nil
+}
+
+// write sends the queued messages in order and, once asked and the queue is empty, half-closes.
+// It ends there, on a failed send (the stream's end arrives on recv) or when the context ends.
+func (s *sideStream) write() {
+	defer close(s.written)
+	for {
+		select {
+		case <-s.wake:
+		case <-s.ctx.Done():
+			return
+		}
+		for {
+			s.outMu.Lock()
+			batch, half := s.out, s.halfClose
+			s.out = nil
+			s.outMu.Unlock()
+			if len(batch) == 0 {
+				if half {
+					_ = s.stream.CloseSend()
+					return
+				}
+				break
+			}
+			for _, m := range batch {
+				if err := s.stream.Send(m); err != nil {
+					return
+				}
+			}
+		}
+	}
+}
+
+// poke wakes the writing goroutine.
+func (s *sideStream) poke() {
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
 }
 
 // receive delivers every answer, then the error that ended the stream, until the stream's
@@ -112,14 +167,16 @@ func (s *sideStream) receive(discard bool) {
 	}
 }
 
-// send sends one message. A failure is not reported: the stream's end arrives on recv.
+// send queues one message. A failure to send it is not reported: the stream's end arrives on
+// recv.
 func (s *sideStream) send(req *extprocv3.ProcessingRequest) bool {
 	if s.closed || s.stream == nil {
 		return false
 	}
-	if err := s.stream.Send(req); err != nil {
-		return false
-	}
+	s.outMu.Lock()
+	s.out = append(s.out, req)
+	s.outMu.Unlock()
+	s.poke()
 	s.p.stats.messagesSent.Add(1)
 	return true
 }
@@ -144,7 +201,10 @@ func (s *sideStream) close() {
 	}
 	s.closed = true
 	if s.stream != nil {
-		_ = s.stream.CloseSend()
+		s.outMu.Lock()
+		s.halfClose = true
+		s.outMu.Unlock()
+		s.poke()
 		t := time.NewTimer(closeGrace)
 	wait:
 		for !s.ended {
@@ -164,6 +224,7 @@ func (s *sideStream) close() {
 	s.cancel()
 	if s.done != nil {
 		<-s.done
+		<-s.written
 	}
 }
 

@@ -619,10 +619,12 @@ func (s *dirState) headersContinue() error {
 				s.x.sendRequest(req)
 				s.clearWatermark()
 			}
-			// Without buffered data (the body ended with trailers only) Envoy sends nothing
-			// here and waits; the proxy goes on as finalizeContinueResponse would so that such a
-			// request does not hang. Not read in Envoy's tests.
-			if !s.hasBuffered {
+			// Without buffered data (trailers and no data, both during the header call)
+			// ProcessorState::handleCompleteBodyAvailable (processor_state.cc) sends nothing
+			// and does not continue: the stream stays paused until a timeout of the connection
+			// manager or the client ends it. The proxy does the same, unless told to behave as
+			// the older handleHeadersResponse, which sent the trailers or continued.
+			if s.x.p.cfg.Envoy.CompleteBodyWithoutDataContinues {
 				return s.finalizeContinue()
 			}
 			return nil
