@@ -278,7 +278,7 @@ func TestStreamedBodyWithTrailersStalls(t *testing.T) {
 					f.MessageTimeout = durationpb.New(500 * time.Millisecond)
 				})
 			}})
-			r := chunkedWithTrailer(t, s.url, "streamed-trailers", `{"amount":1}`)
+			r := chunkedWithTrailer(t, s.url, "streamed-trailers", `{"amount":1}`, 0)
 			require.Equal(t, tc.status, r.StatusCode)
 			require.Equal(t, tc.ran, s.up.Ran("streamed-trailers"))
 		})
@@ -286,13 +286,18 @@ func TestStreamedBodyWithTrailersStalls(t *testing.T) {
 }
 
 // trailersOnly sends a chunked POST with no data and one trailer, which net/http's client
-// cannot produce (it sends an empty body without chunking).
+// cannot produce (it sends an empty body without chunking). The trailers follow the headers
+// after a pause, so that they reach Envoy after the processor answered the headers: had they come
+// during the header call, Envoy 1.37 would hold the request forever
+// (ProcessorState::handleCompleteBodyAvailable sends nothing without data), in either trailer
+// mode.
 func trailersOnly(t *testing.T, url, key string) *http.Response {
-	return chunkedWithTrailer(t, url, key, "")
+	return chunkedWithTrailer(t, url, key, "", 300*time.Millisecond)
 }
 
-// chunkedWithTrailer sends a chunked POST of body (no chunk when empty) and one trailer.
-func chunkedWithTrailer(t *testing.T, url, key, body string) *http.Response {
+// chunkedWithTrailer sends a chunked POST of body (no chunk when empty) and one trailer, the
+// body and trailer pause after the headers.
+func chunkedWithTrailer(t *testing.T, url, key, body string, pause time.Duration) *http.Response {
 	t.Helper()
 	chunk := ""
 	if body != "" {
@@ -302,8 +307,10 @@ func chunkedWithTrailer(t *testing.T, url, key, body string) *http.Response {
 	require.NoError(t, err)
 	t.Cleanup(func() { conn.Close() })
 	_, err = io.WriteString(conn, "POST /v1/payments HTTP/1.1\r\nHost: api\r\nIdempotency-Key: "+key+
-		"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nTrailer: X-Checksum\r\nConnection: close\r\n\r\n"+
-		chunk+"0\r\nX-Checksum: abc\r\n\r\n")
+		"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nTrailer: X-Checksum\r\nConnection: close\r\n\r\n")
+	require.NoError(t, err)
+	time.Sleep(pause)
+	_, err = io.WriteString(conn, chunk+"0\r\nX-Checksum: abc\r\n\r\n")
 	require.NoError(t, err)
 	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 	require.NoError(t, err)
