@@ -28,6 +28,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
 )
 
 type options struct {
@@ -42,6 +44,18 @@ type options struct {
 	load float64
 	// only, when set, runs just the workloads and targets it names.
 	only map[string]bool
+	// -mode costs: the body sizes (default 1 KiB, 64 KiB, 1 MiB) and stream counts (default
+	// streams, 256, 1,024) it measures, and the bytes redis-benchmark's SETs write per size.
+	sizes, streamCounts []int
+	setBytes            int64
+}
+
+// memoryBound is the memory stores' bound for the option's value.
+func memoryBound(b int64) int64 {
+	if b == 0 {
+		return cache.DefaultMemoryMaxBytes
+	}
+	return b
 }
 
 func (o options) runs(name string) bool { return len(o.only) == 0 || o.only[name] }
@@ -87,11 +101,10 @@ type cell struct {
 	roundCPU         []float64       // each round's processor CPU µs per request, for the paired differences
 	roundClientCPU   []float64       // each round's client CPU µs per request
 	waitCalls        float64         // store calls per request made by waiting duplicates beyond their first
-	spans            int64           // spans the target exported to the benchmark's OTLP receiver
+	spans            int64           // spans the target ended, each exported to the benchmark's OTLP receiver
 	records          int             // what a memory store held before the cell's first round
 	sealOverhead     int64           // the bytes a record takes in the target's store beyond an unsealed one
-	mem              []memUsage      // the target's memory sampled while the rounds ran (-mode costs)
-	idle             memUsage        // and after a collection with no stream open, before them
+	idle, held       memUsage        // the target's memory with no stream open and with the streams parked in flight (-mode costs)
 }
 
 func (c cell) rps() float64 { return float64(c.requests) / c.elapsed.Seconds() }
@@ -408,7 +421,6 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 			if c.requests == 0 {
 				c.memoryBytes, c.records, c.sealOverhead = before.MemoryBytes, before.Records, before.SealOverhead
 			}
-			spans0 := spansReceived()
 			var redis0 time.Duration
 			if c.hasRedis() {
 				redis0 = redisServerCPU(ctx, admin)
@@ -426,7 +438,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 			c.cpu += after.CPU - before.CPU
 			c.roundCPU = append(c.roundCPU, perRequest(after.CPU-before.CPU, got.requests))
 			c.roundClientCPU = append(c.roundClientCPU, perRequest(processCPU()-cpu0, got.requests))
-			c.spans += spansReceived() - spans0
+			c.spans += after.Spans - before.Spans
 			c.waitCalls += float64(after.WaitCalls - before.WaitCalls)
 			c.peakRSS = after.PeakRSS
 			if c.hasRedis() {
@@ -460,9 +472,6 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 	}
 	return cells, nil
 }
-
-// spansReceived counts the spans the benchmark's OTLP receiver has been sent, when there is one.
-var spansReceived = func() int64 { return 0 }
 
 // seq numbers requests across runs, so that first executions always use fresh keys.
 var seq atomic.Int64

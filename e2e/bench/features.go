@@ -78,7 +78,9 @@ func measureSealOverhead(m *cache.Memory) (int64, error) {
 // startTracing sets tracing up as the binary does (cmd/idempotency-extproc/tracing.go) with its
 // default protocol, OTLP over HTTP/protobuf, and its default sampler (every trace), exporting to
 // the receiver at addr through the SDK's batch span processor.
-func startTracing(addr string) (*sdktrace.TracerProvider, error) {
+// Each span ended is counted into ended, by the target itself: a span's export may come after
+// its round's counters are read (the batch processor's timer), into another target's round.
+func startTracing(addr string, ended *atomic.Int64) (*sdktrace.TracerProvider, error) {
 	if addr == "" {
 		return nil, fmt.Errorf("%s: no OTLP receiver", envOTLP)
 	}
@@ -90,8 +92,16 @@ func startTracing(addr string) (*sdktrace.TracerProvider, error) {
 	if err != nil {
 		return nil, err
 	}
-	return sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithResource(res)), nil
+	return sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithSpanProcessor(spanCounter{ended}), sdktrace.WithResource(res)), nil
 }
+
+// spanCounter is a span processor that counts the spans ended.
+type spanCounter struct{ ended *atomic.Int64 }
+
+func (spanCounter) OnStart(context.Context, sdktrace.ReadWriteSpan) {}
+func (c spanCounter) OnEnd(sdktrace.ReadOnlySpan)                   { c.ended.Add(1) }
+func (spanCounter) Shutdown(context.Context) error                  { return nil }
+func (spanCounter) ForceFlush(context.Context) error                { return nil }
 
 // spanReceiver is an OTLP/HTTP trace receiver that counts the spans it is sent and discards
 // them, in the benchmark's process: a collector's place.
@@ -140,23 +150,26 @@ func (r *spanReceiver) close() { _ = r.srv.Close() }
 // memUsage is a target process' memory at one moment.
 type memUsage struct {
 	LiveHeap   int64 // the heap live at the last collection's mark (/gc/heap/live:bytes)
+	Stacks     int64 // goroutine stacks (/memory/classes/heap/stacks:bytes)
 	RSS        int64 // resident now
 	Goroutines int64
 }
 
-// serveMemory answers the process' memory now; with ?gc=1, after a collection, so that the
-// live heap is the heap live now.
+// serveMemory answers the process' memory now; with ?gc=1, after two collections (the second
+// empties the sync.Pools the first only moved to their victim caches), so that the live heap is
+// what is reachable now.
 func serveMemory(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Query().Get("gc") == "1" {
+		runtime.GC()
 		runtime.GC()
 	}
 	_ = json.NewEncoder(w).Encode(readMemory())
 }
 
 func readMemory() memUsage {
-	s := []metrics.Sample{{Name: "/gc/heap/live:bytes"}, {Name: "/sched/goroutines:goroutines"}}
+	s := []metrics.Sample{{Name: "/gc/heap/live:bytes"}, {Name: "/sched/goroutines:goroutines"}, {Name: "/memory/classes/heap/stacks:bytes"}}
 	metrics.Read(s)
-	u := memUsage{LiveHeap: int64(s[0].Value.Uint64()), Goroutines: int64(s[1].Value.Uint64())}
+	u := memUsage{LiveHeap: int64(s[0].Value.Uint64()), Goroutines: int64(s[1].Value.Uint64()), Stacks: int64(s[2].Value.Uint64())}
 	if b, err := os.ReadFile("/proc/self/statm"); err == nil {
 		if f := strings.Fields(string(b)); len(f) > 1 {
 			pages, _ := strconv.ParseInt(f[1], 10, 64)

@@ -77,6 +77,8 @@ type counters struct {
 	// record takes in a store without a keyring: the seal's header and tag when it seals, 0
 	// when it does not (memory targets only).
 	SealOverhead int64
+	// Spans are the spans the traced target ended (every one is exported).
+	Spans int64
 }
 
 // serveFromEnv serves the target named by envServe, if set, until its standard input closes,
@@ -124,6 +126,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	var (
 		p               extprocv3.ExternalProcessorServer
 		commands, trips atomic.Int64
+		spans           atomic.Int64 // ended by the traced target
 		memory          *cache.Memory
 		sealOverhead    int64
 		// flush, for the traced target, exports the spans still buffered.
@@ -161,7 +164,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		}
 		xo := extproc.Options{Store: mem, Policy: pol, Logger: &log, Metrics: metrics}
 		if name == targetMemoryTraced {
-			tp, err := startTracing(os.Getenv(envOTLP))
+			tp, err := startTracing(os.Getenv(envOTLP), &spans)
 			if err != nil {
 				return err
 			}
@@ -223,7 +226,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 			}
 		}
 		cpu, rss := processUsage()
-		c := counters{CPU: cpu, PeakRSS: rss, Commands: commands.Load(), Trips: trips.Load(), LogLines: lines.n.Load(), SealOverhead: sealOverhead}
+		c := counters{CPU: cpu, PeakRSS: rss, Commands: commands.Load(), Trips: trips.Load(), LogLines: lines.n.Load(), SealOverhead: sealOverhead, Spans: spans.Load()}
 		if err := storeCalls(reg, &c); err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
