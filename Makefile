@@ -6,7 +6,7 @@ STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 FUZZTIME ?= 10000x
 PKGS := ./...
 
-.PHONY: help test lint unit allocs bench bench-compare fuzz run deploy-test
+.PHONY: help test lint unit allocs bench bench-compare bench-costs fuzz run deploy-test
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -32,6 +32,9 @@ deploy-test: ## deploy/test, a module of its own: the Helm chart, dashboard, ale
 
 bench-compare: ## the comparative benchmark of docs/performance.md (needs redis-server, redis-benchmark)
 	$(GO) run ./e2e/bench -duration 10s -rounds 5
+
+bench-costs: ## what features, body sizes and streams cost over the null processor, docs/performance.md (needs redis-server, redis-benchmark)
+	$(GO) run ./e2e/bench -mode costs -duration 10s -rounds 5
 
 fuzz: ## each fuzz target for FUZZTIME (seed corpora in each package's testdata/fuzz)
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeResponse$$' -fuzztime $(FUZZTIME) ./cache/

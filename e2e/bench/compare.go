@@ -28,6 +28,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
 )
 
 type options struct {
@@ -42,6 +44,18 @@ type options struct {
 	load float64
 	// only, when set, runs just the workloads and targets it names.
 	only map[string]bool
+	// -mode costs: the body sizes (default 1 KiB, 64 KiB, 1 MiB) and stream counts (default
+	// streams, 256, 1,024) it measures, and the bytes redis-benchmark's SETs write per size.
+	sizes, streamCounts []int
+	setBytes            int64
+}
+
+// memoryBound is the memory stores' bound for the option's value.
+func memoryBound(b int64) int64 {
+	if b == 0 {
+		return cache.DefaultMemoryMaxBytes
+	}
+	return b
 }
 
 func (o options) runs(name string) bool { return len(o.only) == 0 || o.only[name] }
@@ -84,6 +98,13 @@ type cell struct {
 	redisCPU         time.Duration   // redis-server's CPU time
 	memoryBytes      int64           // what a memory store held before the cell's first round
 	peakRSS          int64           // the target process' peak resident memory by the cell's end
+	roundCPU         []float64       // each round's processor CPU µs per request, for the paired differences
+	roundClientCPU   []float64       // each round's client CPU µs per request
+	waitCalls        float64         // store calls per request made by waiting duplicates beyond their first
+	spans            int64           // spans the target ended, each exported to the benchmark's OTLP receiver
+	records          int             // what a memory store held before the cell's first round
+	sealOverhead     int64           // the bytes a record takes in the target's store beyond an unsealed one
+	idle, held       memUsage        // the target's memory with no stream open and with the streams parked in flight (-mode costs)
 }
 
 func (c cell) rps() float64 { return float64(c.requests) / c.elapsed.Seconds() }
@@ -92,7 +113,7 @@ func (c cell) mean() time.Duration { return c.latency / time.Duration(c.requests
 
 // hasStore and hasRedis tell which counters mean something for c's target.
 func (c cell) hasStore() bool { return c.target != targetNull }
-func (c cell) hasRedis() bool { return c.target == targetRedis }
+func (c cell) hasRedis() bool { return c.target == targetRedis || c.target == targetRedisUnbatched }
 
 type result struct {
 	opts         options
@@ -398,7 +419,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 				return nil, fmt.Errorf("%s, %s: %w", w, t.name, err)
 			}
 			if c.requests == 0 {
-				c.memoryBytes = before.MemoryBytes
+				c.memoryBytes, c.records, c.sealOverhead = before.MemoryBytes, before.Records, before.SealOverhead
 			}
 			var redis0 time.Duration
 			if c.hasRedis() {
@@ -415,6 +436,10 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 				return nil, fmt.Errorf("%s, %s: %w", w, t.name, err)
 			}
 			c.cpu += after.CPU - before.CPU
+			c.roundCPU = append(c.roundCPU, perRequest(after.CPU-before.CPU, got.requests))
+			c.roundClientCPU = append(c.roundClientCPU, perRequest(processCPU()-cpu0, got.requests))
+			c.spans += after.Spans - before.Spans
+			c.waitCalls += float64(after.WaitCalls - before.WaitCalls)
 			c.peakRSS = after.PeakRSS
 			if c.hasRedis() {
 				c.redisCPU += redisServerCPU(ctx, admin) - redis0
@@ -439,6 +464,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 	for i := range cells {
 		c := &cells[i]
 		c.storeCalls /= float64(c.requests)
+		c.waitCalls /= float64(c.requests)
 		c.redisCommands /= float64(c.requests)
 		c.redisTrips /= float64(c.requests)
 		c.logLines /= float64(c.requests)
@@ -601,9 +627,29 @@ func mustStruct(m map[string]any) map[string]*structpb.Struct {
 	return map[string]*structpb.Struct{"envoy.filters.http.ext_proc": s}
 }
 
+// shape is what a workload's requests carry and what their upstream does: the request and
+// response bodies, and how long the upstream takes between the request's end and its response
+// headers.
+type shape struct {
+	name      string // tells the shape's replayed key from another's
+	req, resp []byte
+	upstream  time.Duration
+}
+
+// defaultShape is the default mode's: a 256-byte request, a 1 KiB response, an upstream that
+// answers at once.
+var defaultShape = shape{req: requestBody, resp: responseBody}
+
 // request plays one HTTP request's ext_proc exchange as Envoy does: lock-step messages,
 // honouring mode_override and ImmediateResponse, then a half-close and a reset.
 func request(ctx context.Context, client extprocv3.ExternalProcessorClient, workload string, n int64) error {
+	return requestShaped(ctx, client, workload, n, defaultShape, "", nil)
+}
+
+// requestShaped is request with sh's bodies and upstream. key, when set, is the request's
+// Idempotency-Key (otherwise the workload's); ran, when set, is called once the request is on
+// its way upstream.
+func requestShaped(ctx context.Context, client extprocv3.ExternalProcessorClient, workload string, n int64, sh shape, key string, ran func()) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	s, err := client.Process(ctx)
@@ -618,14 +664,15 @@ func request(ctx context.Context, client extprocv3.ExternalProcessorClient, work
 		return s.Recv()
 	}
 
-	method, key, hasBody := "POST", "", true
-	switch workload {
-	case workloadUncovered:
+	method, hasBody := "POST", true
+	switch {
+	case key != "":
+	case workload == workloadUncovered:
 		method, hasBody = "GET", false
-	case workloadFirst:
+	case workload == workloadReplay:
+		key = "replayed-key" + sh.name
+	default: // first executions
 		key = "first-" + strconv.FormatInt(n, 10)
-	case workloadReplay:
-		key = "replayed-key"
 	}
 	hs := []*corev3.HeaderValue{
 		{Key: ":method", RawValue: []byte(method)},
@@ -656,7 +703,7 @@ func request(ctx context.Context, client extprocv3.ExternalProcessorClient, work
 	mode := resp.GetModeOverride()
 	if hasBody && (mode == nil || mode.GetRequestBodyMode() != filterextproc.ProcessingMode_NONE) {
 		resp, err = exchange(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
-			RequestBody: &extprocv3.HttpBody{Body: requestBody, EndOfStream: true},
+			RequestBody: &extprocv3.HttpBody{Body: sh.req, EndOfStream: true},
 		}})
 		if err != nil {
 			return err
@@ -667,6 +714,12 @@ func request(ctx context.Context, client extprocv3.ExternalProcessorClient, work
 			}
 			return nil
 		}
+	}
+	if ran != nil {
+		ran()
+	}
+	if sh.upstream > 0 {
+		time.Sleep(sh.upstream)
 	}
 	if mode != nil && mode.GetResponseHeaderMode() == filterextproc.ProcessingMode_SKIP {
 		return nil
@@ -691,7 +744,7 @@ func request(ctx context.Context, client extprocv3.ExternalProcessorClient, work
 	}
 	if respBody {
 		if _, err := exchange(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
-			ResponseBody: &extprocv3.HttpBody{Body: responseBody, EndOfStream: true},
+			ResponseBody: &extprocv3.HttpBody{Body: sh.resp, EndOfStream: true},
 		}}); err != nil {
 			return err
 		}

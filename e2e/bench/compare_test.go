@@ -106,6 +106,113 @@ func TestCompare(t *testing.T) {
 	require.Contains(t, out.String(), "The Redis round trips alone")
 }
 
+// TestCosts runs -mode costs briefly (two body sizes, two stream counts) and asserts what is
+// counted: store calls and Redis commands per request, the traced target's spans and what the
+// OTLP receiver was sent, the sealing target's records sealed (each takes the seal's header
+// and tag more than in a store without a keyring), the waiting duplicates' store calls, a
+// goroutine per stream held in flight, and redis-benchmark's SETs measured for each size.
+func TestCosts(t *testing.T) {
+	srv := redistest.Start(t, redistest.Options{})
+	sizes, streams := []int{1 << 10, 64 << 10}, []int{8, 16}
+	res, err := costs(t.Context(), options{duration: 300 * time.Millisecond, rounds: 2, streams: 8, redisAddr: srv.Addr(),
+		memoryBytes: 8 << 20, sizes: sizes, streamCounts: streams, setBytes: 4 << 20})
+	require.NoError(t, err)
+	var out bytes.Buffer
+	res.print(&out)
+	t.Log("\n" + out.String())
+
+	ring, err := benchKeyring()
+	require.NoError(t, err)
+	envelope := int64(ring.SealedLen(0))                  // the version, key id, nonce and tag
+	require.Len(t, res.sections, len(sizes)+len(streams)) // a section per size, one of in-flight duplicates, one per further stream count
+	var spans int64
+	for _, sec := range res.sections {
+		for _, w := range sec.workloads {
+			for _, target := range sec.targets {
+				c, ok := res.find(sec.name, w, target)
+				require.True(t, ok, "%s, %s, %s", sec.name, w, target)
+				where := sec.name + ", " + w + ", " + target
+				require.Positive(t, c.requests, where)
+				require.Len(t, c.roundCPU, 2, "%s: a CPU per request per round", where)
+				require.Positive(t, c.cpu, where)
+				require.Zero(t, c.failures, "%s: every request settled as a clean run settles it", where)
+				switch target {
+				case targetMemoryTraced:
+					// A span per request and one per store call at least.
+					require.GreaterOrEqual(t, float64(c.spans), 3*float64(c.requests)*c.storeCalls/2, where)
+					spans += c.spans
+				default:
+					require.Zero(t, c.spans, where)
+				}
+				switch target {
+				case targetMemorySealed:
+					require.GreaterOrEqual(t, c.sealOverhead, envelope, "%s: records sealed", where)
+					require.Less(t, c.sealOverhead, envelope+8, "%s: by one envelope", where)
+				default:
+					require.Zero(t, c.sealOverhead, "%s: records not sealed", where)
+				}
+				if target == targetNull {
+					require.Zero(t, c.storeCalls, where)
+					require.Zero(t, c.waitCalls, where)
+				}
+				if w == workloadFirst {
+					// Each stream held in flight is a goroutine of the target's, at least.
+					require.GreaterOrEqual(t, c.held.Goroutines-c.idle.Goroutines, int64(sec.streams), where)
+				}
+				if target == targetNull {
+					continue
+				}
+				switch w {
+				case workloadFirst, workloadFirstSlow:
+					require.Equal(t, 2.0, c.storeCalls, where)
+				case workloadReplay:
+					require.Equal(t, 1.0, c.storeCalls, where)
+				case workloadWaiting:
+					// A group is a first execution (2 calls) and waitDups duplicates, each of which
+					// found the key pending (1 call), polled at least once (a wait call), and
+					// replayed.
+					require.GreaterOrEqual(t, c.storeCalls*(1+waitDups), 2.0+waitDups*2, where)
+					require.GreaterOrEqual(t, c.waitCalls*(1+waitDups), float64(waitDups), where)
+					require.InDelta(t, c.storeCalls*(1+waitDups)-2-waitDups, c.waitCalls*(1+waitDups), 1e-9, "%s: store calls beyond the first are wait calls", where)
+					require.GreaterOrEqual(t, c.p50, upstreamDelay, where)
+				}
+				if c.hasRedis() {
+					// A command per store call, and one more per completion of a record of 4 KiB
+					// or more, whose bytes are staged in a plain SET pipelined with the script.
+					extra := 0.0
+					if w == workloadFirst && len(sec.shape.resp) >= 4<<10 {
+						extra = 1
+					}
+					require.Equal(t, c.storeCalls+extra, c.redisCommands, where)
+					require.Positive(t, c.redisCPU, where)
+					if target == targetRedisUnbatched {
+						require.Equal(t, c.storeCalls, c.redisTrips, "%s: a round trip per store call", where)
+					} else {
+						require.LessOrEqual(t, c.redisTrips, c.storeCalls, where)
+					}
+				}
+			}
+		}
+	}
+	require.Positive(t, spans, "the traced target ended spans")
+	require.GreaterOrEqual(t, res.received, spans, "and exported every one to the receiver")
+	require.Positive(t, res.exports)
+	for _, size := range sizes {
+		s, ok := res.sets[size]
+		require.True(t, ok, "redis-benchmark's SET of a %d-byte body's record", size)
+		require.Greater(t, res.recordBytes[size], size)
+		require.Equal(t, res.recordBytes[size], s.bytes)
+		require.Positive(t, s.cpuPer)
+		require.Positive(t, s.rps)
+	}
+	require.Positive(t, res.smallSet.cpuPer)
+	for _, want := range []string{"### 1 KiB bodies, 8 streams: features", "### 64 KiB bodies, 8 streams", "### 1 KiB bodies, 16 streams",
+		"### A duplicate waiting for a request in flight", "### What each feature costs", "### redis-server's CPU per first execution",
+		"| first execution | memory store, sealed |", "| replay | redis store, batching off |", "Every request of every cell was settled"} {
+		require.Contains(t, out.String(), want)
+	}
+}
+
 // TestTargetWritesProfileAndTrace checks -cpuprofile's and -trace's plumbing: a target process
 // started with their variables set writes a CPU profile and an execution trace under its own
 // name, complete once it stops.

@@ -14,6 +14,7 @@
 //	go run ./e2e/bench                    # 3 s per cell
 //	go run ./e2e/bench -duration 10s -streams 64
 //	go run ./e2e/bench -redis-batching=false -only "first execution,redis store"
+//	go run ./e2e/bench -mode costs -duration 6s -rounds 3   # what features and dimensions cost
 //
 // It needs redis-server (and redis-benchmark) on PATH for the Redis rows; without them those
 // rows are skipped. Ratios, not absolute numbers, are the claims: the client, the processor and
@@ -28,6 +29,7 @@ import (
 	"os"
 	"runtime/pprof"
 	"runtime/trace"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -44,7 +46,10 @@ func main() {
 	memoryBytes := flag.Int64("memory-bytes", 0, "the memory stores' bound (default the binary's, 256 MiB)")
 	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory, .memory-empty and .redis")
 	traceOut := flag.String("trace", "", "write execution traces (go tool trace) of the whole run, named as -cpuprofile's")
+	mode := flag.String("mode", "compare", "compare: the default tables; costs: CPU per request over the null processor of each feature (tracing, sealing, a waiting duplicate, the Redis batcher on and off), of 1 KiB, 64 KiB and 1 MiB bodies and of -streams, 256 and 1,024 streams, in one run")
 	redisBatching := flag.Bool("redis-batching", true, "let the Redis store share round trips among concurrent calls in pipelined batches (false: a round trip per call)")
+	sizes := flag.String("sizes", "1024,65536,1048576", "-mode costs: the body sizes in bytes, comma-separated; the first is the features' size")
+	streamCounts := flag.String("stream-counts", "", "-mode costs: the stream counts, comma-separated (default -streams, 256, 1024); the first is the other sections'")
 	flag.Parse()
 	if !*redisBatching {
 		// The target processes read it.
@@ -78,6 +83,28 @@ func main() {
 		fmt.Fprintln(os.Stderr, "bench: no redis-server, Redis rows skipped:", err)
 	} else {
 		defer stop()
+	}
+	if *mode == "costs" {
+		o := options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, memoryBytes: *memoryBytes, setBytes: 1 << 30}
+		var err error
+		if o.sizes, err = ints(*sizes); err == nil {
+			o.streamCounts, err = ints(*streamCounts)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench:", err)
+			os.Exit(2)
+		}
+		res, err := costs(ctx, o)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench:", err)
+			os.Exit(1)
+		}
+		res.print(os.Stdout)
+		return
+	}
+	if *mode != "compare" {
+		fmt.Fprintln(os.Stderr, "bench: -mode is compare or costs, not", *mode)
+		os.Exit(2)
 	}
 	res, err := compare(ctx, options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, load: *load, memoryBytes: *memoryBytes, only: filter})
 	if err != nil {
@@ -119,4 +146,20 @@ func record(path string, start func(io.Writer) error, stop func()) (func(), erro
 		stop()
 		_ = f.Close()
 	}, nil
+}
+
+// ints parses a comma-separated list of positive integers ("" is none).
+func ints(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		n, err := strconv.Atoi(f)
+		if err != nil || n <= 0 {
+			return nil, fmt.Errorf("%q is not a positive integer", f)
+		}
+		out = append(out, n)
+	}
+	return out, nil
 }

@@ -38,11 +38,15 @@ const (
 	envMemory  = "IDEMPOTENCY_BENCH_MEMORY_BYTES" // the memory stores' bound, when not the default
 	// envUnbatched, set to 1, turns the Redis store's batching off (cache.RedisOptions.DisableBatching).
 	envUnbatched = "IDEMPOTENCY_BENCH_REDIS_UNBATCHED"
+	// envOTLP is the address of the OTLP/HTTP trace receiver the traced target exports to.
+	envOTLP = "IDEMPOTENCY_BENCH_OTLP"
 )
 
 // profileSuffix names each target's CPU profile and execution trace.
 var profileSuffix = map[string]string{
 	targetNull: ".null", targetMemory: ".memory", targetMemoryEmpty: ".memory-empty", targetRedis: ".redis",
+	targetMemoryTraced: ".memory-traced", targetMemorySealed: ".memory-sealed", targetMemoryWait: ".memory-wait",
+	targetRedisUnbatched: ".redis-unbatched",
 }
 
 // counters are what a target process reports: its CPU time and, for the processor, its store
@@ -64,6 +68,17 @@ type counters struct {
 	MemoryBytes int64
 	// PeakRSS is the most memory the process has held resident so far, in bytes.
 	PeakRSS int64
+	// WaitCalls are the store calls duplicates made waiting for a request in flight, beyond their
+	// first (idempotency_wait_store_calls_total).
+	WaitCalls int64
+	// Records is what a memory store holds (cache.Memory.Len), 0 for other targets.
+	Records int
+	// SealOverhead is the bytes a record takes in this target's store beyond what the same
+	// record takes in a store without a keyring: the seal's header and tag when it seals, 0
+	// when it does not (memory targets only).
+	SealOverhead int64
+	// Spans are the spans the traced target ended (every one is exported).
+	Spans int64
 }
 
 // serveFromEnv serves the target named by envServe, if set, until its standard input closes,
@@ -111,32 +126,60 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	var (
 		p               extprocv3.ExternalProcessorServer
 		commands, trips atomic.Int64
+		spans           atomic.Int64 // ended by the traced target
 		memory          *cache.Memory
+		sealOverhead    int64
+		// flush, for the traced target, exports the spans still buffered.
+		flush = func(context.Context) error { return nil }
 	)
 	switch name {
 	case targetNull:
 		p = extproctest.NullProcessor{}
-	case targetMemory, targetMemoryEmpty:
+	case targetMemory, targetMemoryEmpty, targetMemoryTraced, targetMemorySealed, targetMemoryWait:
 		if memoryBytes == 0 {
 			memoryBytes = cache.DefaultMemoryMaxBytes
 		}
-		mem, err := cache.NewMemory(cache.MemoryOptions{MaxBytes: memoryBytes})
+		opts := cache.MemoryOptions{MaxBytes: memoryBytes}
+		if name == targetMemorySealed {
+			if opts.Keyring, err = benchKeyring(); err != nil {
+				return err
+			}
+		}
+		mem, err := cache.NewMemory(opts)
 		if err != nil {
 			return err
 		}
-		if name == targetMemory {
+		if sealOverhead, err = measureSealOverhead(mem); err != nil {
+			return err
+		}
+		if name != targetMemoryEmpty {
 			if err := fill(mem, memoryBytes); err != nil {
 				return err
 			}
 		}
 		memory = mem
-		srv, err := extproc.NewServer(extproc.Options{Store: mem, Policy: benchPolicy(), Logger: &log, Metrics: metrics})
+		pol := benchPolicy()
+		if name == targetMemoryWait {
+			pol = waitPolicy()
+		}
+		xo := extproc.Options{Store: mem, Policy: pol, Logger: &log, Metrics: metrics}
+		if name == targetMemoryTraced {
+			tp, err := startTracing(os.Getenv(envOTLP), &spans)
+			if err != nil {
+				return err
+			}
+			defer func() { _ = tp.Shutdown(context.Background()) }()
+			flush = tp.ForceFlush
+			xo.Tracer = tp.Tracer("github.com/idempotency-extproc/idempotency-extproc/extproc")
+		}
+		srv, err := extproc.NewServer(xo)
 		if err != nil {
 			return err
 		}
 		p = srv
-	case targetRedis:
-		rs, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + redisAddr + "/0", Timeout: time.Second, DisableBatching: os.Getenv(envUnbatched) == "1"})
+	case targetRedis, targetRedisUnbatched:
+		unbatched := name == targetRedisUnbatched || os.Getenv(envUnbatched) == "1"
+		rs, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + redisAddr + "/0", Timeout: time.Second, DisableBatching: unbatched})
 		if err != nil {
 			return err
 		}
@@ -171,23 +214,34 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 			// reads counters between rounds), and a timeout ends the run rather than retrying.
 			ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 			err := processor.Wait(ctx)
+			if err == nil {
+				// The spans of the requests counted so far are exported, and their export's
+				// CPU time charged, before the CPU time is read.
+				err = flush(ctx)
+			}
 			cancel()
 			if err != nil {
-				http.Error(w, "streams still open: "+err.Error(), http.StatusServiceUnavailable)
+				http.Error(w, "streams still open or spans not flushed: "+err.Error(), http.StatusServiceUnavailable)
 				return
 			}
 		}
 		cpu, rss := processUsage()
-		c := counters{CPU: cpu, PeakRSS: rss, Commands: commands.Load(), Trips: trips.Load(), LogLines: lines.n.Load()}
+		c := counters{CPU: cpu, PeakRSS: rss, Commands: commands.Load(), Trips: trips.Load(), LogLines: lines.n.Load(), SealOverhead: sealOverhead, Spans: spans.Load()}
 		if err := storeCalls(reg, &c); err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
 		if memory != nil {
 			c.MemoryBytes = memory.Bytes()
+			c.Records = memory.Len()
 		}
 		_ = json.NewEncoder(w).Encode(c)
 	})}
+	// /mem answers at once, streams open or not: the process' memory while a round runs.
+	mux := http.NewServeMux()
+	mux.Handle("/", stats.Handler)
+	mux.HandleFunc("/mem", serveMemory)
+	stats.Handler = mux
 	go func() { _ = stats.Serve(statsLis) }()
 	defer stats.Close()
 
@@ -237,6 +291,16 @@ func benchPolicy() *policy.Policy {
 	return p
 }
 
+// waitPolicy is benchPolicy with in_flight_wait: a duplicate of a request in flight waits for its
+// replay, polling the store, rather than being answered 409 at once.
+func waitPolicy() *policy.Policy {
+	p, err := policy.Parse([]byte("store_timeout: 2s\ndefaults:\n  in_flight_wait: 2s\n"))
+	if err != nil {
+		panic(err)
+	}
+	return p
+}
+
 // targetProcess is a running target process.
 type targetProcess struct {
 	name  string
@@ -247,13 +311,14 @@ type targetProcess struct {
 }
 
 // startTarget runs the target name in a new process of this executable.
-func startTarget(name, redisAddr string, memoryBytes int64) (*targetProcess, error) {
+func startTarget(name, redisAddr string, memoryBytes int64, env ...string) (*targetProcess, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
 	cmd := exec.Command(exe)
 	cmd.Env = append(os.Environ(), envServe+"="+name, envRedis+"="+redisAddr, envMemory+"="+strconv.FormatInt(memoryBytes, 10))
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
@@ -345,6 +410,11 @@ func storeCalls(g prometheus.Gatherer, c *counters) error {
 		case "idempotency_releases_total":
 			for _, m := range f.GetMetric() {
 				c.Failures += int64(m.GetCounter().GetValue())
+			}
+			continue
+		case "idempotency_wait_store_calls_total":
+			for _, m := range f.GetMetric() {
+				c.WaitCalls += int64(m.GetCounter().GetValue())
 			}
 			continue
 		case "idempotency_store_duration_seconds":
