@@ -43,6 +43,16 @@ type call struct {
 	done  chan struct{} // closed when cmd is set; only a queued call, which waits, has one
 }
 
+// stagedBytes is the size of the bytes c stages (see Redis.Complete), 0 when it stages none.
+func (c *call) stagedBytes() int {
+	if len(c.stage) > 2 {
+		if b, ok := c.stage[2].([]byte); ok {
+			return len(b)
+		}
+	}
+	return 0
+}
+
 // send sends c in a round trip of its own under ctx. A script goes by SHA and is loaded if need
 // be; a staged call goes as a pipeline of its two commands.
 func (c *call) send(ctx context.Context, client redis.UniversalClient) *redis.Cmd {

@@ -1030,3 +1030,58 @@ func TestOrphansRetryOnTheStoreClock(t *testing.T) {
 	require.Equal(t, []Lease{{key: "long"}}, <-calls, "the expired lease is dropped, the other tried again")
 	require.Eventually(t, func() bool { return clk.Pending() == 0 }, 10*time.Second, time.Millisecond, "nothing left to retry")
 }
+
+// A completion that stages at least unbatchedBytes skips the batcher: with both slots busy it
+// runs at once, in a round trip of its own (its staging SET and its script), while small calls
+// queue behind the busy slots.
+func TestLargeCompletionsSkipTheBatcher(t *testing.T) {
+	s, mr, hook := newHeldRedis(t)
+	ctx := t.Context()
+	claim := Claim{LockTTL: time.Hour, TTL: time.Hour}
+	var leases []Lease
+	for i := range 4 {
+		l, _, err := s.Acquire(ctx, "big"+strconv.Itoa(i), claim)
+		require.NoError(t, err)
+		leases = append(leases, l)
+	}
+	hook.held.Store(0)
+	hook.hold.Store(true)
+	var wg sync.WaitGroup
+	errs := make(chan error, 6)
+	do := func(f func() error) {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs <- f() }()
+	}
+	// Two small calls take both slots and are held.
+	for i := range 2 {
+		do(func() error { _, _, err := s.Acquire(ctx, "busy"+strconv.Itoa(i), claim); return err })
+	}
+	require.Eventually(t, func() bool { return hook.held.Load() == 2 }, 10*time.Second, time.Millisecond)
+	// Small completions queue; the large one goes on at once (held in the hook as its pipeline
+	// of two commands, not queued).
+	for i := range 3 {
+		do(func() error { return s.Complete(ctx, leases[i], Response{Status: 201, Body: []byte("small")}) })
+	}
+	do(func() error {
+		return s.Complete(ctx, leases[3], Response{Status: 201, Body: make([]byte, unbatchedBytes)})
+	})
+	p := s.send.(*pipeline)
+	require.Eventually(t, func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return hook.held.Load() == 4 && len(p.queue) == 3
+	}, 10*time.Second, time.Millisecond, "the large completion runs while both slots are busy; the small ones queue")
+	hook.hold.Store(false)
+	close(hook.release)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	for i := range 4 {
+		_, rec, err := s.Acquire(ctx, "big"+strconv.Itoa(i), claim)
+		require.NoError(t, err)
+		require.Equal(t, Completed, rec.State)
+	}
+	require.NotEmpty(t, mr.Keys())
+}
