@@ -166,13 +166,15 @@ type Behaviour struct {
 // Envoy137 is the behaviour of Envoy 1.37 (the zero Behaviour).
 func Envoy137() Behaviour { return Behaviour{} }
 
-// Envoy136 is the behaviour of Envoy 1.34 to 1.36.
+// Envoy136 is the behaviour of Envoy 1.34 to 1.36 (and of the patched 1.31 to 1.33).
 func Envoy136() Behaviour {
 	return Behaviour{SkipExtProcOnLocalReply: true, NoStreamCloseOptimization: true}
 }
 
-// Envoy133 is the behaviour of Envoy 1.33 and earlier: local replies reach the processor and the
-// stream stays open.
+// Envoy133 is the behaviour of Envoys without the CVE-2025-30157 fix (envoyproxy/envoy#38818:
+// 1.33.0, and patch releases before the fix: it shipped in 1.31.6, and per its advisory in the
+// 1.32 and 1.33 patches of the same day, which were not read): local replies reach the
+// processor and the stream stays open.
 func Envoy133() Behaviour { return Behaviour{NoStreamCloseOptimization: true} }
 
 // Shapes is the timing-dependent shape of one request's bodies.

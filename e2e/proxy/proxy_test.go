@@ -893,7 +893,7 @@ func TestUpstreamFailures(t *testing.T) {
 		wantFlagBit float64
 	}{
 		{name: "connection refused", refused: true, wantStatus: 503,
-			wantDetails: "upstream_reset_before_response_started{remote_connection_failure}", wantFlags: "UF", wantFlagBit: 0x20},
+			wantDetails: "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}", wantFlags: "UF", wantFlagBit: 0x20},
 		{name: "route timeout", wantStatus: 504, wantDetails: "upstream_response_timeout", wantFlags: "UT", wantFlagBit: 0x4},
 	}
 	for _, tt := range tests {

@@ -585,7 +585,10 @@ func (x *exchange) onUpstream(res upstreamResult) {
 	x.encodeResponse(r)
 }
 
-// routerFailure maps a failed round trip to the router's local reply (reference §7).
+// routerFailure maps a failed round trip to the router's local reply (reference §7), as
+// router.cc Filter::onUpstreamReset builds it: the reset reason, and the transport's failure
+// reason after it when there is one ("delayed connect error: Connection refused" for a refused
+// connection on Linux), in the body and, spaces made underscores, in the details.
 func (x *exchange) routerFailure(err error) {
 	switch {
 	case errors.Is(context.Cause(x.up.ctx), errRouteTimeout):
@@ -593,9 +596,14 @@ func (x *exchange) routerFailure(err error) {
 	case x.ctx.Err() != nil:
 		x.abandon("downstream_remote_disconnect", "DC")
 	case isConnectFailure(err):
-		x.sendLocalReply(localReply{code: http.StatusServiceUnavailable,
-			body:    "upstream connect error or disconnect/reset before headers. reset reason: remote connection failure",
-			details: "upstream_reset_before_response_started{remote_connection_failure}", flags: "UF", flagBits: flagUpstreamConnectionFailure})
+		body, details := "upstream connect error or disconnect/reset before headers. reset reason: remote connection failure",
+			"upstream_reset_before_response_started{remote_connection_failure}"
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			body += ", transport failure reason: delayed connect error: Connection refused"
+			details = "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}"
+		}
+		x.sendLocalReply(localReply{code: http.StatusServiceUnavailable, body: body, details: details,
+			flags: "UF", flagBits: flagUpstreamConnectionFailure})
 	default:
 		x.sendLocalReply(localReply{code: http.StatusServiceUnavailable,
 			body:    "upstream connect error or disconnect/reset before headers. reset reason: connection termination",
