@@ -306,6 +306,8 @@ func chunkedWithTrailer(t *testing.T, url, key, body string, pause time.Duration
 	conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
 	require.NoError(t, err)
 	t.Cleanup(func() { conn.Close() })
+	// A request Envoy held forever would otherwise hang the run.
+	require.NoError(t, conn.SetDeadline(time.Now().Add(20*time.Second)))
 	_, err = io.WriteString(conn, "POST /v1/payments HTTP/1.1\r\nHost: api\r\nIdempotency-Key: "+key+
 		"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nTrailer: X-Checksum\r\nConnection: close\r\n\r\n")
 	require.NoError(t, err)

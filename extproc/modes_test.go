@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -348,6 +349,21 @@ func TestUnclaimedRequestIsCounted(t *testing.T) {
 	require.Equal(t, 201, int(resp.GetImmediateResponse().GetStatus().GetCode()), "the duplicate is replayed")
 	s.end()
 	require.Equal(t, 2.0, h.counter("idempotency_envoy_misconfig_total", "kind", "unclaimed_request"))
+
+	// Under STREAMED Envoy sends the headers upstream before the claim, and an upstream may
+	// answer before the body ends: it ran unprotected (passthrough), which no setting explains.
+	s = h.open()
+	m := requestHeaders(post("/v1/payments", "k5", `{"a":1}`))
+	m.GetRequestHeaders().EndOfStream = false
+	m.ProtocolConfig.RequestBodyMode = filterextproc.ProcessingMode_STREAMED
+	s.send(m)
+	require.NoError(t, s.s.Send(requestBody([]byte(`{"a":`))))
+	resp = s.send(responseHeaders(created))
+	require.NotNil(t, resp.GetRequestBody(), "the withheld chunk's answer comes first")
+	s.end()
+	h.waitIdle(t)
+	require.Equal(t, 2.0, h.counter("idempotency_envoy_misconfig_total", "kind", "unclaimed_request"), "not a misconfiguration")
+	require.Equal(t, 3.0, h.counter("idempotency_requests_total", "route", "default", "outcome", "passthrough"), "k1, k2 and k5 ran without a lease")
 }
 
 // When Envoy refuses the pass-through mode_override (allow_mode_override off, an

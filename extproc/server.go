@@ -75,8 +75,9 @@ type Server struct {
 	streams sync.WaitGroup
 	// misconfigLogs logs each kind of Envoy misconfiguration once per process.
 	misconfigLogs map[string]*sync.Once
-	// retriedLog logs once that the router retried a covered request.
-	retriedLog sync.Once
+	// retriedLog logs once that the router retried a covered request; earlyAnswerLog that an
+	// upstream answered a streamed request before its body ended.
+	retriedLog, earlyAnswerLog sync.Once
 	// storeBroken is set once a store call panicked: the store may be locked or half changed.
 	storeBroken atomic.Bool
 	// unknownRoutes are the x-idempotency-route names already logged as unknown.

@@ -174,6 +174,9 @@ type stream struct {
 	// reqHeld: Envoy holds the request's headers until the body's answer, so nothing of it has
 	// reached the upstream yet (BUFFERED and BUFFERED_PARTIAL, ProcessorState::
 	// handleHeadersResponse in processor_state.cc: "hold the headers while we buffer the body").
+	// Only a request that announces body bytes (content-length above 0) is known to get a body
+	// message: one with trailers and no data gets none, and under request_trailer_mode SKIP
+	// Envoy sends it upstream without another message (Filter::onTrailers).
 	reqHeld bool
 
 	// The response being captured.
@@ -374,7 +377,8 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 	if m.GetEndOfStream() || !st.needsBody() {
 		// Nothing to wait for: claim now, so that a duplicate's answer comes before its body is
 		// uploaded (SPEC §8).
-		st.reqHeld = !m.GetEndOfStream() && (st.requestBodyMode == filterextproc.ProcessingMode_BUFFERED || st.requestBodyMode == filterextproc.ProcessingMode_BUFFERED_PARTIAL)
+		st.reqHeld = !m.GetEndOfStream() && contentLength(h) > 0 &&
+			(st.requestBodyMode == filterextproc.ProcessingMode_BUFFERED || st.requestBodyMode == filterextproc.ProcessingMode_BUFFERED_PARTIAL)
 		st.owedHeaders = true
 		st.claim(nil)
 		return
@@ -772,12 +776,22 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 		// itself (an overflow, a timeout), the upstream answered early, or Envoy sent the request
 		// on without the body phase (trailers and no data under request_trailer_mode SKIP:
 		// Filter::onTrailers continues when it has nothing buffered and sends no trailers). In
-		// the last two the request ran without a lease: counted. What was withheld is answered
-		// first.
+		// the last two the request ran without a lease (its outcome stays passthrough). Under
+		// BUFFERED and BUFFERED_PARTIAL Envoy holds the headers until the body's answer, so only
+		// the skipped trailers can explain it: a misconfiguration, counted. Under STREAMED and
+		// FULL_DUPLEX_STREAMED the headers went upstream before the claim, and an upstream may
+		// answer before the body ends. What was withheld is answered first.
 		if o := originOf(attrs); !o.envoyMade || !o.attemptsKnown || o.attempts > 0 {
-			st.s.misconfigured(MisconfigUnclaimedRequest, func() {
-				st.event(st.s.log.Warn()).Msg("the upstream answered a covered request whose end the processor never saw, so it ran without a lease; set request_trailer_mode: SEND in the ext_proc filter's processing_mode (requests with trailers and no body otherwise skip the body phase)")
-			})
+			switch st.requestBodyMode {
+			case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_BUFFERED_PARTIAL:
+				st.s.misconfigured(MisconfigUnclaimedRequest, func() {
+					st.event(st.s.log.Warn()).Msg("the upstream answered a covered request whose end the processor never saw, so it ran without a lease; set request_trailer_mode: SEND in the ext_proc filter's processing_mode (requests with trailers and no body otherwise skip the body phase)")
+				})
+			default:
+				st.s.earlyAnswerLog.Do(func() {
+					st.event(st.s.log.Info()).Msg("the upstream answered a streamed request before its body ended (Envoy sends a STREAMED request's headers on before the claim), so it ran without a lease; its outcome is passthrough")
+				})
+			}
 			st.event(st.s.log.Debug()).Msg("the response began before the request body reached the processor whole; this request ran unprotected")
 		}
 		st.fire(evUnprotected)
@@ -806,7 +820,7 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 			st.event(st.s.log.Warn()).Msg("a response came without response.code_details; add it to the ext_proc filter's response_attributes, or responses that would release the key are treated as possibly Envoy's (unknown outcomes)")
 		})
 	}
-	if !o.envoyMade && o.attemptsKnown && o.attempts > 1 {
+	if o.attemptsKnown && o.attempts > 1 {
 		// Not a misconfiguration by itself: retries on connect-failure or refused-stream (Istio's
 		// default policy has them) never reached the upstream. The config checks refuse the
 		// retry conditions that may run a request twice.
@@ -1134,4 +1148,13 @@ func originOf(attrs map[string]*structpb.Struct) origin {
 	details, detailsKnown := stringAttribute(attrs, attrCodeDetails)
 	attempts, attemptsKnown := numberAttribute(attrs, attrAttemptCount)
 	return origin{detailsKnown: detailsKnown, envoyMade: detailsKnown && details != "via_upstream", attempts: attempts, attemptsKnown: attemptsKnown}
+}
+
+// contentLength is the request's content-length, or -1 when it has none or it is not a number.
+func contentLength(h headers) int64 {
+	n, err := strconv.ParseInt(string(h.get("content-length")), 10, 64)
+	if err != nil {
+		return -1
+	}
+	return n
 }

@@ -1170,11 +1170,21 @@ func TestNewRejects(t *testing.T) {
 
 // A BUFFERED response whose trailers come with no data before them, while its header call is
 // answered, is held: ProcessorState::handleCompleteBodyAvailable sends no message and does not
-// continue, so neither the trailers message nor the response goes on.
+// continue, so neither the trailers message nor the response goes on. The processor answers the
+// response headers only once the upstream has sent its whole response, so that the trailers
+// are there during the header call.
 func TestEmptyBodyWithTrailersDuringHeadersStalls(t *testing.T) {
 	f := bufferedFilter()
 	f.ProcessingMode.ResponseTrailerMode = filterextproc.ProcessingMode_SEND
-	e := newEnv(t, f, continueAll, func(c *proxy.Config) { c.UpstreamTrailers, c.DownstreamTrailers = true, true })
+	var e *env
+	afterUpstream := on("response_headers", func(st extprocv3.ExternalProcessor_ProcessServer, req *extprocv3.ProcessingRequest) error {
+		for e.up.Active() > 0 {
+			time.Sleep(time.Millisecond)
+		}
+		time.Sleep(50 * time.Millisecond) // the proxy reads what the upstream wrote
+		return st.Send(cont(req))
+	})
+	e = newEnv(t, f, afterUpstream, func(c *proxy.Config) { c.UpstreamTrailers, c.DownstreamTrailers = true, true })
 	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.proxy.URL()+"/grpcish", bytes.NewReader([]byte("x")))

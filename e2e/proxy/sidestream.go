@@ -58,6 +58,8 @@ type sideStream struct {
 	halfClose bool
 	wake      chan struct{}
 	written   chan struct{}
+	// halfClosed is closed once the half-close is written (or the writer gave up).
+	halfClosed chan struct{}
 }
 
 // open starts the stream with its initial metadata (AsyncStreamImpl::initialize: the
@@ -103,6 +105,7 @@ func (s *sideStream) open(md []*corev3.HeaderValue, deadline time.Time, discard 
 	s.done = make(chan struct{})
 	s.wake = make(chan struct{}, 1)
 	s.written = make(chan struct{})
+	s.halfClosed = make(chan struct{})
 	go s.receive(discard)
 	go s.write()
 	return nil
@@ -112,6 +115,7 @@ func (s *sideStream) open(md []*corev3.HeaderValue, deadline time.Time, discard 
 // It ends there, on a failed send (the stream's end arrives on recv) or when the context ends.
 func (s *sideStream) write() {
 	defer close(s.written)
+	defer close(s.halfClosed)
 	for {
 		select {
 		case <-s.wake:
@@ -134,6 +138,7 @@ func (s *sideStream) write() {
 				if err := s.stream.Send(m); err != nil {
 					return
 				}
+				s.p.stats.messagesSent.Add(1)
 			}
 		}
 	}
@@ -177,7 +182,6 @@ func (s *sideStream) send(req *extprocv3.ProcessingRequest) bool {
 	s.out = append(s.out, req)
 	s.outMu.Unlock()
 	s.poke()
-	s.p.stats.messagesSent.Add(1)
 	return true
 }
 
@@ -186,15 +190,20 @@ func (s *sideStream) active() bool {
 	return s != nil && s.stream != nil && !s.closed && !s.ended
 }
 
-// closeGrace bounds the wait between the half-close and the reset.
-const closeGrace = 20 * time.Millisecond
+// closeGrace bounds the wait between the half-close and the reset; drainBound the wait for the
+// queued messages and the half-close to be written before it.
+const (
+	closeGrace = 20 * time.Millisecond
+	drainBound = time.Second
+)
 
 // close ends the stream the way Envoy's default close does (ExternalProcessorStreamImpl::close
 // without ext_proc_graceful_grpc_close): a half-close followed by a reset, so the server's Recv
-// sees io.EOF or Canceled (reference §6). Envoy writes every message to the connection as it
-// sends it; grpc-go queues them and a reset drops what is still queued, so the reset waits (up
-// to closeGrace) for the server to end the stream after the half-close. It waits for the
-// receiving goroutine.
+// sees io.EOF or Canceled (reference §6). Envoy's half-close goes after the messages its stream
+// buffered; here they wait in the send queue, so the half-close is written after them (up to
+// drainBound, for a processor that stopped reading), and grpc-go, which drops what it still
+// queues at a reset, gets up to closeGrace for the server to end the stream after it. It waits
+// for the receiving and writing goroutines.
 func (s *sideStream) close() {
 	if s == nil {
 		return
@@ -205,6 +214,23 @@ func (s *sideStream) close() {
 		s.halfClose = true
 		s.outMu.Unlock()
 		s.poke()
+		drained := time.NewTimer(drainBound)
+	drain:
+		for !s.ended {
+			select {
+			case <-s.halfClosed:
+				break drain
+			case r := <-s.recv:
+				if r.err != nil {
+					s.ended = true
+				}
+			case <-s.done:
+				break drain
+			case <-drained.C:
+				break drain
+			}
+		}
+		drained.Stop()
 		t := time.NewTimer(closeGrace)
 	wait:
 		for !s.ended {
