@@ -53,7 +53,8 @@ var profileSuffix = map[string]string{
 type counters struct {
 	CPU   time.Duration
 	Calls int64
-	// Acquires are the store calls that claimed a key (op acquire): one per first execution.
+	// Acquires are the store calls that claim a key (op acquire): one per first execution, and a
+	// replay's, which finds the record.
 	Acquires int64
 	// SlowCalls are the store calls that took over slowCall: a wait on the memory store's lock,
 	// a Redis round trip held up.
