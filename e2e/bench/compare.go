@@ -65,9 +65,21 @@ const (
 	workloadUncovered = "uncovered GET"
 	workloadFirst     = "first execution"
 	workloadReplay    = "replay"
+	// The other body modes' first executions (SPEC §8), each against a null processor that does
+	// what the mode requires: a STREAMED request body of 4 chunks of 256 B (the response
+	// BUFFERED), FULL_DUPLEX_STREAMED both ways with 4 chunks of 256 B each way, and BUFFERED on
+	// a route whose fingerprint omits the body, claimed at request_headers. No name holds a
+	// comma, so that -only can name it.
+	workloadStreamed = "STREAMED first execution"
+	workloadDuplex   = "FULL_DUPLEX_STREAMED first execution"
+	workloadHeaders  = "claim-at-headers first execution"
 )
 
-var workloads = []string{workloadUncovered, workloadFirst, workloadReplay}
+var workloads = []string{workloadUncovered, workloadFirst, workloadReplay, workloadStreamed, workloadDuplex, workloadHeaders}
+
+// headersOnlyPath is the claim-at-headers workload's path, under benchPolicy's route
+// headers-only, whose fingerprint is [method, path].
+const headersOnlyPath = "/v1/headers-only/payments"
 
 // Targets.
 const (
@@ -87,6 +99,7 @@ type cell struct {
 	latency          time.Duration   // the sum of every request's latency, for the mean
 	roundP99         []time.Duration // each round's p99, for the paired comparison
 	storeCalls       float64         // store operations per request
+	acquires         float64         // store acquires (claims) per request
 	slowCalls        int64           // store operations that took over slowCall
 	redisCommands    float64         // commands sent to Redis per request
 	redisTrips       float64         // round trips to Redis per request (pipelined calls share one)
@@ -142,15 +155,16 @@ func findCell(cells []cell, workload, target string) (cell, bool) {
 
 func (r result) print(w io.Writer) {
 	fmt.Fprintf(w, "%d concurrent streams, %v per cell in %d alternating rounds; each target in a process of its own, GOMAXPROCS %d.\n", r.opts.streams, r.opts.duration, r.opts.rounds, gomaxprocs())
-	fmt.Fprintf(w, "p50 and p99 are over all rounds; p99 added is the median over rounds of the target's p99 minus the null processor's in the same round (in brackets: the range).\n\n")
-	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | store calls over 1 ms | Redis commands/req | Redis round trips/req | processor CPU µs/req | client CPU µs/req | Redis CPU µs/req | processor peak RSS so far |\n")
-	fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+	fmt.Fprintf(w, "p50 and p99 are over all rounds; p99 added is the median over rounds of the target's p99 minus the null processor's in the same round (in brackets: the range); processor CPU over null is, likewise, the median over rounds of the target process' CPU µs per request minus the null processor's.\n\n")
+	fmt.Fprintf(w, "| workload | target | requests/s | p50 | p99 | × null | p99 added | store calls/req | store calls over 1 ms | Redis commands/req | Redis round trips/req | processor CPU µs/req | processor CPU over null µs/req | client CPU µs/req | Redis CPU µs/req | processor peak RSS so far |\n")
+	fmt.Fprintf(w, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, c := range r.cells {
 		null, _ := r.find(c.workload, targetNull)
-		ratio, added := "1.00", "—"
+		ratio, added, cpuOver := "1.00", "—", "—"
 		if c.target != targetNull {
 			ratio = fmtRatio(c, null)
 			added = fmtAdded(c.roundP99, null.roundP99)
+			cpuOver = fmtDiff(c.roundCPU, null.roundCPU)
 		}
 		store, slow, cmds, trips := "—", "—", "—", "—"
 		if c.hasStore() {
@@ -164,9 +178,9 @@ func (r result) print(w io.Writer) {
 		if c.hasRedis() {
 			redisCPU = fmt.Sprintf("%.1f", perRequest(c.redisCPU, c.requests))
 		}
-		fmt.Fprintf(w, "| %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f | %s | %d MiB |\n",
+		fmt.Fprintf(w, "| %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %s | %.1f | %s | %d MiB |\n",
 			c.workload, c.target, c.rps(), fmtDur(c.p50), fmtDur(c.p99), ratio, added, store, slow, cmds, trips,
-			perRequest(c.cpu, c.requests), perRequest(c.clientCPU, c.requests), redisCPU, c.peakRSS>>20)
+			perRequest(c.cpu, c.requests), cpuOver, perRequest(c.clientCPU, c.requests), redisCPU, c.peakRSS>>20)
 	}
 	r.printSaturation(w)
 	if len(r.paced) > 0 {
@@ -454,6 +468,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 			_, p99 := percentiles(lat)
 			c.roundP99 = append(c.roundP99, p99)
 			c.storeCalls += float64(after.Calls - before.Calls)
+			c.acquires += float64(after.Acquires - before.Acquires)
 			c.slowCalls += after.SlowCalls - before.SlowCalls
 			c.redisCommands += float64(after.Commands - before.Commands)
 			c.redisTrips += float64(after.Trips - before.Trips)
@@ -464,6 +479,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 	for i := range cells {
 		c := &cells[i]
 		c.storeCalls /= float64(c.requests)
+		c.acquires /= float64(c.requests)
 		c.waitCalls /= float64(c.requests)
 		c.redisCommands /= float64(c.requests)
 		c.redisTrips /= float64(c.requests)
@@ -643,6 +659,10 @@ var defaultShape = shape{req: requestBody, resp: responseBody}
 // request plays one HTTP request's ext_proc exchange as Envoy does: lock-step messages,
 // honouring mode_override and ImmediateResponse, then a half-close and a reset.
 func request(ctx context.Context, client extprocv3.ExternalProcessorClient, workload string, n int64) error {
+	switch workload {
+	case workloadStreamed, workloadDuplex:
+		return requestStreaming(ctx, client, workload == workloadDuplex, n)
+	}
 	return requestShaped(ctx, client, workload, n, defaultShape, "", nil)
 }
 
@@ -674,21 +694,13 @@ func requestShaped(ctx context.Context, client extprocv3.ExternalProcessorClient
 	default: // first executions
 		key = "first-" + strconv.FormatInt(n, 10)
 	}
-	hs := []*corev3.HeaderValue{
-		{Key: ":method", RawValue: []byte(method)},
-		{Key: ":path", RawValue: []byte("/v1/payments")},
-		{Key: ":authority", RawValue: []byte("api.example.com")},
-		{Key: ":scheme", RawValue: []byte("https")},
-		{Key: "content-type", RawValue: []byte("application/json")},
-		{Key: "authorization", RawValue: []byte("Bearer 0123456789abcdef")},
-		{Key: "x-request-id", RawValue: []byte("6f1c2b1e-" + strconv.FormatInt(n, 10))},
-	}
-	if key != "" {
-		hs = append(hs, &corev3.HeaderValue{Key: "idempotency-key", RawValue: []byte(key)})
+	path := "/v1/payments"
+	if workload == workloadHeaders {
+		path = headersOnlyPath
 	}
 	resp, err := exchange(&extprocv3.ProcessingRequest{
 		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
-			Headers: &corev3.HeaderMap{Headers: hs}, EndOfStream: !hasBody,
+			Headers: &corev3.HeaderMap{Headers: requestHeaderValues(method, path, key, n)}, EndOfStream: !hasBody,
 		}},
 		ProtocolConfig: &extprocv3.ProtocolConfiguration{
 			RequestBodyMode: filterextproc.ProcessingMode_BUFFERED, ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED,
@@ -750,6 +762,23 @@ func requestShaped(ctx context.Context, client extprocv3.ExternalProcessorClient
 		}
 	}
 	return nil
+}
+
+// requestHeaderValues are request n's headers, with its Idempotency-Key when key is set.
+func requestHeaderValues(method, path, key string, n int64) []*corev3.HeaderValue {
+	hs := []*corev3.HeaderValue{
+		{Key: ":method", RawValue: []byte(method)},
+		{Key: ":path", RawValue: []byte(path)},
+		{Key: ":authority", RawValue: []byte("api.example.com")},
+		{Key: ":scheme", RawValue: []byte("https")},
+		{Key: "content-type", RawValue: []byte("application/json")},
+		{Key: "authorization", RawValue: []byte("Bearer 0123456789abcdef")},
+		{Key: "x-request-id", RawValue: []byte("6f1c2b1e-" + strconv.FormatInt(n, 10))},
+	}
+	if key != "" {
+		hs = append(hs, &corev3.HeaderValue{Key: "idempotency-key", RawValue: []byte(key)})
+	}
+	return hs
 }
 
 var redisBenchRE = regexp.MustCompile(`([0-9.]+) requests per second`)

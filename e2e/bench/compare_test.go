@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"compress/gzip"
+	"context"
 	"io"
 	"os"
 	"path/filepath"
@@ -10,8 +11,13 @@ import (
 	"testing"
 	"time"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
@@ -32,15 +38,19 @@ func TestMain(m *testing.M) {
 // cell too, and the Redis round trips alone make as many commands per request as the store.
 func TestCompare(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
-	res, err := compare(t.Context(), options{duration: 300 * time.Millisecond, rounds: 2, streams: 8, redisAddr: srv.Addr(), load: 0.5, memoryBytes: 8 << 20})
+	res, err := compare(t.Context(), options{duration: 200 * time.Millisecond, rounds: 2, streams: 8, redisAddr: srv.Addr(), load: 0.5, memoryBytes: 8 << 20})
 	require.NoError(t, err)
 	var out bytes.Buffer
 	res.print(&out)
 	t.Log("\n" + out.String())
 
-	want := map[string]float64{workloadUncovered: 0, workloadFirst: 2, workloadReplay: 1}
+	want := map[string]float64{workloadUncovered: 0, workloadFirst: 2, workloadReplay: 1, workloadStreamed: 2, workloadDuplex: 2, workloadHeaders: 2}
 	// The processor logs as the binary does: one line per covered request.
-	wantLines := map[string]float64{workloadUncovered: 0, workloadFirst: 1, workloadReplay: 1}
+	wantLines := map[string]float64{workloadUncovered: 0, workloadFirst: 1, workloadReplay: 1, workloadStreamed: 1, workloadDuplex: 1, workloadHeaders: 1}
+	// Every first execution, in every body mode, claimed its key once: an acquire per request (a
+	// replay's one store call is the acquire that finds the record).
+	wantAcquires := map[string]float64{workloadUncovered: 0, workloadFirst: 1, workloadReplay: 1, workloadStreamed: 1, workloadDuplex: 1, workloadHeaders: 1}
+	require.Len(t, workloads, len(want))
 	for _, w := range workloads {
 		for _, target := range []string{targetNull, targetMemory, targetMemoryEmpty, targetRedis} {
 			c, ok := res.find(w, target)
@@ -73,6 +83,8 @@ func TestCompare(t *testing.T) {
 				require.Equal(t, target == targetMemory, full, "%s starts with %d bytes", target, c.memoryBytes)
 			}
 			require.Equal(t, want[w], c.storeCalls, "%s, %s: store calls per request", w, target)
+			require.Equal(t, wantAcquires[w], c.acquires, "%s, %s: acquires per request", w, target)
+			require.Equal(t, wantAcquires[w], p.acquires, "%s, %s at a fixed rate: acquires per request", w, target)
 			require.Equal(t, wantLines[w], c.logLines, "%s, %s: log lines per request", w, target)
 			require.LessOrEqual(t, float64(c.slowCalls), c.storeCalls*float64(c.requests), "%s, %s: slow store calls are store calls", w, target)
 			require.LessOrEqual(t, float64(p.slowCalls), p.storeCalls*float64(p.requests), "%s, %s at a fixed rate: slow store calls are store calls", w, target)
@@ -90,6 +102,11 @@ func TestCompare(t *testing.T) {
 		}
 	}
 	require.True(t, strings.Contains(out.String(), "| replay | redis store |"))
+	for _, w := range []string{workloadStreamed, workloadDuplex, workloadHeaders} {
+		require.Regexp(t, `\| `+w+` \| redis store \| \d+ \| [^|]+ \| [^|]+ \| \d\.\d\d \[\d\.\d\d, \d\.\d\d\] \|`, out.String(), "%s: a row with its ratio", w)
+	}
+	require.Regexp(t, `\| first execution \| memory store \|( [^|]+ \|){9} \d+\.\d \| [+-]\d+\.\d \[[+-]\d+\.\d, [+-]\d+\.\d\] \|`, out.String(),
+		"the processor's CPU per request, and over the null processor's with the range of the rounds'")
 	require.Contains(t, out.String(), "Little's law")
 	require.Contains(t, out.String(), "Every request of every cell was settled as a clean run settles it")
 	require.Regexp(t, `\| first execution \| memory store \| \d+ \| [^|]+ \| [^|]+ \| \d\.\d\d \[\d\.\d\d, \d\.\d\d\] \|`, out.String(),
@@ -104,6 +121,97 @@ func TestCompare(t *testing.T) {
 		require.Equal(t, a.commands, a.trips, "%s: made alone, each command is a round trip of its own", a.workload)
 	}
 	require.Contains(t, out.String(), "The Redis round trips alone")
+}
+
+// TestClaimAtHeaders checks what the claim-at-headers workload measures: on benchPolicy's
+// headers-only route the processor claims a first execution at request_headers, before Envoy
+// sends the body (an acquire, whose lease is released when the stream ends there), where on the
+// default route, whose fingerprint holds the body, it answers the headers at once and claims
+// nothing until the body comes.
+func TestClaimAtHeaders(t *testing.T) {
+	tp, err := startTarget(targetMemoryEmpty, "", 8<<20)
+	require.NoError(t, err)
+	defer tp.stop()
+	conn, err := grpc.NewClient("passthrough:///"+tp.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	client := extprocv3.NewExternalProcessorClient(conn)
+	for _, tc := range []struct {
+		path     string
+		acquires int64
+	}{{headersOnlyPath, 1}, {"/v1/payments", 0}} {
+		before, err := tp.counters(t.Context())
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(t.Context())
+		s, err := client.Process(ctx)
+		require.NoError(t, err)
+		require.NoError(t, s.Send(&extprocv3.ProcessingRequest{
+			Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
+				Headers: &corev3.HeaderMap{Headers: requestHeaderValues("POST", tc.path, "k-"+tc.path, 1)},
+			}},
+			ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: filterextproc.ProcessingMode_BUFFERED, ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED},
+		}))
+		resp, err := s.Recv()
+		require.NoError(t, err)
+		require.NotNil(t, resp.GetRequestHeaders(), "%s: the headers continue", tc.path)
+		cancel() // the client went away before the body
+		after, err := tp.counters(t.Context())
+		require.NoError(t, err)
+		require.Equal(t, tc.acquires, after.Acquires-before.Acquires, "%s: claimed at request_headers", tc.path)
+		require.Equal(t, tc.acquires, after.Failures-before.Failures, "%s: the lease of a request that never ran is released", tc.path)
+	}
+}
+
+// TestNullProcessorStreamsBack checks the null processor's answers in FULL_DUPLEX_STREAMED: each
+// chunk streamed back as it came, both ways, and the trailers answered; in the buffered modes a
+// plain CONTINUE, as extproctest.NullProcessor answers.
+func TestNullProcessorStreamsBack(t *testing.T) {
+	tp, err := startTarget(targetNull, "", 0)
+	require.NoError(t, err)
+	defer tp.stop()
+	conn, err := grpc.NewClient("passthrough:///"+tp.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	client := extprocv3.NewExternalProcessorClient(conn)
+	for _, mode := range []filterextproc.ProcessingMode_BodySendMode{filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED, filterextproc.ProcessingMode_BUFFERED} {
+		s, err := client.Process(t.Context())
+		require.NoError(t, err)
+		duplex := mode == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+		send := func(m *extprocv3.ProcessingRequest) *extprocv3.ProcessingResponse {
+			require.NoError(t, s.Send(m))
+			resp, err := s.Recv()
+			require.NoError(t, err)
+			return resp
+		}
+		require.NotNil(t, send(&extprocv3.ProcessingRequest{
+			Request:        &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{}},
+			ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: mode, ResponseBodyMode: mode},
+		}).GetRequestHeaders())
+		for i, chunk := range []string{"ab", "cd"} {
+			sr := send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+				RequestBody: &extprocv3.HttpBody{Body: []byte(chunk), EndOfStream: i == 1},
+			}}).GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+			if !duplex {
+				require.Nil(t, sr, "%v: the body continues unchanged", mode)
+				continue
+			}
+			require.Equal(t, chunk, string(sr.GetBody()), "%v: chunk %d streamed back", mode, i)
+			require.Equal(t, i == 1, sr.GetEndOfStream())
+		}
+		require.NotNil(t, send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}}).GetRequestTrailers())
+		require.NotNil(t, send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{}}}).GetResponseHeaders())
+		sr := send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
+			ResponseBody: &extprocv3.HttpBody{Body: []byte("xyz"), EndOfStream: true},
+		}}).GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+		if duplex {
+			require.Equal(t, "xyz", string(sr.GetBody()))
+			require.True(t, sr.GetEndOfStream())
+		} else {
+			require.Nil(t, sr)
+		}
+		require.NotNil(t, send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{}}}).GetResponseTrailers())
+		require.NoError(t, s.CloseSend())
+	}
 }
 
 // TestCosts runs -mode costs briefly (two body sizes, two stream counts) and asserts what is
