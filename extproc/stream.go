@@ -1144,6 +1144,7 @@ type origin struct {
 	attemptsKnown bool
 }
 
+// originOf reads where a response came from out of the response attributes Envoy sent with it.
 func originOf(attrs map[string]*structpb.Struct) origin {
 	details, detailsKnown := stringAttribute(attrs, attrCodeDetails)
 	attempts, attemptsKnown := numberAttribute(attrs, attrAttemptCount)

@@ -126,7 +126,7 @@ func settings() []setting {
 				c.redisSentinelMaster = v
 				return nil
 			}},
-		{name: "redis-batching", def: "true", doc: "`true` shares round trips among concurrent Redis calls in pipelined batches (measured faster under load; completions of 256 KiB or more still go alone); `false` sends each call in a round trip of its own",
+		{name: "redis-batching", def: "true", doc: "`true` shares round trips among concurrent Redis calls in pipelined batches (measured faster under load; staged completions of 256 KiB or more still go alone); `false` sends each call in a round trip of its own",
 			apply: func(c *config, v string) error {
 				b, err := strconv.ParseBool(v)
 				if err != nil {

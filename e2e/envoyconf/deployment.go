@@ -48,11 +48,12 @@ type RouteEntry struct {
 	// FilterConfig that only enables a filter disabled by default (Envoy Gateway's) as an empty
 	// ExtProcPerRoute.
 	Config *filterextproc.ExtProcPerRoute
-	// Retry and Hedge are the retry and hedge policies the router applies on this route (the
-	// route's own, else its virtual host's), nil when it has none; RetryPath is where they live.
-	Retry     *routev3.RetryPolicy
-	Hedge     *routev3.HedgePolicy
-	RetryPath string
+	// Retry and Hedge are the retry and hedge policies the router applies on this route (each the
+	// route's own, else its virtual host's), nil when it has none; RetryPath and HedgePath are
+	// where they live.
+	Retry                *routev3.RetryPolicy
+	Hedge                *routev3.HedgePolicy
+	RetryPath, HedgePath string
 }
 
 // BootstrapDeployment reads the ext_proc deployment of a standalone bootstrap: the first HTTP
@@ -80,7 +81,7 @@ func BootstrapDeployment(b *bootstrapv3.Bootstrap, source string) (Deployment, e
 		return Deployment{}, errors.New("http_connection_manager has no inline route_config")
 	}
 	add := func(name, path string, tpfc map[string]*anypb.Any, retry RouteEntry) error {
-		e := RouteEntry{Name: name, Path: path, Retry: retry.Retry, Hedge: retry.Hedge, RetryPath: retry.RetryPath}
+		e := RouteEntry{Name: name, Path: path, Retry: retry.Retry, Hedge: retry.Hedge, RetryPath: retry.RetryPath, HedgePath: retry.HedgePath}
 		if a, ok := tpfc[d.FilterName]; ok {
 			e.Path = path + ".typed_per_filter_config[" + d.FilterName + "]"
 			c, err := deployedPerRoute(a)
@@ -104,11 +105,14 @@ func BootstrapDeployment(b *bootstrapv3.Bootstrap, source string) (Deployment, e
 		}
 		for j, r := range vh.GetRoutes() {
 			rp := vp + ".routes[" + strconv.Itoa(j) + "]"
-			// A route's retry_policy (hedge_policy) replaces its virtual host's whole
-			// (route_components.proto).
-			retry := RouteEntry{Retry: vh.GetRetryPolicy(), Hedge: vh.GetHedgePolicy(), RetryPath: vp}
-			if ra := r.GetRoute(); ra.GetRetryPolicy() != nil || ra.GetHedgePolicy() != nil {
-				retry = RouteEntry{Retry: ra.GetRetryPolicy(), Hedge: ra.GetHedgePolicy(), RetryPath: rp + ".route"}
+			// A route's retry_policy replaces its virtual host's whole, and so does its
+			// hedge_policy, each on its own (route_components.proto).
+			retry := RouteEntry{Retry: vh.GetRetryPolicy(), Hedge: vh.GetHedgePolicy(), RetryPath: vp, HedgePath: vp}
+			if ra := r.GetRoute(); ra.GetRetryPolicy() != nil {
+				retry.Retry, retry.RetryPath = ra.GetRetryPolicy(), rp+".route"
+			}
+			if ra := r.GetRoute(); ra.GetHedgePolicy() != nil {
+				retry.Hedge, retry.HedgePath = ra.GetHedgePolicy(), rp+".route"
 			}
 			if err := add(r.GetName(), rp, r.GetTypedPerFilterConfig(), retry); err != nil {
 				return Deployment{}, err

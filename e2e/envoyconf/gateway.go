@@ -235,6 +235,7 @@ type egModeOptions struct {
 // egTrafficPolicy is the part of a ClientTrafficPolicy or BackendTrafficPolicy spec that matters
 // here; other fields are ignored.
 type egTrafficPolicy struct {
+	TargetRefs []egTargetRef `yaml:"targetRefs"`
 	Connection struct {
 		BufferLimit string `yaml:"bufferLimit"`
 	} `yaml:"connection"`
@@ -362,12 +363,25 @@ func EnvoyGateway(path string) ([]EGPolicy, EGLimits, error) {
 			return nil, EGLimits{}, fmt.Errorf("%s: %s: %w", path, kind, err)
 		}
 		if rp := egRetryPolicy(tp); rp != nil && kind == "BackendTrafficPolicy" {
-			// The file's one BackendTrafficPolicy targets the HTTPRoute whose rules the
-			// policies enable the filter on.
+			// The retry applies to the xDS routes of the HTTPRoutes it targets (their names
+			// start with httproute/<namespace>/<name>/), or to every route under a Gateway.
+			var prefixes []string
+			for _, ref := range tp.TargetRefs {
+				switch {
+				case ref.SectionName != "":
+					return nil, EGLimits{}, fmt.Errorf("%s: %s %s: a retry targeting a sectionName is not modelled", path, kind, d.Metadata.Name)
+				case ref.Kind == "HTTPRoute":
+					prefixes = append(prefixes, "httproute/"+d.Metadata.Namespace+"/"+ref.Name+"/")
+				case ref.Kind == "Gateway":
+					prefixes = append(prefixes, "")
+				}
+			}
 			for i := range out {
 				for j := range out[i].Deployment.Routes {
 					e := &out[i].Deployment.Routes[j]
-					e.Retry, e.RetryPath = rp, kind+" "+d.Metadata.Namespace+"/"+d.Metadata.Name+".retry"
+					if slices.ContainsFunc(prefixes, func(p string) bool { return strings.HasPrefix(e.Name, p) }) {
+						e.Retry, e.RetryPath = rp, kind+" "+d.Metadata.Namespace+"/"+d.Metadata.Name+".retry"
+					}
 				}
 			}
 		}
@@ -756,6 +770,7 @@ func IstioDeployment(path string) (Deployment, error) {
 	}
 	d := Deployment{Source: path + ": EnvoyFilter " + ef.Metadata.Namespace + "/" + ef.Metadata.Name}
 	var routePatches []int
+	var filterContext string // the ext_proc patch's match context
 	for i, cp := range spec.ConfigPatches {
 		if cp.ApplyTo == "HTTP_ROUTE" {
 			routePatches = append(routePatches, i)
@@ -791,6 +806,7 @@ func IstioDeployment(path string) (Deployment, error) {
 		}
 		d.FilterName = hf.GetName()
 		d.FilterPath = fmt.Sprintf("configPatches[%d].patch.value.typed_config", i)
+		filterContext = cp.Match.Context
 	}
 	if d.Filter == nil {
 		return Deployment{}, fmt.Errorf("%s: no HTTP_FILTER patch with an ExternalProcessor typed_config", path)
@@ -817,6 +833,11 @@ func IstioDeployment(path string) (Deployment, error) {
 			retry, retryAt := h.Retries.policy(), at+".retries"
 			if h.Retries == nil {
 				retryAt = at + " (no retries: Istio's default retry policy)"
+			}
+			if filterContext == "SIDECAR_INBOUND" {
+				// The VirtualService's retries run in the caller's outbound sidecar: a retry
+				// reaches this filter as a new request with the same key (a duplicate).
+				retry, retryAt = nil, ""
 			}
 			entry := func(name string) RouteEntry {
 				return RouteEntry{Name: name, Path: at, Retry: retry, RetryPath: retryAt}
@@ -989,6 +1010,7 @@ func WithoutGatewayGaps(err error) error {
 	return errors.Join(keep...)
 }
 
+// isJoin reports whether e joins several errors (errors.Join).
 func isJoin(e error) bool {
 	_, ok := e.(interface{ Unwrap() []error })
 	return ok

@@ -560,3 +560,33 @@ func TestEnvoyGatewayRetries(t *testing.T) {
 		})
 	}
 }
+
+// In a workload's sidecar (SIDECAR_INBOUND) the VirtualService's retries run in the caller's
+// outbound sidecar, before this filter: each retry arrives as a duplicate with the same key, so
+// they are not refused there.
+func TestIstioSidecarRetriesAreDuplicates(t *testing.T) {
+	orig := readEnvoyFile(t, "istio-envoyfilter.yaml")
+	const filterPatch = "  - applyTo: HTTP_FILTER\n    match:\n      context: GATEWAY\n"
+	const at = "  - name: transfers\n    match:\n    - uri: { prefix: /v1/transfers }\n"
+	text := mutate(t, orig, at, at+"    retries: { attempts: 3, retryOn: 5xx }\n", 1)
+	require.ErrorContains(t, checkIstio(t, writeTemp(t, "istio.yaml", text)), `has "5xx"`, "at the gateway the router retries")
+	sidecar := mutate(t, text, filterPatch, strings.Replace(filterPatch, "GATEWAY", "SIDECAR_INBOUND", 1), 1)
+	d, err := IstioDeployment(writeTemp(t, "istio.yaml", sidecar))
+	require.NoError(t, err)
+	require.NoError(t, CheckProtection(d, shippedPolicy(t)))
+}
+
+// A BackendTrafficPolicy's retry applies only to the routes of the HTTPRoute it targets.
+func TestEnvoyGatewayRetriesFollowTargets(t *testing.T) {
+	orig := readEnvoyFile(t, "envoy-gateway.yaml")
+	const at = "  connection:\n    bufferLimit: 1Mi             # response bodies"
+	text := mutate(t, orig, at, "  retry:\n    retryOn: { triggers: [reset] }\n"+at, 1)
+	require.Error(t, checkEnvoyGateway(t, writeTemp(t, "eg.yaml", text)))
+	pols, _, err := EnvoyGateway(writeTemp(t, "eg.yaml", mutate(t, text, "    name: payments-api\n  retry:", "    name: other-api\n  retry:", 1)))
+	require.NoError(t, err)
+	for _, p := range pols {
+		for _, r := range p.Deployment.Routes {
+			require.Nil(t, r.Retry, "%s is not a route of other-api", r.Name)
+		}
+	}
+}

@@ -571,8 +571,10 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 // upstream never received or never answered as an application (router/retry_state_impl.cc):
 // the connection or stream was refused before the request was sent, or an upstream Envoy
 // rate-limited it. The gRPC conditions (cancelled, deadline-exceeded, internal,
-// resource-exhausted, unavailable) need a grpc-status in the response, and gRPC requests are
-// not covered (SPEC §8).
+// resource-exhausted, unavailable) fire only on a response that carries grpc-status, whatever
+// the request: accepted because covered requests are HTTP APIs whose upstreams do not send it
+// (gRPC requests are not covered, SPEC §8). An upstream that answers a covered route with
+// grpc-status under one of them would have the request retried.
 var safeRetryOn = map[string]bool{
 	"connect-failure": true, "refused-stream": true, "reset-before-request": true, "envoy-ratelimited": true,
 	"cancelled": true, "deadline-exceeded": true, "internal": true, "resource-exhausted": true, "unavailable": true,
@@ -583,16 +585,17 @@ var safeRetryOn = map[string]bool{
 // lease, while the upstream runs it twice. A retry on a status the policy does not store is
 // allowed: that status releases the key, so the router's retry is the client's retry, earlier.
 func (c *checker) retries(e RouteEntry) {
-	if c.retryChecked[e.RetryPath] {
-		return
-	}
 	if c.retryChecked == nil {
 		c.retryChecked = map[string]bool{}
 	}
-	c.retryChecked[e.RetryPath] = true
-	if h := e.Hedge; h.GetHedgeOnPerTryTimeout() || h.GetInitialRequests().GetValue() > 1 {
-		c.refuse(e.RetryPath+".hedge_policy", "sends a claimed request upstream again while the first attempt may still be running: it may run twice")
+	if h := e.Hedge; !c.retryChecked["hedge "+e.HedgePath] && (h.GetHedgeOnPerTryTimeout() || h.GetInitialRequests().GetValue() > 1) {
+		c.retryChecked["hedge "+e.HedgePath] = true
+		c.refuse(e.HedgePath+".hedge_policy", "sends a claimed request upstream again while the first attempt may still be running: it may run twice")
 	}
+	if c.retryChecked[e.RetryPath] {
+		return
+	}
+	c.retryChecked[e.RetryPath] = true
 	rp := e.Retry
 	if rp == nil || (rp.GetNumRetries() != nil && rp.GetNumRetries().GetValue() == 0) {
 		return

@@ -569,6 +569,18 @@ func TestCheckProtectionRefuses(t *testing.T) {
 			})
 			return err
 		}, []want{{"route_config.virtual_hosts[0].retry_policy.retry_on", `has "gateway-error"`}}},
+		{"a route's hedge policy leaves its virtual host's retries in force", "", func(b *bootstrapv3.Bootstrap) error {
+			return MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
+				vh := h.GetRouteConfig().GetVirtualHosts()[0]
+				vh.RetryPolicy = &routev3.RetryPolicy{RetryOn: "5xx"}
+				for _, r := range vh.GetRoutes() {
+					if r.GetRoute() != nil {
+						r.GetRoute().HedgePolicy = &routev3.HedgePolicy{}
+					}
+				}
+				return nil
+			})
+		}, []want{{"route_config.virtual_hosts[0].retry_policy.retry_on", `has "5xx"`}}},
 		{"hedging on per-try timeouts", "", func(b *bootstrapv3.Bootstrap) error {
 			return MutateRoute(b, defaultRoute, func(r *routev3.Route) error {
 				r.GetRoute().HedgePolicy = &routev3.HedgePolicy{HedgeOnPerTryTimeout: true}

@@ -498,8 +498,10 @@ func (d *decoder) scopeKinds(p *Policy) {
 	}
 }
 
+// headerOrParam reports whether k's values are hashed behind their name alone (see scopeKinds).
 func headerOrParam(k ScopeKind) bool { return k == ScopeHeader || k == ScopePathParam }
 
+// describeRoute names r for an error message: "the defaults", or the route by its name.
 func describeRoute(r *Route) string {
 	if r.Name == "default" {
 		return "the defaults"
