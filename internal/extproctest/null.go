@@ -28,6 +28,10 @@ func (NullProcessor) Process(s extprocv3.ExternalProcessor_ProcessServer) error 
 			resp.Response = &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}
 		case *extprocv3.ProcessingRequest_ResponseBody:
 			resp.Response = &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}
+		case *extprocv3.ProcessingRequest_RequestTrailers:
+			resp.Response = &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}
+		case *extprocv3.ProcessingRequest_ResponseTrailers:
+			resp.Response = &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}
 		default:
 			return nil
 		}
