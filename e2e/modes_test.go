@@ -224,14 +224,9 @@ func TestRequestTrailersWithoutBody(t *testing.T) {
 	} {
 		t.Run(tc.mode.String(), func(t *testing.T) {
 			t.Parallel()
-			s := newStack(t, stackOptions{envoy: func(b *bootstrapv3.Bootstrap) error {
-				if err := envoyconf.EnableHTTP1Trailers(b); err != nil {
-					return err
-				}
-				return envoyconf.MutateExtProc(b, func(f *filterextproc.ExternalProcessor) {
-					f.ProcessingMode.RequestTrailerMode = tc.mode
-				})
-			}})
+			s := newStack(t, stackOptions{envoy: withTrailers(func(f *filterextproc.ExternalProcessor) {
+				f.ProcessingMode.RequestTrailerMode = tc.mode
+			})})
 			first := trailersOnly(t, s.url, "trailers-only")
 			require.Equal(t, http.StatusOK, first.StatusCode)
 			require.Equal(t, "false", first.Header.Get(replayed))
@@ -269,15 +264,10 @@ func TestStreamedBodyWithTrailersStalls(t *testing.T) {
 	} {
 		t.Run(tc.mode.String(), func(t *testing.T) {
 			t.Parallel()
-			s := newStack(t, stackOptions{envoy: func(b *bootstrapv3.Bootstrap) error {
-				if err := envoyconf.EnableHTTP1Trailers(b); err != nil {
-					return err
-				}
-				return envoyconf.MutateExtProc(b, func(f *filterextproc.ExternalProcessor) {
-					f.ProcessingMode.RequestBodyMode = tc.mode
-					f.MessageTimeout = durationpb.New(500 * time.Millisecond)
-				})
-			}})
+			s := newStack(t, stackOptions{envoy: withTrailers(func(f *filterextproc.ExternalProcessor) {
+				f.ProcessingMode.RequestBodyMode = tc.mode
+				f.MessageTimeout = durationpb.New(500 * time.Millisecond)
+			})})
 			r := chunkedWithTrailer(t, s.url, "streamed-trailers", `{"amount":1}`, 0)
 			require.Equal(t, tc.status, r.StatusCode)
 			require.Equal(t, tc.ran, s.up.Ran("streamed-trailers"))
@@ -320,4 +310,15 @@ func chunkedWithTrailer(t *testing.T, url, key, body string, pause time.Duration
 	require.NoError(t, err)
 	resp.Body.Close()
 	return resp
+}
+
+// withTrailers is a stackOptions.envoy that turns on HTTP/1 trailers (Envoy drops them unless
+// enabled: the client and the upstream speak HTTP/1) and then changes the ext_proc filter.
+func withTrailers(fn func(*filterextproc.ExternalProcessor)) func(*bootstrapv3.Bootstrap) error {
+	return func(b *bootstrapv3.Bootstrap) error {
+		if err := envoyconf.EnableHTTP1Trailers(b); err != nil {
+			return err
+		}
+		return envoyconf.MutateExtProc(b, fn)
+	}
 }

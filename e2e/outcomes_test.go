@@ -260,16 +260,10 @@ func TestStreamedResponseWithTrailers(t *testing.T) {
 	} {
 		t.Run(tc.mode.String(), func(t *testing.T) {
 			t.Parallel()
-			streamed := func(b *bootstrapv3.Bootstrap) error {
-				// The upstream speaks HTTP/1, whose trailers Envoy drops unless enabled.
-				if err := envoyconf.EnableHTTP1Trailers(b); err != nil {
-					return err
-				}
-				return envoyconf.MutateExtProc(b, func(f *filterextproc.ExternalProcessor) {
-					f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_STREAMED
-					f.ProcessingMode.ResponseTrailerMode = tc.mode
-				})
-			}
+			streamed := withTrailers(func(f *filterextproc.ExternalProcessor) {
+				f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_STREAMED
+				f.ProcessingMode.ResponseTrailerMode = tc.mode
+			})
 			s := newStack(t, stackOptions{envoy: streamed})
 			h := map[string]string{"X-Test-Body-Bytes": "4096", "X-Test-Chunked": "true", "X-Test-Trailer-Grpc-Status": "0"}
 			first := s.do(call{key: "trailed", headers: h, body: `{}`})

@@ -129,13 +129,7 @@ func TestCompare(t *testing.T) {
 // default route, whose fingerprint holds the body, it answers the headers at once and claims
 // nothing until the body comes.
 func TestClaimAtHeaders(t *testing.T) {
-	tp, err := startTarget(targetMemoryEmpty, "", 8<<20)
-	require.NoError(t, err)
-	defer tp.stop()
-	conn, err := grpc.NewClient("passthrough:///"+tp.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	defer conn.Close()
-	client := extprocv3.NewExternalProcessorClient(conn)
+	tp, client := dialTarget(t, targetMemoryEmpty, 8<<20)
 	for _, tc := range []struct {
 		path     string
 		acquires int64
@@ -164,15 +158,9 @@ func TestClaimAtHeaders(t *testing.T) {
 
 // TestNullProcessorStreamsBack checks the null processor's answers in FULL_DUPLEX_STREAMED: each
 // chunk streamed back as it came, both ways, and the trailers answered; in the buffered modes a
-// plain CONTINUE, as extproctest.NullProcessor answers.
+// plain CONTINUE, as extproctest.NullProcessor answers them (the benchmark runs it).
 func TestNullProcessorStreamsBack(t *testing.T) {
-	tp, err := startTarget(targetNull, "", 0)
-	require.NoError(t, err)
-	defer tp.stop()
-	conn, err := grpc.NewClient("passthrough:///"+tp.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	defer conn.Close()
-	client := extprocv3.NewExternalProcessorClient(conn)
+	_, client := dialTarget(t, targetNull, 0)
 	for _, mode := range []filterextproc.ProcessingMode_BodySendMode{filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED, filterextproc.ProcessingMode_BUFFERED} {
 		s, err := client.Process(t.Context())
 		require.NoError(t, err)
@@ -373,4 +361,17 @@ func TestRatioFor(t *testing.T) {
 	require.Equal(t, time.Millisecond, littleMean(32, r*8000)-littleMean(32, 8000))
 	// No budget: the target must be as fast as the null processor.
 	require.InDelta(t, 1.0, ratioFor(32, 8000, 0), 1e-9)
+}
+
+// dialTarget starts a target process and returns it with a client of its ext_proc listener;
+// both end with the test.
+func dialTarget(t *testing.T, name string, memoryBytes int64) (*targetProcess, extprocv3.ExternalProcessorClient) {
+	t.Helper()
+	tp, err := startTarget(name, "", memoryBytes)
+	require.NoError(t, err)
+	t.Cleanup(tp.stop)
+	conn, err := grpc.NewClient("passthrough:///"+tp.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return tp, extprocv3.NewExternalProcessorClient(conn)
 }

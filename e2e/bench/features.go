@@ -182,18 +182,9 @@ func readMemory() memUsage {
 // memory reads the target's memory now (after a collection with gc).
 func (t *targetProcess) memory(ctx context.Context, gc bool) (memUsage, error) {
 	var u memUsage
-	url := "http://" + t.stats + "/mem"
+	path := "/mem"
 	if gc {
-		url += "?gc=1"
+		path += "?gc=1"
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return u, err
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return u, err
-	}
-	defer resp.Body.Close()
-	return u, json.NewDecoder(resp.Body).Decode(&u)
+	return u, t.getJSON(ctx, path, &u)
 }

@@ -34,65 +34,6 @@ func chunks(b []byte) [][]byte {
 	return append(out, b)
 }
 
-// nullProcessor answers every message with the least a processor must send in the stream's body
-// modes, and changes nothing. Outside FULL_DUPLEX_STREAMED that is CONTINUE to every phase, as
-// extproctest.NullProcessor answers (the message sequences of the buffered workloads are the
-// same). In a FULL_DUPLEX_STREAMED direction Envoy rejects a plain body answer (reference
-// §17.2): each body chunk is sent back as it came, a streamed_response with its end_of_stream,
-// which is what a processor that lets the body through unchanged must do. Trailers are answered,
-// as the mode requires (the benchmark's requests have none).
-type nullProcessor struct {
-	extprocv3.UnimplementedExternalProcessorServer
-}
-
-// Process implements [extprocv3.ExternalProcessorServer.Process].
-func (nullProcessor) Process(s extprocv3.ExternalProcessor_ProcessServer) error {
-	var reqDuplex, respDuplex bool
-	for {
-		req, err := s.Recv()
-		if err != nil {
-			return nil
-		}
-		resp := &extprocv3.ProcessingResponse{}
-		switch m := req.GetRequest().(type) {
-		case *extprocv3.ProcessingRequest_RequestHeaders:
-			// The modes come on the first message (reference §17.1).
-			if pc := req.GetProtocolConfig(); pc != nil {
-				reqDuplex = pc.GetRequestBodyMode() == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
-				respDuplex = pc.GetResponseBodyMode() == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
-			}
-			resp.Response = &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}}
-		case *extprocv3.ProcessingRequest_RequestBody:
-			resp.Response = &extprocv3.ProcessingResponse_RequestBody{RequestBody: bodyAnswer(reqDuplex, m.RequestBody)}
-		case *extprocv3.ProcessingRequest_RequestTrailers:
-			resp.Response = &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}
-		case *extprocv3.ProcessingRequest_ResponseHeaders:
-			resp.Response = &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}
-		case *extprocv3.ProcessingRequest_ResponseBody:
-			resp.Response = &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: bodyAnswer(respDuplex, m.ResponseBody)}
-		case *extprocv3.ProcessingRequest_ResponseTrailers:
-			resp.Response = &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}
-		default:
-			return nil
-		}
-		if err := s.Send(resp); err != nil {
-			return nil
-		}
-	}
-}
-
-// bodyAnswer continues a body message: unchanged, or in FULL_DUPLEX_STREAMED streamed back.
-func bodyAnswer(duplex bool, b *extprocv3.HttpBody) *extprocv3.BodyResponse {
-	if !duplex {
-		return &extprocv3.BodyResponse{}
-	}
-	return &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{
-		Mutation: &extprocv3.BodyMutation_StreamedResponse{StreamedResponse: &extprocv3.StreamedBodyResponse{
-			Body: b.GetBody(), EndOfStream: b.GetEndOfStream(),
-		}},
-	}}}
-}
-
 // requestStreaming plays one first execution's exchange as Envoy does in a streamed request body
 // mode (reference §3, §17.1, §17.2, and the processor's Envoy simulator, extproc/envoysim_test.go):
 //

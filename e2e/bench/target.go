@@ -24,6 +24,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/extproctest"
 )
 
 // Each target runs in a process of its own, as a processor does beside Envoy: its CPU time is
@@ -136,7 +137,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	)
 	switch name {
 	case targetNull:
-		p = nullProcessor{}
+		p = extproctest.NullProcessor{}
 	case targetMemory, targetMemoryEmpty, targetMemoryTraced, targetMemorySealed, targetMemoryWait:
 		if memoryBytes == 0 {
 			memoryBytes = cache.DefaultMemoryMaxBytes
@@ -354,20 +355,25 @@ func startTarget(name, redisAddr string, memoryBytes int64, env ...string) (*tar
 // counters reads the target's counters.
 func (t *targetProcess) counters(ctx context.Context) (counters, error) {
 	var c counters
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+t.stats+"/", nil)
+	return c, t.getJSON(ctx, "/", &c)
+}
+
+// getJSON decodes into v what the target's stats listener answers at path.
+func (t *targetProcess) getJSON(ctx context.Context, path string, v any) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+t.stats+path, nil)
 	if err != nil {
-		return c, err
+		return err
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		return c, err
+		return err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(resp.Body)
-		return c, fmt.Errorf("counters: %s: %s", resp.Status, msg)
+		return fmt.Errorf("%s: %s: %s", path, resp.Status, msg)
 	}
-	return c, json.NewDecoder(resp.Body).Decode(&c)
+	return json.NewDecoder(resp.Body).Decode(v)
 }
 
 // stop ends the target process: it exits when its standard input closes.

@@ -1069,13 +1069,9 @@ func (r *istioRetries) policy() *routev3.RetryPolicy {
 // to the connection manager: its NETWORK_FILTER patches that MERGE an HttpConnectionManager
 // typed_config with access_log entries (stdout or file loggers).
 func IstioAccessLogFormats(path string) ([]string, error) {
-	docs, err := readDocs(path)
+	ef, err := theDoc(path, "networking.istio.io", "EnvoyFilter")
 	if err != nil {
 		return nil, err
-	}
-	ef, err := only(docs, "networking.istio.io", "EnvoyFilter")
-	if err != nil || ef == nil {
-		return nil, fmt.Errorf("%s: no EnvoyFilter (%v)", path, err)
 	}
 	spec, err := decodeSpec[istioSpec](ef)
 	if err != nil {
@@ -1124,13 +1120,9 @@ func accessLogFormats(logs []*accesslogv3.AccessLog) ([]string, error) {
 // EnvoyGatewayAccessLogFormats returns the text formats of the EnvoyProxy's
 // telemetry.accessLog settings in the Envoy Gateway file at path.
 func EnvoyGatewayAccessLogFormats(path string) ([]string, error) {
-	docs, err := readDocs(path)
+	d, err := theDoc(path, "gateway.envoyproxy.io", "EnvoyProxy")
 	if err != nil {
 		return nil, err
-	}
-	d, err := only(docs, "gateway.envoyproxy.io", "EnvoyProxy")
-	if err != nil || d == nil {
-		return nil, fmt.Errorf("%s: no EnvoyProxy (%v)", path, err)
 	}
 	var spec struct {
 		Telemetry struct {
@@ -1154,4 +1146,21 @@ func EnvoyGatewayAccessLogFormats(path string) ([]string, error) {
 		}
 	}
 	return out, nil
+}
+
+// theDoc returns the one document of group and kind in the file at path, and an error when the
+// file has none or several.
+func theDoc(path, group, kind string) (*k8sDoc, error) {
+	docs, err := readDocs(path)
+	if err != nil {
+		return nil, err
+	}
+	d, err := only(docs, group, kind)
+	switch {
+	case err != nil:
+		return nil, fmt.Errorf("%s: %w", path, err)
+	case d == nil:
+		return nil, fmt.Errorf("%s: no %s", path, kind)
+	}
+	return d, nil
 }

@@ -214,43 +214,33 @@ func (s *sideStream) close() {
 		s.halfClose = true
 		s.outMu.Unlock()
 		s.poke()
-		drained := time.NewTimer(drainBound)
-	drain:
-		for !s.ended {
-			select {
-			case <-s.halfClosed:
-				break drain
-			case r := <-s.recv:
-				if r.err != nil {
-					s.ended = true
-				}
-			case <-s.done:
-				break drain
-			case <-drained.C:
-				break drain
-			}
-		}
-		drained.Stop()
-		t := time.NewTimer(closeGrace)
-	wait:
-		for !s.ended {
-			select {
-			case r := <-s.recv:
-				if r.err != nil {
-					s.ended = true
-				}
-			case <-s.done:
-				break wait
-			case <-t.C:
-				break wait
-			}
-		}
-		t.Stop()
+		s.drainUntil(s.halfClosed, drainBound)
+		s.drainUntil(nil, closeGrace)
 	}
 	s.cancel()
 	if s.done != nil {
 		<-s.done
 		<-s.written
+	}
+}
+
+// drainUntil discards answers until stop is closed, the stream ends, or d passes.
+func (s *sideStream) drainUntil(stop <-chan struct{}, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for !s.ended {
+		select {
+		case <-stop:
+			return
+		case r := <-s.recv:
+			if r.err != nil {
+				s.ended = true
+			}
+		case <-s.done:
+			return
+		case <-t.C:
+			return
+		}
 	}
 }
 

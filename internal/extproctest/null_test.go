@@ -4,6 +4,7 @@ import (
 	"net"
 	"testing"
 
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
@@ -40,5 +41,26 @@ func TestNullProcessorAnswersEveryPhase(t *testing.T) {
 		resp, err := s.Recv()
 		require.NoError(t, err)
 		require.True(t, tc.want(resp), "answer %v to %v", resp, tc.req)
+	}
+
+	// In FULL_DUPLEX_STREAMED each chunk goes back as it came.
+	d, err := extprocv3.NewExternalProcessorClient(conn).Process(t.Context())
+	require.NoError(t, err)
+	duplex := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+	require.NoError(t, d.Send(&extprocv3.ProcessingRequest{
+		Request:        &extprocv3.ProcessingRequest_RequestHeaders{},
+		ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: duplex, ResponseBodyMode: duplex},
+	}))
+	_, err = d.Recv()
+	require.NoError(t, err)
+	for _, last := range []bool{false, true} {
+		require.NoError(t, d.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+			RequestBody: &extprocv3.HttpBody{Body: []byte("chunk"), EndOfStream: last},
+		}}))
+		resp, err := d.Recv()
+		require.NoError(t, err)
+		sr := resp.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+		require.Equal(t, []byte("chunk"), sr.GetBody())
+		require.Equal(t, last, sr.GetEndOfStream())
 	}
 }
