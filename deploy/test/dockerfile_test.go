@@ -2,7 +2,9 @@ package deploytest
 
 import (
 	"bufio"
+	"debug/elf"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -108,5 +110,26 @@ func TestDockerfile(t *testing.T) {
 	ignored := strings.Fields(string(data))
 	for _, need := range []string{"go.mod", "go.sum", "cmd", "cache", "extproc", "internal"} {
 		require.False(t, slices.Contains(ignored, need) || slices.Contains(ignored, "/"+need), ".dockerignore drops %s", need)
+	}
+}
+
+// The build stage's command produces a linux binary for each platform the image is published for:
+// the same flags as the Dockerfile's RUN, with TARGETOS and TARGETARCH set as buildx sets them, and
+// the ELF machine of the result checked. (The image itself needs a Docker engine, which CI has and
+// this test does not assume.)
+func TestBinaryBuildsForBothPlatforms(t *testing.T) {
+	for arch, machine := range map[string]elf.Machine{"amd64": elf.EM_X86_64, "arm64": elf.EM_AARCH64} {
+		t.Run(arch, func(t *testing.T) {
+			out := filepath.Join(t.TempDir(), "idempotency-extproc")
+			cmd := exec.Command("go", "build", "-trimpath", "-o", out, "./cmd/idempotency-extproc")
+			cmd.Dir = repoRoot
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH="+arch)
+			b, err := cmd.CombinedOutput()
+			require.NoError(t, err, "%s", b)
+			f, err := elf.Open(out)
+			require.NoError(t, err)
+			defer f.Close()
+			require.Equal(t, machine, f.Machine)
+		})
 	}
 }
