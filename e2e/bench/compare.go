@@ -45,9 +45,10 @@ type options struct {
 	// only, when set, runs just the workloads and targets it names.
 	only map[string]bool
 	// -mode costs: the body sizes (default 1 KiB, 64 KiB, 1 MiB) and stream counts (default
-	// streams, 256, 1,024) it measures, and the bytes redis-benchmark's SETs write per size.
+	// streams, 256, 1,024) it measures, and Redis' bound (its maxmemory, to which each section
+	// fills it), which is also the bytes redis-benchmark's SETs write per size.
 	sizes, streamCounts []int
-	setBytes            int64
+	redisBytes          int64
 }
 
 // memoryBound is the memory stores' bound for the option's value.
@@ -126,7 +127,9 @@ func (c cell) mean() time.Duration { return c.latency / time.Duration(c.requests
 
 // hasStore and hasRedis tell which counters mean something for c's target.
 func (c cell) hasStore() bool { return c.target != targetNull }
-func (c cell) hasRedis() bool { return c.target == targetRedis || c.target == targetRedisUnbatched }
+func (c cell) hasRedis() bool {
+	return c.target == targetRedis || c.target == targetRedisUnbatched || c.target == targetRedisPlain
+}
 
 type result struct {
 	opts         options

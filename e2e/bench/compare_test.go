@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -206,12 +207,13 @@ func TestNullProcessorStreamsBack(t *testing.T) {
 // counted: store calls and Redis commands per request, the traced target's spans and what the
 // OTLP receiver was sent, the sealing target's records sealed (each takes the seal's header
 // and tag more than in a store without a keyring), the waiting duplicates' store calls, a
-// goroutine per stream held in flight, and redis-benchmark's SETs measured for each size.
+// goroutine per stream held in flight, redis-benchmark's SETs measured for each size, and the
+// plain SETs target's two SETs per first execution, of the records' sizes.
 func TestCosts(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
 	sizes, streams := []int{1 << 10, 64 << 10}, []int{8, 16}
 	res, err := costs(t.Context(), options{duration: 300 * time.Millisecond, rounds: 2, streams: 8, redisAddr: srv.Addr(),
-		memoryBytes: 8 << 20, sizes: sizes, streamCounts: streams, setBytes: 4 << 20})
+		memoryBytes: 8 << 20, sizes: sizes, streamCounts: streams, redisBytes: 16 << 20})
 	require.NoError(t, err)
 	var out bytes.Buffer
 	res.print(&out)
@@ -226,6 +228,10 @@ func TestCosts(t *testing.T) {
 		for _, w := range sec.workloads {
 			for _, target := range sec.targets {
 				c, ok := res.find(sec.name, w, target)
+				if target == targetRedisPlain && w != workloadFirst {
+					require.False(t, ok, "%s, %s: the plain SETs target runs first executions only", sec.name, w)
+					continue
+				}
 				require.True(t, ok, "%s, %s, %s", sec.name, w, target)
 				where := sec.name + ", " + w + ", " + target
 				require.Positive(t, c.requests, where)
@@ -247,9 +253,18 @@ func TestCosts(t *testing.T) {
 				default:
 					require.Zero(t, c.sealOverhead, "%s: records not sealed", where)
 				}
-				if target == targetNull {
+				if target == targetNull || target == targetRedisPlain {
 					require.Zero(t, c.storeCalls, where)
 					require.Zero(t, c.waitCalls, where)
+				}
+				if target == targetRedisPlain {
+					// Only first executions, each a SET at the claim and one of the completed
+					// record, in round trips of their own.
+					require.Equal(t, workloadFirst, w, where)
+					require.Equal(t, 2.0, c.redisCommands, where)
+					require.Equal(t, 2.0, c.redisTrips, where)
+					require.Positive(t, c.redisCPU, where)
+					continue
 				}
 				if w == workloadFirst {
 					// Each stream held in flight is a goroutine of the target's, at least.
@@ -298,12 +313,14 @@ func TestCosts(t *testing.T) {
 		require.True(t, ok, "redis-benchmark's SET of a %d-byte body's record", size)
 		require.Greater(t, res.recordBytes[size], size)
 		require.Equal(t, res.recordBytes[size], s.bytes)
+		require.Equal(t, res.recordBytes[size], res.plainBytes[size], "the plain SETs target writes values of the records' size")
 		require.Positive(t, s.cpuPer)
 		require.Positive(t, s.rps)
 	}
 	require.Positive(t, res.smallSet.cpuPer)
 	for _, want := range []string{"### 1 KiB bodies, 8 streams: features", "### 64 KiB bodies, 8 streams", "### 1 KiB bodies, 16 streams",
 		"### A duplicate waiting for a request in flight", "### What each feature costs", "### redis-server's CPU per first execution",
+		"| first execution | null processor, plain SETs |",
 		"| first execution | memory store, sealed |", "| replay | redis store, batching off |", "Every request of every cell was settled"} {
 		require.Contains(t, out.String(), want)
 	}
@@ -374,4 +391,28 @@ func dialTarget(t *testing.T, name string, memoryBytes int64) (*targetProcess, e
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 	return tp, extprocv3.NewExternalProcessorClient(conn)
+}
+
+// TestFillRedis: a filled Redis is at its bound, evicting, and holds the fill's values of the
+// size asked; without a bound the fill refuses rather than filling the machine.
+func TestFillRedis(t *testing.T) {
+	srv := redistest.Start(t, redistest.Options{})
+	admin := srv.Client(t)
+	ctx := t.Context()
+	require.ErrorContains(t, fillRedis(ctx, admin, 1<<10), "no maxmemory")
+	require.NoError(t, admin.ConfigSet(ctx, "maxmemory", strconv.Itoa(8<<20)).Err())
+	require.NoError(t, admin.ConfigSet(ctx, "maxmemory-policy", "allkeys-lru").Err())
+	require.NoError(t, admin.Set(ctx, "idempotency:left-over", "x", 0).Err())
+	require.NoError(t, fillRedis(ctx, admin, 64<<10))
+	stats := admin.InfoMap(ctx, "stats", "memory")
+	evicted, err := strconv.Atoi(stats.Item("Stats", "evicted_keys"))
+	require.NoError(t, err)
+	require.Positive(t, evicted)
+	used, err := strconv.Atoi(stats.Item("Memory", "used_memory"))
+	require.NoError(t, err)
+	require.Greater(t, used, 7<<20, "at its bound")
+	require.Zero(t, admin.Exists(ctx, "idempotency:left-over").Val(), "emptied first")
+	n, err := longestValue(ctx, admin, "fill:*")
+	require.NoError(t, err)
+	require.Equal(t, 64<<10, n)
 }

@@ -25,6 +25,8 @@ import (
 // (memory store, 1 KiB bodies), a duplicate that waits for a request in flight, the Redis store
 // with its batcher on and off, bodies of 1 KiB, 64 KiB and 1 MiB, and 32, 256 and 1,024
 // concurrent streams. CPU per request (the target process' own) leads; throughput ratios follow.
+// Redis is filled to its bound before each section (fillRedis), and redis-server's CPU per first
+// execution is set against plain SETs of the records' bytes in the same rounds (plainset.go).
 
 // The in-flight workloads: the upstream takes upstreamDelay, and in the second, waitDups
 // duplicates of each first execution arrive once it is on its way upstream.
@@ -67,16 +69,16 @@ func costSections(sizes, streams []int, redis bool) []costSection {
 	both := []string{workloadFirst, workloadReplay}
 	keep := func(names ...string) []string {
 		return slices.DeleteFunc(names, func(n string) bool {
-			return !redis && (n == targetRedis || n == targetRedisUnbatched)
+			return !redis && (n == targetRedis || n == targetRedisUnbatched || n == targetRedisPlain)
 		})
 	}
 	s0 := streams[0]
 	for i, size := range sizes {
 		sec := costSection{name: fmt.Sprintf("%s bodies, %d streams", fmtBytes(size), s0), streams: s0, shape: sized(size), workloads: both,
-			targets: keep(targetNull, targetMemory, targetMemorySealed, targetRedis, targetRedisUnbatched)}
+			targets: keep(targetNull, targetMemory, targetMemorySealed, targetRedis, targetRedisUnbatched, targetRedisPlain)}
 		if i == 0 {
 			sec.name += ": features"
-			sec.targets = keep(targetNull, targetMemory, targetMemoryTraced, targetMemorySealed, targetRedis, targetRedisUnbatched)
+			sec.targets = keep(targetNull, targetMemory, targetMemoryTraced, targetMemorySealed, targetRedis, targetRedisUnbatched, targetRedisPlain)
 			secs = append(secs, sec)
 			slow := sized(size)
 			slow.upstream = upstreamDelay
@@ -91,6 +93,15 @@ func costSections(sizes, streams []int, redis bool) []costSection {
 			workloads: []string{workloadFirst}, targets: keep(targetNull, targetMemory, targetRedis)})
 	}
 	return secs
+}
+
+// targetsFor are the section's targets that run workload w: the plain SETs target only runs
+// first executions, of which it is the baseline.
+func (sec costSection) targetsFor(w string) []string {
+	if w == workloadFirst {
+		return sec.targets
+	}
+	return slices.DeleteFunc(slices.Clone(sec.targets), func(n string) bool { return n == targetRedisPlain })
 }
 
 // costCell is a section's cell.
@@ -114,10 +125,12 @@ type costResult struct {
 	cells    []costCell
 	// recordBytes is, by body size, the length of a first execution's record in Redis.
 	recordBytes map[int]int
-	sets        map[int]setCost // by value size
-	smallSet    setCost         // a small SET, as the acquire's
-	exports     int64           // OTLP export requests the receiver answered
-	received    int64           // and the spans they carried
+	// plainBytes is, by body size, the length of the plain SETs target's completed values.
+	plainBytes map[int]int
+	sets       map[int]setCost // by value size
+	smallSet   setCost         // a small SET, as the acquire's
+	exports    int64           // OTLP export requests the receiver answered
+	received   int64           // and the spans they carried
 }
 
 func (r costResult) find(section, workload, target string) (cell, bool) {
@@ -137,7 +150,7 @@ func costs(ctx context.Context, o options) (costResult, error) {
 	if len(o.streamCounts) == 0 {
 		o.streamCounts = []int{o.streams, 256, 1024}
 	}
-	res := costResult{opts: o, recordBytes: map[int]int{}, sets: map[int]setCost{}}
+	res := costResult{opts: o, recordBytes: map[int]int{}, plainBytes: map[int]int{}, sets: map[int]setCost{}}
 	res.sections = costSections(o.sizes, o.streamCounts, o.redisAddr != "")
 	recv, err := startSpanReceiver()
 	if err != nil {
@@ -150,53 +163,80 @@ func costs(ctx context.Context, o options) (costResult, error) {
 		admin = redis.NewClient(&redis.Options{Addr: o.redisAddr})
 		defer admin.Close()
 		// 1 MiB records at hundreds a second would fill the machine's memory: Redis evicts the
-		// least recently used keys beyond 1 GiB, as a Redis sized for its replay window does.
-		// redis-benchmark's SETs run under the same bound.
-		for _, kv := range [][2]string{{"maxmemory", "1gb"}, {"maxmemory-policy", "allkeys-lru"}} {
+		// least recently used keys beyond its bound (1 GiB), as a Redis sized for its replay
+		// window does. redis-benchmark's SETs run under the same bound.
+		for _, kv := range [][2]string{{"maxmemory", strconv.FormatInt(o.redisBytes, 10)}, {"maxmemory-policy", "allkeys-lru"}} {
 			if err := admin.ConfigSet(ctx, kv[0], kv[1]).Err(); err != nil {
 				return res, err
 			}
 		}
 	}
 	procs := map[string]*targetProcess{}
+	var closers []io.Closer
 	defer func() {
+		for _, c := range closers {
+			_ = c.Close()
+		}
 		for _, t := range procs {
 			t.stop()
 		}
 	}()
 	clients := map[string]extprocv3.ExternalProcessorClient{}
+	start := func(name string, env ...string) error {
+		t, err := startTarget(name, o.redisAddr, o.memoryBytes, env...)
+		if err != nil {
+			return err
+		}
+		procs[name] = t
+		conn, err := grpc.NewClient("passthrough:///"+t.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20)))
+		if err != nil {
+			return err
+		}
+		closers = append(closers, conn)
+		clients[name] = extprocv3.NewExternalProcessorClient(conn)
+		return nil
+	}
+	plain := false
 	for _, sec := range res.sections {
 		for _, name := range sec.targets {
-			if procs[name] != nil {
+			plain = plain || name == targetRedisPlain
+			if procs[name] != nil || name == targetRedisPlain {
 				continue
 			}
-			t, err := startTarget(name, o.redisAddr, o.memoryBytes, envOTLP+"="+recv.addr)
-			if err != nil {
+			if err := start(name, envOTLP+"="+recv.addr); err != nil {
 				return res, err
 			}
-			procs[name] = t
-			conn, err := grpc.NewClient("passthrough:///"+t.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-				grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20)))
-			if err != nil {
+		}
+	}
+	// overhead is a completed record's bytes in Redis beyond its response body.
+	var overhead int
+	if procs[targetRedis] != nil {
+		var pending int
+		if pending, overhead, err = recordSizes(ctx, clients[targetRedis], admin); err != nil {
+			return res, err
+		}
+		if plain {
+			// The plain SETs target writes values of the Redis target's record sizes.
+			if err := start(targetRedisPlain, fmt.Sprintf("%s=%d,%d", envPlainSizes, pending, overhead)); err != nil {
 				return res, err
 			}
-			defer conn.Close()
-			clients[name] = extprocv3.NewExternalProcessorClient(conn)
 		}
 	}
 	each := o.duration / time.Duration(o.rounds)
 	for _, sec := range res.sections {
 		if admin != nil && slices.Contains(sec.targets, targetRedis) {
-			// Each section starts with an empty Redis: the records it finds are its own size's.
-			if err := admin.FlushAll(ctx).Err(); err != nil {
+			// Each section starts with Redis at its bound, full of values of the size of the
+			// section's records: the steady state of a Redis that has run for a while.
+			if err := fillRedis(ctx, admin, len(sec.shape.resp)+overhead); err != nil {
 				return res, err
 			}
 		}
-		targets := make([]*targetProcess, len(sec.targets))
-		for i, name := range sec.targets {
-			targets[i] = procs[name]
-		}
 		for _, w := range sec.workloads {
+			var targets []*targetProcess
+			for _, name := range sec.targetsFor(w) {
+				targets = append(targets, procs[name])
+			}
 			for _, t := range targets {
 				if w == workloadReplay {
 					// The first request with the replayed key runs; every later one replays.
@@ -226,16 +266,21 @@ func costs(ctx context.Context, o options) (costResult, error) {
 			}
 			if w == workloadFirst && admin != nil && slices.Contains(sec.targets, targetRedis) && sec.streams == o.streamCounts[0] {
 				size := len(sec.shape.resp)
-				n, err := longestValue(ctx, admin)
+				n, err := longestValue(ctx, admin, recordKeys)
 				if err != nil {
 					return res, err
 				}
 				res.recordBytes[size] = n
-				if res.sets[size], err = redisSetCost(ctx, admin, o.redisAddr, n, sec.streams, o.setBytes); err != nil {
+				if slices.Contains(sec.targets, targetRedisPlain) {
+					if res.plainBytes[size], err = longestValue(ctx, admin, plainKeyPrefix+"*"); err != nil {
+						return res, err
+					}
+				}
+				if res.sets[size], err = redisSetCost(ctx, admin, o.redisAddr, n, sec.streams, o.redisBytes); err != nil {
 					return res, err
 				}
 				if res.smallSet.ops == 0 {
-					if res.smallSet, err = redisSetCost(ctx, admin, o.redisAddr, 128, sec.streams, o.setBytes); err != nil {
+					if res.smallSet, err = redisSetCost(ctx, admin, o.redisAddr, 128, sec.streams, o.redisBytes); err != nil {
 						return res, err
 					}
 				}
@@ -349,21 +394,55 @@ func driveShaped(ctx context.Context, client extprocv3.ExternalProcessorClient, 
 	})
 }
 
-// longestValue is the length of the longest string value among up to 200 of Redis' keys: a
-// first execution's record of the section's body size, as Redis is emptied before each section.
-func longestValue(ctx context.Context, c *redis.Client) (int, error) {
-	keys, _, err := c.Scan(ctx, 0, "*", 200).Result()
-	if err != nil {
-		return 0, err
+// fillRedis empties Redis and then fills it with values of n bytes until it evicts, so that each
+// new record takes the place of one evicted, as in a Redis that has run for a while; the fill's
+// keys are the first evicted (allkeys-lru). Without it, the cells that run while Redis grows
+// would pay for its growth, fresh pages from the kernel each faulted in and zeroed (about 17 per
+// 64 KiB record, the larger part of redis-server's CPU per first execution under the benchmark's
+// load), and the cells after them would not: the first and last of a section's rounds would not
+// measure the same thing.
+func fillRedis(ctx context.Context, admin *redis.Client, n int) error {
+	if cfg, err := admin.ConfigGet(ctx, "maxmemory").Result(); err != nil || cfg["maxmemory"] == "0" {
+		return errors.Join(err, errors.New("filling redis: no maxmemory, it would never evict"))
 	}
-	longest := 0
-	for _, k := range keys {
-		if n, err := c.StrLen(ctx, k).Result(); err == nil {
+	if err := admin.FlushAll(ctx).Err(); err != nil {
+		return err
+	}
+	evicted := func() (int64, error) {
+		return strconv.ParseInt(admin.InfoMap(ctx, "stats").Item("Stats", "evicted_keys"), 10, 64)
+	}
+	e0, err := evicted()
+	if err != nil {
+		return fmt.Errorf("redis INFO stats: %w", err)
+	}
+	v := make([]byte, n)
+	for i := 0; ; {
+		pipe := admin.Pipeline()
+		for range 64 {
+			pipe.Set(ctx, "fill:"+strconv.Itoa(i), v, 0)
+			i++
+		}
+		if _, err := pipe.Exec(ctx); err != nil {
+			return fmt.Errorf("filling redis: %w", err)
+		}
+		if e, err := evicted(); err != nil || e > e0 {
+			return err
+		}
+	}
+}
+
+// longestValue is the length of the longest string value among up to 200 of Redis' keys that
+// match pattern (a SCAN MATCH pattern): a first execution's record of the section's body size,
+// as Redis is emptied before each section.
+func longestValue(ctx context.Context, c *redis.Client, pattern string) (int, error) {
+	longest, seen := 0, 0
+	for it := c.Scan(ctx, 0, pattern, 200).Iterator(); seen < 200 && it.Next(ctx); seen++ {
+		if n, err := c.StrLen(ctx, it.Val()).Result(); err == nil {
 			longest = max(longest, int(n))
 		}
 	}
 	if longest == 0 {
-		return 0, errors.New("no record in Redis")
+		return 0, fmt.Errorf("no value in Redis under %q", pattern)
 	}
 	return longest, nil
 }
@@ -555,10 +634,10 @@ func (r costResult) printRedisSets(w io.Writer) {
 	if len(r.sets) == 0 {
 		return
 	}
-	fmt.Fprintf(w, "\n### redis-server's CPU per first execution against a plain SET of the record's bytes\n\n")
-	fmt.Fprintf(w, "redis-benchmark -t set -d <record bytes> at the same concurrency, redis-server's CPU from INFO cpu before and after; a small SET (%d B, the acquire's size) beside it: %.1f µs, %.0f requests/s.\n\n", r.smallSet.bytes, r.smallSet.cpuPer, r.smallSet.rps)
-	fmt.Fprintf(w, "| body | record bytes in Redis | SET of the record: redis CPU µs | SET requests/s | target | redis CPU µs per first execution | ÷ (record SET + small SET) |\n")
-	fmt.Fprintf(w, "| --- | ---: | ---: | ---: | --- | ---: | ---: |\n")
+	fmt.Fprintf(w, "\n### redis-server's CPU per first execution against plain SETs of the record's bytes\n\n")
+	fmt.Fprintf(w, "Two baselines. Plain SETs in the same rounds: the target %q, the null processor making, where the processor's store calls are, a SET of a value the size of the pending record and, once the response has ended, a SET of one the size of the completed record (its bytes in the table), each in a round trip of its own, under the same load. redis-benchmark: -t set -d <record bytes> at the same concurrency after the section, on a machine otherwise idle, and a small SET (%d B, the acquire's size) beside it: %.1f µs, %.0f requests/s. redis-server's CPU from INFO cpu before and after each.\n\n", targetRedisPlain, r.smallSet.bytes, r.smallSet.cpuPer, r.smallSet.rps)
+	fmt.Fprintf(w, "| body | record bytes in Redis | plain SET bytes | target | redis CPU µs per first execution | plain SETs, same rounds: redis CPU µs/req | ÷ plain SETs | redis-benchmark SET of the record: µs | its requests/s | ÷ (redis-benchmark SET + small SET) |\n")
+	fmt.Fprintf(w, "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, size := range r.opts.sizes {
 		s, ok := r.sets[size]
 		if !ok {
@@ -568,13 +647,20 @@ func (r costResult) printRedisSets(w io.Writer) {
 			if len(sec.shape.resp) != size || sec.streams != r.opts.streamCounts[0] || sec.shape.upstream > 0 {
 				continue
 			}
+			plain, plainOK := r.find(sec.name, workloadFirst, targetRedisPlain)
 			for _, name := range []string{targetRedis, targetRedisUnbatched} {
 				c, ok := r.find(sec.name, workloadFirst, name)
 				if !ok {
 					continue
 				}
 				per := perRequest(c.redisCPU, c.requests)
-				fmt.Fprintf(w, "| %s | %d | %.1f | %.0f | %s | %.1f | %.2f |\n", fmtBytes(size), r.recordBytes[size], s.cpuPer, s.rps, name, per, per/(s.cpuPer+r.smallSet.cpuPer))
+				plainPer, ratio := "—", "—"
+				if plainOK {
+					p := perRequest(plain.redisCPU, plain.requests)
+					plainPer, ratio = fmt.Sprintf("%.1f", p), fmt.Sprintf("%.2f", per/p)
+				}
+				fmt.Fprintf(w, "| %s | %d | %d | %s | %.1f | %s | %s | %.1f | %.0f | %.2f |\n", fmtBytes(size), r.recordBytes[size], r.plainBytes[size], name, per,
+					plainPer, ratio, s.cpuPer, s.rps, per/(s.cpuPer+r.smallSet.cpuPer))
 			}
 		}
 	}

@@ -46,7 +46,7 @@ func main() {
 	memoryBytes := flag.Int64("memory-bytes", 0, "the memory stores' bound (default the binary's, 256 MiB)")
 	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory, .memory-empty and .redis")
 	traceOut := flag.String("trace", "", "write execution traces (go tool trace) of the whole run, named as -cpuprofile's")
-	mode := flag.String("mode", "compare", "compare: the default tables; costs: CPU per request over the null processor of each feature (tracing, sealing, a waiting duplicate, the Redis batcher on and off), of 1 KiB, 64 KiB and 1 MiB bodies and of -streams, 256 and 1,024 streams, in one run")
+	mode := flag.String("mode", "compare", "compare: the default tables; costs: CPU per request over the null processor of each feature (tracing, sealing, a waiting duplicate, the Redis batcher on and off, against plain SETs of the records under the same load), of 1 KiB, 64 KiB and 1 MiB bodies and of -streams, 256 and 1,024 streams, in one run")
 	redisBatching := flag.Bool("redis-batching", true, "let the Redis store share round trips among concurrent calls in pipelined batches (false: a round trip per call)")
 	sizes := flag.String("sizes", "1024,65536,1048576", "-mode costs: the body sizes in bytes, comma-separated; the first is the features' size")
 	streamCounts := flag.String("stream-counts", "", "-mode costs: the stream counts, comma-separated (default -streams, 256, 1024); the first is the other sections'")
@@ -85,7 +85,7 @@ func main() {
 		defer stop()
 	}
 	if *mode == "costs" {
-		o := options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, memoryBytes: *memoryBytes, setBytes: 1 << 30}
+		o := options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, memoryBytes: *memoryBytes, redisBytes: 1 << 30}
 		var err error
 		if o.sizes, err = ints(*sizes); err == nil {
 			o.streamCounts, err = ints(*streamCounts)

@@ -46,7 +46,7 @@ const (
 var profileSuffix = map[string]string{
 	targetNull: ".null", targetMemory: ".memory", targetMemoryEmpty: ".memory-empty", targetRedis: ".redis",
 	targetMemoryTraced: ".memory-traced", targetMemorySealed: ".memory-sealed", targetMemoryWait: ".memory-wait",
-	targetRedisUnbatched: ".redis-unbatched",
+	targetRedisUnbatched: ".redis-unbatched", targetRedisPlain: ".redis-plain",
 }
 
 // counters are what a target process reports: its CPU time and, for the processor, its store
@@ -193,6 +193,14 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 			return err
 		}
 		p = srv
+	case targetRedisPlain:
+		ps, err := newPlainSets(redisAddr, os.Getenv(envPlainSizes))
+		if err != nil {
+			return err
+		}
+		defer ps.rdb.Close()
+		ps.rdb.AddHook(commandCounter{commands: &commands, trips: &trips})
+		p = ps
 	default:
 		return fmt.Errorf("no target %q", name)
 	}
