@@ -311,10 +311,10 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 	attrs := req.GetAttributes()
 	sel := policy.Selector{Path: string(splitPath(st.path))}
 	sel.RouteName, _ = stringAttribute(attrs, attrRouteName)
-	if md, ok := metadata.FromIncomingContext(st.ctx); ok {
-		if v := md.Get(namedRouteHeader); len(v) > 0 {
-			sel.Named = v[0]
-		}
+	// ValueFromIncomingContext reads the one key; FromIncomingContext would copy the stream's
+	// whole metadata on every request.
+	if v := metadata.ValueFromIncomingContext(st.ctx, namedRouteHeader); len(v) > 0 {
+		sel.Named = v[0]
 	}
 	r, params, err := st.s.policy.Select(sel)
 	if err != nil {

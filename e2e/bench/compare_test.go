@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
@@ -318,6 +319,8 @@ func TestCosts(t *testing.T) {
 		require.Positive(t, s.rps)
 	}
 	require.Positive(t, res.smallSet.cpuPer)
+	require.Positive(t, res.pendingBytes)
+	require.Contains(t, out.String(), fmt.Sprintf("the size of the pending record (%d B)", res.pendingBytes))
 	for _, want := range []string{"### 1 KiB bodies, 8 streams: features", "### 64 KiB bodies, 8 streams", "### 1 KiB bodies, 16 streams",
 		"### A duplicate waiting for a request in flight", "### What each feature costs", "### redis-server's CPU per first execution",
 		"| first execution | null processor, plain SETs |",

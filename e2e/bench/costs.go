@@ -125,12 +125,14 @@ type costResult struct {
 	cells    []costCell
 	// recordBytes is, by body size, the length of a first execution's record in Redis.
 	recordBytes map[int]int
-	// plainBytes is, by body size, the length of the plain SETs target's completed values.
-	plainBytes map[int]int
-	sets       map[int]setCost // by value size
-	smallSet   setCost         // a small SET, as the acquire's
-	exports    int64           // OTLP export requests the receiver answered
-	received   int64           // and the spans they carried
+	// plainBytes is, by body size, the length of the plain SETs target's completed values;
+	// pendingBytes the length of a pending record, the plain SETs target's claim's value.
+	plainBytes   map[int]int
+	pendingBytes int
+	sets         map[int]setCost // by value size
+	smallSet     setCost         // a small SET, as the acquire's
+	exports      int64           // OTLP export requests the receiver answered
+	received     int64           // and the spans they carried
 }
 
 func (r costResult) find(section, workload, target string) (cell, bool) {
@@ -212,13 +214,12 @@ func costs(ctx context.Context, o options) (costResult, error) {
 	// overhead is a completed record's bytes in Redis beyond its response body.
 	var overhead int
 	if procs[targetRedis] != nil {
-		var pending int
-		if pending, overhead, err = recordSizes(ctx, clients[targetRedis], admin); err != nil {
+		if res.pendingBytes, overhead, err = recordSizes(ctx, clients[targetRedis], admin); err != nil {
 			return res, err
 		}
 		if plain {
 			// The plain SETs target writes values of the Redis target's record sizes.
-			if err := start(targetRedisPlain, fmt.Sprintf("%s=%d,%d", envPlainSizes, pending, overhead)); err != nil {
+			if err := start(targetRedisPlain, fmt.Sprintf("%s=%d,%d", envPlainSizes, res.pendingBytes, overhead)); err != nil {
 				return res, err
 			}
 		}
@@ -432,8 +433,9 @@ func fillRedis(ctx context.Context, admin *redis.Client, n int) error {
 }
 
 // longestValue is the length of the longest string value among up to 200 of Redis' keys that
-// match pattern (a SCAN MATCH pattern): a first execution's record of the section's body size,
-// as Redis is emptied before each section.
+// match pattern (a SCAN MATCH pattern). Under recordKeys, after a section's first executions,
+// that is a record of the section's body size: Redis is emptied before each section, and the
+// fill's keys have a prefix of their own.
 func longestValue(ctx context.Context, c *redis.Client, pattern string) (int, error) {
 	longest, seen := 0, 0
 	for it := c.Scan(ctx, 0, pattern, 200).Iterator(); seen < 200 && it.Next(ctx); seen++ {
@@ -635,7 +637,7 @@ func (r costResult) printRedisSets(w io.Writer) {
 		return
 	}
 	fmt.Fprintf(w, "\n### redis-server's CPU per first execution against plain SETs of the record's bytes\n\n")
-	fmt.Fprintf(w, "Two baselines. Plain SETs in the same rounds: the target %q, the null processor making, where the processor's store calls are, a SET of a value the size of the pending record and, once the response has ended, a SET of one the size of the completed record (its bytes in the table), each in a round trip of its own, under the same load. redis-benchmark: -t set -d <record bytes> at the same concurrency after the section, on a machine otherwise idle, and a small SET (%d B, the acquire's size) beside it: %.1f µs, %.0f requests/s. redis-server's CPU from INFO cpu before and after each.\n\n", targetRedisPlain, r.smallSet.bytes, r.smallSet.cpuPer, r.smallSet.rps)
+	fmt.Fprintf(w, "Two baselines. Plain SETs in the same rounds: the target %q, the null processor making, where the processor's store calls are, a SET of a value the size of the pending record (%d B) and, once the response has ended, a SET of one the size of the completed record (its bytes in the table), each in a round trip of its own, under the same load. redis-benchmark: -t set -d <record bytes> at the same concurrency after the section, on a machine otherwise idle, and a small SET (%d B, the acquire's size) beside it: %.1f µs, %.0f requests/s. redis-server's CPU from INFO cpu before and after each.\n\n", targetRedisPlain, r.pendingBytes, r.smallSet.bytes, r.smallSet.cpuPer, r.smallSet.rps)
 	fmt.Fprintf(w, "| body | record bytes in Redis | plain SET bytes | target | redis CPU µs per first execution | plain SETs, same rounds: redis CPU µs/req | ÷ plain SETs | redis-benchmark SET of the record: µs | its requests/s | ÷ (redis-benchmark SET + small SET) |\n")
 	fmt.Fprintf(w, "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, size := range r.opts.sizes {

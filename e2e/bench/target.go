@@ -209,7 +209,13 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	if err != nil {
 		return err
 	}
-	gs := grpc.NewServer(grpc.MaxRecvMsgSize(64 << 20))
+	sopts := []grpc.ServerOption{grpc.MaxRecvMsgSize(64 << 20)}
+	if processor, ok := p.(*extproc.Server); ok {
+		// As the binary serves it (cmd/idempotency-extproc/run.go): a stream's panic ends that
+		// stream.
+		sopts = append(sopts, grpc.ChainStreamInterceptor(processor.StreamInterceptor()))
+	}
+	gs := grpc.NewServer(sopts...)
 	extprocv3.RegisterExternalProcessorServer(gs, p)
 	go func() { _ = gs.Serve(lis) }()
 	defer gs.Stop()
