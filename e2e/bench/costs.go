@@ -399,9 +399,9 @@ func driveShaped(ctx context.Context, client extprocv3.ExternalProcessorClient, 
 // new record takes the place of one evicted, as in a Redis that has run for a while; the fill's
 // keys are the first evicted (allkeys-lru). Without it, the cells that run while Redis grows
 // would pay for its growth, fresh pages from the kernel each faulted in and zeroed (about 17 per
-// 64 KiB record, the larger part of redis-server's CPU per first execution under the benchmark's
-// load), and the cells after them would not: the first and last of a section's rounds would not
-// measure the same thing.
+// 64 KiB record: 250–350 µs of redis-server CPU per first execution in the cells that ran while
+// it grew, 120–130 µs in those after), and the cells after them would not: the first and last
+// of a section's rounds would not measure the same thing.
 func fillRedis(ctx context.Context, admin *redis.Client, n int) error {
 	if cfg, err := admin.ConfigGet(ctx, "maxmemory").Result(); err != nil || cfg["maxmemory"] == "0" {
 		return errors.Join(err, errors.New("filling redis: no maxmemory, it would never evict"))
