@@ -80,7 +80,7 @@ func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 	if err := ctx.Err(); err != nil {
 		return errorCmd(ctx, err)
 	}
-	if c.stagedBytes() >= unbatchedBytes {
+	if c.stagedBytes >= unbatchedBytes {
 		p.mu.Lock()
 		closed := p.closed
 		p.mu.Unlock()

@@ -406,7 +406,7 @@ func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 		if staging, ok := stagingKey(l.key, l.token); ok {
 			c = &call{
 				script: completeStagedScript, keys: []string{l.key, staging}, args: []any{l.token, ttl},
-				stage: []any{"set", staging, rec, "px", stagingTTL.Milliseconds()},
+				stage: []any{"set", staging, rec, "px", stagingTTL.Milliseconds()}, stagedBytes: len(rec),
 			}
 		}
 	}

@@ -27,8 +27,10 @@ type call struct {
 	keys   []string      // the script's keys
 	args   []any
 	// stage, when set, is a command sent just before the script, on the same connection and in
-	// the same round trip: the staged bytes of a large completion (see Redis.Complete).
-	stage []any
+	// the same round trip: the staged bytes of a large completion (see Redis.Complete), of which
+	// there are stagedBytes.
+	stage       []any
+	stagedBytes int
 	// deadline is when the caller stops waiting, which Redis.bound set. A batch carrying the
 	// call runs until the latest deadline of its calls.
 	deadline time.Time
@@ -41,16 +43,6 @@ type call struct {
 	left  bool          // the caller stopped waiting after the call was taken
 	cmd   *redis.Cmd    // the reply, set while the call is queued or in a batch
 	done  chan struct{} // closed when cmd is set; only a queued call, which waits, has one
-}
-
-// stagedBytes is the size of the bytes c stages (see Redis.Complete), 0 when it stages none.
-func (c *call) stagedBytes() int {
-	if len(c.stage) > 2 {
-		if b, ok := c.stage[2].([]byte); ok {
-			return len(b)
-		}
-	}
-	return 0
 }
 
 // send sends c in a round trip of its own under ctx. A script goes by SHA and is loaded if need

@@ -172,9 +172,7 @@ type stream struct {
 	reqBody      []byte
 	reqEnded     bool
 	// reqHeld: Envoy holds the request's headers until the body's answer, so nothing of it has
-	// reached the upstream yet (BUFFERED and BUFFERED_PARTIAL, ProcessorState::
-	// handleHeadersResponse in processor_state.cc: "hold the headers while we buffer the body").
-	// Only a request that announces body bytes (content-length above 0) is known to get a body
+	// reached the upstream yet (holdsRequestHeaders). Only a request that announces body bytes (content-length above 0) is known to get a body
 	// message: one with trailers and no data gets none, and under request_trailer_mode SKIP
 	// Envoy sends it upstream without another message (Filter::onTrailers).
 	reqHeld bool
@@ -377,8 +375,7 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 	if m.GetEndOfStream() || !st.needsBody() {
 		// Nothing to wait for: claim now, so that a duplicate's answer comes before its body is
 		// uploaded (SPEC §8).
-		st.reqHeld = !m.GetEndOfStream() && contentLength(h) > 0 &&
-			(st.requestBodyMode == filterextproc.ProcessingMode_BUFFERED || st.requestBodyMode == filterextproc.ProcessingMode_BUFFERED_PARTIAL)
+		st.reqHeld = !m.GetEndOfStream() && contentLength(h) > 0 && holdsRequestHeaders(st.requestBodyMode)
 		st.owedHeaders = true
 		st.claim(nil)
 		return
@@ -782,12 +779,11 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 		// FULL_DUPLEX_STREAMED the headers went upstream before the claim, and an upstream may
 		// answer before the body ends. What was withheld is answered first.
 		if o := originOf(attrs); !o.envoyMade || !o.attemptsKnown || o.attempts > 0 {
-			switch st.requestBodyMode {
-			case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_BUFFERED_PARTIAL:
+			if holdsRequestHeaders(st.requestBodyMode) {
 				st.s.misconfigured(MisconfigUnclaimedRequest, func() {
 					st.event(st.s.log.Warn()).Msg("the upstream answered a covered request whose end the processor never saw, so it ran without a lease; set request_trailer_mode: SEND in the ext_proc filter's processing_mode (requests with trailers and no body otherwise skip the body phase)")
 				})
-			default:
+			} else {
 				st.s.earlyAnswerLog.Do(func() {
 					st.event(st.s.log.Info()).Msg("the upstream answered a streamed request before its body ended (Envoy sends a STREAMED request's headers on before the claim), so it ran without a lease; its outcome is passthrough")
 				})
@@ -1149,6 +1145,15 @@ func originOf(attrs map[string]*structpb.Struct) origin {
 	details, detailsKnown := stringAttribute(attrs, attrCodeDetails)
 	attempts, attemptsKnown := numberAttribute(attrs, attrAttemptCount)
 	return origin{detailsKnown: detailsKnown, envoyMade: detailsKnown && details != "via_upstream", attempts: attempts, attemptsKnown: attemptsKnown}
+}
+
+// holdsRequestHeaders reports whether Envoy holds a request's headers until its body's answer
+// in request body mode m, so that nothing of the request reaches the upstream before then:
+// BUFFERED and BUFFERED_PARTIAL (ProcessorState::handleHeadersResponse in processor_state.cc:
+// "hold the headers while we buffer the body"). In STREAMED and FULL_DUPLEX_STREAMED the
+// headers go on at once.
+func holdsRequestHeaders(m filterextproc.ProcessingMode_BodySendMode) bool {
+	return m == filterextproc.ProcessingMode_BUFFERED || m == filterextproc.ProcessingMode_BUFFERED_PARTIAL
 }
 
 // contentLength is the request's content-length, or -1 when it has none or it is not a number.

@@ -108,10 +108,11 @@ func BootstrapDeployment(b *bootstrapv3.Bootstrap, source string) (Deployment, e
 			// A route's retry_policy replaces its virtual host's whole, and so does its
 			// hedge_policy, each on its own (route_components.proto).
 			retry := RouteEntry{Retry: vh.GetRetryPolicy(), Hedge: vh.GetHedgePolicy(), RetryPath: vp, HedgePath: vp}
-			if ra := r.GetRoute(); ra.GetRetryPolicy() != nil {
+			ra := r.GetRoute()
+			if ra.GetRetryPolicy() != nil {
 				retry.Retry, retry.RetryPath = ra.GetRetryPolicy(), rp+".route"
 			}
-			if ra := r.GetRoute(); ra.GetHedgePolicy() != nil {
+			if ra.GetHedgePolicy() != nil {
 				retry.Hedge, retry.HedgePath = ra.GetHedgePolicy(), rp+".route"
 			}
 			if err := add(r.GetName(), rp, r.GetTypedPerFilterConfig(), retry); err != nil {

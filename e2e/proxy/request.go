@@ -587,8 +587,11 @@ func (x *exchange) onUpstream(res upstreamResult) {
 
 // routerFailure maps a failed round trip to the router's local reply (reference §7), as
 // router.cc Filter::onUpstreamReset builds it: the reset reason, and the transport's failure
-// reason after it when there is one ("delayed connect error: Connection refused" for a refused
-// connection on Linux), in the body and, spaces made underscores, in the details.
+// reason after it when there is one, in the body and, spaces made underscores, in the details.
+// For a refused connection on Linux that reason is "delayed connect error: Connection refused":
+// source/common/network/connection_impl.cc ConnectionImpl::onWriteReady sets it from the
+// socket's SO_ERROR, as Envoy's 503 bodies in the field read ("... transport failure reason:
+// delayed connect error: Connection refused").
 func (x *exchange) routerFailure(err error) {
 	switch {
 	case errors.Is(context.Cause(x.up.ctx), errRouteTimeout):
