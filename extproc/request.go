@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"hash"
 	"slices"
 	"strconv"
@@ -307,7 +308,8 @@ type scope struct {
 // sources existed (its name, its value count, its values), so records stored by scope_headers
 // keep their keys; a path parameter's likewise (its name, its value); a claim's and the peer's
 // behind "jwt_claim:<name>" and "peer_identity:", names no header or group can have, so that
-// header: x and jwt_claim: x never collide. An absent claim and an empty one differ.
+// header: x and jwt_claim: x never collide. A claim's value follows its JSON type (claimType),
+// so an absent claim, an empty one, and claims of equal text and different types all differ.
 func (d *digest) storeKey(r *policy.Route, sc scope, key string) (stored, keyHash string) {
 	w := d.key
 	w.Reset()
@@ -322,9 +324,9 @@ func (d *digest) storeKey(r *policy.Route, sc scope, key string) (stored, keyHas
 			param++
 		case policy.ScopeJWTClaim:
 			d.fieldString(w, "jwt_claim:"+src.Name)
-			v, ok := claim(sc.jwt, src.Name)
-			d.length(w, boolInt(ok))
-			if ok {
+			t, v := claim(sc.jwt, src.Name)
+			d.length(w, int(t))
+			if t != claimAbsent {
 				d.field(w, v)
 			}
 		case policy.ScopePeerIdentity:
@@ -361,7 +363,7 @@ func scopeEmpty(r *policy.Route, sc scope) bool {
 			}
 			param++
 		case policy.ScopeJWTClaim:
-			if v, ok := claim(sc.jwt, src.Name); ok && len(v) > 0 && string(v) != `""` {
+			if t, v := claim(sc.jwt, src.Name); t != claimAbsent && t != claimNull && (t != claimString || len(v) > 0) {
 				return false
 			}
 		case policy.ScopePeerIdentity:
@@ -373,28 +375,50 @@ func scopeEmpty(r *policy.Route, sc scope) bool {
 	return true
 }
 
-// claim returns the value of a verified claim: a string as it is, anything else (a number, an
-// audience list, an object) as its JSON, which encoding/json writes with sorted keys.
-func claim(payload *structpb.Struct, name string) ([]byte, bool) {
+// claimType is a verified claim's JSON type. It is hashed with the claim's value, so that
+// "sub": 1 and "sub": "1", true and "true", or a list and its JSON text are different callers.
+// A string is 1, as the presence mark that records written before types were hashed carry, so
+// string claims (sub, iss, the usual ones) keep their records' keys.
+type claimType uint8
+
+const (
+	claimAbsent claimType = iota
+	claimString
+	claimNumber
+	claimBool
+	claimNull
+	claimList
+	claimObject
+)
+
+// claim returns the type and value of a verified claim: a string as it is, anything else (a
+// number, an audience list, an object) as its JSON, which encoding/json writes with sorted keys.
+func claim(payload *structpb.Struct, name string) (claimType, []byte) {
 	v, ok := payload.GetFields()[name]
 	if !ok {
-		return nil, false
+		return claimAbsent, nil
 	}
-	if s, ok := v.GetKind().(*structpb.Value_StringValue); ok {
-		return []byte(s.StringValue), true
+	var t claimType
+	switch k := v.GetKind().(type) {
+	case *structpb.Value_StringValue:
+		return claimString, []byte(k.StringValue)
+	case *structpb.Value_NumberValue:
+		t = claimNumber
+	case *structpb.Value_BoolValue:
+		t = claimBool
+	case *structpb.Value_ListValue:
+		t = claimList
+	case *structpb.Value_StructValue:
+		t = claimObject
+	default:
+		t = claimNull
 	}
 	b, err := json.Marshal(v.AsInterface())
 	if err != nil {
-		return nil, false
+		// A number JSON cannot write (NaN, ±Inf) still differs from every string and other type.
+		return t, []byte(fmt.Sprint(v.AsInterface()))
 	}
-	return b, true
-}
-
-func boolInt(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
+	return t, b
 }
 
 // lookup returns the first value of name and whether the header is present.
