@@ -216,8 +216,16 @@ var ErrUnknownRoute = errors.New("policy: unknown route")
 type UnknownRouteError struct{ Name string }
 
 func (e *UnknownRouteError) Error() string {
-	return fmt.Sprintf("policy: x-idempotency-route names %q, which the policy file does not define", e.Name)
+	// The name comes from the caller's configuration, unbounded: only its start is quoted.
+	name, more := e.Name, ""
+	if len(name) > maxQuotedName {
+		name, more = name[:maxQuotedName], fmt.Sprintf(" (%d bytes in all)", len(e.Name))
+	}
+	return fmt.Sprintf("policy: x-idempotency-route names %q%s, which the policy file does not define", name, more)
 }
+
+// maxQuotedName bounds the part of an unknown route name an error message quotes.
+const maxQuotedName = 256
 
 // Is reports whether target is ErrUnknownRoute.
 func (e *UnknownRouteError) Is(target error) bool { return target == ErrUnknownRoute }
