@@ -23,6 +23,9 @@ var (
 	// ErrCorrupt means a stored record could not be decoded: an unknown encoding version, or bytes
 	// that do not follow it.
 	ErrCorrupt = errors.New("cache: stored record cannot be decoded")
+	// ErrFull means the store refused a write because it is full: Redis at maxmemory under the
+	// noeviction policy answers OOM. Nothing was written.
+	ErrFull = errors.New("cache: the store is full and refuses writes")
 	// ErrClosed means the store was closed.
 	ErrClosed = errors.New("cache: store closed")
 )

@@ -534,6 +534,8 @@ func redisError(op string, err error) error {
 		return fmt.Errorf("cache: redis %s: %w: unexpected nil reply", op, ErrCorrupt)
 	case errors.Is(err, redis.ErrClosed):
 		return fmt.Errorf("cache: redis %s: %w", op, ErrClosed)
+	case redis.HasErrorPrefix(err, "OOM"):
+		return fmt.Errorf("cache: redis %s: %w: %w", op, ErrFull, err)
 	}
 	return fmt.Errorf("cache: redis %s: %w", op, err)
 }

@@ -90,6 +90,10 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		require.NoError(t, srv.Wait(ctx), "stream handlers must return")
+		// Gives up at once any completion a test left retrying in the background.
+		gone, stop := context.WithCancel(ctx)
+		stop()
+		_ = srv.Shutdown(gone)
 		_ = o.store.Close()
 	})
 	return &harness{
@@ -485,6 +489,13 @@ func (b *syncBuffer) Write(p []byte) (int, error) {
 	defer b.mu.Unlock()
 	b.buf = append(b.buf, p...)
 	return len(p), nil
+}
+
+// Reset drops what was written so far.
+func (b *syncBuffer) Reset() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.buf = nil
 }
 
 func (b *syncBuffer) String() string {

@@ -16,3 +16,20 @@ func StoredKey(p *policy.Policy, path string, key string, pairs ...string) strin
 	k, _ := newDigest(nil).storeKey(r, scope{headers: h, params: params}, key)
 	return k
 }
+
+// MaxUnknownRoutes is how many unknown route names a server remembers.
+const MaxUnknownRoutes = maxUnknownRoutes
+
+// UnknownRoutesRemembered returns how many unknown route names s remembers.
+func UnknownRoutesRemembered(s *Server) int {
+	s.unknownMu.Lock()
+	defer s.unknownMu.Unlock()
+	return len(s.unknownRoutes)
+}
+
+// SetCompletionLimits lowers how many completions s retries at once and the body bytes they keep.
+func SetCompletionLimits(s *Server, count, bodyBytes int) {
+	s.completions.mu.Lock()
+	defer s.completions.mu.Unlock()
+	s.completions.maxCount, s.completions.maxBodyBytes = count, bodyBytes
+}

@@ -16,6 +16,11 @@ type Metrics struct {
 	waitCalls       *prometheus.CounterVec
 	unreadable      *prometheus.CounterVec
 	upstreamRetries *prometheus.CounterVec
+	storeErrors     *prometheus.CounterVec
+	// The completions whose write is retried in the background (completions.go).
+	completionRetries    *prometheus.CounterVec
+	completionsPending   prometheus.Gauge
+	completionsAbandoned *prometheus.CounterVec
 }
 
 // NewMetrics creates the metrics and registers them with reg.
@@ -62,11 +67,38 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "idempotency_upstream_retries_total",
 			Help: "Covered requests whose response came from the upstream on an attempt after the first (upstream.request_attempt_count > 1: a route retry_policy or hedging re-sent them), by route. Harmless after connect-failure or refused-stream; after reset, 5xx or a per-try timeout the upstream may have run the request more than once.",
 		}, []string{"route"}),
+		storeErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_store_errors_total",
+			Help: "Store calls that failed, by operation (acquire, complete, release, renew) and kind: oom (the store refuses writes: Redis at maxmemory under noeviction), timeout (no answer within store_timeout), corrupt (a record that cannot be read) or unavailable (anything else). A lost lease is not counted.",
+		}, []string{"op", "kind"}),
+		completionRetries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_completion_retries_total",
+			Help: "Background retries of completed records the store failed to write, by result: landed (written), failed (to be retried again) or lease_lost (given up: the lease was purged or expired).",
+		}, []string{"result"}),
+		completionsPending: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "idempotency_completions_pending",
+			Help: "Completed records the store failed to write and this process is still retrying, their leases kept renewed: duplicates get 409 until each lands.",
+		}),
+		completionsAbandoned: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_completions_abandoned_total",
+			Help: "Completed records never written, by reason: capacity (too many pending), expired (the record's TTL passed) or shutdown (the process ended first). Each lease expires after lock_ttl, after which a retry of its request may run again.",
+		}, []string{"reason"}),
 	}
 	for _, kind := range misconfigKinds {
 		m.misconfig.WithLabelValues(kind)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable, m.upstreamRetries} {
+	for _, op := range []string{"acquire", "complete", "release", "renew"} {
+		for _, kind := range storeErrorKinds {
+			m.storeErrors.WithLabelValues(op, kind)
+		}
+	}
+	for _, r := range []string{"landed", "failed", "lease_lost"} {
+		m.completionRetries.WithLabelValues(r)
+	}
+	for _, r := range []string{abandonedCapacity, abandonedExpired, abandonedShutdown} {
+		m.completionsAbandoned.WithLabelValues(r)
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable, m.upstreamRetries, m.storeErrors, m.completionRetries, m.completionsPending, m.completionsAbandoned} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -4,14 +4,20 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
-// renewal extends a lease every lock_ttl/3 while its stream lives, so that a long request never
-// loses its lock and a crashed replica blocks a key for at most lock_ttl (SPEC §4). It runs on
-// the clock's timer goroutines and shares only the lease with its stream.
+// renewal extends a lease every lock_ttl/3 for as long as its owner needs it: the stream of a
+// running request, so that a long request never loses its lock and a crashed replica blocks a
+// key for at most lock_ttl; then, when the completion could not be written, the background
+// write that retries it (completions.go). It runs on the clock's timer goroutines and shares
+// only the lease with its owner.
 type renewal struct {
 	mu      sync.Mutex
 	stopped bool
@@ -19,15 +25,23 @@ type renewal struct {
 	cancel  context.CancelFunc // ends the renewal in flight, if any
 }
 
-// startRenewal starts renewing the stream's lease.
-func (st *stream) startRenewal() {
+// renewalOwner is what a renewal needs from its owner: the context that bounds it, the span of
+// each renewal (nil without tracing) and the identity its log lines carry.
+type renewalOwner struct {
+	ctx  context.Context
+	span func(op string) trace.Span
+	log  func(*zerolog.Event) *zerolog.Event
+}
+
+// renewEvery starts renewing lease every lockTTL/3 until stop is called or the owner's context
+// ends.
+func (s *Server) renewEvery(o renewalOwner, lease cache.Lease, lockTTL time.Duration) *renewal {
 	r := &renewal{}
-	lease, lockTTL := st.lease, st.route.LockTTL
 	interval := lockTTL / 3
 	var tick func()
 	tick = func() {
 		// The context exists only while a renewal runs: most requests end before their first.
-		ctx, cancel := context.WithCancel(st.ctx)
+		ctx, cancel := context.WithCancel(o.ctx)
 		defer cancel()
 		r.mu.Lock()
 		if r.stopped {
@@ -39,31 +53,40 @@ func (st *stream) startRenewal() {
 		// Outside the lock, so that stop never waits for a store call: a renewal that lands
 		// after the completion or release is refused by the store (the record is no longer
 		// pending), and one cut short by stop changes nothing.
-		err := st.s.renew(ctx, st.storeSpan("renew"), lease, lockTTL)
+		var sp trace.Span
+		if o.span != nil {
+			sp = o.span("renew")
+		}
+		err := s.renew(ctx, sp, lease, lockTTL)
 		switch {
 		case ctx.Err() != nil:
 			return
 		case errors.Is(err, cache.ErrLeaseLost):
-			st.event(st.s.log.Warn()).Msg("lease lost while the request was running; its completion will not be recorded")
+			o.log(s.log.Warn()).Msg("lease lost while the request was running or its completion was pending; its completion will not be recorded")
 			return
 		case err != nil:
-			st.event(st.s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
+			o.log(s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
 		}
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		r.cancel = nil
 		if !r.stopped {
-			r.timer = st.s.clock.AfterFunc(interval, tick)
+			r.timer = s.clock.AfterFunc(interval, tick)
 		}
 	}
 	r.mu.Lock()
-	r.timer = st.s.clock.AfterFunc(interval, tick)
+	r.timer = s.clock.AfterFunc(interval, tick)
 	r.mu.Unlock()
-	st.renewal = r
+	return r
+}
+
+// startRenewal starts renewing the stream's lease.
+func (st *stream) startRenewal() {
+	st.renewal = st.s.renewEvery(renewalOwner{ctx: st.ctx, span: st.storeSpan, log: st.event}, st.lease, st.route.LockTTL)
 }
 
 // stop prevents further renewals and cuts short one in flight, without waiting for it: the
-// stream's next store call is its only one in the phase (SPEC §4). It is safe on a nil renewal.
+// owner's next store call is its only one in the phase. It is safe on a nil renewal.
 func (r *renewal) stop() {
 	if r == nil {
 		return

@@ -78,11 +78,13 @@ type Server struct {
 	// retriedLog logs once that the router retried a covered request; earlyAnswerLog that an
 	// upstream answered a streamed request before its body ended.
 	retriedLog, earlyAnswerLog sync.Once
+	// completions retries the records the store failed to write.
+	completions *completions
 	// storeBroken is set once a store call panicked: the store may be locked or half changed.
 	storeBroken atomic.Bool
 	// unknownRoutes are the x-idempotency-route names already logged as unknown.
 	unknownMu     sync.Mutex
-	unknownRoutes map[string]bool
+	unknownRoutes map[string]struct{}
 }
 
 // routeState is what a route needs per request, built once: its metric series and the answers
@@ -143,8 +145,9 @@ func NewServer(opts Options) (*Server, error) {
 		keyHash:           opts.KeyHash,
 		tracer:            opts.Tracer,
 		misconfigLogs:     make(map[string]*sync.Once),
-		unknownRoutes:     make(map[string]bool),
+		unknownRoutes:     make(map[string]struct{}),
 	}
+	s.completions = newCompletions(s)
 	for _, kind := range misconfigKinds {
 		s.misconfigLogs[kind] = &sync.Once{}
 	}
@@ -208,16 +211,35 @@ func (s *Server) misconfigured(kind string, log func()) {
 	}
 }
 
-// firstUnknownRoute reports whether name is the first time an unknown route name is seen.
+// maxUnknownRoutes bounds the unknown route names remembered for logging once each: Envoy's
+// callers can send any number of names, and the set must not grow with them. Once full it is
+// emptied, so a name may be logged again.
+const maxUnknownRoutes = 1024
+
+// maxLoggedBytes bounds a client-chosen string in a log line (a route name, a request id).
+const (
+	maxLoggedRouteName = 256
+	maxLoggedRequestID = 128
+)
+
+// firstUnknownRoute reports whether an unknown route name, cut to maxLoggedRouteName bytes, is
+// not among the names remembered (at most maxUnknownRoutes of them), and remembers it.
 func (s *Server) firstUnknownRoute(name string) bool {
+	name = cut(name, maxLoggedRouteName)
 	s.unknownMu.Lock()
 	defer s.unknownMu.Unlock()
-	if s.unknownRoutes[name] {
+	if _, ok := s.unknownRoutes[name]; ok {
 		return false
 	}
-	s.unknownRoutes[name] = true
+	if len(s.unknownRoutes) >= maxUnknownRoutes {
+		clear(s.unknownRoutes)
+	}
+	s.unknownRoutes[name] = struct{}{}
 	return true
 }
+
+// cut returns s cut to at most n bytes. A log line quotes it, escaping what is not UTF-8.
+func cut(s string, n int) string { return s[:min(len(s), n)] }
 
 // Process implements [extprocv3.ExternalProcessorServer.Process]: it answers the messages of one
 // HTTP request until Envoy ends the stream. Outside FULL_DUPLEX_STREAMED each message has one
@@ -260,6 +282,9 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 				return nil
 			}
 		}
+		// Sent: the stream keeps none of it, bodies streamed back included, while it waits for
+		// Envoy's next message.
+		clear(answers)
 	}
 }
 
@@ -287,8 +312,22 @@ func (s *Server) StreamInterceptor() grpc.StreamServerInterceptor {
 	}
 }
 
+// Shutdown waits until every stream handler has returned and every completion whose write is
+// being retried has been written, or ctx is done. Then it gives up the writes still pending
+// (their leases expire after lock_ttl; each is counted and logged) and returns once no
+// background work of the server remains. Call it once the gRPC server has stopped.
+func (s *Server) Shutdown(ctx context.Context) error {
+	err := s.Wait(ctx)
+	if err == nil {
+		err = s.completions.wait(ctx)
+	}
+	s.completions.stop()
+	return err
+}
+
 // Wait blocks until every stream handler has returned, and with it released or completed what
-// it held, or ctx is done.
+// it held (or handed a completion the store failed to write to the background retries), or ctx
+// is done.
 func (s *Server) Wait(ctx context.Context) error {
 	done := make(chan struct{})
 	go func() {
@@ -303,10 +342,10 @@ func (s *Server) Wait(ctx context.Context) error {
 	}
 }
 
-// The store calls of a stream, each timed. The store bounds each by its own timeout. While one
-// runs, st.inStore is set, and only a call that returns clears it: a panic from inside the store
-// leaves it set, so that the stream's finish makes no further store call and StreamInterceptor
-// lets the panic end the process. Nothing here recovers.
+// The store calls, each timed and, when it fails, counted by kind. The store bounds each by its
+// own timeout. While a stream's call runs, st.inStore is set, and only a call that returns clears
+// it: a panic from inside the store leaves it set, so that the stream's finish makes no further
+// store call and StreamInterceptor lets the panic end the process. Nothing here recovers.
 
 func (s *Server) acquire(st *stream, c cache.Claim) (cache.Lease, *cache.Record, error) {
 	start, sp := time.Now(), st.storeSpan("acquire")
@@ -314,16 +353,23 @@ func (s *Server) acquire(st *stream, c cache.Claim) (cache.Lease, *cache.Record,
 	l, rec, err := s.store.Acquire(st.ctx, st.storeKey, c)
 	st.inStore = false
 	s.acquireObs.Observe(time.Since(start).Seconds())
+	s.storeError("acquire", err)
 	endStoreSpan(sp, err)
 	return l, rec, err
 }
 
-func (s *Server) complete(st *stream, ctx context.Context, l cache.Lease, r cache.Response) error {
+// completeCall writes l's record: for the stream st, or for a background retry when st is nil.
+func (s *Server) completeCall(ctx context.Context, st *stream, l cache.Lease, r cache.Response) error {
 	start, sp := time.Now(), st.storeSpan("complete")
-	st.inStore = true
+	if st != nil {
+		st.inStore = true
+	}
 	err := s.store.Complete(ctx, l, r)
-	st.inStore = false
+	if st != nil {
+		st.inStore = false
+	}
 	s.completeObs.Observe(time.Since(start).Seconds())
+	s.storeError("complete", err)
 	endStoreSpan(sp, err)
 	return err
 }
@@ -334,8 +380,40 @@ func (s *Server) release(st *stream, ctx context.Context, l cache.Lease) error {
 	err := s.store.Release(ctx, l)
 	st.inStore = false
 	s.releaseObs.Observe(time.Since(start).Seconds())
+	s.storeError("release", err)
 	endStoreSpan(sp, err)
 	return err
+}
+
+// storeError counts a failed store call by operation and kind (storeErrorKind). A lost lease is
+// not the store's failure, nor is a call the stream's end cut short.
+func (s *Server) storeError(op string, err error) {
+	if err == nil || errors.Is(err, cache.ErrLeaseLost) || errors.Is(err, context.Canceled) {
+		return
+	}
+	s.metrics.storeErrors.WithLabelValues(op, storeErrorKind(err)).Inc()
+}
+
+// The kinds of store failure, the kind label of idempotency_store_errors_total.
+const (
+	storeErrorOOM         = "oom"         // the store refuses writes: it is full (cache.ErrFull)
+	storeErrorTimeout     = "timeout"     // no answer within store_timeout
+	storeErrorCorrupt     = "corrupt"     // a record that cannot be read
+	storeErrorUnavailable = "unavailable" // anything else: refused or broken connections, errors
+)
+
+var storeErrorKinds = []string{storeErrorOOM, storeErrorTimeout, storeErrorCorrupt, storeErrorUnavailable}
+
+func storeErrorKind(err error) string {
+	switch {
+	case errors.Is(err, cache.ErrFull):
+		return storeErrorOOM
+	case errors.Is(err, context.DeadlineExceeded):
+		return storeErrorTimeout
+	case errors.Is(err, cache.ErrCorrupt):
+		return storeErrorCorrupt
+	}
+	return storeErrorUnavailable
 }
 
 // renew runs on a renewal's timer goroutine, where a panic ends the process by itself; sp is its
@@ -344,6 +422,7 @@ func (s *Server) renew(ctx context.Context, sp trace.Span, l cache.Lease, d time
 	start := time.Now()
 	err := s.store.Renew(ctx, l, d)
 	s.renewObs.Observe(time.Since(start).Seconds())
+	s.storeError("renew", err)
 	endStoreSpan(sp, err)
 	return err
 }

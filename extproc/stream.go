@@ -305,7 +305,7 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 	st.headers = h
 	st.method = h.get(":method")
 	st.path = h.get(":path")
-	st.requestID = string(h.get("x-request-id"))
+	st.requestID = cut(string(h.get("x-request-id")), maxLoggedRequestID)
 	attrs := req.GetAttributes()
 	sel := policy.Selector{Path: string(splitPath(st.path))}
 	sel.RouteName, _ = stringAttribute(attrs, attrRouteName)
@@ -405,7 +405,7 @@ func (st *stream) unknownRoute(name string, err error) {
 	st.route, st.rs = st.s.policy.Default, st.s.routes[st.s.policy.Default]
 	st.s.misconfigured(MisconfigUnknownRoute, nil)
 	if st.s.firstUnknownRoute(name) {
-		st.event(st.s.log.Error()).Str("named_route", name).Err(err).Msg("x-idempotency-route names a route the policy cannot apply to this request; answering 500 unknown-idempotency-route")
+		st.event(st.s.log.Error()).Str("named_route", cut(name, maxLoggedRouteName)).Err(err).Msg("x-idempotency-route names a route the policy cannot apply to this request; answering 500 unknown-idempotency-route")
 	}
 	p := problemUnknownRoute
 	if errors.Is(err, policy.ErrPathParams) {
@@ -585,6 +585,9 @@ func (st *stream) flushOwed() {
 				break
 			}
 		}
+		// Sent back, the body is Envoy's again: the stream must not keep it for the whole
+		// upstream call.
+		st.reqBody = nil
 	} else {
 		for range st.owedChunks {
 			st.send(reply{kind: kindRequestBody})
@@ -646,7 +649,7 @@ func (st *stream) claim(body []byte) {
 		case rec == nil:
 			st.run(lease)
 			return
-		case rec.State == cache.Pending && fingerprintMatches(r, fp, rec.Fingerprint) && wait > 0 && !st.shadow():
+		case rec.State == cache.Pending && fingerprintMatches(r, fp, rec.Fingerprint) && sameRoute(r, rec.Route) && wait > 0 && !st.shadow():
 			// In flight: wait for the first request to complete rather than answer 409 at once
 			// (SPEC §11), polling no faster than every waitPoll.
 			now := st.s.clock.Now()
@@ -692,17 +695,7 @@ func (st *stream) waitBudget() (wait time.Duration, preferred bool) {
 }
 
 // sleep waits d on the server's clock, and reports false when the stream ended first.
-func (st *stream) sleep(d time.Duration) bool {
-	done := make(chan struct{})
-	t := st.s.clock.AfterFunc(d, func() { close(done) })
-	select {
-	case <-done:
-		return true
-	case <-st.ctx.Done():
-		t.Stop()
-		return false
-	}
-}
+func (st *stream) sleep(d time.Duration) bool { return sleep(st.s.clock, st.ctx, d) }
 
 // run lets the claimed request go upstream under its lease.
 func (st *stream) run(lease cache.Lease) {
@@ -722,7 +715,7 @@ func (st *stream) run(lease cache.Lease) {
 // duplicate that waited for the replay.
 func (st *stream) answerExisting(fp []byte, rec *cache.Record, waited string) {
 	switch {
-	case !fingerprintMatches(st.route, fp, rec.Fingerprint):
+	case !fingerprintMatches(st.route, fp, rec.Fingerprint) || !sameRoute(st.route, rec.Route):
 		st.reject(problemReused)
 	case rec.State == cache.Pending:
 		st.reject(problemInProgress)
@@ -756,6 +749,14 @@ func (st *stream) shadowed(would Outcome) {
 	}
 	st.fire(evPass)
 	st.flushOwed()
+}
+
+// sameRoute reports whether a record was claimed under route r. A key reused on another route
+// that shares r's key_prefix is another endpoint's, whatever the routes' fingerprints say (a
+// route whose fingerprint omits the path would otherwise replay the other route's response). A
+// record that names no route (written before records carried it) is taken as r's, as before.
+func sameRoute(r *policy.Route, stored string) bool {
+	return stored == "" || stored == r.Name[:min(len(r.Name), cache.MaxRouteBytes)]
 }
 
 // fingerprintMatches reports whether a record's fingerprint is this request's. A record without
@@ -955,16 +956,32 @@ func (st *stream) responseTrailers() {
 
 // complete records the response and gives up the lease.
 func (st *stream) complete() {
+	if st.record(cache.Response{Status: st.status, Headers: st.respHeaders, Body: st.body, BodyOmitted: st.omitted}) {
+		st.completed = true
+	}
+}
+
+// record writes the lease's completed (or outcome-unknown) record and gives up the lease. A
+// write the store fails goes on in the background (completions.go), the lease kept renewed, so
+// that a store that stalls or refuses writes for a while never lets a duplicate run again; the
+// request's outcome is still store_error. It reports whether the record was written now.
+func (st *stream) record(resp cache.Response) bool {
 	st.renewal.stop()
-	resp := cache.Response{Status: st.status, Headers: st.respHeaders, Body: st.body, BodyOmitted: st.omitted}
 	// The client may already be gone; the record must still be written.
-	err := st.s.complete(st, context.WithoutCancel(st.ctx), st.lease, resp)
+	err := st.s.completeCall(context.WithoutCancel(st.ctx), st, st.lease, resp)
+	retried := err != nil && retryable(err) && st.s.completions.retry(pendingCompletion{
+		lease: st.lease, resp: resp, lockTTL: st.route.LockTTL, until: st.s.clock.Now().Add(st.ttl),
+		requestID: st.requestID, route: st.route.Name, keyHash: st.keyHash,
+	})
 	st.dropLease()
 	if err != nil {
 		st.storeFailed("complete", err)
-		return
+		if retried {
+			st.event(st.s.log.Warn()).Msg("completion not written: retrying in the background, the lease kept, so duplicates get 409 until it lands")
+		}
+		return false
 	}
-	st.completed = true
+	return true
 }
 
 // release frees the key so that a retry runs again.
@@ -990,11 +1007,7 @@ func (st *stream) unknownOutcome(status int) {
 	case policy.UnknownOutcomeRelease:
 		st.release(ReleaseUnknownOutcome)
 	case policy.UnknownOutcomeRecord:
-		st.renewal.stop()
-		err := st.s.complete(st, context.WithoutCancel(st.ctx), st.lease, cache.Response{Status: status, OutcomeUnknown: true})
-		st.dropLease()
-		if err != nil {
-			st.storeFailed("complete", err)
+		if !st.record(cache.Response{Status: status, OutcomeUnknown: true}) {
 			return
 		}
 		st.event(st.s.log.Info()).Int("status", status).Msg("outcome unknown; recorded so that duplicates get 409 outcome-unknown")

@@ -201,6 +201,7 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	healthSrv.Shutdown()
 	draining.Store(true)
 	readyGauge.Set(0)
+	graceEnd := time.Now().Add(opts.drainTimeout)
 	drained := make(chan struct{})
 	go func() {
 		gs.GracefulStop()
@@ -212,17 +213,26 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 		log.Warn().Msg("drain timeout: cutting the streams still open")
 		gs.Stop()
 	}
-	// Cut streams release what they hold as their handlers return.
-	waitCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	// Cut streams release what they hold as their handlers return. Completions the store failed
+	// to write are retried for what is left of the drain (5 s at least), then given up.
+	waitCtx, cancel := context.WithDeadline(context.Background(), later(graceEnd, time.Now().Add(5*time.Second)))
 	defer cancel()
-	if err := srv.Wait(waitCtx); err != nil {
-		log.Error().Err(err).Msg("stream handlers did not finish")
+	if err := srv.Shutdown(waitCtx); err != nil {
+		log.Error().Err(err).Msg("stream handlers or completion retries did not finish")
 	}
 	shutdownCtx, cancel2 := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel2()
 	_ = admin.Shutdown(shutdownCtx)
 	log.Info().Msg("stopped")
 	return failed
+}
+
+// later returns the later of a and b.
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }
 
 func newLogger(cfg *config, stderr io.Writer) zerolog.Logger {
