@@ -69,6 +69,9 @@ var wantRecipe = []struct {
 		{status: 200, replayed: "false", execution: 1, outcome: "executed"},
 		{status: 409, replayed: "false", code: "request-in-progress", outcome: "in_progress"},
 	}},
+	{"5. Another caller with the same key: a record of its own", []wantReply{
+		{status: 200, replayed: "false", execution: 2, outcome: "executed"},
+	}},
 }
 
 // The emulator's access-log line of a request to /v1/payments, in envoy.yaml's format.
@@ -76,6 +79,7 @@ var accessLine = regexp.MustCompile(`(?m)^access +\[[0-9T:.Z-]+\] "POST /v1/paym
 
 var (
 	upstreamRuns     = regexp.MustCompile(`(?m)^upstream .*: running$`)
+	requestsTotal    = regexp.MustCompile(`(?m)^idempotency_requests_total\{outcome="(\w+)",route="default"\} (\d+)$`)
 	upstreamAnswered = regexp.MustCompile(`(?m)^upstream .*: answered \d+; executions with this Idempotency-Key: (\d+)$`)
 )
 
@@ -152,13 +156,37 @@ func TestRecipe(t *testing.T) {
 	}
 	require.ElementsMatch(t, wantLines, lines, "access-log lines (status, idempotency=):\n%s", logged)
 
-	// The upstream ran each key once: order-1 and order-2, never a replay or a duplicate.
-	require.Len(t, upstreamRuns.FindAllString(logged, -1), 2, logged)
-	answered := upstreamAnswered.FindAllStringSubmatch(logged, -1)
-	require.Len(t, answered, 2, logged)
-	for _, m := range answered {
-		require.Equal(t, "1", m[1], m[0])
+	// The upstream ran the executed requests only, never a replay or a refused duplicate, and
+	// its log line says what its answer said.
+	var wantRuns, runs []string
+	for _, w := range all {
+		if w.outcome == "executed" {
+			wantRuns = append(wantRuns, strconv.Itoa(w.execution))
+		}
 	}
+	for _, m := range upstreamAnswered.FindAllStringSubmatch(logged, -1) {
+		runs = append(runs, m[1])
+	}
+	require.ElementsMatch(t, wantRuns, runs, logged)
+	require.Len(t, upstreamRuns.FindAllString(logged, -1), len(wantRuns), logged)
+
+	// The processor's metrics count the same outcomes.
+	outcomes := map[string]int{}
+	for _, w := range all {
+		outcomes[w.outcome]++
+	}
+	resp, err := d.client.Get(d.metrics)
+	require.NoError(t, err)
+	metrics, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	require.NoError(t, resp.Body.Close())
+	counted := map[string]int{}
+	for _, m := range requestsTotal.FindAllStringSubmatch(string(metrics), -1) {
+		if n, _ := strconv.Atoi(m[2]); n > 0 {
+			counted[m[1]] = n
+		}
+	}
+	require.Equal(t, outcomes, counted, "idempotency_requests_total of route default")
 
 	d.stop(t)
 }
@@ -212,7 +240,8 @@ func TestRunRejects(t *testing.T) {
 		{"address without port", []string{"-metrics", "127.0.0.1"}, []string{"-metrics", "host:port"}},
 		{"argument", []string{"extra"}, []string{"unexpected arguments", "extra"}},
 		{"unknown flag", []string{"-store", "redis"}, []string{"flag provided but not defined: -store"}},
-		{"missing envoy file", []string{"-envoy", filepath.Join(dir, "none.yaml")}, []string{"none.yaml", "no such file"}},
+		{"missing envoy file", []string{"-envoy", filepath.Join(dir, "none.yaml")}, []string{"none.yaml", "no such file", "from the repository root, or give the file with -envoy"}},
+		{"missing policy file", []string{"-envoy", "../../envoy/envoy.yaml"}, []string{"envoy/policy.yaml", "no such file", "-policy"}},
 		{"bad policy", []string{"-envoy", "../../envoy/envoy.yaml", "-policy", badPolicy}, []string{"policy file " + badPolicy, "defaults.ttl", "line 2"}},
 		{"port taken", append([]string{"-listen", taken.Addr().String()}, shippedArgs...), []string{"-listen " + taken.Addr().String(), "address already in use"}},
 	} {
@@ -289,11 +318,12 @@ func TestAccessLogLine(t *testing.T) {
 
 // demo is a running demo.
 type demo struct {
-	url    string
-	out    *output
-	client *http.Client
-	cancel context.CancelFunc
-	done   chan error
+	url     string
+	metrics string // the processor's /metrics
+	out     *output
+	client  *http.Client
+	cancel  context.CancelFunc
+	done    chan error
 }
 
 // startDemo runs the demo on free loopback ports and waits for its banner.
@@ -313,6 +343,7 @@ func startDemo(t *testing.T, args ...string) *demo {
 	started := regexp.MustCompile(`Send requests to (http://\S+)\. `)
 	s := d.out.waitFor(t, "the banner", started.MatchString)
 	d.url = started.FindStringSubmatch(s)[1]
+	d.metrics = regexp.MustCompile(`(?m)^  metrics +(http://\S+)$`).FindStringSubmatch(s)[1]
 	return d
 }
 

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/http"
 	"os"
@@ -54,7 +55,7 @@ func parseFlags(args []string, stdout io.Writer) (options, error) {
 	fs.StringVar(&o.processor, "processor", "127.0.0.1:0", "the processor's gRPC listener, in place of the endpoints of envoy.yaml's ext_proc cluster")
 	fs.StringVar(&o.metrics, "metrics", "127.0.0.1:0", "the processor's Prometheus metrics, at /metrics")
 	fs.StringVar(&o.envoy, "envoy", "envoy/envoy.yaml", "the Envoy bootstrap the emulator follows: routes, ext_proc filter, jwt_authn, access-log format")
-	fs.StringVar(&o.policy, "policy", "envoy/policy.yaml", "the processor's policy file (its program settings, such as grpc_addr, are not read)")
+	fs.StringVar(&o.policy, "policy", "envoy/policy.yaml", "the processor's policy file; the demo takes no program settings (grpc_addr, store, …) from it and refuses a file that gives some")
 	fs.DurationVar(&o.messageTimeout, "message-timeout", 0, "replaces envoy.yaml's ext_proc message_timeout (0 keeps it), for a machine too busy to answer within it")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "Usage: go run ./e2e/demo [flags]  (from the repository root)")
@@ -108,7 +109,7 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 	// The Envoy side: envoy.yaml as the e2e tests read it.
 	b, err := envoyconf.Load(o.envoy)
 	if err != nil {
-		return err
+		return fromRoot(err, "envoy")
 	}
 	settings, err := envoyconf.ProxySettings(b)
 	if err != nil {
@@ -118,7 +119,7 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 	// would be refused here, where the server would take them).
 	data, err := os.ReadFile(o.policy)
 	if err != nil {
-		return err
+		return fromRoot(err, "policy")
 	}
 	pol, err := policy.Parse(data)
 	if err != nil {
@@ -240,7 +241,7 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 	case <-ctx.Done():
 	case failed = <-errc:
 	}
-	// A demo stops at once: requests still in flight are cut, as Envoy's hard stop would.
+	// A demo stops at once: requests still in flight are cut.
 	_ = front.Close()
 	_ = px.Close() // cancels the requests in flight, waits for them, closes the gRPC connections
 	up.Close()     // releases delayed and hanging upstream requests
@@ -265,6 +266,14 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 	serving.Wait()
 	fmt.Fprintln(out, "stopped")
 	return failed
+}
+
+// fromRoot adds to a missing file's error where the demo looks for it.
+func fromRoot(err error, flagName string) error {
+	if errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("%w (run the demo from the repository root, or give the file with -%s)", err, flagName)
+	}
+	return err
 }
 
 // logExecutions prints a line when up starts running a request and one when it has answered,
