@@ -170,6 +170,17 @@ func TestRecipe(t *testing.T) {
 	require.ElementsMatch(t, wantRuns, runs, logged)
 	require.Len(t, upstreamRuns.FindAllString(logged, -1), len(wantRuns), logged)
 
+	// No line about a request shows its key: the access log has a hash of it, the upstream's
+	// lines and the processor's log neither.
+	require.NotEmpty(t, d.keys)
+	for _, line := range strings.Split(logged, "\n") {
+		if strings.HasPrefix(line, "access ") || strings.HasPrefix(line, "upstream ") || strings.HasPrefix(line, "processor ") {
+			for _, k := range d.keys {
+				require.NotContains(t, line, k)
+			}
+		}
+	}
+
 	// The processor's metrics count the same outcomes.
 	outcomes := map[string]int{}
 	for _, w := range all {
@@ -319,7 +330,8 @@ func TestAccessLogLine(t *testing.T) {
 // demo is a running demo.
 type demo struct {
 	url     string
-	metrics string // the processor's /metrics
+	metrics string   // the processor's /metrics
+	keys    []string // the Idempotency-Keys sent
 	out     *output
 	client  *http.Client
 	cancel  context.CancelFunc
@@ -398,6 +410,9 @@ func (d *demo) runStep(t *testing.T, st step) []reply {
 			}
 			req, err := curlRequest(words[1:], d.url)
 			require.NoError(t, err, line)
+			if k := req.Header.Get("Idempotency-Key"); k != "" {
+				d.keys = append(d.keys, k)
+			}
 			s := &sent{line: line}
 			requests = append(requests, s)
 			if !background {

@@ -163,8 +163,9 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 
 	out := &lineWriter{w: stdout}
+	// The server's default level, info: one line per covered request.
 	log := zerolog.New(zerolog.ConsoleWriter{Out: prefixed{out, "processor "}, NoColor: !isTerminal(stdout), TimeFormat: time.TimeOnly}).
-		With().Timestamp().Logger()
+		Level(zerolog.InfoLevel).With().Timestamp().Logger()
 
 	// The processor: the server's own wiring (cmd/idempotency-extproc run.go) on the memory store.
 	store, err := cache.NewMemory(cache.MemoryOptions{})
@@ -208,7 +209,7 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 		cfg.Filter = f
 	}
 	cfg.AccessLog = func(r proxy.Record) {
-		out.Write([]byte("access    " + format.line(r, upLn.Addr().String(), time.Now())))
+		_, _ = io.WriteString(out, "access    "+format.line(r, upLn.Addr().String(), time.Now()))
 	}
 	px, err := proxy.New(cfg)
 	if err != nil {
