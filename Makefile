@@ -6,7 +6,7 @@ STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 FUZZTIME ?= 10000x
 PKGS := ./...
 
-.PHONY: help test lint unit allocs bench bench-compare bench-costs fuzz run deploy-test
+.PHONY: help test lint unit allocs bench bench-compare bench-costs fuzz run deploy-test demo
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -29,6 +29,9 @@ bench: ## every benchmark once, so they keep compiling and running
 
 deploy-test: ## deploy/test, a module of its own: the Helm chart, dashboard, alerts, Dockerfile and CI workflow
 	cd deploy/test && $(GO) vet ./... && $(STATICCHECK) ./... && $(GO) test -count=1 -timeout 15m ./...
+
+demo: ## try it without Docker: the processor, the Envoy emulator and a demo upstream on loopback (e2e/demo/README.md)
+	$(GO) run ./e2e/demo
 
 bench-compare: ## the comparative benchmark of docs/performance.md (needs redis-server, redis-benchmark)
 	$(GO) run ./e2e/bench -duration 10s -rounds 5
