@@ -10,7 +10,6 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/types/known/structpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -29,27 +28,101 @@ const (
 	kindResponseTrailers
 )
 
-// reply is one answer the stream decided on. Every answer the server sends is a reply rendered
-// by stream.render, the one place where a decision becomes Envoy's message.
-type reply struct {
-	kind msgKind
-	// mode is a mode_override for a header answer, or nil.
-	mode *filterextproc.ProcessingMode
-	// mark sets the replay header to false on a response header answer.
-	mark bool
-	// stream answers a body message of a FULL_DUPLEX_STREAMED direction, whose answers must
-	// carry the body back (reference §17.2): chunk, ending the body when eos is set.
-	stream bool
-	chunk  []byte
-	eos    bool
-	// expires, when set on a response header answer, is the expiry of the record the response
-	// will be (expires_header, SPEC §11).
+// answer is one message the processor sends Envoy. The answers are a closed set of small types,
+// each turned into Envoy's message by stream.render, the one place where that happens.
+type answer interface {
+	// answers returns the kind of message the answer is for; anyMessage for an
+	// ImmediateResponse, which Envoy takes in answer to any message and which ends the exchange.
+	answers() msgKind
+}
+
+// anyMessage is what an ImmediateResponse answers.
+const anyMessage msgKind = 255
+
+// proceed lets the phase of a message of its kind go on unchanged: CONTINUE.
+type proceed msgKind
+
+// passOn answers the request headers of a request the processor leaves alone: CONTINUE, with the
+// mode_override that turns every later phase off.
+type passOn struct{}
+
+// echo answers a body message of a FULL_DUPLEX_STREAMED direction, whose answers must carry the
+// body back (a plain BodyResponse is refused in that mode): chunk, ending the body when eos is
+// set.
+type echo struct {
+	k     msgKind
+	chunk []byte
+	eos   bool
+}
+
+// mark answers the response headers of a covered request: the replay header set to false
+// (unless the route writes it on replays only), the record's expiry when it will be stored
+// (expires not zero), and, with noBody, the mode_override that turns the body phase off.
+type mark struct {
 	expires time.Time
-	// problem or replay, when set, makes the answer an ImmediateResponse; a replay carries rec's
-	// times and, when the client asked to wait, the wait applied.
-	problem *problem
-	replay  *cache.Record
-	waited  string
+	noBody  bool
+}
+
+// untouched answers the response headers of a shadow-mode request: CONTINUE, with the body
+// phase turned off when noBody is set.
+type untouched struct{ noBody bool }
+
+// refuse answers a covered request with a problem: an ImmediateResponse.
+type refuse struct{ p *problem }
+
+// replay answers a duplicate with the stored response: an ImmediateResponse. waited is the
+// Preference-Applied value of a duplicate that waited for it.
+type replay struct {
+	rec    *cache.Record
+	waited string
+}
+
+func (a proceed) answers() msgKind { return msgKind(a) }
+func (passOn) answers() msgKind    { return kindRequestHeaders }
+func (a echo) answers() msgKind    { return a.k }
+func (mark) answers() msgKind      { return kindResponseHeaders }
+func (untouched) answers() msgKind { return kindResponseHeaders }
+func (refuse) answers() msgKind    { return anyMessage }
+func (replay) answers() msgKind    { return anyMessage }
+
+// render turns a into Envoy's message. The first answer sent once the request's outcome is
+// settled carries its dynamic metadata, on a message of its own: an answer that never varies is
+// built once and shared, and a shared message is never changed.
+func (st *stream) render(a answer) *extprocv3.ProcessingResponse {
+	r := st.route
+	var resp *extprocv3.ProcessingResponse
+	own := false // resp was built for this answer alone
+	switch a := a.(type) {
+	case proceed:
+		resp = continues[a]
+	case passOn:
+		resp = passThroughRequestHeaders
+	case echo:
+		resp, own = streamedBody(a.k, a.chunk, a.eos), true
+	case mark:
+		switch {
+		case !a.expires.IsZero():
+			resp = r.freshHeaders(a.expires, a.noBody)
+		case a.noBody:
+			resp = r.notStored
+		default:
+			resp = r.stored
+		}
+	case untouched:
+		resp = continues[kindResponseHeaders]
+		if a.noBody {
+			resp = noStoreResponseHeaders
+		}
+	case refuse:
+		resp = r.problems[a.p]
+	case replay:
+		resp, own = replayResponse(a.rec, r.Route, a.waited), true
+	}
+	if r == nil || st.metadataSent || (st.state != stateSettled && st.state != statePass) {
+		return resp
+	}
+	st.metadataSent = true
+	return withMetadata(resp, own, r.metadata.encode(st.outcome, st.releaseReason, st.keyHash))
 }
 
 // The two mode_override values of SPEC §5, every field spelled out so that Envoy's
@@ -102,51 +175,6 @@ const (
 	headerPreferenceApplied = "preference-applied"
 )
 
-// render turns r into Envoy's message, with the request's dynamic metadata when there is news
-// for Envoy's access log (SPEC §9; see stream.newMetadata). Answers that never vary are built
-// once and shared: gRPC only reads a message it sends.
-func (st *stream) render(r reply) *extprocv3.ProcessingResponse {
-	rs := st.rs
-	if r.kind == kindRequestHeaders && st.outcome == Passthrough && r.problem == nil && st.newMetadata() {
-		// An uncovered request's metadata is its route's alone: its answers are built once.
-		if r.mode != nil {
-			return rs.passThrough
-		}
-		return rs.passContinue
-	}
-	var resp *extprocv3.ProcessingResponse
-	switch {
-	case r.problem != nil:
-		resp = rs.problems[r.problem]
-	case r.replay != nil:
-		resp = replayResponse(r.replay, st.route, r.waited)
-	case r.stream:
-		resp = streamedBody(r.kind, r.chunk, r.eos)
-	case r.kind == kindResponseHeaders && r.mark && !r.expires.IsZero():
-		resp = markResponseHeaders(st.route, r.mode, r.expires)
-	case r.kind == kindResponseHeaders && r.mark && r.mode != nil:
-		resp = rs.notStored
-	case r.kind == kindResponseHeaders && r.mark:
-		resp = rs.stored
-	case r.kind == kindRequestHeaders && r.mode != nil:
-		resp = passThroughRequestHeaders
-	case r.kind == kindResponseHeaders && r.mode != nil:
-		resp = noStoreResponseHeaders
-	default:
-		resp = continues[r.kind]
-	}
-	if !st.newMetadata() {
-		return resp
-	}
-	md := st.metadata()
-	if resp.DynamicMetadata == nil && (r.replay != nil || r.stream || !r.expires.IsZero()) {
-		// Built for this answer alone: it can carry the metadata itself.
-		resp.DynamicMetadata = md
-		return resp
-	}
-	return &extprocv3.ProcessingResponse{Response: resp.Response, ModeOverride: resp.ModeOverride, DynamicMetadata: md}
-}
-
 // streamedBody answers a body message of a FULL_DUPLEX_STREAMED direction with chunk as the body
 // Envoy sends on (reference §17.2: a plain BodyResponse is refused in that mode).
 func streamedBody(k msgKind, chunk []byte, eos bool) *extprocv3.ProcessingResponse {
@@ -157,39 +185,6 @@ func streamedBody(k msgKind, chunk []byte, eos bool) *extprocv3.ProcessingRespon
 		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: br}}
 	}
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: br}}
-}
-
-// metadataFields builds the dynamic metadata of SPEC §9 under namespace. The values that do not
-// vary per request are built once and shared (a message is only read once built).
-func metadataFields(namespace string, route *structpb.Value, o Outcome, keyHash, releaseReason string) *structpb.Struct {
-	f := make(map[string]*structpb.Value, 5)
-	f["outcome"] = outcomeValues[o]
-	f["route"] = route
-	f["replayed"] = replayedValues[o == Replayed]
-	if keyHash != "" {
-		f["key_hash"] = structpb.NewStringValue(keyHash)
-	}
-	if releaseReason != "" {
-		f["release_reason"] = releaseValues[releaseReason]
-	}
-	return &structpb.Struct{Fields: map[string]*structpb.Value{
-		namespace: structpb.NewStructValue(&structpb.Struct{Fields: f}),
-	}}
-}
-
-var (
-	outcomeValues  = map[Outcome]*structpb.Value{}
-	releaseValues  = map[string]*structpb.Value{}
-	replayedValues = map[bool]*structpb.Value{false: structpb.NewBoolValue(false), true: structpb.NewBoolValue(true)}
-)
-
-func init() {
-	for _, o := range Outcomes {
-		outcomeValues[o] = structpb.NewStringValue(string(o))
-	}
-	for _, r := range releaseReasons {
-		releaseValues[r] = structpb.NewStringValue(r)
-	}
 }
 
 // setHeader is a header mutation that overwrites name; Envoy reads raw_value only (reference

@@ -17,11 +17,16 @@ type Metrics struct {
 	unreadable      *prometheus.CounterVec
 	upstreamRetries *prometheus.CounterVec
 	storeErrors     *prometheus.CounterVec
+	internalErrors  *prometheus.CounterVec
 	// The completions whose write is retried in the background (completions.go).
 	completionRetries    *prometheus.CounterVec
 	completionsPending   prometheus.Gauge
 	completionsAbandoned *prometheus.CounterVec
 }
+
+// internalIllegalTransition is the kind of idempotency_internal_errors_total for a move not in the
+// stream's transition table.
+const internalIllegalTransition = "illegal_transition"
 
 // NewMetrics creates the metrics and registers them with reg.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
@@ -71,6 +76,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "idempotency_store_errors_total",
 			Help: "Store calls that failed, by operation (acquire, complete, release, renew) and kind: oom (the store refuses writes: Redis at maxmemory under noeviction), timeout (no answer within store_timeout), corrupt (a record that cannot be read) or unavailable (anything else). A lost lease is not counted.",
 		}, []string{"op", "kind"}),
+		internalErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_internal_errors_total",
+			Help: "Bugs the processor caught in itself, by kind: illegal_transition (a stream's state machine was asked for a move not in its table; the request was settled as if it had ended). Any is a bug to report.",
+		}, []string{"kind"}),
 		completionRetries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idempotency_completion_retries_total",
 			Help: "Background retries of completed records the store failed to write, by result: landed (written), failed (to be retried again) or lease_lost (given up: the lease was purged or expired).",
@@ -92,13 +101,14 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			m.storeErrors.WithLabelValues(op, kind)
 		}
 	}
+	m.internalErrors.WithLabelValues(internalIllegalTransition)
 	for _, r := range []string{"landed", "failed", "lease_lost"} {
 		m.completionRetries.WithLabelValues(r)
 	}
 	for _, r := range []string{abandonedCapacity, abandonedExpired, abandonedShutdown} {
 		m.completionsAbandoned.WithLabelValues(r)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable, m.upstreamRetries, m.storeErrors, m.completionRetries, m.completionsPending, m.completionsAbandoned} {
+	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable, m.upstreamRetries, m.storeErrors, m.internalErrors, m.completionRetries, m.completionsPending, m.completionsAbandoned} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

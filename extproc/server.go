@@ -26,7 +26,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
@@ -64,8 +63,10 @@ type Server struct {
 	log     zerolog.Logger
 	metrics *Metrics
 	clock   clock.Clock
-	// routes holds what each route needs per request, resolved once.
-	routes map[*policy.Route]*routeState
+	// routes are the policy's routes, compiled.
+	routes map[*policy.Route]*route
+	// digests are the hashes of stored keys and fingerprints, reused across requests.
+	digests sync.Pool
 	// The store-duration series of each operation.
 	acquireObs, renewObs, completeObs, releaseObs prometheus.Observer
 	metadataNamespace                             string
@@ -85,31 +86,6 @@ type Server struct {
 	// unknownRoutes are the x-idempotency-route names already logged as unknown.
 	unknownMu     sync.Mutex
 	unknownRoutes map[string]struct{}
-}
-
-// routeState is what a route needs per request, built once: its metric series and the answers
-// that depend only on the route.
-type routeState struct {
-	outcomes map[Outcome]prometheus.Counter
-	releases map[string]prometheus.Counter
-	unknown  map[policy.UnknownOutcome]prometheus.Counter
-	// shadow counts what enforcement would have done, by outcome (shadow routes only: empty
-	// for a route that enforces, whose streams never count here).
-	shadow map[Outcome]prometheus.Counter
-	// unreadable counts the stored records this process could not open.
-	unreadable prometheus.Counter
-	// retried counts covered requests the router sent upstream more than once.
-	retried prometheus.Counter
-	// waitCalls counts the store calls of duplicates waiting for an in-flight request.
-	waitCalls prometheus.Counter
-	// stored continues a response that will be stored; notStored also turns its body phase off.
-	stored, notStored *extprocv3.ProcessingResponse
-	// passThrough and passContinue answer the request headers of an uncovered request, with
-	// and without the pass-through mode_override, carrying the route's dynamic metadata.
-	passThrough, passContinue *extprocv3.ProcessingResponse
-	problems                  map[*problem]*extprocv3.ProcessingResponse
-	// name is the route's name as a metadata value.
-	name *structpb.Value
 }
 
 // NewServer returns a Server.
@@ -140,7 +116,7 @@ func NewServer(opts Options) (*Server, error) {
 		log:               *opts.Logger,
 		metrics:           opts.Metrics,
 		clock:             opts.Clock,
-		routes:            make(map[*policy.Route]*routeState),
+		routes:            make(map[*policy.Route]*route),
 		metadataNamespace: opts.Policy.MetadataNamespace,
 		keyHash:           opts.KeyHash,
 		tracer:            opts.Tracer,
@@ -152,54 +128,17 @@ func NewServer(opts Options) (*Server, error) {
 		s.misconfigLogs[kind] = &sync.Once{}
 	}
 	for _, r := range append([]*policy.Route{opts.Policy.Default}, opts.Policy.Routes...) {
-		routeValue := structpb.NewStringValue(r.Name)
-		passMeta := metadataFields(s.metadataNamespace, routeValue, Passthrough, "", "")
-		rs := &routeState{
-			outcomes:     map[Outcome]prometheus.Counter{},
-			releases:     map[string]prometheus.Counter{},
-			unknown:      map[policy.UnknownOutcome]prometheus.Counter{},
-			stored:       markResponseHeaders(r, nil, time.Time{}),
-			notStored:    markResponseHeaders(r, noStoreMode, time.Time{}),
-			passThrough:  withMetadata(passThroughRequestHeaders, passMeta),
-			passContinue: withMetadata(continues[kindRequestHeaders], passMeta),
-			problems:     map[*problem]*extprocv3.ProcessingResponse{},
-			shadow:       map[Outcome]prometheus.Counter{},
-			waitCalls:    s.metrics.waitCalls.WithLabelValues(r.Name),
-			unreadable:   s.metrics.unreadable.WithLabelValues(r.Name),
-			retried:      s.metrics.upstreamRetries.WithLabelValues(r.Name),
-			name:         routeValue,
+		c, err := compileRoute(r, s.metrics, s.metadataNamespace)
+		if err != nil {
+			return nil, err
 		}
-		if r.Mode == policy.ModeShadow {
-			for _, o := range Outcomes {
-				rs.shadow[o] = s.metrics.shadow.WithLabelValues(r.Name, string(o))
-			}
-		}
-		for _, o := range Outcomes {
-			rs.outcomes[o] = s.metrics.requests.WithLabelValues(r.Name, string(o))
-		}
-		for _, reason := range releaseReasons {
-			rs.releases[reason] = s.metrics.releases.WithLabelValues(r.Name, reason)
-		}
-		for _, u := range []policy.UnknownOutcome{policy.UnknownOutcomeRelease, policy.UnknownOutcomeKeep, policy.UnknownOutcomeRecord} {
-			rs.unknown[u] = s.metrics.unknownOutcomes.WithLabelValues(r.Name, string(u))
-		}
-		for _, p := range problems {
-			resp, err := problemResponse(p, r)
-			if err != nil {
-				return nil, err
-			}
-			rs.problems[p] = resp
-		}
-		s.routes[r] = rs
+		s.routes[r] = c
 	}
+	s.digests.New = func() any { return newDigest(s.keyHash) }
 	d := s.metrics.storeDuration
 	s.acquireObs, s.renewObs = d.WithLabelValues("acquire"), d.WithLabelValues("renew")
 	s.completeObs, s.releaseObs = d.WithLabelValues("complete"), d.WithLabelValues("release")
 	return s, nil
-}
-
-func withMetadata(r *extprocv3.ProcessingResponse, md *structpb.Struct) *extprocv3.ProcessingResponse {
-	return &extprocv3.ProcessingResponse{Response: r.Response, ModeOverride: r.ModeOverride, DynamicMetadata: md}
 }
 
 // misconfigured counts a request that showed an Envoy misconfiguration of kind, and calls log

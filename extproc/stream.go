@@ -17,8 +17,14 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
-// state is where one request is in its life. It is the stream's only state: everything else a
-// stream holds is data about the request, or what it owes Envoy.
+// The stream is the Envoy side of one HTTP request: the order of Envoy's messages, the body
+// modes, the answers the claim withholds and then owes, mode_override, and which answer carries
+// the outcome. What the request is and what happens to its key is decided by the functions of
+// decide.go; the stream reads their inputs out of Envoy's messages and carries their verdicts
+// out as answers (answer.go) and store calls.
+
+// state is where one request is in its life. It is the stream's one value that steers what a
+// message does; what the stream withholds and owes Envoy is its withheld value.
 type state uint8
 
 const (
@@ -64,8 +70,9 @@ var eventNames = [...]string{"pass", "answer", "await-body", "run", "unprotected
 
 func (e event) String() string { return eventNames[e] }
 
-// transitions is the stream's whole state machine (SPEC §4, §8). A move not listed here is a
-// bug: fire logs it and settles the request, whose lease finish then handles.
+// transitions is the stream's whole state machine. A move not in it is a bug: fire counts it in
+// idempotency_internal_errors_total{kind="illegal_transition"}, logs it, and settles the request,
+// whose lease finish then handles.
 //
 //	from         on           to           when
 //	start        pass         pass         request_headers: not covered (route, method, no key, gRPC), or shadow mode
@@ -112,17 +119,81 @@ func next(from state, e event) (state, bool) {
 	return stateSettled, false
 }
 
-// extProcAttributes is the key of Envoy's attributes map (reference §2.2).
+// withheld is what the stream owes Envoy for a request whose claim waits for the body's end,
+// and what it holds of that body. flush pays it, in Envoy's order.
+type withheld struct {
+	// The answers owed: the request headers' (when Envoy sends the body without waiting for
+	// it), the body chunks', the trailers'.
+	headers  bool
+	chunks   int
+	trailers bool
+	// body is the body collected so far (STREAMED, FULL_DUPLEX_STREAMED); ended says whether its
+	// last chunk came.
+	body  []byte
+	ended bool
+	// held: Envoy holds the request's headers until the body's answer, so nothing of the request
+	// has reached the upstream yet (holdsHeaders). Only a request that announces body bytes
+	// (content-length above 0) is known to get a body message: one with trailers and no data
+	// gets none, and under request_trailer_mode SKIP Envoy sends it upstream without another
+	// message (Filter::onTrailers in ext_proc.cc).
+	held bool
+}
+
+// modes are the body modes Envoy announced in the stream's first message (protocol_config,
+// per-route overrides included); when it announced none (Envoy before 1.32), the shipped
+// BUFFERED modes are assumed.
+type modes struct {
+	known             bool
+	request, response filterextproc.ProcessingMode_BodySendMode
+	// bodyFirst is send_body_without_waiting_for_header_response.
+	bodyFirst bool
+}
+
+// requestBodyRow is how the Envoy side takes a covered request's body in one request body mode.
+// The decision never sees the mode: it gets the whole body, or a 413.
+type requestBodyRow struct {
+	// oneMessage: the body comes in one message, whatever end_of_stream says (BUFFERED: it is
+	// false when trailers follow). partial: end_of_stream false means Envoy's buffer limit cut
+	// it (BUFFERED_PARTIAL): too large, since the rest would pass unseen.
+	oneMessage, partial bool
+	// holdsHeaders: Envoy holds the request headers until the body's answer
+	// (ProcessorState::handleHeadersResponse in processor_state.cc: "hold the headers while we
+	// buffer the body"). Otherwise they go upstream at once.
+	holdsHeaders bool
+	// withholdHeaders: the header answer waits for the claim, since Envoy sends the body
+	// without waiting for it (FULL_DUPLEX_STREAMED always, STREAMED with bodyFirst).
+	withholdHeaders, withholdIfBodyFirst bool
+	// none: no body message ever comes.
+	none bool
+}
+
+// The other modes (STREAMED, and any Envoy adds) collect the body chunk by chunk, pipelined,
+// and claim at its end (end_of_stream, or the trailers).
+var requestBodyRows = map[filterextproc.ProcessingMode_BodySendMode]requestBodyRow{
+	filterextproc.ProcessingMode_BUFFERED:             {oneMessage: true, holdsHeaders: true},
+	filterextproc.ProcessingMode_BUFFERED_PARTIAL:     {oneMessage: true, partial: true, holdsHeaders: true},
+	filterextproc.ProcessingMode_STREAMED:             {withholdIfBodyFirst: true},
+	filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED: {withholdHeaders: true},
+	filterextproc.ProcessingMode_NONE:                 {none: true},
+}
+
+// extProcAttributes is the key of Envoy's attributes map (Filter::addAttributes in ext_proc.cc).
 const extProcAttributes = "envoy.filters.http.ext_proc"
 
-// The attributes the processor reads (reference §17.2).
+// The attributes and metadata the processor reads: where a response came from, the route Envoy
+// chose, the mTLS peer, the payload jwt_authn verified, and the policy route an Envoy route names
+// in the stream's initial metadata.
 const (
-	attrCodeDetails  = "response.code_details"
-	attrAttemptCount = "upstream.request_attempt_count"
+	attrCodeDetails   = "response.code_details"
+	attrAttemptCount  = "upstream.request_attempt_count"
+	attrRouteName     = "xds.route_name"
+	attrPeerIdentity  = "connection.uri_san_peer_certificate"
+	jwtAuthnNamespace = "envoy.filters.http.jwt_authn"
+	namedRouteHeader  = "x-idempotency-route"
 )
 
 // maxStreamedChunk bounds the chunks the processor sends back in a FULL_DUPLEX_STREAMED request
-// body (reference §17.2 recommends at most 64 KiB).
+// body (Envoy's ext_proc documentation recommends at most 64 KiB per streamed_response).
 const maxStreamedChunk = 64 << 10
 
 // stream is one HTTP request. Its methods run on the stream's goroutine, except the renewal,
@@ -132,64 +203,32 @@ type stream struct {
 	ctx   context.Context
 	start time.Time
 
-	state   state
-	outcome Outcome
-	covered bool
+	state state
+	w     withheld
+	modes modes
 	// out collects the answers of the message being handled, in order.
 	out []*extprocv3.ProcessingResponse
 
+	// The request, as the headers gave it and the decision admitted it.
+	route     *route
 	requestID string
-	route     *policy.Route
-	rs        *routeState // the route's metric series and fixed answers
-	params    []string
-	scope     scope
-	headers   headers
-	method    []byte
-	path      []byte
-	bodyHash  bool
-	key       string
-	ttl       time.Duration
+	req       requestInfo
+	adm       admission
+	outcome   Outcome
+	storeKey  string
+	keyHash   string
+	lease     cache.Lease
+	renewal   *renewal
 
-	storeKey string
-	keyHash  string
-	lease    cache.Lease
-	renewal  *renewal
-
-	// The body modes Envoy announced in the stream's first message (they include per-route
-	// overrides); when it announced none (Envoy before 1.32), the shipped BUFFERED modes are
-	// assumed.
-	seen             bool
-	requestBodyMode  filterextproc.ProcessingMode_BodySendMode
-	responseBodyMode filterextproc.ProcessingMode_BodySendMode
-	bodyBeforeAnswer bool // send_body_without_waiting_for_header_response
-
-	// What the claim at the body's end owes Envoy: the header answer (when Envoy sends the body
-	// without waiting for it), the body chunks' answers, the trailers' answer. reqBody holds the
-	// body collected so far; reqEnded says whether its last chunk came.
-	owedHeaders  bool
-	owedChunks   int
-	owedTrailers bool
-	reqBody      []byte
-	reqEnded     bool
-	// reqHeld: Envoy holds the request's headers until the body's answer, so nothing of it has
-	// reached the upstream yet (holdsRequestHeaders). Only a request that announces body bytes (content-length above 0) is known to get a body
-	// message: one with trailers and no data gets none, and under request_trailer_mode SKIP
-	// Envoy sends it upstream without another message (Filter::onTrailers).
-	reqHeld bool
-
-	// The response being captured.
-	status      int
-	respHeaders []cache.Header
-	body        []byte
-	omitted     bool
-
-	completed     bool
+	// The response: what is recorded of it, and what became of the lease.
+	resp          cache.Response
+	recorded      bool
 	releaseReason string
-	// overrideSent is the mode_override this stream sent, to tell when Envoy refused it.
-	overrideSent *filterextproc.ProcessingMode
-	// sentOutcome and sentReason are what the dynamic metadata last told Envoy.
-	sentOutcome Outcome
-	sentReason  string
+
+	// sentOverride is the mode_override this stream sent, to tell when Envoy refused it.
+	sentOverride *filterextproc.ProcessingMode
+	// metadataSent: the answer that settled the request carried its dynamic metadata.
+	metadataSent bool
 	// inStore is set while a store call runs on the stream's goroutine: a panic that leaves it
 	// set came from inside the store (see Server.StreamInterceptor).
 	inStore bool
@@ -206,6 +245,7 @@ func newStream(s *Server, ctx context.Context) *stream {
 func (st *stream) fire(e event) {
 	to, ok := next(st.state, e)
 	if !ok {
+		st.s.metrics.internalErrors.WithLabelValues(internalIllegalTransition).Inc()
 		st.event(st.s.log.Error()).Stringer("state", st.state).Stringer("event", e).Msg("stream state machine: move not in the table; the request is settled")
 	}
 	st.state = to
@@ -227,12 +267,12 @@ func (st *stream) event(e *zerolog.Event) *zerolog.Event {
 	return e
 }
 
-// send queues the answer r.
-func (st *stream) send(r reply) {
-	if r.kind == kindRequestBody || r.kind == kindRequestTrailers {
-		st.reqHeld = false
+// send queues the answer a.
+func (st *stream) send(a answer) {
+	if k := a.answers(); k == kindRequestBody || k == kindRequestTrailers {
+		st.w.held = false
 	}
-	st.out = append(st.out, st.render(r))
+	st.out = append(st.out, st.render(a))
 }
 
 // handle answers one message: zero answers (withheld until the claim), one, or several (the
@@ -240,13 +280,13 @@ func (st *stream) send(r reply) {
 // kind gets ok false, which ends the stream.
 func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3.ProcessingResponse, ok bool) {
 	st.out = st.out[:0]
-	if !st.seen {
-		// protocol_config comes on the stream's first message only (reference §2.2).
-		st.seen = true
-		st.requestBodyMode, st.responseBodyMode = filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_BUFFERED
+	if !st.modes.known {
+		// protocol_config comes on the stream's first message only (Filter::sendRequest in
+		// ext_proc.cc).
+		st.modes = modes{known: true, request: filterextproc.ProcessingMode_BUFFERED, response: filterextproc.ProcessingMode_BUFFERED}
 		if pc := req.GetProtocolConfig(); pc != nil {
-			st.requestBodyMode, st.responseBodyMode = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
-			st.bodyBeforeAnswer = pc.GetSendBodyWithoutWaitingForHeaderResponse()
+			st.modes.request, st.modes.response = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
+			st.modes.bodyFirst = pc.GetSendBodyWithoutWaitingForHeaderResponse()
 		}
 	}
 	switch r := req.GetRequest().(type) {
@@ -261,7 +301,13 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		st.responseBody(r.ResponseBody.GetBody(), r.ResponseBody.GetEndOfStream())
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
-		st.responseTrailers()
+		if st.state == stateCapture {
+			// Trailers end the body of a streamed response: the record is written before their
+			// answer lets the response's end go on.
+			st.complete()
+			st.fire(evSettle)
+		}
+		st.send(proceed(kindResponseTrailers))
 	default:
 		return nil, false
 	}
@@ -270,9 +316,9 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3
 
 // fullDuplex reports whether a direction's body travels in FULL_DUPLEX_STREAMED mode.
 func (st *stream) fullDuplex(k msgKind) bool {
-	mode := st.requestBodyMode
+	mode := st.modes.request
 	if k >= kindResponseHeaders {
-		mode = st.responseBodyMode
+		mode = st.modes.response
 	}
 	return mode == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
 }
@@ -281,20 +327,11 @@ func (st *stream) fullDuplex(k msgKind) bool {
 // back in a FULL_DUPLEX_STREAMED direction.
 func (st *stream) pass(k msgKind, chunk []byte, eos bool) {
 	if (k == kindRequestBody || k == kindResponseBody) && st.fullDuplex(k) {
-		st.send(reply{kind: k, stream: true, chunk: chunk, eos: eos})
+		st.send(echo{k: k, chunk: chunk, eos: eos})
 		return
 	}
-	st.send(reply{kind: k})
+	st.send(proceed(k))
 }
-
-// The metadata the processor reads: the jwt_authn payload forwarded in metadata_context, and the
-// policy route an Envoy route names in the stream's initial metadata (SPEC §9).
-const (
-	jwtAuthnNamespace = "envoy.filters.http.jwt_authn"
-	namedRouteHeader  = "x-idempotency-route"
-	attrRouteName     = "xds.route_name"
-	attrPeerIdentity  = "connection.uri_san_peer_certificate"
-)
 
 func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.HttpHeaders) {
 	if st.state != stateStart {
@@ -302,12 +339,10 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 		return
 	}
 	h := headers(m.GetHeaders().GetHeaders())
-	st.headers = h
-	st.method = h.get(":method")
-	st.path = h.get(":path")
 	st.requestID = cut(string(h.get("x-request-id")), maxLoggedRequestID)
 	attrs := req.GetAttributes()
-	sel := policy.Selector{Path: string(splitPath(st.path))}
+	st.req = requestInfo{headers: h, method: h.get(":method"), path: h.get(":path")}
+	sel := policy.Selector{Path: string(splitPath(st.req.path))}
 	sel.RouteName, _ = stringAttribute(attrs, attrRouteName)
 	// ValueFromIncomingContext reads the one key; FromIncomingContext would copy the stream's
 	// whole metadata on every request.
@@ -319,90 +354,53 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 		st.unknownRoute(sel.Named, err)
 		return
 	}
-	st.route, st.rs, st.params = r, st.s.routes[r], params
-
-	if !r.Enabled || !r.Covers(string(st.method)) || isGRPC(h) {
-		// A gRPC request is never covered: Envoy turns every ImmediateResponse into a
-		// trailers-only gRPC reply, so a replay could not be faithful (SPEC §8).
-		st.passThrough()
-		return
+	st.route, st.req.params = st.s.routes[r], params
+	st.req.peer, _ = stringAttribute(attrs, attrPeerIdentity)
+	if st.route.claims {
+		st.req.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
 	}
-	key, present, err := parseKey(h, r.KeyHeaders)
+	st.adm = admit(r, st.req)
 	switch {
-	case err != nil:
-		st.reject(problemInvalidKey)
-		return
-	case !present && r.MissingKey == policy.MissingKeyOptional:
+	case !st.adm.covered:
 		st.passThrough()
 		return
-	case !present && r.MissingKey == policy.MissingKeyRequired:
-		st.reject(problemMissingKey)
+	case st.adm.problem == problemScopeAmbiguous:
+		st.s.misconfigured(MisconfigScopeAmbiguous, func() {
+			st.event(st.s.log.Error()).Msg("jwt_authn forwarded several payloads and the route scopes by jwt_claim without jwt_payload_key; name the payload (the provider's payload_in_metadata) in jwt_payload_key")
+		})
+		fallthrough
+	case st.adm.problem != nil:
+		st.reject(st.adm.problem)
 		return
-	case !present:
-		st.bodyHash = true
 	}
-	st.covered = true
 	st.beginSpan()
-	st.key = key
-	st.ttl = r.TTL
-	if r.TTLHeader != "" {
-		if v, ok := h.lookup(r.TTLHeader); ok {
-			ttl, err := parseTTL(v, r.MaxTTL)
-			if err != nil {
-				st.reject(problemInvalidTTL)
-				return
-			}
-			st.ttl = ttl
-		}
-	}
-	st.scope = scope{headers: h, params: params}
-	st.scope.peer, _ = stringAttribute(attrs, attrPeerIdentity)
-	if usesClaims(r) {
-		payload, ok := jwtPayload(req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace], r.JWTPayloadKey)
-		if !ok {
-			st.s.misconfigured(MisconfigScopeAmbiguous, func() {
-				st.event(st.s.log.Error()).Msg("jwt_authn forwarded several payloads and the route scopes by jwt_claim without jwt_payload_key; name the payload (the provider's payload_in_metadata) in jwt_payload_key")
-			})
-			st.reject(problemScopeAmbiguous)
-			return
-		}
-		st.scope.jwt = payload
-	}
-	if r.RequireScope && scopeEmpty(r, st.scope) {
-		st.reject(problemScopeMissing)
-		return
-	}
-	if m.GetEndOfStream() || !st.needsBody() {
+	row := requestBodyRows[st.modes.request]
+	if m.GetEndOfStream() || !st.adm.needsBody {
 		// Nothing to wait for: claim now, so that a duplicate's answer comes before its body is
-		// uploaded (SPEC §8).
-		st.reqHeld = !m.GetEndOfStream() && contentLength(h) > 0 && holdsRequestHeaders(st.requestBodyMode)
-		st.owedHeaders = true
+		// uploaded.
+		st.w.held = !m.GetEndOfStream() && contentLength(h) > 0 && row.holdsHeaders
+		st.w.headers = true
 		st.claim(nil)
 		return
 	}
-	switch st.requestBodyMode {
-	case filterextproc.ProcessingMode_NONE:
+	if row.none {
 		st.bodyNotAvailable()
 		return
-	case filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
-		// Envoy sends the body without waiting for this answer, and may be kept waiting for it
-		// (reference §17.2): withheld, the headers do not reach the upstream before the claim.
-		st.owedHeaders = true
-	case filterextproc.ProcessingMode_STREAMED:
-		st.owedHeaders = st.bodyBeforeAnswer
 	}
+	st.w.headers = row.withholdHeaders || (row.withholdIfBodyFirst && st.modes.bodyFirst)
 	st.fire(evAwaitBody)
-	if !st.owedHeaders {
-		// Envoy sends the body only after this answer (reference §3).
-		st.send(reply{kind: kindRequestHeaders})
+	if !st.w.headers {
+		// Envoy sends the body only after this answer.
+		st.send(proceed(kindRequestHeaders))
 	}
 }
 
 // unknownRoute answers a request whose Envoy route names a policy route that does not exist, or
 // one whose path parameters the request's path does not have: 500, never the defaults, which
-// would protect it under another route's scope and settings (SPEC §9). Each name is logged once.
+// would protect it under another route's scope and settings. Each name is logged once while
+// remembered.
 func (st *stream) unknownRoute(name string, err error) {
-	st.route, st.rs = st.s.policy.Default, st.s.routes[st.s.policy.Default]
+	st.route = st.s.routes[st.s.policy.Default]
 	st.s.misconfigured(MisconfigUnknownRoute, nil)
 	if st.s.firstUnknownRoute(name) {
 		st.event(st.s.log.Error()).Str("named_route", cut(name, maxLoggedRouteName)).Err(err).Msg("x-idempotency-route names a route the policy cannot apply to this request; answering 500 unknown-idempotency-route")
@@ -451,30 +449,16 @@ func isGRPC(h headers) bool {
 	return len(ct) >= len(grpc) && string(ct[:len(grpc)]) == grpc && (len(ct) == len(grpc) || ct[len(grpc)] == '+')
 }
 
-// needsBody reports whether the claim needs the request body: to fingerprint it or to derive its
-// key from it.
-func (st *stream) needsBody() bool {
-	if st.bodyHash {
-		return true
-	}
-	for _, p := range st.route.Fingerprint {
-		if p == policy.PartBody {
-			return true
-		}
-	}
-	return false
-}
-
 // bodyNotAvailable settles a covered request whose body the processor will never see
-// (request_body_mode NONE): 500, or unprotected under fail_mode: open (SPEC §8).
+// (request_body_mode NONE): 500, or unprotected under fail_mode: open.
 func (st *stream) bodyNotAvailable() {
 	st.s.misconfigured(MisconfigBodyNotAvailable, func() {
 		st.event(st.s.log.Error()).Msg("request_body_mode is NONE, so the processor never sees the bodies of covered requests that need them (fingerprint: body, or missing_key: body-hash); set request_body_mode BUFFERED, or drop body from this route's fingerprint")
 	})
-	if st.s.policy.FailMode == policy.FailOpen && !st.shadow() {
+	if st.s.policy.FailMode == policy.FailOpen && !st.route.shadow {
 		st.outcome = Passthrough
 		st.fire(evUnprotected)
-		st.send(reply{kind: kindRequestHeaders})
+		st.send(proceed(kindRequestHeaders))
 		return
 	}
 	st.reject(problemBodyNotAvailable)
@@ -485,101 +469,95 @@ func (st *stream) requestBody(chunk []byte, eos bool) {
 		st.pass(kindRequestBody, chunk, eos)
 		return
 	}
-	switch st.requestBodyMode {
-	case filterextproc.ProcessingMode_BUFFERED:
-		// The one body message holds the whole body, whatever end_of_stream says (reference
-		// §2.4: it is false when trailers follow).
-		st.owedChunks = 1
-		st.claim(chunk)
-		return
-	case filterextproc.ProcessingMode_BUFFERED_PARTIAL:
-		// A partial buffer (end_of_stream false: Envoy's buffer limit was reached, the rest
-		// would pass unseen) can neither fingerprint the request nor stand for its key.
-		// Trailers also make end_of_stream false: such requests are refused too, rather than
-		// let one run unclaimed. (In shadow mode the buffer's answer is owed, and sent.)
-		st.owedChunks = 1
-		if !eos {
+	if row := requestBodyRows[st.modes.request]; row.oneMessage {
+		// A partial buffer can neither fingerprint the request nor stand for its key. Trailers
+		// also make end_of_stream false: such requests are refused too, rather than let one run
+		// unclaimed. (In shadow mode the buffer's answer is owed, and sent.)
+		st.w.chunks = 1
+		if row.partial && !eos {
 			st.reject(problemTooLarge)
 			return
 		}
 		st.claim(chunk)
 		return
 	}
-	// STREAMED and FULL_DUPLEX_STREAMED: Envoy may send the body as one message or as many,
-	// pipelined (reference §17.1). Collect it, withholding every answer, and claim at its end.
-	st.reqEnded = eos
-	if len(st.reqBody)+len(chunk) > st.route.MaxRequestBytes {
-		if st.shadow() {
+	// Envoy may send the body as one message or as many, pipelined (a body complete during the
+	// header call comes whole: Filter::handleCompleteBodyAvailable). Collect it, withholding
+	// every answer, and claim at its end.
+	st.w.ended = eos
+	if len(st.w.body)+len(chunk) > st.route.MaxRequestBytes {
+		if st.route.shadow {
 			// The request goes on untouched: this chunk's answer is owed too, and in
 			// FULL_DUPLEX_STREAMED the chunk itself, streamed back with what came before it.
-			st.reqBody = append(st.reqBody, chunk...)
-			st.owedChunks++
+			st.w.body = append(st.w.body, chunk...)
+			st.w.chunks++
 		} else {
-			st.reqBody = nil
+			st.w.body = nil
 		}
 		st.reject(problemTooLarge)
 		return
 	}
-	st.reqBody = append(st.reqBody, chunk...)
-	st.owedChunks++
+	st.w.body = append(st.w.body, chunk...)
+	st.w.chunks++
 	if eos {
-		st.claim(st.reqBody)
+		st.claim(st.w.body)
 	}
 }
 
 func (st *stream) requestTrailers() {
 	if st.state != stateCollect {
-		st.send(reply{kind: kindRequestTrailers})
+		st.send(proceed(kindRequestTrailers))
 		return
 	}
-	// Trailers end the body (SPEC §8): in the streamed modes after its chunks, and in the
-	// buffered modes for a request that had trailers and no data.
-	st.owedTrailers = true
-	st.claim(st.reqBody)
+	// Trailers end the body: in the streamed modes after its chunks, and in the buffered modes
+	// for a request that had trailers and no data.
+	st.w.trailers = true
+	st.claim(st.w.body)
 }
 
 // passThrough leaves the request alone and asks Envoy to skip every later phase. In a
-// FULL_DUPLEX_STREAMED request Envoy ignores mode_override (reference §17.1): none is sent, and
-// every later message is answered.
+// FULL_DUPLEX_STREAMED request Envoy ignores mode_override (Filter::onHeaders in ext_proc.cc
+// merges it only outside that mode): none is sent, and every later message is answered.
 func (st *stream) passThrough() {
 	st.outcome = Passthrough
 	st.fire(evPass)
 	if st.fullDuplex(kindRequestBody) || st.fullDuplex(kindResponseBody) {
-		st.send(reply{kind: kindRequestHeaders})
+		st.send(proceed(kindRequestHeaders))
 		return
 	}
-	st.overrideSent = passThroughMode
-	st.send(reply{kind: kindRequestHeaders, mode: passThroughMode})
+	st.sentOverride = passThroughMode
+	st.send(passOn{})
 }
 
 // reject settles a covered request with a problem answered by the server (in shadow mode, it only
 // counts it).
 func (st *stream) reject(p *problem) {
-	st.covered = true
+	st.adm.covered = true
 	st.beginSpan()
-	if st.shadow() {
+	if st.route.shadow {
 		st.shadowed(p.outcome)
 		return
 	}
 	st.outcome = p.outcome
 	st.fire(evAnswer)
-	st.send(reply{problem: p})
+	st.send(refuse{p})
 }
 
-// flushOwed sends the answers the claim withheld, in Envoy's order: the headers, the body (the
+// flush sends the answers the claim withheld, in Envoy's order: the headers, the body (the
 // chunks' answers, or in FULL_DUPLEX_STREAMED the body itself, streamed back), the trailers.
-func (st *stream) flushOwed() {
-	if st.owedHeaders {
-		st.send(reply{kind: kindRequestHeaders})
+func (st *stream) flush() {
+	w := &st.w
+	if w.headers {
+		st.send(proceed(kindRequestHeaders))
 	}
-	if st.fullDuplex(kindRequestBody) && st.owedChunks > 0 {
+	if st.fullDuplex(kindRequestBody) && w.chunks > 0 {
 		// The body streamed back ends where Envoy's did: not at all yet when the response began
 		// early or a shadowed request was too large, before the trailers when they came.
-		body := st.reqBody
+		body := w.body
 		for {
 			n := min(len(body), maxStreamedChunk)
 			last := n == len(body)
-			st.send(reply{kind: kindRequestBody, stream: true, chunk: body[:n], eos: last && st.reqEnded && !st.owedTrailers})
+			st.send(echo{k: kindRequestBody, chunk: body[:n], eos: last && w.ended && !w.trailers})
 			body = body[n:]
 			if last {
 				break
@@ -587,33 +565,34 @@ func (st *stream) flushOwed() {
 		}
 		// Sent back, the body is Envoy's again: the stream must not keep it for the whole
 		// upstream call.
-		st.reqBody = nil
+		w.body = nil
 	} else {
-		for range st.owedChunks {
-			st.send(reply{kind: kindRequestBody})
+		for range w.chunks {
+			st.send(proceed(kindRequestBody))
 		}
 	}
-	if st.owedTrailers {
-		st.send(reply{kind: kindRequestTrailers})
+	if w.trailers {
+		st.send(proceed(kindRequestTrailers))
 	}
-	st.owedHeaders, st.owedChunks, st.owedTrailers = false, 0, false
+	w.headers, w.chunks, w.trailers = false, 0, false
 }
 
-// claim makes the one store round trip of a covered request and decides its fate: 422, 409, a
-// replay, or running it under a fresh lease.
+// claim makes the one store round trip of a covered request and carries out the decision: 422,
+// 409, a replay, or running it under a fresh lease.
 func (st *stream) claim(body []byte) {
 	r := st.route
-	d := newDigest(st.s.keyHash)
-	if st.bodyHash {
-		st.key = d.bodyHashKey(st.method, st.path, body)
+	d := st.s.digests.Get().(*digest)
+	if st.adm.bodyHash {
+		st.adm.key = d.bodyHashKey(st.req.method, st.req.path, body)
 	}
-	st.storeKey, st.keyHash = d.storeKey(r, st.scope, st.key)
-	fp := d.fingerprint(r, st.method, st.path, body, st.headers)
+	st.storeKey, st.keyHash = d.storeKey(r.Route, st.adm.scope, st.adm.key)
+	fp := d.fingerprint(r.Route, st.req.method, st.req.path, body, st.req.headers)
+	st.s.digests.Put(d)
 	if !st.fullDuplex(kindRequestBody) {
-		st.reqBody = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
+		st.w.body = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
 	}
 
-	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.ttl, Route: r.Name}
+	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.adm.ttl, Route: r.Name}
 	wait, preferred := st.waitBudget()
 	var deadline time.Time
 	for {
@@ -629,19 +608,19 @@ func (st *stream) claim(body []byte) {
 			// The record is there but cannot be read (a tampered or unknown-key sealed record, a
 			// layout this build does not know): the request ran once, so it must not run again,
 			// whatever fail_mode says.
-			st.rs.unreadable.Inc()
+			r.unreadable.Inc()
 			st.event(st.s.log.Error()).Err(err).Msg("stored record cannot be read; answering response-not-replayable")
 			st.reject(problemNotReplayable)
 			return
 		case err != nil:
 			st.storeFailed("acquire", err)
 			switch {
-			case st.shadow():
+			case r.shadow:
 				st.shadowed(StoreError)
 			case st.s.policy.FailMode == policy.FailOpen:
 				// Its response headers still come, for the replay header.
 				st.fire(evUnprotected)
-				st.flushOwed()
+				st.flush()
 			default:
 				st.reject(problemStoreUnavailable)
 			}
@@ -649,35 +628,44 @@ func (st *stream) claim(body []byte) {
 		case rec == nil:
 			st.run(lease)
 			return
-		case rec.State == cache.Pending && fingerprintMatches(r, fp, rec.Fingerprint) && sameRoute(r, rec.Route) && wait > 0 && !st.shadow():
-			// In flight: wait for the first request to complete rather than answer 409 at once
-			// (SPEC §11), polling no faster than every waitPoll.
+		}
+		p, inFlight := judgeRecord(r.Route, fp, rec)
+		if inFlight && wait > 0 && !r.shadow {
+			// In flight: wait for the first request to complete rather than answer 409 at once,
+			// polling no faster than every waitPoll.
 			now := st.s.clock.Now()
 			if deadline.IsZero() {
 				deadline = now.Add(wait)
 			}
-			if !now.Before(deadline) {
-				st.reject(problemInProgress)
-				return
+			if now.Before(deadline) {
+				if !st.sleep(min(waitPoll, deadline.Sub(now))) {
+					st.fire(evAnswer) // Envoy gave up on the request: nobody waits for an answer
+					return
+				}
+				r.waitCalls.Inc()
+				continue
 			}
-			if !st.sleep(min(waitPoll, deadline.Sub(now))) {
-				st.fire(evAnswer) // Envoy gave up on the request: nobody waits for an answer
-				return
+		}
+		switch {
+		case p != nil:
+			st.reject(p)
+		case r.shadow:
+			st.shadowed(Replayed)
+		default:
+			waited := ""
+			if preferred && !deadline.IsZero() {
+				// RFC 7240 counts whole seconds: the budget rounded up, never above the client's N.
+				waited = "wait=" + strconv.Itoa(int((wait+time.Second-1)/time.Second))
 			}
-			st.rs.waitCalls.Inc()
-			continue
+			st.outcome = Replayed
+			st.fire(evAnswer)
+			st.send(replay{rec: rec, waited: waited})
 		}
-		waited := ""
-		if preferred && !deadline.IsZero() {
-			// RFC 7240 counts whole seconds: the budget rounded up, never above the client's N.
-			waited = "wait=" + strconv.Itoa(int((wait+time.Second-1)/time.Second))
-		}
-		st.answerExisting(fp, rec, waited)
 		return
 	}
 }
 
-// waitPoll is the least time between two store calls of a waiting duplicate (SPEC §11).
+// waitPoll is the least time between two store calls of a waiting duplicate.
 const waitPoll = 50 * time.Millisecond
 
 // waitBudget returns how long a duplicate of a request in flight may wait for its replay: the
@@ -688,7 +676,7 @@ func (st *stream) waitBudget() (wait time.Duration, preferred bool) {
 	if wait == 0 {
 		return 0, false
 	}
-	if n, ok := preferWait(st.headers); ok {
+	if n, ok := preferWait(st.req.headers); ok {
 		return min(wait, time.Duration(n)*time.Second), true
 	}
 	return wait, false
@@ -703,103 +691,42 @@ func (st *stream) run(lease cache.Lease) {
 	st.outcome = Executed
 	st.s.metrics.inflight.Inc()
 	st.startRenewal()
-	if st.shadow() {
-		st.rs.shadow[Executed].Inc()
+	if st.route.shadow {
+		st.route.shadowCounts[Executed].Inc()
 	}
 	st.fire(evRun)
-	st.flushOwed()
+	st.flush()
 }
-
-// answerExisting answers a request whose key already has a record. The mismatch check comes
-// before the in-flight and replay checks (SPEC §4). waited is the Preference-Applied value of a
-// duplicate that waited for the replay.
-func (st *stream) answerExisting(fp []byte, rec *cache.Record, waited string) {
-	switch {
-	case !fingerprintMatches(st.route, fp, rec.Fingerprint) || !sameRoute(st.route, rec.Route):
-		st.reject(problemReused)
-	case rec.State == cache.Pending:
-		st.reject(problemInProgress)
-	case rec.Response.OutcomeUnknown:
-		st.reject(problemOutcomeUnknown)
-	case rec.Response.BodyOmitted:
-		st.reject(problemNotReplayable)
-	case st.shadow():
-		st.shadowed(Replayed)
-	default:
-		st.outcome = Replayed
-		st.fire(evAnswer)
-		st.send(reply{replay: rec, waited: waited})
-	}
-}
-
-// shadow reports whether the request's route is in shadow mode: claimed and recorded as under
-// enforce, but never answered by the processor (SPEC §10).
-func (st *stream) shadow() bool { return st.route != nil && st.route.Mode == policy.ModeShadow }
 
 // shadowed counts and logs what enforcement would have answered, and lets the request go on
 // untouched instead.
 func (st *stream) shadowed(would Outcome) {
-	st.rs.shadow[would].Inc()
+	st.route.shadowCounts[would].Inc()
 	st.event(st.s.log.Info()).Str("would", string(would)).Msg("shadow mode: enforcement would have answered this request; it goes on untouched")
 	st.outcome = Passthrough
 	if st.state == stateStart {
-		st.owedHeaders = false
+		st.w.headers = false
 		st.passThrough()
 		return
 	}
 	st.fire(evPass)
-	st.flushOwed()
-}
-
-// sameRoute reports whether a record was claimed under route r. A key reused on another route
-// that shares r's key_prefix is another endpoint's, whatever the routes' fingerprints say (a
-// route whose fingerprint omits the path would otherwise replay the other route's response). A
-// record that names no route (written before records carried it) is taken as r's, as before.
-func sameRoute(r *policy.Route, stored string) bool {
-	return stored == "" || stored == r.Name[:min(len(r.Name), cache.MaxRouteBytes)]
-}
-
-// fingerprintMatches reports whether a record's fingerprint is this request's. A record without
-// a fingerprint comes from a build before b740924, for a route with none: such a route accepts
-// it, as that build did, until it expires.
-func fingerprintMatches(r *policy.Route, fp, stored []byte) bool {
-	return string(fp) == string(stored) || (len(r.Fingerprint) == 0 && len(stored) == 0)
+	st.flush()
 }
 
 func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*structpb.Struct) {
 	switch st.state {
 	case stateRunning:
 	case stateCollect:
-		// The response began before the request's end reached the processor: Envoy answered it
-		// itself (an overflow, a timeout), the upstream answered early, or Envoy sent the request
-		// on without the body phase (trailers and no data under request_trailer_mode SKIP:
-		// Filter::onTrailers continues when it has nothing buffered and sends no trailers). In
-		// the last two the request ran without a lease (its outcome stays passthrough). Under
-		// BUFFERED and BUFFERED_PARTIAL Envoy holds the headers until the body's answer, so only
-		// the skipped trailers can explain it: a misconfiguration, counted. Under STREAMED and
-		// FULL_DUPLEX_STREAMED the headers went upstream before the claim, and an upstream may
-		// answer before the body ends. What was withheld is answered first.
-		if o := originOf(attrs); !o.envoyMade || !o.attemptsKnown || o.attempts > 0 {
-			if holdsRequestHeaders(st.requestBodyMode) {
-				st.s.misconfigured(MisconfigUnclaimedRequest, func() {
-					st.event(st.s.log.Warn()).Msg("the upstream answered a covered request whose end the processor never saw, so it ran without a lease; set request_trailer_mode: SEND in the ext_proc filter's processing_mode (requests with trailers and no body otherwise skip the body phase)")
-				})
-			} else {
-				st.s.earlyAnswerLog.Do(func() {
-					st.event(st.s.log.Info()).Msg("the upstream answered a streamed request before its body ended (Envoy sends a STREAMED request's headers on before the claim), so it ran without a lease; its outcome is passthrough")
-				})
-			}
-			st.event(st.s.log.Debug()).Msg("the response began before the request body reached the processor whole; this request ran unprotected")
-		}
-		st.fire(evUnprotected)
-		st.flushOwed()
-		fallthrough
+		st.earlyResponse(attrs)
+		st.fire(evSettle)
+		st.markResponse(false, false)
+		return
 	case stateUnprotected:
 		st.fire(evSettle)
 		st.markResponse(false, false)
 		return
 	case statePass:
-		if st.overrideSent == passThroughMode {
+		if st.sentOverride == passThroughMode {
 			st.overrideRefused()
 		}
 		st.pass(kindResponseHeaders, nil, false)
@@ -810,7 +737,7 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 	}
 	r := st.route
 	h := headers(m.GetHeaders().GetHeaders())
-	st.status = parseStatus(h.get(":status"))
+	status := parseStatus(h.get(":status"))
 	o := originOf(attrs)
 	if !o.detailsKnown {
 		st.s.misconfigured(MisconfigCodeDetailsMissing, func() {
@@ -821,144 +748,136 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 		// Not a misconfiguration by itself: retries on connect-failure or refused-stream (Istio's
 		// default policy has them) never reached the upstream. The config checks refuse the
 		// retry conditions that may run a request twice.
-		st.rs.retried.Inc()
+		r.retried.Inc()
 		st.s.retriedLog.Do(func() {
 			st.event(st.s.log.Info()).Int64("attempts", o.attempts).Msg("Envoy's router sent a covered request upstream more than once (retry_policy or hedge_policy): harmless after connect-failure or refused-stream, a possible second execution after reset, 5xx or a per-try timeout; counted in idempotency_upstream_retries_total")
 		})
 	}
-	switch {
-	case o.envoyMade || (!o.detailsKnown && !r.StoreStatuses.Has(st.status)):
-		// Envoy made this response (a timeout, a refused connection, an overflow), or may have:
-		// it is not the outcome of the request. Only when the request never reached the
-		// upstream is it known that nothing ran (SPEC §8).
-		switch {
-		case o.attemptsKnown && o.attempts == 0:
-			st.release(ReleaseEnvoyResponse)
-		default:
-			if !o.attemptsKnown {
-				st.s.misconfigured(MisconfigAttemptCountMissing, func() {
-					st.event(st.s.log.Warn()).Msg("an Envoy-made response came without upstream.request_attempt_count; add it to the ext_proc filter's response_attributes, or every such response is treated as an unknown outcome")
-				})
-			}
-			st.unknownOutcome(st.status)
+	bodySent := st.modes.response != filterextproc.ProcessingMode_NONE
+	settle, reason, omitted := judgeResponse(r.Route, response{status: status, origin: o, endOfStream: m.GetEndOfStream(), bodySent: bodySent})
+	st.resp.Status = status
+	switch settle {
+	case settleRelease:
+		st.release(reason)
+	case settleUnknown:
+		if !o.attemptsKnown {
+			st.s.misconfigured(MisconfigAttemptCountMissing, func() {
+				st.event(st.s.log.Warn()).Msg("an Envoy-made response came without upstream.request_attempt_count; add it to the ext_proc filter's response_attributes, or every such response is treated as an unknown outcome")
+			})
 		}
+		st.unknownOutcome(status)
+	case settleRecord:
+		st.resp.Headers, st.resp.BodyOmitted = replayableHeaders(h, r.Route), omitted
+		st.complete()
 		st.fire(evSettle)
-		st.markResponse(false, false)
+		st.markResponse(!omitted || !bodySent, st.recorded)
 		return
-	case !r.StoreStatuses.Has(st.status):
-		st.release(ReleaseStatus)
-		st.fire(evSettle)
-		st.markResponse(false, false)
-		return
-	}
-	st.respHeaders = replayableHeaders(h, r)
-	switch {
-	case m.GetEndOfStream():
-		st.complete()
-		st.fire(evSettle)
-		st.markResponse(true, st.completed)
-	case st.responseBodyMode == filterextproc.ProcessingMode_NONE:
-		// Envoy will not send the body: record the outcome now, without it, so that the request
-		// still runs at most once (duplicates get 409 response-not-replayable).
-		st.omitted = true
-		st.complete()
-		st.fire(evSettle)
-		st.markResponse(true, st.completed)
-	case !r.StoreBody:
-		// store_body: false keeps status and headers only (SPEC §12): nothing to capture.
-		st.omitted = true
-		st.complete()
-		st.fire(evSettle)
-		st.markResponse(false, st.completed)
-	default:
+	case settleCapture:
+		st.resp.Headers = replayableHeaders(h, r.Route)
 		st.fire(evStore)
 		st.markResponse(true, true)
+		return
 	}
+	st.fire(evSettle)
+	st.markResponse(false, false)
+}
+
+// earlyResponse handles response headers that came before the request's end reached the
+// processor: Envoy answered it itself (an overflow, a timeout), the upstream answered early, or
+// Envoy sent the request on without the body phase (trailers and no data under
+// request_trailer_mode SKIP: Filter::onTrailers continues when it has nothing buffered and sends
+// no trailers). In the last two the request ran without a lease (its outcome stays passthrough).
+// Under BUFFERED and BUFFERED_PARTIAL Envoy holds the headers until the body's answer, so only
+// the skipped trailers can explain it: a misconfiguration, counted. Under STREAMED and
+// FULL_DUPLEX_STREAMED the headers went upstream before the claim, and an upstream may answer
+// before the body ends. What was withheld is answered first.
+func (st *stream) earlyResponse(attrs map[string]*structpb.Struct) {
+	if o := originOf(attrs); !o.envoyMade || !o.attemptsKnown || o.attempts > 0 {
+		if requestBodyRows[st.modes.request].holdsHeaders {
+			st.s.misconfigured(MisconfigUnclaimedRequest, func() {
+				st.event(st.s.log.Warn()).Msg("the upstream answered a covered request whose end the processor never saw, so it ran without a lease; set request_trailer_mode: SEND in the ext_proc filter's processing_mode (requests with trailers and no body otherwise skip the body phase)")
+			})
+		} else {
+			st.s.earlyAnswerLog.Do(func() {
+				st.event(st.s.log.Info()).Msg("the upstream answered a streamed request before its body ended (Envoy sends a STREAMED request's headers on before the claim), so it ran without a lease; its outcome is passthrough")
+			})
+		}
+		st.event(st.s.log.Debug()).Msg("the response began before the request body reached the processor whole; this request ran unprotected")
+	}
+	st.fire(evUnprotected)
+	st.flush()
 }
 
 // markResponse answers response headers of a covered request: the replay header set to false
 // (replay_header_fresh), and the record's expiry when the response is stored. A response whose
 // body the processor need not see also has its body phase turned off, unless Envoy would ignore
-// the override (FULL_DUPLEX_STREAMED, reference §17.1) or sends no body anyway. In shadow mode
-// the response goes on untouched.
+// the override (FULL_DUPLEX_STREAMED) or sends no body anyway. In shadow mode the response goes
+// on untouched.
 func (st *stream) markResponse(wantBody, stored bool) {
-	var mode *filterextproc.ProcessingMode
-	if !wantBody && !st.fullDuplex(kindResponseBody) && st.responseBodyMode != filterextproc.ProcessingMode_NONE {
-		mode = noStoreMode
-		st.overrideSent = noStoreMode
+	noBody := !wantBody && !st.fullDuplex(kindResponseBody) && st.modes.response != filterextproc.ProcessingMode_NONE
+	if noBody {
+		st.sentOverride = noStoreMode
 	}
-	if st.shadow() {
-		st.send(reply{kind: kindResponseHeaders, mode: mode})
+	if st.route.shadow {
+		st.send(untouched{noBody: noBody})
 		return
 	}
 	var expires time.Time
 	if stored && st.route.ExpiresHeader != "" {
-		expires = st.s.clock.Now().Add(st.ttl)
+		expires = st.s.clock.Now().Add(st.adm.ttl)
 	}
-	st.send(reply{kind: kindResponseHeaders, mark: true, mode: mode, expires: expires})
+	st.send(mark{expires: expires, noBody: noBody})
 }
 
 // overrideRefused notes that Envoy sent a phase a mode_override had turned off: every request
-// then goes through every phase, buffered (SPEC §8).
+// then goes through every phase, buffered.
 func (st *stream) overrideRefused() {
-	st.overrideSent = nil // once per stream
+	st.sentOverride = nil // once per stream
 	st.s.misconfigured(MisconfigModeOverrideRefused, func() {
-		st.event(st.s.log.Warn()).Msg("Envoy ignored this processor's mode_override: set allow_mode_override: true, list exactly the two SPEC §5 modes in allowed_override_modes (or none), and turn send_body_without_waiting_for_header_response off; until then every request's bodies go through the processor")
+		st.event(st.s.log.Warn()).Msg("Envoy ignored this processor's mode_override: set allow_mode_override: true, list exactly the processor's two modes in allowed_override_modes (or none), and turn send_body_without_waiting_for_header_response off; until then every request's bodies go through the processor")
 	})
 }
 
 func (st *stream) responseBody(chunk []byte, eos bool) {
 	if st.state != stateCapture {
-		if st.overrideSent == noStoreMode {
+		if st.sentOverride == noStoreMode {
 			st.overrideRefused()
 		}
 		st.pass(kindResponseBody, chunk, eos)
 		return
 	}
 	last := eos
-	switch st.responseBodyMode {
+	switch st.modes.response {
 	case filterextproc.ProcessingMode_BUFFERED:
-		// The one message holds the whole body, even when trailers follow (reference §2.4).
+		// The one message holds the whole body, even when trailers follow.
 		last = true
 	case filterextproc.ProcessingMode_BUFFERED_PARTIAL:
 		// A partial buffer that does not end the body means the rest passed unseen.
 		if !eos {
-			st.omitted = true
+			st.resp.BodyOmitted = true
 		}
 		last = true
 	}
 	switch {
-	case st.omitted:
-	case len(st.body)+len(chunk) > st.route.MaxResponseBytes:
-		st.omitted, st.body = true, nil
-	case st.body == nil:
-		st.body = chunk
+	case st.resp.BodyOmitted:
+	case len(st.resp.Body)+len(chunk) > st.route.MaxResponseBytes:
+		st.resp.BodyOmitted, st.resp.Body = true, nil
+	case st.resp.Body == nil:
+		st.resp.Body = chunk
 	default:
-		st.body = append(st.body, chunk...)
+		st.resp.Body = append(st.resp.Body, chunk...)
 	}
 	if last {
-		// Durability: the record is written before Envoy may pass the response's end on
-		// (SPEC §4).
+		// Durability: the record is written before Envoy may pass the response's end on.
 		st.complete()
 		st.fire(evSettle)
 	}
 	st.pass(kindResponseBody, chunk, eos)
 }
 
-func (st *stream) responseTrailers() {
-	if st.state == stateCapture {
-		// Trailers end the body of a streamed response (reference §2.4).
-		st.complete()
-		st.fire(evSettle)
-	}
-	st.send(reply{kind: kindResponseTrailers})
-}
-
 // complete records the response and gives up the lease.
 func (st *stream) complete() {
-	if st.record(cache.Response{Status: st.status, Headers: st.respHeaders, Body: st.body, BodyOmitted: st.omitted}) {
-		st.completed = true
-	}
+	st.recorded = st.record(st.resp)
 }
 
 // record writes the lease's completed (or outcome-unknown) record and gives up the lease. A
@@ -970,7 +889,7 @@ func (st *stream) record(resp cache.Response) bool {
 	// The client may already be gone; the record must still be written.
 	err := st.s.completeCall(context.WithoutCancel(st.ctx), st, st.lease, resp)
 	retried := err != nil && retryable(err) && st.s.completions.retry(pendingCompletion{
-		lease: st.lease, resp: resp, lockTTL: st.route.LockTTL, until: st.s.clock.Now().Add(st.ttl),
+		lease: st.lease, resp: resp, lockTTL: st.route.LockTTL, until: st.s.clock.Now().Add(st.adm.ttl),
 		requestID: st.requestID, route: st.route.Name, keyHash: st.keyHash,
 	})
 	st.dropLease()
@@ -994,15 +913,15 @@ func (st *stream) release(reason string) {
 		return
 	}
 	st.releaseReason = reason
-	st.rs.releases[reason].Inc()
+	st.route.releases[reason].Inc()
 	st.event(st.s.log.Debug()).Str("reason", reason).Msg("lease released")
 }
 
 // unknownOutcome handles a lease whose request may or may not have run upstream, as the route's
-// unknown_outcome says (SPEC §8); status is Envoy's, or 0 when no response was seen.
+// unknown_outcome says; status is Envoy's, or 0 when no response was seen.
 func (st *stream) unknownOutcome(status int) {
 	r := st.route
-	st.rs.unknown[r.UnknownOutcome].Inc()
+	r.unknown[r.UnknownOutcome].Inc()
 	switch r.UnknownOutcome {
 	case policy.UnknownOutcomeRelease:
 		st.release(ReleaseUnknownOutcome)
@@ -1036,24 +955,6 @@ func (st *stream) storeFailed(op string, err error) {
 	ev.Str("op", op).Err(err).Msg("store operation failed")
 }
 
-// newMetadata reports whether the request's dynamic metadata has news for Envoy: an outcome or a
-// release reason that it has not been told. The first answer that settles, claims or passes a
-// request carries it (SPEC §9).
-func (st *stream) newMetadata() bool {
-	// While the body is awaited a covered request has no outcome yet: the header answer carries
-	// none, rather than a passthrough the access log would keep if the client left mid-body.
-	if st.route == nil || st.state == stateCollect || (st.outcome == st.sentOutcome && st.releaseReason == st.sentReason) {
-		return false
-	}
-	st.sentOutcome, st.sentReason = st.outcome, st.releaseReason
-	return true
-}
-
-// metadata returns the request's dynamic metadata.
-func (st *stream) metadata() *structpb.Struct {
-	return metadataFields(st.s.metadataNamespace, st.rs.name, st.outcome, st.keyHash, st.releaseReason)
-}
-
 // finish runs when the stream ends, however it ends. A lease still held means the response was
 // not seen whole: with storable response headers seen, the request ran and its record is
 // completed without a body; with none, its outcome is unknown.
@@ -1067,9 +968,9 @@ func (st *stream) finish() {
 	if st.lease.Held() {
 		switch {
 		case st.state == stateCapture:
-			st.omitted = true
+			st.resp.BodyOmitted = true
 			st.complete()
-		case st.reqHeld:
+		case st.w.held:
 			// Envoy still held the request when the stream ended (the client left during a
 			// BUFFERED upload claimed at its headers): it never reached the upstream.
 			st.release(ReleaseNotSent)
@@ -1082,22 +983,24 @@ func (st *stream) finish() {
 		return
 	}
 	st.endSpan()
-	st.rs.outcomes[st.outcome].Inc()
-	if !st.covered {
+	st.route.outcomes[st.outcome].Inc()
+	if !st.adm.covered {
 		return
 	}
 	ev := st.s.log.Info()
 	if st.outcome == StoreError {
 		ev = st.s.log.Warn()
 	}
-	ev = st.event(ev)
-	ev = ev.Str("outcome", string(st.outcome)).Bytes("method", st.method)
-	if st.status != 0 {
-		ev = ev.Int("status", st.status)
+	if ev == nil {
+		return
 	}
-	if st.outcome == Executed && !st.completed {
+	ev = st.event(ev).Str("outcome", string(st.outcome)).Bytes("method", st.req.method)
+	if st.resp.Status != 0 {
+		ev = ev.Int("status", st.resp.Status)
+	}
+	if st.outcome == Executed && !st.recorded {
 		ev = ev.Bool("response_seen", false)
-	} else if st.completed && st.omitted {
+	} else if st.recorded && st.resp.BodyOmitted {
 		ev = ev.Bool("body_kept", false)
 	}
 	if st.releaseReason != "" {
@@ -1128,7 +1031,8 @@ func stringAttribute(attrs map[string]*structpb.Struct, name string) (string, bo
 }
 
 // numberAttribute returns the integer attribute name, if Envoy sent it. Envoy sends CEL integers
-// as JSON numbers (reference §17.2); a decimal string is accepted too.
+// as JSON numbers (ExtProcLoggingInfo and the CEL conversion in matching_utils.cc); a decimal
+// string is accepted too.
 func numberAttribute(attrs map[string]*structpb.Struct, name string) (int64, bool) {
 	v, ok := attrs[extProcAttributes].GetFields()[name]
 	if !ok {
@@ -1144,29 +1048,11 @@ func numberAttribute(attrs map[string]*structpb.Struct, name string) (int64, boo
 	return 0, false
 }
 
-// origin is what a response's attributes say about who made it (SPEC §8).
-type origin struct {
-	// detailsKnown: response.code_details came; envoyMade: it is not via_upstream.
-	detailsKnown, envoyMade bool
-	// attempts is upstream.request_attempt_count when attemptsKnown (0: never sent upstream).
-	attempts      int64
-	attemptsKnown bool
-}
-
 // originOf reads where a response came from out of the response attributes Envoy sent with it.
 func originOf(attrs map[string]*structpb.Struct) origin {
 	details, detailsKnown := stringAttribute(attrs, attrCodeDetails)
 	attempts, attemptsKnown := numberAttribute(attrs, attrAttemptCount)
 	return origin{detailsKnown: detailsKnown, envoyMade: detailsKnown && details != "via_upstream", attempts: attempts, attemptsKnown: attemptsKnown}
-}
-
-// holdsRequestHeaders reports whether Envoy holds a request's headers until its body's answer
-// in request body mode m, so that nothing of the request reaches the upstream before then:
-// BUFFERED and BUFFERED_PARTIAL (ProcessorState::handleHeadersResponse in processor_state.cc:
-// "hold the headers while we buffer the body"). In STREAMED and FULL_DUPLEX_STREAMED the
-// headers go on at once.
-func holdsRequestHeaders(m filterextproc.ProcessingMode_BodySendMode) bool {
-	return m == filterextproc.ProcessingMode_BUFFERED || m == filterextproc.ProcessingMode_BUFFERED_PARTIAL
 }
 
 // contentLength is the request's content-length, or -1 when it has none or it is not a number.

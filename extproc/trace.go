@@ -57,7 +57,7 @@ func (st *stream) beginSpan() {
 	}
 	st.spanCtx, st.span = st.s.tracer.Start(ctx, "idempotency.request",
 		trace.WithSpanKind(trace.SpanKindServer),
-		trace.WithAttributes(attrTraceRoute.String(st.route.Name), attrTraceMethod.String(string(st.method))))
+		trace.WithAttributes(attrTraceRoute.String(st.route.Name), attrTraceMethod.String(string(st.req.method))))
 }
 
 // endSpan ends the request's span with its outcome.
@@ -69,8 +69,8 @@ func (st *stream) endSpan() {
 	if st.keyHash != "" {
 		attrs = append(attrs, attrTraceKeyHash.String(st.keyHash))
 	}
-	if st.status != 0 {
-		attrs = append(attrs, attrTraceStatus.Int(st.status))
+	if st.resp.Status != 0 {
+		attrs = append(attrs, attrTraceStatus.Int(st.resp.Status))
 	}
 	if st.releaseReason != "" {
 		attrs = append(attrs, attrTraceReleaseReason.String(st.releaseReason))

@@ -1,0 +1,185 @@
+package extproc
+
+import (
+	"time"
+
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+)
+
+// The idempotency decision, apart from Envoy: what a request's headers admit, what a taken key's
+// record answers, and what a response does to the lease. These are functions of plain values;
+// the stream (stream.go) reads them out of Envoy's messages and carries their verdicts out. They
+// are table-tested without gRPC (decide_test.go).
+
+// requestInfo is what the request headers tell the decision.
+type requestInfo struct {
+	headers      headers
+	method, path []byte
+	// jwtAuthn is the jwt_authn namespace of metadata_context; nil when Envoy forwarded none.
+	jwtAuthn *structpb.Struct
+	// peer is connection.uri_san_peer_certificate; "" when there is none.
+	peer string
+	// params are the route's path parameters, aligned with its path_param scope entries.
+	params []string
+}
+
+// admission is what a request's headers decide.
+type admission struct {
+	// covered: the request is the processor's. A request that is not passes through untouched.
+	covered bool
+	// problem, when set, answers a covered request at once (400, 401, 500).
+	problem *problem
+	// What a claim needs. bodyHash: the key is the body's hash, known at the body's end.
+	key      string
+	bodyHash bool
+	ttl      time.Duration
+	scope    scope
+	// needsBody: the claim waits for the whole body (it is fingerprinted, or is the key).
+	needsBody bool
+}
+
+// admit decides what a request on route r is: not covered, answered at once, or to be claimed.
+func admit(r *policy.Route, req requestInfo) admission {
+	if !r.Enabled || !r.Covers(string(req.method)) || isGRPC(req.headers) {
+		// A gRPC request is never covered: Envoy turns every ImmediateResponse into a
+		// trailers-only gRPC reply, so a replay could not be faithful.
+		return admission{}
+	}
+	key, present, err := parseKey(req.headers, r.KeyHeaders)
+	switch {
+	case err != nil:
+		return admission{covered: true, problem: problemInvalidKey}
+	case !present && r.MissingKey == policy.MissingKeyOptional:
+		return admission{}
+	case !present && r.MissingKey == policy.MissingKeyRequired:
+		return admission{covered: true, problem: problemMissingKey}
+	}
+	a := admission{covered: true, key: key, bodyHash: !present, ttl: r.TTL}
+	if r.TTLHeader != "" {
+		if v, ok := req.headers.lookup(r.TTLHeader); ok {
+			ttl, err := parseTTL(v, r.MaxTTL)
+			if err != nil {
+				return admission{covered: true, problem: problemInvalidTTL}
+			}
+			a.ttl = ttl
+		}
+	}
+	a.scope = scope{headers: req.headers, params: req.params, peer: req.peer}
+	if usesClaims(r) {
+		payload, ok := jwtPayload(req.jwtAuthn, r.JWTPayloadKey)
+		if !ok {
+			return admission{covered: true, problem: problemScopeAmbiguous}
+		}
+		a.scope.jwt = payload
+	}
+	if r.RequireScope && scopeEmpty(r, a.scope) {
+		return admission{covered: true, problem: problemScopeMissing}
+	}
+	a.needsBody = a.bodyHash || fingerprintsBody(r)
+	return a
+}
+
+// fingerprintsBody reports whether route r's fingerprint includes the request body.
+func fingerprintsBody(r *policy.Route) bool {
+	for _, p := range r.Fingerprint {
+		if p == policy.PartBody {
+			return true
+		}
+	}
+	return false
+}
+
+// judgeRecord answers a claim that found key's record rec: 422 when the record is another
+// request's (another payload, or another route), 409 while the first is in flight (wait tells
+// whether a duplicate may wait for it instead), 409 when its outcome is unknown or its response
+// was not kept, else the replay (problem nil). The mismatch check comes first.
+func judgeRecord(r *policy.Route, fp []byte, rec *cache.Record) (p *problem, wait bool) {
+	switch {
+	case !fingerprintMatches(r, fp, rec.Fingerprint) || !sameRoute(r, rec.Route):
+		return problemReused, false
+	case rec.State == cache.Pending:
+		return problemInProgress, true
+	case rec.Response.OutcomeUnknown:
+		return problemOutcomeUnknown, false
+	case rec.Response.BodyOmitted:
+		return problemNotReplayable, false
+	}
+	return nil, false
+}
+
+// sameRoute reports whether a record was claimed under route r. A key reused on another route
+// that shares r's key_prefix is another endpoint's, whatever the routes' fingerprints say (a
+// route whose fingerprint omits the path would otherwise replay the other route's response). A
+// record that names no route (written before records carried it) is taken as r's, as before.
+func sameRoute(r *policy.Route, stored string) bool {
+	return stored == "" || stored == r.Name[:min(len(r.Name), cache.MaxRouteBytes)]
+}
+
+// fingerprintMatches reports whether a record's fingerprint is this request's. A record without
+// a fingerprint comes from a build before fingerprints were stored, for a route with none: such a
+// route accepts it, as that build did, until it expires.
+func fingerprintMatches(r *policy.Route, fp, stored []byte) bool {
+	return string(fp) == string(stored) || (len(r.Fingerprint) == 0 && len(stored) == 0)
+}
+
+// origin is what a response's attributes say about who made it.
+type origin struct {
+	// detailsKnown: response.code_details came; envoyMade: it is not via_upstream.
+	detailsKnown, envoyMade bool
+	// attempts is upstream.request_attempt_count when attemptsKnown (0: never sent upstream).
+	attempts      int64
+	attemptsKnown bool
+}
+
+// settlement is what a response does to the lease of the request it answers.
+type settlement uint8
+
+const (
+	// settleRelease frees the key, with a release reason: a retry runs again.
+	settleRelease settlement = iota
+	// settleUnknown follows the route's unknown_outcome: the request may or may not have run.
+	settleUnknown
+	// settleRecord records the response now, from its headers: its body is empty (the headers
+	// end the stream) or not kept (omitted).
+	settleRecord
+	// settleCapture captures the body that follows, and records the response at its end.
+	settleCapture
+)
+
+// response is what the decision needs of a response: its status and origin, whether its headers
+// end it, and whether Envoy will send its body (the response body mode is not NONE).
+type response struct {
+	status      int
+	origin      origin
+	endOfStream bool
+	bodySent    bool
+}
+
+// judgeResponse decides what the response to a request that ran under a lease of route r does to
+// that lease, and for a release why, and whether the body is left out of the record.
+func judgeResponse(r *policy.Route, resp response) (s settlement, releaseReason string, omitted bool) {
+	o := resp.origin
+	switch {
+	case o.envoyMade || (!o.detailsKnown && !r.StoreStatuses.Has(resp.status)):
+		// Envoy made this response (a timeout, a refused connection, an overflow), or may have:
+		// it is not the outcome of the request. Only when the request never reached the upstream
+		// is it known that nothing ran.
+		if o.attemptsKnown && o.attempts == 0 {
+			return settleRelease, ReleaseEnvoyResponse, false
+		}
+		return settleUnknown, "", false
+	case !r.StoreStatuses.Has(resp.status):
+		return settleRelease, ReleaseStatus, false
+	case resp.endOfStream:
+		return settleRecord, "", false
+	case !resp.bodySent || !r.StoreBody:
+		// No body will come (response body mode NONE), or none is to be kept (store_body:
+		// false): record the outcome now, without it, so that the request still runs at most
+		// once (duplicates get 409 response-not-replayable).
+		return settleRecord, "", true
+	}
+	return settleCapture, "", false
+}

@@ -1,0 +1,107 @@
+package extproc
+
+import (
+	"sync/atomic"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+)
+
+// route is a policy route compiled, once at start-up, into what its requests do: which features
+// they use, the metric series they count in, the answers that depend on the route alone, and its
+// dynamic metadata templates. A request pays per request only for what its route turns on.
+type route struct {
+	*policy.Route
+
+	// What the route's requests use.
+	claims bool // the scope reads jwt_authn's payload
+	shadow bool // mode: shadow
+
+	// The metric series.
+	outcomes   map[Outcome]prometheus.Counter
+	releases   map[string]prometheus.Counter
+	unknown    map[policy.UnknownOutcome]prometheus.Counter
+	unreadable prometheus.Counter // stored records this process could not open
+	retried    prometheus.Counter // covered requests the router sent upstream more than once
+	waitCalls  prometheus.Counter // store calls of duplicates waiting for a request in flight
+	// shadowCounts counts what enforcement would have done, by outcome (shadow routes only).
+	shadowCounts map[Outcome]prometheus.Counter
+
+	// The answers that depend on the route alone. stored continues a response that will be
+	// stored (when no expiry header is written); notStored also turns its body phase off.
+	stored, notStored *extprocv3.ProcessingResponse
+	problems          map[*problem]*extprocv3.ProcessingResponse
+	// fresh is the answer to a stored response's headers with the expiry of the second it
+	// holds: every response stored within one second carries the same HTTP-date.
+	fresh atomic.Pointer[freshAnswer]
+
+	metadata metadataTemplates
+}
+
+// freshAnswer is a route's answer to the headers of a response stored to expire at second.
+type freshAnswer struct {
+	second        int64
+	resp, noStore *extprocv3.ProcessingResponse
+}
+
+// compileRoute compiles r, counting in m.
+func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error) {
+	c := &route{
+		Route:      r,
+		claims:     usesClaims(r),
+		shadow:     r.Mode == policy.ModeShadow,
+		outcomes:   map[Outcome]prometheus.Counter{},
+		releases:   map[string]prometheus.Counter{},
+		unknown:    map[policy.UnknownOutcome]prometheus.Counter{},
+		stored:     markResponseHeaders(r, nil, time.Time{}),
+		notStored:  markResponseHeaders(r, noStoreMode, time.Time{}),
+		problems:   map[*problem]*extprocv3.ProcessingResponse{},
+		waitCalls:  m.waitCalls.WithLabelValues(r.Name),
+		unreadable: m.unreadable.WithLabelValues(r.Name),
+		retried:    m.upstreamRetries.WithLabelValues(r.Name),
+		metadata:   metadataTemplates{namespace: namespace, route: r.Name},
+	}
+	if c.shadow {
+		c.shadowCounts = map[Outcome]prometheus.Counter{}
+		for _, o := range Outcomes {
+			c.shadowCounts[o] = m.shadow.WithLabelValues(r.Name, string(o))
+		}
+	}
+	for _, o := range Outcomes {
+		c.outcomes[o] = m.requests.WithLabelValues(r.Name, string(o))
+	}
+	for _, reason := range releaseReasons {
+		c.releases[reason] = m.releases.WithLabelValues(r.Name, reason)
+	}
+	for _, u := range []policy.UnknownOutcome{policy.UnknownOutcomeRelease, policy.UnknownOutcomeKeep, policy.UnknownOutcomeRecord} {
+		c.unknown[u] = m.unknownOutcomes.WithLabelValues(r.Name, string(u))
+	}
+	for _, p := range problems {
+		resp, err := problemResponse(p, r)
+		if err != nil {
+			return nil, err
+		}
+		c.problems[p] = resp
+	}
+	return c, nil
+}
+
+// freshHeaders returns the answer to the headers of a response that will be stored until
+// expires, with the body phase turned off when noBody is set. The answers of one second are
+// built once and shared.
+func (r *route) freshHeaders(expires time.Time, noBody bool) *extprocv3.ProcessingResponse {
+	sec := expires.Unix()
+	f := r.fresh.Load()
+	if f == nil || f.second != sec {
+		at := time.Unix(sec, 0)
+		f = &freshAnswer{second: sec, resp: markResponseHeaders(r.Route, nil, at), noStore: markResponseHeaders(r.Route, noStoreMode, at)}
+		r.fresh.Store(f)
+	}
+	if noBody {
+		return f.noStore
+	}
+	return f.resp
+}
