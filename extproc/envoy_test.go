@@ -77,7 +77,8 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 	require.NoError(t, err)
 
 	lis := bufconn.Listen(4 << 20)
-	gs := grpc.NewServer(grpc.ChainStreamInterceptor(srv.StreamInterceptor()))
+	answers := &ledger{}
+	gs := grpc.NewServer(grpc.ChainStreamInterceptor(answers.interceptor, srv.StreamInterceptor()))
 	extprocv3.RegisterExternalProcessorServer(gs, srv)
 	go func() { _ = gs.Serve(lis) }()
 	conn, err := grpc.NewClient("passthrough:///bufconn",
@@ -94,6 +95,8 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 		gone, stop := context.WithCancel(ctx)
 		stop()
 		_ = srv.Shutdown(gone)
+		require.Empty(t, answers.all(), "every answer is one Envoy asked for, once, in order")
+		require.Zero(t, metricValue(t, reg, "idempotency_internal_errors_total", "kind", "illegal_transition"), "no move outside the stream's transition table")
 		_ = o.store.Close()
 	})
 	return &harness{

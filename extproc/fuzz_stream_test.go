@@ -50,8 +50,9 @@ func fuzzMessages(b []byte) []*extprocv3.ProcessingRequest {
 }
 
 // FuzzStreamMessages sends sequences of ext_proc messages in random order and of random kinds
-// down one stream: the server never panics, and once the stream is over it holds nothing: no
-// lease, no renewal timer, nothing in flight.
+// down one stream: the server never panics, never asks its state machine for a move outside the
+// table, and once the stream is over it holds nothing: no lease, no renewal timer, nothing in
+// flight.
 func FuzzStreamMessages(f *testing.F) {
 	f.Add([]byte{1, 3, 4, 6 | 0x10})
 	f.Add([]byte{0, 0, 3, 5})
@@ -74,6 +75,7 @@ func FuzzStreamMessages(f *testing.F) {
 		require.NoError(t, srv.Process(&memStream{ctx: t.Context(), msgs: msgs, script: true}))
 		require.Equal(t, 0, clk.Pending(), "no renewal timer outlives its stream")
 		require.Zero(t, metricValue(t, reg, "idempotency_inflight"), "nothing in flight once the stream is over")
+		require.Zero(t, metricValue(t, reg, "idempotency_internal_errors_total", "kind", "illegal_transition"), "no move outside the transition table, whatever the order")
 		for _, k := range []string{"k0", "k1", "k2"} {
 			if rec := storedRecord(t, mem, p, k); rec != nil {
 				require.Equal(t, cache.Completed, rec.State, "a stream that ended leaves no pending lease for %s", k)

@@ -2,12 +2,15 @@ package extproc
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/structpb"
 
@@ -53,21 +56,22 @@ func (downStore) Acquire(context.Context, string, cache.Claim) (cache.Lease, *ca
 	return cache.Lease{}, nil, context.DeadlineExceeded
 }
 
-// TestTransitionTable walks every row of the stream's transition table with the messages Envoy
-// sends, checking the state before and after the row's message, and that no row is left unwalked.
-// Each (from, to) pair appears once in the table, so the states name the row.
-func TestTransitionTable(t *testing.T) {
+// transitionScenario drives a stream into a row's from state and sends the row's message.
+type transitionScenario struct {
+	name   string
+	policy string
+	down   bool                           // the store fails
+	prior  []*extprocv3.ProcessingRequest // sent first on another stream, left open
+	setup  []*extprocv3.ProcessingRequest
+	move   *extprocv3.ProcessingRequest // the row's message; nil: the stream ends
+	from   state
+	to     state
+}
+
+// transitionScenarios name each row of the table by the messages Envoy sends.
+func transitionScenarios() []transitionScenario {
 	const buffered, streamed = filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED
-	scenarios := []struct {
-		name   string
-		policy string
-		down   bool                           // the store fails
-		prior  []*extprocv3.ProcessingRequest // sent first on another stream, left open
-		setup  []*extprocv3.ProcessingRequest
-		move   *extprocv3.ProcessingRequest // the row's message; nil: the stream ends
-		from   state
-		to     state
-	}{
+	return []transitionScenario{
 		{"not covered", "", false, nil, nil, hdrs("GET", "", true, buffered), stateStart, statePass},
 		{"400 at the headers", "", false, nil, nil, hdrs("POST", "bad key", false, buffered), stateStart, stateSettled},
 		{"the body is needed", "", false, nil, nil, hdrs("POST", "k1", false, buffered), stateStart, stateCollect},
@@ -84,42 +88,62 @@ func TestTransitionTable(t *testing.T) {
 		{"the stream ends while running", "", false, nil, []*extprocv3.ProcessingRequest{hdrs("POST", "k12", true, buffered)}, nil, stateRunning, stateSettled},
 		{"the stream ends during the capture", "", false, nil, []*extprocv3.ProcessingRequest{hdrs("POST", "k13", true, buffered), respHdrs("201", false, "via_upstream", 1)}, nil, stateCapture, stateSettled},
 	}
+}
+
+// walk runs sc and returns the states before and after its message, and how many moves not in
+// the table the stream was asked for.
+func (sc transitionScenario) walk(t *testing.T) (from, to state, illegal float64) {
+	t.Helper()
+	p, err := policy.Parse([]byte(sc.policy))
+	require.NoError(t, err)
+	clk := clock.NewFake(time.Unix(1_700_000_000, 0))
+	mem, err := cache.NewMemory(cache.MemoryOptions{Clock: clk})
+	require.NoError(t, err)
+	var store cache.Store = mem
+	if sc.down {
+		store = downStore{mem}
+	}
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	require.NoError(t, err)
+	s, err := NewServer(Options{Store: store, Policy: p, Clock: clk, Metrics: m})
+	require.NoError(t, err)
+	if sc.prior != nil {
+		first := newStream(s, t.Context())
+		defer first.finish()
+		for _, msg := range sc.prior {
+			_, ok := first.handle(msg)
+			require.True(t, ok)
+		}
+	}
+	st := newStream(s, t.Context())
+	defer st.finish()
+	for _, msg := range sc.setup {
+		_, ok := st.handle(msg)
+		require.True(t, ok)
+	}
+	from = st.state
+	if sc.move == nil {
+		st.finish()
+	} else {
+		_, ok := st.handle(sc.move)
+		require.True(t, ok)
+	}
+	return from, st.state, testutil.ToFloat64(m.internalErrors.WithLabelValues(internalIllegalTransition))
+}
+
+// TestTransitionTable walks every row of the stream's transition table with the messages Envoy
+// sends, checking the state before and after the row's message, that no move outside the table
+// was asked for, and that no row is left unwalked. Each (from, to) pair appears once in the
+// table, so the states name the row.
+func TestTransitionTable(t *testing.T) {
 	walked := map[[2]state]bool{}
-	for _, sc := range scenarios {
+	for _, sc := range transitionScenarios() {
 		t.Run(sc.name, func(t *testing.T) {
-			p, err := policy.Parse([]byte(sc.policy))
-			require.NoError(t, err)
-			clk := clock.NewFake(time.Unix(1_700_000_000, 0))
-			mem, err := cache.NewMemory(cache.MemoryOptions{Clock: clk})
-			require.NoError(t, err)
-			var store cache.Store = mem
-			if sc.down {
-				store = downStore{mem}
-			}
-			s, err := NewServer(Options{Store: store, Policy: p, Clock: clk})
-			require.NoError(t, err)
-			if sc.prior != nil {
-				first := newStream(s, t.Context())
-				defer first.finish()
-				for _, m := range sc.prior {
-					_, ok := first.handle(m)
-					require.True(t, ok)
-				}
-			}
-			st := newStream(s, t.Context())
-			defer st.finish()
-			for _, m := range sc.setup {
-				_, ok := st.handle(m)
-				require.True(t, ok)
-			}
-			require.Equal(t, sc.from, st.state, "before the row's message")
-			if sc.move == nil {
-				st.finish()
-			} else {
-				_, ok := st.handle(sc.move)
-				require.True(t, ok)
-			}
-			require.Equal(t, sc.to, st.state, "after it")
+			from, to, illegal := sc.walk(t)
+			require.Equal(t, sc.from, from, "before the row's message")
+			require.Equal(t, sc.to, to, "after it")
+			require.Zero(t, illegal, "no move outside the table")
 			eventOf(t, sc.from, sc.to) // the move is a row of the table
 			walked[[2]state{sc.from, sc.to}] = true
 		})
@@ -132,6 +156,27 @@ func TestTransitionTable(t *testing.T) {
 	require.False(t, ok)
 	_, ok = next(statePass, evStore)
 	require.False(t, ok)
+}
+
+// Every row is needed: with any one of them removed from the table, the walk of that row asks
+// for a move outside the table, which is counted, so TestTransitionTable fails.
+func TestEveryTransitionIsNeeded(t *testing.T) {
+	all := transitions
+	defer func() { transitions = all }()
+	for i, row := range all {
+		t.Run(row.from.String()+"--"+row.on.String()+"->"+row.to.String(), func(t *testing.T) {
+			transitions = append(slices.Clone(all[:i]), all[i+1:]...)
+			defer func() { transitions = all }()
+			counted := false
+			for _, sc := range transitionScenarios() {
+				if sc.from == row.from && sc.to == row.to {
+					_, _, illegal := sc.walk(t)
+					counted = counted || illegal > 0
+				}
+			}
+			require.True(t, counted, "without the row, its walk counts a move outside the table")
+		})
+	}
 }
 
 // eventOf returns the event of the table's only row from → to.

@@ -1,0 +1,170 @@
+package extproc
+
+import (
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+)
+
+// The decision layer, table-tested on plain values: no Envoy message, no store, no gRPC.
+
+func routeOf(t *testing.T, yaml string) *policy.Route {
+	t.Helper()
+	p, err := policy.Parse([]byte(yaml))
+	require.NoError(t, err)
+	if len(p.Routes) > 0 {
+		return p.Routes[0]
+	}
+	return p.Default
+}
+
+func info(method string, pairs ...string) requestInfo {
+	var h headers
+	for i := 0; i+1 < len(pairs); i += 2 {
+		h = append(h, &corev3.HeaderValue{Key: pairs[i], RawValue: []byte(pairs[i+1])})
+	}
+	return requestInfo{headers: h, method: []byte(method), path: []byte("/v1/payments")}
+}
+
+func TestAdmit(t *testing.T) {
+	jwt := func(payloads map[string]any) *structpb.Struct {
+		s, err := structpb.NewStruct(payloads)
+		require.NoError(t, err)
+		return s
+	}
+	withJWT := func(r requestInfo, ns *structpb.Struct) requestInfo { r.jwtAuthn = ns; return r }
+	cases := []struct {
+		name   string
+		policy string
+		req    requestInfo
+		want   admission // compared on covered, problem, key, bodyHash, ttl, needsBody
+	}{
+		{"a GET is not covered", "", info("GET", "idempotency-key", "k"), admission{}},
+		{"no key under optional", "", info("POST"), admission{}},
+		{"a disabled route", "defaults: {enabled: false}", info("POST", "idempotency-key", "k"), admission{}},
+		{"gRPC is never covered", "", info("POST", "idempotency-key", "k", "content-type", "application/grpc"), admission{}},
+		{"a key: claimed at the body", "", info("POST", "idempotency-key", "k"),
+			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true}},
+		{"a quoted key is unquoted", "", info("PUT", "idempotency-key", `"k"`),
+			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true}},
+		{"no body in the fingerprint: claimed at the headers", "defaults: {fingerprint: [method, path]}", info("POST", "idempotency-key", "k"),
+			admission{covered: true, key: "k", ttl: 24 * time.Hour}},
+		{"x-ttl", "", info("POST", "idempotency-key", "k", "x-ttl", "60"),
+			admission{covered: true, key: "k", ttl: time.Minute, needsBody: true}},
+		{"x-ttl capped at max_ttl", "defaults: {ttl: 1h, max_ttl: 2h}", info("POST", "idempotency-key", "k", "x-ttl", "99999999999999999999"),
+			admission{covered: true, key: "k", ttl: 2 * time.Hour, needsBody: true}},
+		{"body-hash", "defaults: {missing_key: body-hash, fingerprint: [method]}", info("POST"),
+			admission{covered: true, bodyHash: true, ttl: 24 * time.Hour, needsBody: true}},
+		{"missing key, required", "defaults: {missing_key: required}", info("POST"),
+			admission{covered: true, problem: problemMissingKey}},
+		{"an invalid key", "", info("POST", "idempotency-key", "two words"),
+			admission{covered: true, problem: problemInvalidKey}},
+		{"two keys that differ", "", info("POST", "idempotency-key", "a", "x-idempotency-key", "b"),
+			admission{covered: true, problem: problemInvalidKey}},
+		{"an invalid x-ttl", "", info("POST", "idempotency-key", "k", "x-ttl", "0"),
+			admission{covered: true, problem: problemInvalidTTL}},
+		{"require_scope without any scope value", "defaults: {require_scope: true}", info("POST", "idempotency-key", "k"),
+			admission{covered: true, problem: problemScopeMissing}},
+		{"require_scope with one", "defaults: {require_scope: true}", info("POST", "idempotency-key", "k", "authorization", "Bearer t"),
+			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true}},
+		{"several jwt_authn payloads, none named", "defaults: {scope: [{jwt_claim: sub}]}",
+			withJWT(info("POST", "idempotency-key", "k"), jwt(map[string]any{"a": map[string]any{"sub": "x"}, "b": map[string]any{"sub": "y"}})),
+			admission{covered: true, problem: problemScopeAmbiguous}},
+		{"a null subject is no scope", "defaults: {scope: [{jwt_claim: sub}], require_scope: true}",
+			withJWT(info("POST", "idempotency-key", "k"), jwt(map[string]any{"a": map[string]any{"sub": nil}})),
+			admission{covered: true, problem: problemScopeMissing}},
+		{"a number subject is a scope", "defaults: {scope: [{jwt_claim: sub}], require_scope: true}",
+			withJWT(info("POST", "idempotency-key", "k"), jwt(map[string]any{"a": map[string]any{"sub": 0}})),
+			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got := admit(routeOf(t, c.policy), c.req)
+			require.Equal(t, c.want.covered, got.covered, "covered")
+			require.Equal(t, c.want.problem, got.problem, "problem")
+			if c.want.problem == nil && c.want.covered {
+				require.Equal(t, c.want.key, got.key)
+				require.Equal(t, c.want.bodyHash, got.bodyHash)
+				require.Equal(t, c.want.ttl, got.ttl)
+				require.Equal(t, c.want.needsBody, got.needsBody)
+			}
+		})
+	}
+}
+
+func TestJudgeRecord(t *testing.T) {
+	r := routeOf(t, "routes: [{name: pay, match: {path_prefix: /}}]")
+	none := routeOf(t, "routes: [{name: pay, match: {path_prefix: /}, fingerprint: []}]")
+	fp := []byte("fingerprint")
+	completed := func(resp cache.Response) *cache.Record {
+		return &cache.Record{State: cache.Completed, Fingerprint: fp, Route: "pay", Response: resp}
+	}
+	cases := []struct {
+		name     string
+		route    *policy.Route
+		rec      *cache.Record
+		want     *problem
+		inFlight bool
+	}{
+		{"completed: the replay", r, completed(cache.Response{Status: 201}), nil, false},
+		{"in flight: 409, and a duplicate may wait", r, &cache.Record{State: cache.Pending, Fingerprint: fp, Route: "pay"}, problemInProgress, true},
+		{"another payload: 422", r, &cache.Record{State: cache.Completed, Fingerprint: []byte("other"), Route: "pay"}, problemReused, false},
+		{"another payload in flight: 422 first", r, &cache.Record{State: cache.Pending, Fingerprint: []byte("other"), Route: "pay"}, problemReused, false},
+		{"another route: 422", r, &cache.Record{State: cache.Completed, Fingerprint: fp, Route: "refunds"}, problemReused, false},
+		{"another route in flight: 422", r, &cache.Record{State: cache.Pending, Fingerprint: fp, Route: "refunds"}, problemReused, false},
+		{"a record naming no route (older layouts)", r, &cache.Record{State: cache.Completed, Fingerprint: fp}, nil, false},
+		{"outcome unknown", r, completed(cache.Response{OutcomeUnknown: true, BodyOmitted: true}), problemOutcomeUnknown, false},
+		{"body not kept", r, completed(cache.Response{Status: 200, BodyOmitted: true}), problemNotReplayable, false},
+		{"no fingerprint, a record without one", none, &cache.Record{State: cache.Completed, Route: "pay"}, nil, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p, inFlight := judgeRecord(c.route, fp, c.rec)
+			require.Equal(t, c.want, p)
+			require.Equal(t, c.inFlight, inFlight)
+		})
+	}
+}
+
+func TestJudgeResponse(t *testing.T) {
+	r := routeOf(t, "")
+	noBody := routeOf(t, "defaults: {store_body: false}")
+	upstream := origin{detailsKnown: true, attemptsKnown: true, attempts: 1}
+	envoyBefore := origin{detailsKnown: true, envoyMade: true, attemptsKnown: true}
+	envoyAfter := origin{detailsKnown: true, envoyMade: true, attemptsKnown: true, attempts: 1}
+	cases := []struct {
+		name    string
+		route   *policy.Route
+		resp    response
+		want    settlement
+		reason  string
+		omitted bool
+	}{
+		{"a 201 with a body: captured", r, response{status: 201, origin: upstream, bodySent: true}, settleCapture, "", false},
+		{"a 201 whose headers end it: recorded", r, response{status: 201, origin: upstream, endOfStream: true, bodySent: true}, settleRecord, "", false},
+		{"response body mode NONE: recorded without body", r, response{status: 201, origin: upstream}, settleRecord, "", true},
+		{"store_body: false: recorded without body", noBody, response{status: 201, origin: upstream, bodySent: true}, settleRecord, "", true},
+		{"a 500 from the upstream: released", r, response{status: 500, origin: upstream, bodySent: true}, settleRelease, ReleaseStatus, false},
+		{"Envoy's before any attempt: released", r, response{status: 503, origin: envoyBefore, bodySent: true}, settleRelease, ReleaseEnvoyResponse, false},
+		{"Envoy's after an attempt: unknown", r, response{status: 504, origin: envoyAfter, bodySent: true}, settleUnknown, "", false},
+		{"Envoy's 200 after an attempt: unknown", r, response{status: 200, origin: envoyAfter, bodySent: true}, settleUnknown, "", false},
+		{"Envoy's, attempts not sent: unknown", r, response{status: 503, origin: origin{detailsKnown: true, envoyMade: true}, bodySent: true}, settleUnknown, "", false},
+		{"no code details, not storable: maybe Envoy's", r, response{status: 503, origin: origin{attemptsKnown: true, attempts: 1}, bodySent: true}, settleUnknown, "", false},
+		{"no code details, no attempt: released", r, response{status: 503, origin: origin{attemptsKnown: true}, bodySent: true}, settleRelease, ReleaseEnvoyResponse, false},
+		{"no code details, storable: the upstream's", r, response{status: 200, origin: origin{attemptsKnown: true, attempts: 1}, bodySent: true}, settleCapture, "", false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			s, reason, omitted := judgeResponse(c.route, c.resp)
+			require.Equal(t, c.want, s)
+			require.Equal(t, c.reason, reason)
+			require.Equal(t, c.omitted, omitted)
+		})
+	}
+}
