@@ -10,6 +10,7 @@ import (
 
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/rs/zerolog"
 	"github.com/stretchr/testify/require"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"google.golang.org/grpc"
@@ -180,4 +181,77 @@ func BenchmarkProcessOverhead(b *testing.B) {
 			b.ReportMetric(float64(spent[1]-spent[0])/float64(b.N), "added-ns/req")
 		})
 	}
+}
+
+// BenchmarkSettledMetadata measures what the access log's dynamic metadata costs a settled
+// request: building it (a copy of the route's encoded template with the key_hash written in) and
+// encoding the answer that carries it, against encoding the same answer without it.
+func BenchmarkSettledMetadata(b *testing.B) {
+	for _, withMD := range []bool{false, true} {
+		name := "without"
+		if withMD {
+			name = "with"
+		}
+		b.Run(name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := extproc.EncodeSettledAnswer(withMD); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkRequestLogLine measures the one line a covered request logs at info, as zerolog writes
+// it to a discarding writer (the process' stderr costs what the system makes it cost).
+func BenchmarkRequestLogLine(b *testing.B) {
+	log := zerolog.New(io.Discard).Level(zerolog.InfoLevel).With().Timestamp().Logger()
+	b.ReportAllocs()
+	extproc.LogRequestLines(&log, b.N)
+}
+
+// BenchmarkFeaturesElsewhere runs first executions on a route that uses no optional feature, in a
+// policy that has only that route and in one whose other routes use shadow mode, in_flight_wait,
+// problem templates and the expiry headers: a feature costs only the routes that turn it on.
+// It reports the second's time per request as a multiple of the first's, in the same run.
+func BenchmarkFeaturesElsewhere(b *testing.B) {
+	const plain = `
+defaults: {expires_header: "", first_sent_header: ""}
+routes:
+  - {name: plain, match: {path_prefix: /v1/payments}}
+`
+	const elsewhere = plain + `
+  - {name: shadowed, match: {path_prefix: /v1/shadow}, mode: shadow}
+  - {name: waiting, match: {path_prefix: /v1/wait}, in_flight_wait: 2s}
+  - {name: templated, match: {path_prefix: /v1/midaz}, expires_header: x-idempotency-expires,
+     problems: {request-in-progress: {status: 409, body: '{"code":"0084","title":"{{.Title}}"}', content_type: application/json}}}
+`
+	var servers [2]*extproc.Server
+	for i, p := range []string{plain, elsewhere} {
+		pol, err := policy.Parse([]byte(p))
+		require.NoError(b, err)
+		mem, err := cache.NewMemory(cache.MemoryOptions{})
+		require.NoError(b, err)
+		b.Cleanup(func() { _ = mem.Close() })
+		servers[i], err = extproc.NewServer(extproc.Options{Store: mem, Policy: pol})
+		require.NoError(b, err)
+	}
+	ctx := b.Context()
+	var spent [2]time.Duration
+	for i := 0; i < b.N; i++ {
+		key := "elsewhere-" + strconv.FormatInt(benchSeq.Add(1), 10)
+		msgs := [2][]*extprocv3.ProcessingRequest{benchRequest("POST", key), benchRequest("POST", key)}
+		for j := range servers {
+			// Alternate which goes first, so that neither always meets a warm cache.
+			j := (j + i) % 2
+			start := time.Now()
+			if err := servers[j].Process(&memStream{ctx: ctx, msgs: msgs[j]}); err != nil {
+				b.Fatal(err)
+			}
+			spent[j] += time.Since(start)
+		}
+	}
+	b.ReportMetric(float64(spent[1])/float64(spent[0]), "×plain")
+	b.ReportMetric(float64(spent[0])/float64(b.N), "plain-ns/req")
 }

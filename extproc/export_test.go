@@ -1,7 +1,11 @@
 package extproc
 
 import (
+	"github.com/rs/zerolog"
+	"google.golang.org/protobuf/proto"
+
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
@@ -32,4 +36,32 @@ func SetCompletionLimits(s *Server, count, bodyBytes int) {
 	s.completions.mu.Lock()
 	defer s.completions.mu.Unlock()
 	s.completions.maxCount, s.completions.maxBodyBytes = count, bodyBytes
+}
+
+// EncodeSettledAnswer encodes the answer that settles a stored first execution on the default
+// route, as gRPC would, with the request's dynamic metadata or without it.
+func EncodeSettledAnswer(withMetadata bool) ([]byte, error) {
+	resp := continues[kindResponseBody]
+	if withMetadata {
+		resp = withMetadataOf(resp)
+	}
+	return proto.Marshal(resp)
+}
+
+var benchTemplates = &metadataTemplates{namespace: "idempotency", route: "default"}
+
+func withMetadataOf(resp *extprocv3.ProcessingResponse) *extprocv3.ProcessingResponse {
+	return withMetadata(resp, false, benchTemplates.encode(Executed, "", "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"))
+}
+
+// LogRequestLines writes n request lines of a stored first execution with log.
+func LogRequestLines(log *zerolog.Logger, n int) {
+	s := &Server{log: *log}
+	r := &route{Route: &policy.Route{Name: "default"}}
+	st := &stream{s: s, route: r, requestID: "0f6b6a4e-6c1e-4a3c-9a55-2f0c8a7f1d21", keyHash: "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+		outcome: Executed, recorded: true, req: requestInfo{method: []byte("POST")}}
+	st.resp.Status = 201
+	for range n {
+		st.logRequest()
+	}
 }

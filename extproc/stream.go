@@ -984,9 +984,14 @@ func (st *stream) finish() {
 	}
 	st.endSpan()
 	st.route.outcomes[st.outcome].Inc()
-	if !st.adm.covered {
-		return
+	if st.adm.covered {
+		st.logRequest()
 	}
+}
+
+// logRequest writes the one line a covered request logs: its identity, outcome, status and how
+// long it took.
+func (st *stream) logRequest() {
 	ev := st.s.log.Info()
 	if st.outcome == StoreError {
 		ev = st.s.log.Warn()
