@@ -8,7 +8,6 @@ import (
 	"hash"
 	"io"
 	"net"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -205,16 +204,17 @@ func settings() []setting {
 	}
 }
 
-// readFile reads the file a setting names at start-up: nil for "" (the setting is off), an
-// error naming the path when it cannot be read or holds nothing but spaces. The error never
-// holds the file's content.
+// readFile reads the secret file a setting names at start-up (a token, a key-hash secret, a
+// keyring): nil for "" (the setting is off), an error naming the path when it is not a regular
+// file of at most maxSecretFileBytes, cannot be read or holds nothing but spaces. The error
+// never holds the file's content.
 func readFile(path string) ([]byte, error) {
 	if path == "" {
 		return nil, nil
 	}
-	b, err := os.ReadFile(path)
+	b, err := readBoundedFile(path, maxSecretFileBytes)
 	if err != nil {
-		return nil, err // an *fs.PathError: it names the path
+		return nil, err
 	}
 	if len(bytes.TrimSpace(b)) == 0 {
 		return nil, fmt.Errorf("%s is empty", path)
@@ -312,7 +312,7 @@ func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*c
 	var file map[string]string
 	path, pathSource := value(all[slices.IndexFunc(all, func(s setting) bool { return s.notInFile })], nil)
 	if path != "" {
-		data, err := os.ReadFile(path)
+		data, err := readBoundedFile(path, maxPolicyFileBytes)
 		if err != nil {
 			// The other settings are still checked, so that every bad one is reported at once.
 			errs = append(errs, fmt.Errorf("config (%s): %w", pathSource, err))

@@ -240,7 +240,7 @@ func TestConfigBadSecretFiles(t *testing.T) {
 
 	dir := t.TempDir()
 	_, err := loadConfig(nil, env(map[string]string{"IDEMPOTENCY_ADMIN_TOKEN_FILE": dir}), io.Discard)
-	require.ErrorContains(t, err, "admin-token-file (environment variable IDEMPOTENCY_ADMIN_TOKEN_FILE): read "+dir)
+	require.ErrorContains(t, err, "admin-token-file (environment variable IDEMPOTENCY_ADMIN_TOKEN_FILE): "+dir+": not a regular file (a directory)")
 }
 
 func ptr(s string) *string { return &s }
