@@ -40,6 +40,8 @@ type runOptions struct {
 	keepaliveTime, keepaliveTimeout time.Duration
 	// listen opens the listeners (default listen).
 	listen func(addr string) (net.Listener, error)
+	// openStore opens the store (default openStore).
+	openStore func(ctx context.Context, cfg *config) (cache.Store, error)
 }
 
 // withDefaults fills the zero fields of o with their defaults.
@@ -55,6 +57,9 @@ func (o runOptions) withDefaults() runOptions {
 	}
 	if o.listen == nil {
 		o.listen = listen
+	}
+	if o.openStore == nil {
+		o.openStore = openStore
 	}
 	return o
 }
@@ -76,6 +81,8 @@ func pingTimeout(storeTimeout time.Duration) time.Duration { return min(storeTim
 
 // run is the whole program: it returns when ctx is done and every open stream has finished or
 // been cut, or at once with an error if the configuration is invalid or a listener cannot open.
+// ctx done during start-up, before the listeners open, ends it at once without an error: SIGTERM
+// asks the process to stop whatever it is doing, and stopping is not a failure.
 // args are the command-line arguments without the program name; getenv reads the environment;
 // logs and usage go to stderr.
 func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) error {
@@ -95,11 +102,17 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	log := newLogger(cfg, stderr)
 	redis.SetLogger(redisLogger{log: log})
 
-	store, err := openStore(cfg)
+	store, err := openStoreUntil(ctx, cfg, opts.openStore)
+	if err == nil {
+		defer store.Close()
+	}
+	if ctx.Err() != nil {
+		log.Info().Msg("stopped during start-up")
+		return nil
+	}
 	if err != nil {
 		return err
 	}
-	defer store.Close()
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -270,7 +283,38 @@ func memoryMetrics(m *cache.Memory) []prometheus.Collector {
 	}
 }
 
-func openStore(cfg *config) (cache.Store, error) {
+// openStoreUntil opens the store with open, or gives up when ctx is done first: a store that
+// does not answer must not keep SIGTERM waiting. A store that opens after that is closed.
+func openStoreUntil(ctx context.Context, cfg *config, open func(context.Context, *config) (cache.Store, error)) (cache.Store, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	type opened struct {
+		store cache.Store
+		err   error
+	}
+	done := make(chan opened) // unbuffered: a store nobody receives is closed below
+	abandoned := make(chan struct{})
+	go func() {
+		s, err := open(ctx, cfg)
+		select {
+		case done <- opened{s, err}:
+		case <-abandoned:
+			if s != nil {
+				_ = s.Close()
+			}
+		}
+	}()
+	select {
+	case o := <-done:
+		return o.store, o.err
+	case <-ctx.Done():
+		close(abandoned)
+		return nil, ctx.Err()
+	}
+}
+
+func openStore(_ context.Context, cfg *config) (cache.Store, error) {
 	if cfg.store == "memory" {
 		return cache.NewMemory(cache.MemoryOptions{MaxBytes: cfg.memoryMaxBytes, Keyring: cfg.keyring})
 	}

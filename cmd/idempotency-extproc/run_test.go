@@ -29,6 +29,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/slowlink"
 )
 
@@ -540,4 +541,84 @@ func TestReadyGaugeFollowsTheStore(t *testing.T) {
 	require.Eventually(t, func() bool { return gauge() == "0" }, 5*time.Second, 20*time.Millisecond)
 	require.NoError(t, mr.Restart())
 	require.Eventually(t, func() bool { return gauge() == "1" }, 10*time.Second, 20*time.Millisecond)
+}
+
+// closeCounter is a store that counts its Close calls.
+type closeCounter struct {
+	cache.Store
+	closed atomic.Int32
+}
+
+func (c *closeCounter) Close() error {
+	c.closed.Add(1)
+	return c.Store.Close()
+}
+
+// SIGTERM during start-up ends run at once, without an error and without opening a listener:
+// a store that takes its time opening does not keep the process from stopping, and is closed
+// when it opens after all.
+func TestRunStopsDuringStartUp(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// when is when the context is cancelled: "before" run starts, "opening" while the store
+		// opens (it answers only after), "opened" just after the store opened.
+		when string
+	}{
+		{"before anything", "before"},
+		{"while the store opens", "opening"},
+		{"just after the store opened", "opened"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			opening, release := make(chan struct{}), make(chan struct{})
+			mem, err := cache.NewMemory(cache.MemoryOptions{})
+			require.NoError(t, err)
+			store := &closeCounter{Store: mem}
+			var listened atomic.Int32
+			opts := runOptions{
+				// A store that ignores ctx.
+				openStore: func(context.Context, *config) (cache.Store, error) {
+					close(opening)
+					switch tc.when {
+					case "opening":
+						<-release
+					case "opened":
+						cancel()
+					}
+					return store, nil
+				},
+				listen: func(addr string) (net.Listener, error) {
+					listened.Add(1)
+					return listen(addr)
+				},
+			}
+			if tc.when == "before" {
+				cancel()
+			}
+			logs := newLogLines()
+			done := make(chan error, 1)
+			go func() {
+				done <- runWith(ctx, []string{"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, env(nil), logs, opts)
+			}()
+			if tc.when == "opening" {
+				<-opening
+				cancel()
+			}
+			select {
+			case err := <-done:
+				require.NoError(t, err, "stopping is not a failure")
+			case <-time.After(5 * time.Second):
+				close(release)
+				t.Fatalf("run still starting 5 s after its context was cancelled; log:\n%s", logs.String())
+			}
+			close(release)
+			logs.wait(t, "stopped during start-up", time.Second)
+			require.NotContains(t, logs.String(), `"ready"`)
+			require.Zero(t, listened.Load(), "no listener opened")
+			if tc.when != "before" {
+				require.Eventually(t, func() bool { return store.closed.Load() == 1 }, 5*time.Second, time.Millisecond, "the store is closed")
+			}
+		})
+	}
 }
