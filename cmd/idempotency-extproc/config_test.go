@@ -266,5 +266,8 @@ func TestRunOptionsDefaults(t *testing.T) {
 	require.Equal(t, 30*time.Second, o.keepaliveTime)
 	require.Equal(t, 10*time.Second, o.keepaliveTimeout)
 	require.NotNil(t, o.listen)
+	require.NotNil(t, o.openStore)
+	require.Equal(t, 2*time.Minute, o.adminIdleTimeout)
+	require.Greater(t, adminWriteTimeout, recordsTimeout, "a records API call answers before its connection is cut")
 	require.Equal(t, time.Second, runOptions{drainTimeout: time.Second}.withDefaults().drainTimeout, "a set field stays")
 }

@@ -40,6 +40,10 @@ type runOptions struct {
 	keepaliveTime, keepaliveTimeout time.Duration
 	// listen opens the listeners (default listen).
 	listen func(addr string) (net.Listener, error)
+	// adminIdleTimeout is how long a keep-alive connection to the admin listener may stay idle
+	// before it is closed (default 2 min: longer than a scrape interval, so that Prometheus
+	// keeps its connection from one scrape to the next).
+	adminIdleTimeout time.Duration
 	// openStore opens the store (default openStore).
 	openStore func(ctx context.Context, cfg *config) (cache.Store, error)
 }
@@ -58,6 +62,9 @@ func (o runOptions) withDefaults() runOptions {
 	if o.listen == nil {
 		o.listen = listen
 	}
+	if o.adminIdleTimeout == 0 {
+		o.adminIdleTimeout = 2 * time.Minute
+	}
 	if o.openStore == nil {
 		o.openStore = openStore
 	}
@@ -67,6 +74,15 @@ func (o runOptions) withDefaults() runOptions {
 // recordsTimeout bounds a records API call, which makes one store call per key prefix, each
 // bounded by the store.
 const recordsTimeout = 5 * time.Second
+
+// The admin listener's bounds on one request: its headers, the whole request (none of its
+// requests has a body), and the answer (a /metrics scrape; a records API call is bounded by
+// recordsTimeout).
+const (
+	adminReadHeaderTimeout = 5 * time.Second
+	adminReadTimeout       = 10 * time.Second
+	adminWriteTimeout      = 30 * time.Second
+)
 
 // readinessInterval is how often the store is pinged for gRPC health; /readyz pings on demand.
 const readinessInterval = 500 * time.Millisecond
@@ -174,7 +190,10 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	var draining atomic.Bool
 	admin := &http.Server{
 		Handler:           adminHandler(reg, store, pingTimeout(cfg.policy.StoreTimeout), &draining, records),
-		ReadHeaderTimeout: 5 * time.Second,
+		ReadHeaderTimeout: adminReadHeaderTimeout,
+		ReadTimeout:       adminReadTimeout,
+		WriteTimeout:      adminWriteTimeout,
+		IdleTimeout:       opts.adminIdleTimeout,
 	}
 
 	errc := make(chan error, 2)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -11,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -59,6 +61,13 @@ func (l *logLines) Write(p []byte) (int, error) {
 	}
 	l.cond.Broadcast()
 	return len(p), nil
+}
+
+// all returns the lines parsed so far.
+func (l *logLines) all() []map[string]any {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.lines)
 }
 
 func (l *logLines) String() string {
@@ -621,4 +630,30 @@ func TestRunStopsDuringStartUp(t *testing.T) {
 			}
 		})
 	}
+}
+
+// The admin listener closes a keep-alive connection left idle for adminIdleTimeout: idle
+// connections do not pile up for ever.
+func TestAdminClosesIdleConnections(t *testing.T) {
+	mr := miniredis.RunT(t)
+	_, ready, _, _ := runOnMiniredis(t, mr, runOptions{adminIdleTimeout: 300 * time.Millisecond})
+	conn, err := net.Dial("tcp", ready["admin_addr"].(string))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	_, err = io.WriteString(conn, "GET /healthz HTTP/1.1\r\nHost: admin\r\n\r\n")
+	require.NoError(t, err)
+	r := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(r, nil)
+	require.NoError(t, err)
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.False(t, resp.Close, "a keep-alive connection")
+
+	// Well before the read timeout, which would otherwise close it.
+	start := time.Now()
+	require.NoError(t, conn.SetReadDeadline(start.Add(adminReadTimeout/2)))
+	_, err = r.ReadByte()
+	require.ErrorIs(t, err, io.EOF, "the server closed the idle connection")
+	require.Less(t, time.Since(start), adminReadTimeout/2)
 }
