@@ -150,7 +150,7 @@ func TestConfigInvalid(t *testing.T) {
 			[]string{"redis-url (flag --redis-url)", "database 0"}},
 		{"empty unix socket path", []string{"--grpc-addr", "unix://"}, nil, "", []string{"grpc-addr (flag --grpc-addr): must be host:port or unix:///path, got an empty path"}},
 		{"unknown flag", []string{"--colour"}, nil, "", []string{"flag provided but not defined: -colour"}},
-		{"stray argument", []string{"serve"}, nil, "", []string{"unexpected arguments"}},
+		{"stray argument", []string{"--store", "memory", "extra"}, nil, "", []string{`unexpected arguments ["extra"]`}},
 		{"missing file, with the rest", []string{"--config", "/nonexistent/policy.yaml", "--store", "disk"}, nil, "",
 			[]string{"config (flag --config): open /nonexistent/policy.yaml: no such file", "store (flag --store)"}},
 		{"missing file from the environment", nil, map[string]string{"IDEMPOTENCY_CONFIG": "/nonexistent/policy.yaml"}, "",

@@ -50,7 +50,8 @@ func keyHashOf(t *testing.T, policyFile, path, key string) string {
 	t.Helper()
 	var out bytes.Buffer
 	require.NoError(t, dispatch(t.Context(), []string{"key-hash", "--config", policyFile, "--path", path, "--key", key}, env(nil), &out, io.Discard))
-	h, _, _ := strings.Cut(out.String(), "\t")
+	h, ok := strings.CutSuffix(out.String(), "\n")
+	require.True(t, ok, "one line: %q", out.String())
 	return h
 }
 

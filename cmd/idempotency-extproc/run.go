@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -100,7 +99,7 @@ func pingTimeout(storeTimeout time.Duration) time.Duration { return min(storeTim
 // ctx done during start-up, before the listeners open, ends it at once without an error: SIGTERM
 // asks the process to stop whatever it is doing, and stopping is not a failure.
 // args are the command-line arguments without the program name; getenv reads the environment;
-// logs and usage go to stderr.
+// logs go to stderr. After -h it returns flag.ErrHelp, for its caller to print the usage.
 func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) error {
 	return runWith(ctx, args, getenv, stderr, runOptions{})
 }
@@ -108,10 +107,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 // runWith is run with the options tests change.
 func runWith(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer, opts runOptions) error {
 	opts = opts.withDefaults()
-	cfg, err := loadConfig(args, getenv, stderr)
-	if errors.Is(err, flag.ErrHelp) {
-		return nil
-	}
+	cfg, err := loadConfig(args, getenv, io.Discard)
 	if err != nil {
 		return err
 	}
@@ -214,10 +210,17 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 		failOpen.Set(1)
 	}
 	reg.MustRegister(failOpen)
+	build := currentBuild()
+	reg.MustRegister(buildInfo(build))
 	go watchStore(watchCtx, store, pingTimeout(cfg.policy.StoreTimeout), healthSrv, readyGauge, log)
 
+	configPath := cfg.configPath
+	if configPath == "" {
+		configPath = "(built-in defaults)"
+	}
 	log.Info().Str("grpc_addr", addrString(grpcLis)).Str("admin_addr", adminLis.Addr().String()).
-		Str("store", cfg.store).Msg("ready")
+		Str("store", cfg.store).Str("version", build.version).Str("config", configPath).
+		Strs("routes", routeNames(cfg.policy)).Msg("ready")
 
 	// A listener that fails for good ends the process as SIGTERM does, through the drain, so
 	// that the streams still open finish or release what they hold; run then returns its error.
@@ -255,6 +258,26 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	_ = admin.Shutdown(shutdownCtx)
 	log.Info().Msg("stopped")
 	return failed
+}
+
+// buildInfo is idempotency_build_info: 1, labelled with the build.
+func buildInfo(b build) prometheus.Collector {
+	g := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        "idempotency_build_info",
+		Help:        "1, labelled with the version, the Go version and the VCS revision the binary was built from.",
+		ConstLabels: prometheus.Labels{"version": b.version, "goversion": b.goVersion, "revision": b.revision},
+	})
+	g.Set(1)
+	return g
+}
+
+// routeNames are the names of p's routes in the order they match, the default last.
+func routeNames(p *policy.Policy) []string {
+	names := make([]string, 0, len(p.Routes)+1)
+	for _, r := range p.Routes {
+		names = append(names, r.Name)
+	}
+	return append(names, p.Default.Name)
 }
 
 func newLogger(cfg *config, stderr io.Writer) zerolog.Logger {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"flag"
 	"io"
 	"net"
 	"net/http"
@@ -135,6 +136,9 @@ func TestRunServesUntilCancelled(t *testing.T) {
 	}()
 	ready := logs.wait(t, "ready", 10*time.Second)
 	require.Equal(t, "unix://"+sock, ready["grpc_addr"])
+	require.Equal(t, currentBuild().version, ready["version"])
+	require.Equal(t, "(built-in defaults)", ready["config"])
+	require.Equal(t, []any{"default"}, ready["routes"])
 	admin := "http://" + ready["admin_addr"].(string)
 
 	conn := dial(t, "unix://"+sock)
@@ -181,6 +185,8 @@ func TestRunServesUntilCancelled(t *testing.T) {
 	}, 5*time.Second, 10*time.Millisecond)
 	_, body := get("/metrics")
 	require.Contains(t, body, "go_goroutines")
+	build := currentBuild()
+	require.Contains(t, body, `idempotency_build_info{goversion="`+build.goVersion+`",revision="`+build.revision+`",version="`+build.version+`"} 1`)
 	require.Contains(t, body, "process_cpu_seconds_total")
 	// The memory store's record is in a segment: mapped outside the Go heap, or on it where
 	// mapping is not supported.
@@ -222,7 +228,7 @@ func TestRunRejectsBadConfigBeforeListening(t *testing.T) {
 	err := run(t.Context(), []string{"--store", "nope", "--admin-addr", "127.0.0.1:0"}, env(nil), logs)
 	require.ErrorContains(t, err, "store")
 	require.NotContains(t, logs.String(), "ready")
-	require.NoError(t, run(t.Context(), []string{"--help"}, env(nil), io.Discard), "--help is not an error")
+	require.ErrorIs(t, run(t.Context(), []string{"--help"}, env(nil), io.Discard), flag.ErrHelp, "for dispatch to print the usage")
 }
 
 func TestRunReportsListenerErrors(t *testing.T) {
@@ -406,6 +412,9 @@ func TestRunNeverRemovesAFileThatIsNotASocket(t *testing.T) {
 	require.NoError(t, l.Close())
 }
 
+// binaryVersion and binaryRevision are linked into binary, as the Dockerfile links its own.
+const binaryVersion, binaryRevision = "v0.0.0-linked", "f00d"
+
 // binary is built once for the tests that run the real process.
 var binary = sync.OnceValues(func() (string, error) {
 	dir, err := os.MkdirTemp("", "idempotency-extproc-bin")
@@ -413,7 +422,8 @@ var binary = sync.OnceValues(func() (string, error) {
 		return "", err
 	}
 	path := filepath.Join(dir, "idempotency-extproc")
-	out, err := exec.Command("go", "build", "-race", "-o", path, ".").CombinedOutput()
+	out, err := exec.Command("go", "build", "-race", "-ldflags", "-X main.version="+binaryVersion+" -X main.revision="+binaryRevision,
+		"-o", path, ".").CombinedOutput()
 	if err != nil {
 		return "", &buildError{out: string(out), err: err}
 	}
@@ -458,6 +468,7 @@ func startBinaryWithClaim(t *testing.T, key string) (*exec.Cmd, *logLines, map[s
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() { _ = cmd.Process.Kill() })
 	ready := logs.wait(t, "ready", 30*time.Second)
+	require.Equal(t, binaryVersion, ready["version"], "the linked version")
 	return cmd, logs, ready, openClaim(t, ready["grpc_addr"].(string), key)
 }
 
