@@ -12,12 +12,17 @@
 FROM --platform=$BUILDPLATFORM golang:1.26-bookworm AS build
 ARG TARGETOS
 ARG TARGETARCH
+# The version --version prints, the ready log line and idempotency_build_info carry; .git is not
+# in the build context, so the revision comes in the same way.
+ARG VERSION=dev
+ARG REVISION=unknown
 WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
 RUN CGO_ENABLED=0 GOOS=$TARGETOS GOARCH=$TARGETARCH \
-    go build -trimpath -ldflags="-s -w" -o /out/idempotency-extproc ./cmd/idempotency-extproc
+    go build -trimpath -ldflags="-s -w -X main.version=${VERSION} -X main.revision=${REVISION}" \
+      -o /out/idempotency-extproc ./cmd/idempotency-extproc
 
 FROM gcr.io/distroless/static-debian12:nonroot
 ARG VERSION=dev
