@@ -36,6 +36,7 @@ LABEL org.opencontainers.image.title="idempotency-extproc" \
       org.opencontainers.image.version="$VERSION" \
       org.opencontainers.image.revision="$REVISION" \
       org.opencontainers.image.created="$CREATED" \
+      org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="gcr.io/distroless/static-debian12:nonroot"
 COPY --from=build /out/idempotency-extproc /idempotency-extproc
 # 65532, distroless' nonroot: the chart's runAsUser.
