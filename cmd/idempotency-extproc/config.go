@@ -20,8 +20,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
-// config is the whole configuration: the settings of SPEC §2, §10 and §12 and the policy of
-// SPEC §6.
+// config is the whole configuration: the settings of settings() and the compiled policy.
 type config struct {
 	configPath          string
 	grpcAddr            string

@@ -15,7 +15,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 )
 
-// The records API on the admin listener (SPEC §10): GET and DELETE /v1/records/{key_hash},
+// The records API on the admin listener: GET and DELETE /v1/records/{key_hash},
 // behind a bearer token read from --admin-token-file. Without the token file these paths answer
 // 404, as any unknown path does.
 

@@ -63,7 +63,7 @@ func recordsCall(t *testing.T, adminURL, tokenFile string, args ...string) (stri
 	return out.String(), err
 }
 
-// The records API (SPEC §10) on each store: behind its token, it shows a record in each state
+// The records API on each store: behind its token, it shows a record in each state
 // and purges it whatever its state; a purged stuck lease lets the next retry run. The CLI drives
 // it against the running program.
 func TestRecordsAPI(t *testing.T) {

@@ -87,8 +87,8 @@ const (
 const readinessInterval = 500 * time.Millisecond
 
 // maxPingTimeout bounds a readiness ping whatever store_timeout says, so that a store that stops
-// answering turns the process unready within readinessInterval plus this: 1.5 s, under SPEC
-// §7's 2 s.
+// answering turns the process unready within readinessInterval plus this: 1.5 s, less than the
+// chart's 2 s readiness probe period.
 const maxPingTimeout = time.Second
 
 // pingTimeout is how long a readiness ping may take.
@@ -166,8 +166,9 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	gs := grpc.NewServer(
 		// One stream's panic ends that stream, not the process (unless it came from the store).
 		grpc.ChainStreamInterceptor(srv.StreamInterceptor()),
-		// A BUFFERED body arrives in one message: the limit must exceed the largest body Envoy
-		// may send (reference §0.8, §9).
+		// A BUFFERED body arrives in one message (Filter::sendBufferedData in Envoy's
+		// source/extensions/filters/http/ext_proc/ext_proc.cc): the limit must exceed the
+		// largest body Envoy may send.
 		grpc.MaxRecvMsgSize(maxRecvMsgSize(cfg)),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: opts.keepaliveTime, Timeout: opts.keepaliveTimeout}),
