@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"io/fs"
@@ -14,7 +15,31 @@ import (
 const (
 	maxPolicyFileBytes = 4 << 20
 	maxSecretFileBytes = 64 << 10
+	// maxPEMFileBytes bounds a file of certificates: a system CA bundle is a few hundred KiB.
+	maxPEMFileBytes = 4 << 20
 )
+
+// checkLibraryFiles checks, as readBoundedFile does, the files that environment variables name
+// for the libraries to read without a bound, or to block on: Go's crypto/x509 reads the CA
+// bundle of SSL_CERT_FILE at the first TLS connection (to Redis or to an OTLP collector), the
+// OTLP exporters read their certificates and key when tracing starts. Its error holds every bad
+// one, each with its variable.
+func checkLibraryFiles(getenv func(string) string) error {
+	var errs []error
+	for _, name := range []string{
+		"SSL_CERT_FILE",
+		"OTEL_EXPORTER_OTLP_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+		"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+		"OTEL_EXPORTER_OTLP_CLIENT_KEY", "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY",
+	} {
+		if path := getenv(name); path != "" {
+			if _, err := readBoundedFile(path, maxPEMFileBytes); err != nil {
+				errs = append(errs, fmt.Errorf("environment variable %s: %w", name, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
 
 // readBoundedFile reads the regular file at path, which may hold at most limit bytes. Anything
 // else is refused with an error that names path and what it is, and never blocks: a named pipe

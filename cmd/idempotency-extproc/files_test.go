@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"io"
 	"os"
 	"path/filepath"
@@ -145,4 +146,43 @@ func mklink(t *testing.T, target string) string {
 	link := filepath.Join(t.TempDir(), "link")
 	require.NoError(t, os.Symlink(target, link))
 	return link
+}
+
+// The files the libraries read, named by environment variables, are held to the same rule
+// before start-up goes on: the OTLP exporters would read a named pipe for ever when tracing
+// starts, and crypto/x509 would at the first TLS connection.
+func TestLibraryFilesMustBeBoundedRegularFiles(t *testing.T) {
+	fifo, ca := mkfifo(t), writeNamed(t, "ca.pem", "-----BEGIN CERTIFICATE-----\n")
+	for _, tc := range []struct {
+		name string
+		env  map[string]string
+		want []string // nil: accepted
+	}{
+		{"none", nil, nil},
+		{"regular files", map[string]string{"SSL_CERT_FILE": ca, "OTEL_EXPORTER_OTLP_CERTIFICATE": ca}, nil},
+		{"a named pipe and a device", map[string]string{"SSL_CERT_FILE": fifo, "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY": "/dev/zero"}, []string{
+			"environment variable SSL_CERT_FILE: " + fifo + ": not a regular file (a named pipe)",
+			"environment variable OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY: /dev/zero: not a regular file (a character device)",
+		}},
+		{"tracing on, an oversized certificate", map[string]string{
+			"OTEL_EXPORTER_OTLP_ENDPOINT":           "http://127.0.0.1:1",
+			"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": sparse(t, maxPEMFileBytes+1),
+		}, []string{"environment variable OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE: ", "more than the 4 MiB this file may hold"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			// A context already done: start-up stops, without an error, once the files are read.
+			ctx, cancel := context.WithCancel(t.Context())
+			cancel()
+			err := within(t, func() error {
+				return run(ctx, []string{"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, env(tc.env), io.Discard)
+			})
+			if tc.want == nil {
+				require.NoError(t, err)
+				return
+			}
+			for _, w := range tc.want {
+				require.ErrorContains(t, err, w)
+			}
+		})
+	}
 }

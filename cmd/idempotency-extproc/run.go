@@ -108,6 +108,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 func runWith(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer, opts runOptions) error {
 	opts = opts.withDefaults()
 	cfg, err := loadConfig(args, getenv, io.Discard)
+	if err == nil {
+		err = checkLibraryFiles(getenv)
+	}
 	if err != nil {
 		return err
 	}
