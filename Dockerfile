@@ -12,12 +12,17 @@
 FROM --platform=$BUILDPLATFORM golang:1.26-bookworm AS build
 ARG TARGETOS
 ARG TARGETARCH
+# The version --version prints, the ready log line and idempotency_build_info carry; .git is not
+# in the build context, so the revision comes in the same way.
+ARG VERSION=dev
+ARG REVISION=unknown
 WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
 RUN CGO_ENABLED=0 GOOS=$TARGETOS GOARCH=$TARGETARCH \
-    go build -trimpath -ldflags="-s -w" -o /out/idempotency-extproc ./cmd/idempotency-extproc
+    go build -trimpath -ldflags="-s -w -X main.version=${VERSION} -X main.revision=${REVISION}" \
+      -o /out/idempotency-extproc ./cmd/idempotency-extproc
 
 FROM gcr.io/distroless/static-debian12:nonroot
 ARG VERSION=dev
@@ -31,6 +36,7 @@ LABEL org.opencontainers.image.title="idempotency-extproc" \
       org.opencontainers.image.version="$VERSION" \
       org.opencontainers.image.revision="$REVISION" \
       org.opencontainers.image.created="$CREATED" \
+      org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="gcr.io/distroless/static-debian12:nonroot"
 COPY --from=build /out/idempotency-extproc /idempotency-extproc
 # 65532, distroless' nonroot: the chart's runAsUser.

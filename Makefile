@@ -39,6 +39,9 @@ bench-compare: ## the comparative benchmark of docs/performance.md (needs redis-
 bench-costs: ## what features, body sizes and streams cost over the null processor, docs/performance.md (needs redis-server, redis-benchmark)
 	$(GO) run ./e2e/bench -mode costs -duration 10s -rounds 5
 
+run: ## the server on the embedded memory store with envoy/policy.yaml: ext_proc gRPC on :9002, admin HTTP on :9003
+	$(GO) run ./cmd/idempotency-extproc --store memory --config envoy/policy.yaml --log-format console
+
 fuzz: ## each fuzz target for FUZZTIME (seed corpora in each package's testdata/fuzz)
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeResponse$$' -fuzztime $(FUZZTIME) ./cache/
 	$(GO) test -run '^$$' -fuzz '^FuzzParseKey$$' -fuzztime $(FUZZTIME) ./extproc/

@@ -9,23 +9,81 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"time"
 
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
-// dispatch runs the subcommand args name (key-hash, records), or the server.
+// dispatch runs the command args name, or the server.
 func dispatch(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
 	if len(args) > 0 {
 		switch args[0] {
+		case "serve":
+			return serve(ctx, args[1:], getenv, stdout, stderr)
 		case "key-hash":
 			return keyHashCommand(args[1:], getenv, stdout, stderr)
 		case "records":
 			return recordsCommand(ctx, args[1:], stdout, stderr)
+		case "version", "-version", "--version":
+			_, err := fmt.Fprintln(stdout, currentBuild().version)
+			return err
+		case "help", "-h", "-help", "--help":
+			if len(args) > 1 && args[1] != "help" && !strings.HasPrefix(args[1], "-") {
+				return dispatch(ctx, []string{args[1], "--help"}, getenv, stdout, stderr)
+			}
+			return writeUsage(stdout)
+		}
+		if !strings.HasPrefix(args[0], "-") {
+			return fmt.Errorf("unknown command %q (idempotency-extproc help lists the commands)", args[0])
 		}
 	}
-	return run(ctx, args, getenv, stderr)
+	return serve(ctx, args, getenv, stdout, stderr)
+}
+
+// serve runs the server; -h among its flags prints the usage.
+func serve(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
+	err := run(ctx, args, getenv, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return writeUsage(stdout)
+	}
+	return err
+}
+
+// writeUsage writes the binary's usage: its commands, then the server's flags.
+func writeUsage(w io.Writer) error {
+	commands := [][2]string{
+		{"serve", "run the processor: the command when none is given"},
+		{"check", "check a policy and Envoy/Istio/Envoy Gateway files before deploying them"},
+		{"key-hash", "print the key_hash of the record a request would get"},
+		{"records", "show or purge one record through a running server's records API"},
+		{"version", "print the version"},
+		{"help", "print this help; help COMMAND prints a command's"},
+	}
+	var b strings.Builder
+	b.WriteString(`usage: idempotency-extproc [COMMAND] [flags]
+
+An Envoy external processor (ext_proc) that gives any HTTP upstream Idempotency-Key semantics.
+
+Commands:
+`)
+	for _, c := range commands {
+		fmt.Fprintf(&b, "  %-10s %s\n", c[0], c[1])
+	}
+	b.WriteString(`
+"idempotency-extproc COMMAND --help" lists a command's flags.
+
+Flags of serve. Each may also be given by its environment variable and, but for -config, in the
+policy file under its name with underscores (redis_url); flags beat the environment, which beats
+the file:
+`)
+	fs, _ := serverFlags(settings())
+	fs.SetOutput(&b)
+	fs.PrintDefaults()
+	_, err := io.WriteString(w, b.String())
+	return err
 }
 
 // repeated is a flag that may be given several times.
@@ -36,34 +94,31 @@ func (r *repeated) Set(v string) error { *r = append(*r, v); return nil }
 
 const keyHashUsage = `usage: idempotency-extproc key-hash --config FILE (--route NAME | --path PATH) --key KEY [flags]
 
-Prints the key_hash of the record a request would get: the name the records API, the logs and
-Envoy's access log use for it. Give the request as the client and Envoy send it: its scope
-headers, the claims jwt_authn verified, the mTLS peer, and the path for path parameters.
-The policy file's key_hash_secret_file (or --key-hash-secret-file) keys the hash as the server does.
+Prints the key_hash of the record a request would get, alone on one line: the name the records
+API, the logs and Envoy's access log use for it, so that
+  idempotency-extproc records get "$(idempotency-extproc key-hash ...)"
+works. Give the request as the client and Envoy send it: its scope headers, the claims jwt_authn
+verified, the mTLS peer, and the path for path parameters. The policy file's
+key_hash_secret_file (or --key-hash-secret-file) keys the hash as the server does. --verbose
+says on stderr which route was chosen and where its scope values come from.
 
+Flags:
 `
 
 // keyHashCommand prints the key_hash a request would get.
 func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("idempotency-extproc key-hash", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprint(stderr, keyHashUsage)
-		fs.PrintDefaults()
-	}
-	configPath := fs.String("config", "", "the server's YAML policy file (env IDEMPOTENCY_CONFIG)")
-	route := fs.String("route", "", "the policy route, as x-idempotency-route names it; without it the route is chosen by --path")
-	path := fs.String("path", "", "the request's path, with its query: chooses the route and gives its path parameters")
-	key := fs.String("key", "", "the Idempotency-Key as the client sends it")
-	secretFile := fs.String("key-hash-secret-file", "", "the server's key-hash secret file (env IDEMPOTENCY_KEY_HASH_SECRET_FILE), if it has one")
-	peer := fs.String("peer-identity", "", "the mTLS peer's URI SAN, for peer_identity scope")
+	configPath := fs.String("config", "", "the server's YAML policy `file` (env IDEMPOTENCY_CONFIG)")
+	route := fs.String("route", "", "the policy route's `name`, as x-idempotency-route gives it; without it --path chooses the route")
+	path := fs.String("path", "", "the request's `path`, with its query: chooses the route and gives its path parameters")
+	key := fs.String("key", "", "the idempotency `key` as the client sends it in Idempotency-Key")
+	secretFile := fs.String("key-hash-secret-file", "", "the server's key-hash secret `file` (env IDEMPOTENCY_KEY_HASH_SECRET_FILE), if it has one")
+	peer := fs.String("peer-identity", "", "the mTLS peer's URI SAN, a `uri`, for peer_identity scope")
+	verbose := fs.Bool("verbose", false, "say on stderr which route was chosen and where each of its scope values comes from")
 	var headers, claims repeated
-	fs.Var(&headers, "header", "a request header 'name: value', for header scope (repeatable)")
-	fs.Var(&claims, "jwt-claim", "a verified claim name=value, for jwt_claim scope; a JSON value (number, list) is read as JSON (repeatable)")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil
-		}
+	fs.Var(&headers, "header", "a request `header` 'name: value', for header scope (repeatable)")
+	fs.Var(&claims, "jwt-claim", "a verified `claim` name=value, for jwt_claim scope; a JSON value (number, list) is read as JSON (repeatable)")
+	if done, err := parseCommandFlags(fs, args, keyHashUsage, stdout); done || err != nil {
 		return err
 	}
 	switch {
@@ -114,7 +169,82 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 	if err != nil {
 		return fmt.Errorf("key-hash: %w", err)
 	}
-	_, err = fmt.Fprintf(stdout, "%s\troute=%s\n", hashed, name)
+	if *verbose {
+		if err := explainKeyHash(stderr, cfg, name, req); err != nil {
+			return err
+		}
+	}
+	_, err = fmt.Fprintln(stdout, hashed)
+	return err
+}
+
+// explainKeyHash writes the route a request got and, for each of its scope sources in the order
+// they are hashed, its kind and name and whether the request gave it: never its value, which
+// may be a credential.
+func explainKeyHash(w io.Writer, cfg *config, route string, req extproc.KeyRequest) error {
+	r := cfg.policy.Default
+	for _, candidate := range cfg.policy.Routes {
+		if candidate.Name == route {
+			r = candidate
+		}
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "route: %s\n", route)
+	if cfg.keyHashSecret != nil {
+		b.WriteString("hash: HMAC-SHA256 under the key-hash secret\n")
+	} else {
+		b.WriteString("hash: SHA-256 (no key-hash secret)\n")
+	}
+	if len(r.Scope) == 0 {
+		b.WriteString("scope: none (the key alone names the record)\n")
+	}
+	for _, src := range r.Scope {
+		given := "not given"
+		switch src.Kind {
+		case policy.ScopeHeader:
+			if slices.ContainsFunc(req.Headers, func(h [2]string) bool { return h[0] == src.Name }) {
+				given = "given by --header"
+			}
+		case policy.ScopeJWTClaim:
+			if _, ok := req.Claims[src.Name]; ok {
+				given = "given by --jwt-claim"
+			}
+		case policy.ScopePeerIdentity:
+			if req.PeerIdentity != "" {
+				given = "given by --peer-identity"
+			}
+		case policy.ScopePathParam:
+			given = "from --path" // KeyHash refuses a route whose path parameters it lacks
+		}
+		fmt.Fprintf(&b, "scope: %s %s (%s)\n", src.Kind, src.Name, given)
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+// parseCommandFlags parses a command's flags. After -h it writes usage and the flags to stdout
+// and reports done; a bad flag is an error that says where the flags are listed.
+func parseCommandFlags(fs *flag.FlagSet, args []string, usage string, stdout io.Writer) (done bool, err error) {
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	err = fs.Parse(args)
+	if errors.Is(err, flag.ErrHelp) {
+		return true, writeCommandUsage(fs, usage, stdout)
+	}
+	if err != nil {
+		return true, fmt.Errorf("%s: %w (%s --help lists the flags)", strings.TrimPrefix(fs.Name(), "idempotency-extproc "), err, fs.Name())
+	}
+	return false, nil
+}
+
+// writeCommandUsage writes a command's usage and its flags.
+func writeCommandUsage(fs *flag.FlagSet, usage string, w io.Writer) error {
+	var b strings.Builder
+	b.WriteString(usage)
+	fs.SetOutput(&b)
+	fs.PrintDefaults()
+	fs.SetOutput(io.Discard)
+	_, err := io.WriteString(w, b.String())
 	return err
 }
 
@@ -126,28 +256,24 @@ Calls the records API of a running server (started with --admin-token-file):
 
 KEY_HASH is the 64 hex digits of the logs' key_hash (or of idempotency-extproc key-hash).
 
+Flags:
 `
 
 // recordsCommand calls the records API.
 func recordsCommand(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("idempotency-extproc records", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprint(stderr, recordsUsage)
-		fs.PrintDefaults()
-	}
-	adminURL := fs.String("admin-url", "http://localhost:9003", "the server's admin listener")
-	tokenFile := fs.String("token-file", "", "the file holding the server's admin token (its --admin-token-file)")
+	adminURL := fs.String("admin-url", "http://localhost:9003", "the `url` of the server's admin listener")
+	tokenFile := fs.String("token-file", "", "the `file` holding the server's admin token (its --admin-token-file)")
 	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
-		if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
-			return nil
+		if done, err := parseCommandFlags(fs, args, recordsUsage, stdout); done || err != nil {
+			return err
 		}
-		fs.Usage()
+		_ = writeCommandUsage(fs, recordsUsage, stderr)
 		return errors.New("records: say get or purge, then the key_hash")
 	}
 	op := args[0]
 	if op != "get" && op != "purge" {
-		fs.Usage()
+		_ = writeCommandUsage(fs, recordsUsage, stderr)
 		return fmt.Errorf("records: %q is neither get nor purge", op)
 	}
 	// The key_hash may come before or after the flags.
@@ -156,10 +282,7 @@ func recordsCommand(ctx context.Context, args []string, stdout, stderr io.Writer
 	if len(rest) > 0 && !strings.HasPrefix(rest[0], "-") {
 		keyHash, rest = rest[0], rest[1:]
 	}
-	if err := fs.Parse(rest); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil
-		}
+	if done, err := parseCommandFlags(fs, rest, recordsUsage, stdout); done || err != nil {
 		return err
 	}
 	if keyHash == "" && fs.NArg() == 1 {

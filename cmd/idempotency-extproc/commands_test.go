@@ -2,6 +2,9 @@ package main
 
 import (
 	"bytes"
+	"flag"
+	"io"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -52,10 +55,36 @@ routes:
 	logged := line["key_hash"].(string)
 	require.Len(t, logged, 64)
 
-	var out bytes.Buffer
+	require.Equal(t, policyFile, ready["config"])
+	require.Equal(t, []any{"ledger", "default"}, ready["routes"])
+
+	// The hash alone on one line, so that records get "$(idempotency-extproc key-hash …)" works;
+	// --verbose says on stderr where it came from, without a scope value.
+	var out, stderr bytes.Buffer
 	require.NoError(t, dispatch(t.Context(), []string{"key-hash", "--config", policyFile, "--key-hash-secret-file", secret,
-		"--path", "/v1/orgs/acme/tx", "--key", `"order-1"`, "--header", "Authorization: Bearer t0k", "--jwt-claim", "sub=alice"}, env(nil), &out, &bytes.Buffer{}))
-	require.Equal(t, logged+"\troute=ledger\n", out.String())
+		"--path", "/v1/orgs/acme/tx", "--key", `"order-1"`, "--header", "Authorization: Bearer t0k", "--jwt-claim", "sub=alice"}, env(nil), &out, &stderr))
+	require.Equal(t, logged+"\n", out.String())
+	require.Empty(t, stderr.String())
+	out.Reset()
+	require.NoError(t, dispatch(t.Context(), []string{"key-hash", "--config", policyFile, "--key-hash-secret-file", secret, "--verbose",
+		"--path", "/v1/orgs/acme/tx", "--key", `"order-1"`, "--header", "Authorization: Bearer t0k", "--jwt-claim", "sub=alice"}, env(nil), &out, &stderr))
+	require.Equal(t, logged+"\n", out.String(), "--verbose writes to stderr only")
+	require.Equal(t, `route: ledger
+hash: HMAC-SHA256 under the key-hash secret
+scope: header authorization (given by --header)
+scope: path_param org (from --path)
+scope: jwt_claim sub (given by --jwt-claim)
+`, stderr.String())
+	stderr.Reset()
+	require.NoError(t, dispatch(t.Context(), []string{"key-hash", "--config", policyFile, "--verbose", "--route", "ledger", "--path", "/v1/orgs/acme/tx", "--key", "k"}, env(nil), &out, &stderr))
+	require.Equal(t, `route: ledger
+hash: SHA-256 (no key-hash secret)
+scope: header authorization (not given)
+scope: path_param org (from --path)
+scope: jwt_claim sub (not given)
+`, stderr.String())
+
+	out.Reset()
 
 	out.Reset()
 	require.NoError(t, dispatch(t.Context(), []string{"key-hash", "--config", policyFile, "--key-hash-secret-file", secret,
@@ -87,10 +116,99 @@ func TestCommandErrors(t *testing.T) {
 			require.ErrorContains(t, err, tc.want)
 		})
 	}
-	var help bytes.Buffer
-	require.NoError(t, dispatch(t.Context(), []string{"key-hash", "--help"}, env(nil), &bytes.Buffer{}, &help))
-	require.Contains(t, help.String(), "usage: idempotency-extproc key-hash")
-	help.Reset()
-	require.NoError(t, dispatch(t.Context(), []string{"records", "--help"}, env(nil), &bytes.Buffer{}, &help))
-	require.Contains(t, help.String(), "usage: idempotency-extproc records get|purge")
+}
+
+// help, -h and --help print the usage on stdout and succeed: the commands, check included,
+// and every flag of the server; a command's --help prints its own. A mistake goes to the
+// error, which main prints on stderr before it exits 1, and prints nothing on stdout.
+func TestHelp(t *testing.T) {
+	server := []string{"usage: idempotency-extproc [COMMAND] [flags]", "check a policy and Envoy/Istio/Envoy Gateway files before deploying them"}
+	for _, c := range []string{"serve", "check", "key-hash", "records", "version", "help"} {
+		server = append(server, "\n  "+c+" ")
+	}
+	for _, s := range settings() {
+		server = append(server, "\n  -"+s.name+" ", "(env "+s.env()+")")
+	}
+	keyHash := []string{"usage: idempotency-extproc key-hash", "\n  -verbose\n", "\n  -route name\n"}
+	records := []string{"usage: idempotency-extproc records get|purge", "\n  -token-file file\n"}
+	for _, tc := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"help"}, server},
+		{[]string{"-h"}, server},
+		{[]string{"-help"}, server},
+		{[]string{"--help"}, server},
+		{[]string{"serve", "--help"}, server},
+		{[]string{"--store", "redis", "-h"}, server},
+		{[]string{"help", "key-hash"}, keyHash},
+		{[]string{"key-hash", "--help"}, keyHash},
+		{[]string{"key-hash", "-h"}, keyHash},
+		{[]string{"help", "records"}, records},
+		{[]string{"records", "--help"}, records},
+		{[]string{"records", "get", "--help"}, records},
+	} {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			require.NoError(t, dispatch(t.Context(), tc.args, env(nil), &stdout, &stderr))
+			for _, w := range tc.want {
+				require.Contains(t, stdout.String(), w)
+			}
+			require.Empty(t, stderr.String())
+		})
+	}
+
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--colour"}, "flag provided but not defined: -colour (idempotency-extproc help lists the flags)"},
+		{[]string{"serve", "extra"}, `unexpected arguments ["extra"]: the server takes flags only (idempotency-extproc help lists the commands and flags)`},
+		{[]string{"recods", "get"}, `unknown command "recods" (idempotency-extproc help lists the commands)`},
+		{[]string{"key-hash", "--colour"}, "key-hash: flag provided but not defined: -colour (idempotency-extproc key-hash --help lists the flags)"},
+		{[]string{"records", "get", "--colour"}, "records: flag provided but not defined: -colour (idempotency-extproc records --help lists the flags)"},
+	} {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			var stdout bytes.Buffer
+			err := dispatch(t.Context(), tc.args, env(nil), &stdout, io.Discard)
+			require.EqualError(t, err, tc.want)
+			require.Empty(t, stdout.String())
+		})
+	}
+}
+
+// Every flag of every command shows a placeholder that says what its value is (or none, for a
+// switch): the flag package takes the first back-quoted word of a description as the
+// placeholder, and a description that quotes code (`/metrics`, `memory`) showed that instead.
+func TestFlagPlaceholders(t *testing.T) {
+	allowed := []string{"", "file", "address", "addresses", "url", "kind", "name", "bool", "bytes", "level", "format",
+		"path", "key", "uri", "header", "claim"}
+	flagLine := regexp.MustCompile(`(?m)^  -([a-z-]+)(?: (.*))?$`)
+	for _, args := range [][]string{{"help"}, {"key-hash", "--help"}, {"records", "--help"}} {
+		var out bytes.Buffer
+		require.NoError(t, dispatch(t.Context(), args, env(nil), &out, io.Discard))
+		flags := flagLine.FindAllStringSubmatch(out.String(), -1)
+		require.NotEmpty(t, flags, args)
+		for _, f := range flags {
+			require.Contains(t, allowed, f[2], "%v: -%s shows the placeholder %q", args, f[1], f[2])
+		}
+		require.NotContains(t, out.String(), "`", "%v: a back quote left in a description", args)
+		require.NotRegexp(t, `\{[a-z]+\}`, out.String(), "%v: a placeholder mark left in a description", args)
+	}
+	fs, _ := serverFlags(settings())
+	fs.VisitAll(func(f *flag.Flag) {
+		name, _ := flag.UnquoteUsage(f)
+		require.Contains(t, allowed, name, "-%s", f.Name)
+		require.NotEqual(t, "string", name, "-%s has no placeholder of its own", f.Name)
+	})
+}
+
+// version and --version print the version alone on stdout.
+func TestVersionCommand(t *testing.T) {
+	for _, args := range [][]string{{"version"}, {"--version"}, {"-version"}} {
+		var stdout, stderr bytes.Buffer
+		require.NoError(t, dispatch(t.Context(), args, env(nil), &stdout, &stderr))
+		require.Equal(t, currentBuild().version+"\n", stdout.String())
+		require.Empty(t, stderr.String())
+	}
 }

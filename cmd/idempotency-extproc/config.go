@@ -8,7 +8,6 @@ import (
 	"hash"
 	"io"
 	"net"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -21,8 +20,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
-// config is the whole configuration: the settings of SPEC §2, §10 and §12 and the policy of
-// SPEC §6.
+// config is the whole configuration: the settings of settings() and the compiled policy.
 type config struct {
 	configPath          string
 	grpcAddr            string
@@ -74,28 +72,57 @@ func (s setting) env() string {
 
 func (s setting) fileKey() string { return strings.ReplaceAll(s.name, "-", "_") }
 
+// docParts splits doc around the one word in braces that names the setting's value: {file},
+// {address}. The README shows the word as it is; -h shows it as the flag's placeholder
+// (-config file), which the flag package takes from the first back-quoted word of a usage.
+func (s setting) docParts() (before, word, after string) {
+	before, rest, ok := strings.Cut(s.doc, "{")
+	if !ok {
+		return s.doc, "", ""
+	}
+	word, after, _ = strings.Cut(rest, "}")
+	return before, word, after
+}
+
+// markdown is doc as the README's table of settings shows it.
+func (s setting) markdown() string {
+	before, word, after := s.docParts()
+	return before + word + after
+}
+
+// flagUsage is doc as -h shows it: the value's word back-quoted, the only back quotes left, and
+// the environment variable.
+func (s setting) flagUsage() string {
+	before, word, after := s.docParts()
+	plain := strings.NewReplacer("`", "")
+	if word != "" {
+		word = "`" + word + "`"
+	}
+	return plain.Replace(before) + word + plain.Replace(after) + " (env " + s.env() + ")"
+}
+
 // minKeyHashSecret is the shortest --key-hash-secret-file accepted: HMAC-SHA256's block of
 // entropy.
 const minKeyHashSecret = 32
 
 func settings() []setting {
 	return []setting{
-		{name: "config", notInFile: true, doc: "YAML policy file, which may also give the settings below under their file key; without one the defaults apply",
+		{name: "config", notInFile: true, doc: "the YAML policy {file}, which may also give the settings below under their file key; without one the defaults apply",
 			apply: func(c *config, v string) error {
 				c.configPath = v
 				return nil
 			}},
-		{name: "grpc-addr", def: ":9002", doc: "ext_proc gRPC listener; `unix:///path.sock` for a Unix socket (a stale socket there is replaced; any other file is left alone and refused)",
+		{name: "grpc-addr", def: ":9002", doc: "the ext_proc gRPC listener's {address}: host:port, or `unix:///path.sock` for a Unix socket (a stale socket there is replaced; any other file is left alone and refused)",
 			apply: func(c *config, v string) error {
 				c.grpcAddr = v
 				return checkAddr(v)
 			}},
-		{name: "admin-addr", def: ":9003", doc: "HTTP listener: `/metrics`, `/healthz`, `/readyz` and, with `--admin-token-file`, `/v1/records/`",
+		{name: "admin-addr", def: ":9003", doc: "the admin HTTP listener's {address}, serving `/metrics`, `/healthz`, `/readyz` and, with `--admin-token-file`, `/v1/records/`",
 			apply: func(c *config, v string) error {
 				c.adminAddr = v
 				return checkAddr(v)
 			}},
-		{name: "store", def: "memory", doc: "`memory` or `redis` (Redis 7.0 or later, or Valkey)",
+		{name: "store", def: "memory", doc: "the {kind} of store: `memory` or `redis` (Redis 7.0 or later, or Valkey)",
 			apply: func(c *config, v string) error {
 				if v != "memory" && v != "redis" {
 					return fmt.Errorf("must be memory or redis, got %q", v)
@@ -103,22 +130,22 @@ func settings() []setting {
 				c.store = v
 				return nil
 			}},
-		{name: "redis-url", def: "redis://localhost:6379/0", doc: "standalone `redis://` or TLS `rediss://`, user and password in the URL; for Cluster and Sentinel its user, password and TLS apply to the nodes, whose certificates are checked against the addresses they are dialled at (its host is ignored); a private CA is trusted through `SSL_CERT_FILE`; checked at start-up with `--store redis`, and its errors never show the password (percent-encode `#`, `/`, `@`, `:` and `%` in it)",
+		{name: "redis-url", def: "redis://localhost:6379/0", doc: "the Redis {url}: standalone `redis://` or TLS `rediss://`, user and password in the URL; for Cluster and Sentinel its user, password and TLS apply to the nodes, whose certificates are checked against the addresses they are dialled at (its host is ignored); a private CA is trusted through `SSL_CERT_FILE`; checked at start-up with `--store redis`, and its errors never show the password (percent-encode `#`, `/`, `@`, `:` and `%` in it)",
 			apply: func(c *config, v string) error {
 				c.redisURL = v
 				return nil
 			}},
-		{name: "redis-cluster-addrs", list: true, doc: "comma-separated seed nodes (a YAML list in the file); selects Redis Cluster",
+		{name: "redis-cluster-addrs", list: true, doc: "comma-separated seed node {addresses} (a YAML list in the file); selects Redis Cluster",
 			apply: func(c *config, v string) error {
 				c.redisClusterAddrs = splitList(v)
 				return nil
 			}},
-		{name: "redis-sentinel-addrs", list: true, doc: "comma-separated sentinels (a YAML list in the file); selects Sentinel",
+		{name: "redis-sentinel-addrs", list: true, doc: "comma-separated sentinel {addresses} (a YAML list in the file); selects Sentinel",
 			apply: func(c *config, v string) error {
 				c.redisSentinelAddrs = splitList(v)
 				return nil
 			}},
-		{name: "redis-sentinel-master", def: "mymaster", doc: "the master name the sentinels watch",
+		{name: "redis-sentinel-master", def: "mymaster", doc: "the master {name} the sentinels watch",
 			apply: func(c *config, v string) error {
 				if v == "" {
 					return errors.New("must not be empty")
@@ -126,7 +153,7 @@ func settings() []setting {
 				c.redisSentinelMaster = v
 				return nil
 			}},
-		{name: "redis-batching", def: "true", doc: "`true` shares round trips among concurrent Redis calls in pipelined batches (measured faster under load; staged completions of 256 KiB or more still go alone); `false` sends each call in a round trip of its own",
+		{name: "redis-batching", def: "true", doc: "whether concurrent Redis calls are batched, a {bool}: `true` shares their round trips in pipelined batches (measured faster under load; staged completions of 256 KiB or more still go alone); `false` sends each call in a round trip of its own",
 			apply: func(c *config, v string) error {
 				b, err := strconv.ParseBool(v)
 				if err != nil {
@@ -135,7 +162,7 @@ func settings() []setting {
 				c.redisBatching = b
 				return nil
 			}},
-		{name: "memory-max-bytes", def: strconv.Itoa(cache.DefaultMemoryMaxBytes), doc: "memory store bound; least recently used completed records go first",
+		{name: "memory-max-bytes", def: strconv.Itoa(cache.DefaultMemoryMaxBytes), doc: "the memory store's bound in {bytes}; least recently used completed records go first",
 			apply: func(c *config, v string) error {
 				n, err := strconv.ParseInt(v, 10, 64)
 				if err != nil || n <= 0 {
@@ -144,7 +171,7 @@ func settings() []setting {
 				c.memoryMaxBytes = n
 				return nil
 			}},
-		{name: "log-level", def: "info", doc: "`trace`, `debug`, `info`, `warn` or `error`",
+		{name: "log-level", def: "info", doc: "the least {level} logged: `trace`, `debug`, `info`, `warn` or `error`",
 			apply: func(c *config, v string) error {
 				l, err := zerolog.ParseLevel(v)
 				if err != nil || v == "" {
@@ -153,7 +180,7 @@ func settings() []setting {
 				c.logLevel = l
 				return nil
 			}},
-		{name: "log-format", def: "json", doc: "`json` or `console`",
+		{name: "log-format", def: "json", doc: "the log {format}: `json` or `console`",
 			apply: func(c *config, v string) error {
 				if v != "json" && v != "console" {
 					return fmt.Errorf("must be json or console, got %q", v)
@@ -161,7 +188,7 @@ func settings() []setting {
 				c.logFormat = v
 				return nil
 			}},
-		{name: "admin-token-file", doc: "a file holding the bearer token of the records API on the admin listener (one line, no spaces); without it `/v1/records/` answers 404",
+		{name: "admin-token-file", doc: "a {file} holding the bearer token of the records API on the admin listener (one line, no spaces); without it `/v1/records/` answers 404",
 			apply: func(c *config, v string) error {
 				b, err := readSecretFile(v)
 				if err != nil || b == nil {
@@ -173,7 +200,7 @@ func settings() []setting {
 				c.adminToken = b
 				return nil
 			}},
-		{name: "record-keys-file", doc: "a file of lines `<id>:<base64 of 32 bytes>`, the first the active key: stored responses are sealed with AES-256-GCM; records sealed with any listed key are read",
+		{name: "record-keys-file", doc: "a {file} of lines `<id>:<base64 of 32 bytes>`, the first the active key: stored responses are sealed with AES-256-GCM; records sealed with any listed key are read",
 			apply: func(c *config, v string) error {
 				b, err := readFile(v)
 				if err != nil || b == nil {
@@ -186,7 +213,7 @@ func settings() []setting {
 				c.recordKeys, c.keyring = b, ring
 				return nil
 			}},
-		{name: "key-hash-secret-file", doc: "a file of at least 32 bytes: stored keys are HMAC-SHA256 with it instead of SHA-256; changing it re-keys every record",
+		{name: "key-hash-secret-file", doc: "a {file} of at least 32 bytes: stored keys are HMAC-SHA256 with it instead of SHA-256; changing it re-keys every record",
 			apply: func(c *config, v string) error {
 				b, err := readSecretFile(v)
 				if err != nil || b == nil {
@@ -205,16 +232,17 @@ func settings() []setting {
 	}
 }
 
-// readFile reads the file a setting names at start-up: nil for "" (the setting is off), an
-// error naming the path when it cannot be read or holds nothing but spaces. The error never
-// holds the file's content.
+// readFile reads the secret file a setting names at start-up (a token, a key-hash secret, a
+// keyring): nil for "" (the setting is off), an error naming the path when it is not a regular
+// file of at most maxSecretFileBytes, cannot be read or holds nothing but spaces. The error
+// never holds the file's content.
 func readFile(path string) ([]byte, error) {
 	if path == "" {
 		return nil, nil
 	}
-	b, err := os.ReadFile(path)
+	b, err := readBoundedFile(path, maxSecretFileBytes)
 	if err != nil {
-		return nil, err // an *fs.PathError: it names the path
+		return nil, err
 	}
 	if len(bytes.TrimSpace(b)) == 0 {
 		return nil, fmt.Errorf("%s is empty", path)
@@ -272,22 +300,34 @@ func fileSettings(all []setting) []policy.Setting {
 	return out
 }
 
-// loadConfig builds the configuration from flags, the environment and the policy file. Its
-// error names every bad setting at once, each with where it came from; it is flag.ErrHelp
-// after -h.
-func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*config, error) {
-	all := settings()
+// serverFlags is the flag set of the server's settings, silent: its caller reports its errors
+// and prints its usage.
+func serverFlags(all []setting) (*flag.FlagSet, map[string]*string) {
 	fs := flag.NewFlagSet("idempotency-extproc", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
 	flags := map[string]*string{}
 	for _, s := range all {
-		flags[s.name] = fs.String(s.name, s.def, s.doc+" (env "+s.env()+")")
+		flags[s.name] = fs.String(s.name, s.def, s.flagUsage())
 	}
+	return fs, flags
+}
+
+// loadConfig builds the configuration from flags, the environment and the policy file. Its
+// error names every bad setting at once, each with where it came from. After -h it writes the
+// usage to help and returns flag.ErrHelp.
+func loadConfig(args []string, getenv func(string) string, help io.Writer) (*config, error) {
+	all := settings()
+	fs, flags := serverFlags(all)
 	if err := fs.Parse(args); err != nil {
-		return nil, err
+		if errors.Is(err, flag.ErrHelp) {
+			_ = writeUsage(help)
+			return nil, err
+		}
+		return nil, fmt.Errorf("%w (idempotency-extproc help lists the flags)", err)
 	}
 	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+		return nil, fmt.Errorf("unexpected arguments %q: the server takes flags only (idempotency-extproc help lists the commands and flags)", fs.Args())
 	}
 	explicit := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { explicit[f.Name] = true })
@@ -312,7 +352,7 @@ func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*c
 	var file map[string]string
 	path, pathSource := value(all[slices.IndexFunc(all, func(s setting) bool { return s.notInFile })], nil)
 	if path != "" {
-		data, err := os.ReadFile(path)
+		data, err := readBoundedFile(path, maxPolicyFileBytes)
 		if err != nil {
 			// The other settings are still checked, so that every bad one is reported at once.
 			errs = append(errs, fmt.Errorf("config (%s): %w", pathSource, err))

@@ -150,7 +150,7 @@ func TestConfigInvalid(t *testing.T) {
 			[]string{"redis-url (flag --redis-url)", "database 0"}},
 		{"empty unix socket path", []string{"--grpc-addr", "unix://"}, nil, "", []string{"grpc-addr (flag --grpc-addr): must be host:port or unix:///path, got an empty path"}},
 		{"unknown flag", []string{"--colour"}, nil, "", []string{"flag provided but not defined: -colour"}},
-		{"stray argument", []string{"serve"}, nil, "", []string{"unexpected arguments"}},
+		{"stray argument", []string{"--store", "memory", "extra"}, nil, "", []string{`unexpected arguments ["extra"]`}},
 		{"missing file, with the rest", []string{"--config", "/nonexistent/policy.yaml", "--store", "disk"}, nil, "",
 			[]string{"config (flag --config): open /nonexistent/policy.yaml: no such file", "store (flag --store)"}},
 		{"missing file from the environment", nil, map[string]string{"IDEMPOTENCY_CONFIG": "/nonexistent/policy.yaml"}, "",
@@ -240,7 +240,7 @@ func TestConfigBadSecretFiles(t *testing.T) {
 
 	dir := t.TempDir()
 	_, err := loadConfig(nil, env(map[string]string{"IDEMPOTENCY_ADMIN_TOKEN_FILE": dir}), io.Discard)
-	require.ErrorContains(t, err, "admin-token-file (environment variable IDEMPOTENCY_ADMIN_TOKEN_FILE): read "+dir)
+	require.ErrorContains(t, err, "admin-token-file (environment variable IDEMPOTENCY_ADMIN_TOKEN_FILE): "+dir+": not a regular file (a directory)")
 }
 
 func ptr(s string) *string { return &s }
@@ -266,5 +266,8 @@ func TestRunOptionsDefaults(t *testing.T) {
 	require.Equal(t, 30*time.Second, o.keepaliveTime)
 	require.Equal(t, 10*time.Second, o.keepaliveTimeout)
 	require.NotNil(t, o.listen)
+	require.NotNil(t, o.openStore)
+	require.Equal(t, 2*time.Minute, o.adminIdleTimeout)
+	require.Greater(t, adminWriteTimeout, recordsTimeout, "a records API call answers before its connection is cut")
 	require.Equal(t, time.Second, runOptions{drainTimeout: time.Second}.withDefaults().drainTimeout, "a set field stays")
 }

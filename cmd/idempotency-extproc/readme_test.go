@@ -20,7 +20,7 @@ func settingsTable() string {
 		if !s.notInFile {
 			key = "`" + s.fileKey() + "`"
 		}
-		b.WriteString("| `--" + s.name + "` | `" + s.env() + "` | " + key + " | " + code(s.def) + " | " + cell(s.doc) + " |\n")
+		b.WriteString("| `--" + s.name + "` | `" + s.env() + "` | " + key + " | " + code(s.def) + " | " + cell(s.markdown()) + " |\n")
 	}
 	return b.String()
 }

@@ -15,7 +15,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 )
 
-// The records API on the admin listener (SPEC §10): GET and DELETE /v1/records/{key_hash},
+// The records API on the admin listener: GET and DELETE /v1/records/{key_hash},
 // behind a bearer token read from --admin-token-file. Without the token file these paths answer
 // 404, as any unknown path does.
 
@@ -72,9 +72,14 @@ func (a *recordsAPI) serve(w http.ResponseWriter, r *http.Request, op string) {
 	keyHash := r.PathValue("key_hash")
 	result := a.handle(w, r, op, keyHash)
 	a.requests.WithLabelValues(op, result).Inc()
+	// A refused call is counted, and logged only at debug: anyone who reaches the listener can
+	// make one, as often as they like.
 	ev := a.log.Info()
-	if result == "store_error" {
+	switch result {
+	case "store_error":
 		ev = a.log.Warn()
+	case "unauthorized":
+		ev = a.log.Debug()
 	}
 	if !validKeyHash(keyHash) {
 		keyHash = "" // not ours to log: it could be anything
@@ -134,10 +139,12 @@ func (a *recordsAPI) handle(w http.ResponseWriter, r *http.Request, op, keyHash 
 	return "not_found"
 }
 
-// authorized compares the bearer token in constant time.
+// authorized compares the bearer token in constant time. The scheme is matched in any case, as
+// RFC 9110 section 11.1 says schemes are.
 func (a *recordsAPI) authorized(r *http.Request) bool {
-	got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-	return ok && subtle.ConstantTimeCompare([]byte(got), a.token) == 1
+	scheme, token, ok := strings.Cut(r.Header.Get("Authorization"), " ")
+	return ok && strings.EqualFold(scheme, "Bearer") &&
+		subtle.ConstantTimeCompare([]byte(strings.TrimLeft(token, " ")), a.token) == 1
 }
 
 func rfc3339(t time.Time) *string {

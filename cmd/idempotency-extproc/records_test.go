@@ -6,14 +6,18 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
 
@@ -46,7 +50,8 @@ func keyHashOf(t *testing.T, policyFile, path, key string) string {
 	t.Helper()
 	var out bytes.Buffer
 	require.NoError(t, dispatch(t.Context(), []string{"key-hash", "--config", policyFile, "--path", path, "--key", key}, env(nil), &out, io.Discard))
-	h, _, _ := strings.Cut(out.String(), "\t")
+	h, ok := strings.CutSuffix(out.String(), "\n")
+	require.True(t, ok, "one line: %q", out.String())
 	return h
 }
 
@@ -58,7 +63,7 @@ func recordsCall(t *testing.T, adminURL, tokenFile string, args ...string) (stri
 	return out.String(), err
 }
 
-// The records API (SPEC §10) on each store: behind its token, it shows a record in each state
+// The records API on each store: behind its token, it shows a record in each state
 // and purges it whatever its state; a purged stuck lease lets the next retry run. The CLI drives
 // it against the running program.
 func TestRecordsAPI(t *testing.T) {
@@ -212,4 +217,69 @@ func scrape(t *testing.T, url string) string {
 	b, err := io.ReadAll(resp.Body)
 	require.NoError(t, err)
 	return string(b)
+}
+
+// The records API takes the Bearer scheme in any case (RFC 9110 section 11.1) and only the exact
+// token. A refused call is counted but logged only at debug: anyone who reaches the listener can
+// make one as often as they like; an accepted one is logged at info.
+func TestRecordsAPIAuthorization(t *testing.T) {
+	const token = "adm-7f3c-token"
+	mem, err := cache.NewMemory(cache.MemoryOptions{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = mem.Close() })
+	logs := newLogLines()
+	reg := prometheus.NewRegistry()
+	api, err := newRecordsAPI(mem, []byte(token), []string{"idem:"}, time.Second, zerolog.New(logs).Level(zerolog.DebugLevel), reg)
+	require.NoError(t, err)
+	mux := http.NewServeMux()
+	api.register(mux)
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+
+	url := srv.URL + "/v1/records/" + strings.Repeat("a", 64)
+	for i, tc := range []struct {
+		auth   string
+		status int
+		level  string
+	}{
+		{"Bearer " + token, http.StatusNotFound, "info"}, // accepted: no such record
+		{"bearer " + token, http.StatusNotFound, "info"},
+		{"BEARER " + token, http.StatusNotFound, "info"},
+		{"bEaReR  " + token, http.StatusNotFound, "info"},
+		{"", http.StatusUnauthorized, "debug"},
+		{"Bearer", http.StatusUnauthorized, "debug"},
+		{"Bearer wrong", http.StatusUnauthorized, "debug"},
+		{"Bearer " + token + "x", http.StatusUnauthorized, "debug"},
+		{"Basic " + token, http.StatusUnauthorized, "debug"},
+		{"Bearer" + token, http.StatusUnauthorized, "debug"},
+		{"Token " + token, http.StatusUnauthorized, "debug"},
+	} {
+		req, err := http.NewRequest(http.MethodGet, url, nil)
+		require.NoError(t, err)
+		if tc.auth != "" {
+			req.Header.Set("Authorization", tc.auth)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		_ = resp.Body.Close()
+		require.Equal(t, tc.status, resp.StatusCode, "%q", tc.auth)
+		line := logs.all()[i] // the handler logs before the answer is written
+		require.Equal(t, tc.level, line["level"], "%q", tc.auth)
+		require.Equal(t, "records API call", line["message"])
+	}
+	require.NotContains(t, logs.String(), token)
+	counts := map[string]float64{}
+	families, err := reg.Gather()
+	require.NoError(t, err)
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			labels := f.GetName()
+			for _, l := range m.GetLabel() {
+				labels += " " + l.GetName() + "=" + l.GetValue()
+			}
+			counts[labels] = m.GetCounter().GetValue()
+		}
+	}
+	require.Equal(t, 4.0, counts["idempotency_admin_requests_total op=get result=not_found"])
+	require.Equal(t, 7.0, counts["idempotency_admin_requests_total op=get result=unauthorized"], "refused calls are counted")
 }

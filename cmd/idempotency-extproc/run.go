@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -40,6 +39,12 @@ type runOptions struct {
 	keepaliveTime, keepaliveTimeout time.Duration
 	// listen opens the listeners (default listen).
 	listen func(addr string) (net.Listener, error)
+	// adminIdleTimeout is how long a keep-alive connection to the admin listener may stay idle
+	// before it is closed (default 2 min: longer than a scrape interval, so that Prometheus
+	// keeps its connection from one scrape to the next).
+	adminIdleTimeout time.Duration
+	// openStore opens the store (default openStore).
+	openStore func(ctx context.Context, cfg *config) (cache.Store, error)
 }
 
 // withDefaults fills the zero fields of o with their defaults.
@@ -56,6 +61,12 @@ func (o runOptions) withDefaults() runOptions {
 	if o.listen == nil {
 		o.listen = listen
 	}
+	if o.adminIdleTimeout == 0 {
+		o.adminIdleTimeout = 2 * time.Minute
+	}
+	if o.openStore == nil {
+		o.openStore = openStore
+	}
 	return o
 }
 
@@ -63,12 +74,21 @@ func (o runOptions) withDefaults() runOptions {
 // bounded by the store.
 const recordsTimeout = 5 * time.Second
 
+// The admin listener's bounds on one request: its headers, the whole request (none of its
+// requests has a body), and the answer (a /metrics scrape; a records API call is bounded by
+// recordsTimeout).
+const (
+	adminReadHeaderTimeout = 5 * time.Second
+	adminReadTimeout       = 10 * time.Second
+	adminWriteTimeout      = 30 * time.Second
+)
+
 // readinessInterval is how often the store is pinged for gRPC health; /readyz pings on demand.
 const readinessInterval = 500 * time.Millisecond
 
 // maxPingTimeout bounds a readiness ping whatever store_timeout says, so that a store that stops
-// answering turns the process unready within readinessInterval plus this: 1.5 s, under SPEC
-// §7's 2 s.
+// answering turns the process unready within readinessInterval plus this: 1.5 s, less than the
+// chart's 2 s readiness probe period.
 const maxPingTimeout = time.Second
 
 // pingTimeout is how long a readiness ping may take.
@@ -76,8 +96,10 @@ func pingTimeout(storeTimeout time.Duration) time.Duration { return min(storeTim
 
 // run is the whole program: it returns when ctx is done and every open stream has finished or
 // been cut, or at once with an error if the configuration is invalid or a listener cannot open.
+// ctx done during start-up, before the listeners open, ends it at once without an error: SIGTERM
+// asks the process to stop whatever it is doing, and stopping is not a failure.
 // args are the command-line arguments without the program name; getenv reads the environment;
-// logs and usage go to stderr.
+// logs go to stderr. After -h it returns flag.ErrHelp, for its caller to print the usage.
 func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) error {
 	return runWith(ctx, args, getenv, stderr, runOptions{})
 }
@@ -85,9 +107,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 // runWith is run with the options tests change.
 func runWith(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer, opts runOptions) error {
 	opts = opts.withDefaults()
-	cfg, err := loadConfig(args, getenv, stderr)
-	if errors.Is(err, flag.ErrHelp) {
-		return nil
+	cfg, err := loadConfig(args, getenv, io.Discard)
+	if err == nil {
+		err = checkLibraryFiles(getenv)
 	}
 	if err != nil {
 		return err
@@ -95,11 +117,17 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	log := newLogger(cfg, stderr)
 	redis.SetLogger(redisLogger{log: log})
 
-	store, err := openStore(cfg)
+	store, err := openStoreUntil(ctx, cfg, opts.openStore)
+	if err == nil {
+		defer store.Close()
+	}
+	if ctx.Err() != nil {
+		log.Info().Msg("stopped during start-up")
+		return nil
+	}
 	if err != nil {
 		return err
 	}
-	defer store.Close()
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -141,8 +169,9 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	gs := grpc.NewServer(
 		// One stream's panic ends that stream, not the process (unless it came from the store).
 		grpc.ChainStreamInterceptor(srv.StreamInterceptor()),
-		// A BUFFERED body arrives in one message: the limit must exceed the largest body Envoy
-		// may send (reference §0.8, §9).
+		// A BUFFERED body arrives in one message (Filter::sendBufferedData in Envoy's
+		// source/extensions/filters/http/ext_proc/ext_proc.cc): the limit must exceed the
+		// largest body Envoy may send.
 		grpc.MaxRecvMsgSize(maxRecvMsgSize(cfg)),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: opts.keepaliveTime, Timeout: opts.keepaliveTimeout}),
@@ -161,7 +190,10 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	var draining atomic.Bool
 	admin := &http.Server{
 		Handler:           adminHandler(reg, store, pingTimeout(cfg.policy.StoreTimeout), &draining, records),
-		ReadHeaderTimeout: 5 * time.Second,
+		ReadHeaderTimeout: adminReadHeaderTimeout,
+		ReadTimeout:       adminReadTimeout,
+		WriteTimeout:      adminWriteTimeout,
+		IdleTimeout:       opts.adminIdleTimeout,
 	}
 
 	errc := make(chan error, 2)
@@ -182,10 +214,17 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 		failOpen.Set(1)
 	}
 	reg.MustRegister(failOpen)
+	build := currentBuild()
+	reg.MustRegister(buildInfo(build))
 	go watchStore(watchCtx, store, pingTimeout(cfg.policy.StoreTimeout), healthSrv, readyGauge, log)
 
+	configPath := cfg.configPath
+	if configPath == "" {
+		configPath = "(built-in defaults)"
+	}
 	log.Info().Str("grpc_addr", addrString(grpcLis)).Str("admin_addr", adminLis.Addr().String()).
-		Str("store", cfg.store).Msg("ready")
+		Str("store", cfg.store).Str("version", build.version).Str("config", configPath).
+		Strs("routes", routeNames(cfg.policy)).Msg("ready")
 
 	// A listener that fails for good ends the process as SIGTERM does, through the drain, so
 	// that the streams still open finish or release what they hold; run then returns its error.
@@ -235,6 +274,26 @@ func later(a, b time.Time) time.Time {
 	return b
 }
 
+// buildInfo is idempotency_build_info: 1, labelled with the build.
+func buildInfo(b build) prometheus.Collector {
+	g := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        "idempotency_build_info",
+		Help:        "1, labelled with the version, the Go version and the VCS revision the binary was built from.",
+		ConstLabels: prometheus.Labels{"version": b.version, "goversion": b.goVersion, "revision": b.revision},
+	})
+	g.Set(1)
+	return g
+}
+
+// routeNames are the names of p's routes in the order they match, the default last.
+func routeNames(p *policy.Policy) []string {
+	names := make([]string, 0, len(p.Routes)+1)
+	for _, r := range p.Routes {
+		names = append(names, r.Name)
+	}
+	return append(names, p.Default.Name)
+}
+
 func newLogger(cfg *config, stderr io.Writer) zerolog.Logger {
 	var w io.Writer = stderr
 	if cfg.logFormat == "console" {
@@ -280,7 +339,38 @@ func memoryMetrics(m *cache.Memory) []prometheus.Collector {
 	}
 }
 
-func openStore(cfg *config) (cache.Store, error) {
+// openStoreUntil opens the store with open, or gives up when ctx is done first: a store that
+// does not answer must not keep SIGTERM waiting. A store that opens after that is closed.
+func openStoreUntil(ctx context.Context, cfg *config, open func(context.Context, *config) (cache.Store, error)) (cache.Store, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	type opened struct {
+		store cache.Store
+		err   error
+	}
+	done := make(chan opened) // unbuffered: a store nobody receives is closed below
+	abandoned := make(chan struct{})
+	go func() {
+		s, err := open(ctx, cfg)
+		select {
+		case done <- opened{s, err}:
+		case <-abandoned:
+			if s != nil {
+				_ = s.Close()
+			}
+		}
+	}()
+	select {
+	case o := <-done:
+		return o.store, o.err
+	case <-ctx.Done():
+		close(abandoned)
+		return nil, ctx.Err()
+	}
+}
+
+func openStore(_ context.Context, cfg *config) (cache.Store, error) {
 	if cfg.store == "memory" {
 		return cache.NewMemory(cache.MemoryOptions{MaxBytes: cfg.memoryMaxBytes, Keyring: cfg.keyring})
 	}

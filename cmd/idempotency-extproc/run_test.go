@@ -1,9 +1,11 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
+	"flag"
 	"io"
 	"net"
 	"net/http"
@@ -11,6 +13,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -29,6 +32,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/slowlink"
 )
 
@@ -58,6 +62,13 @@ func (l *logLines) Write(p []byte) (int, error) {
 	}
 	l.cond.Broadcast()
 	return len(p), nil
+}
+
+// all returns the lines parsed so far.
+func (l *logLines) all() []map[string]any {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.lines)
 }
 
 func (l *logLines) String() string {
@@ -125,6 +136,9 @@ func TestRunServesUntilCancelled(t *testing.T) {
 	}()
 	ready := logs.wait(t, "ready", 10*time.Second)
 	require.Equal(t, "unix://"+sock, ready["grpc_addr"])
+	require.Equal(t, currentBuild().version, ready["version"])
+	require.Equal(t, "(built-in defaults)", ready["config"])
+	require.Equal(t, []any{"default"}, ready["routes"])
 	admin := "http://" + ready["admin_addr"].(string)
 
 	conn := dial(t, "unix://"+sock)
@@ -171,6 +185,8 @@ func TestRunServesUntilCancelled(t *testing.T) {
 	}, 5*time.Second, 10*time.Millisecond)
 	_, body := get("/metrics")
 	require.Contains(t, body, "go_goroutines")
+	build := currentBuild()
+	require.Contains(t, body, `idempotency_build_info{goversion="`+build.goVersion+`",revision="`+build.revision+`",version="`+build.version+`"} 1`)
 	require.Contains(t, body, "process_cpu_seconds_total")
 	// The memory store's record is in a segment: mapped outside the Go heap, or on it where
 	// mapping is not supported.
@@ -212,7 +228,7 @@ func TestRunRejectsBadConfigBeforeListening(t *testing.T) {
 	err := run(t.Context(), []string{"--store", "nope", "--admin-addr", "127.0.0.1:0"}, env(nil), logs)
 	require.ErrorContains(t, err, "store")
 	require.NotContains(t, logs.String(), "ready")
-	require.NoError(t, run(t.Context(), []string{"--help"}, env(nil), io.Discard), "--help is not an error")
+	require.ErrorIs(t, run(t.Context(), []string{"--help"}, env(nil), io.Discard), flag.ErrHelp, "for dispatch to print the usage")
 }
 
 func TestRunReportsListenerErrors(t *testing.T) {
@@ -220,8 +236,8 @@ func TestRunReportsListenerErrors(t *testing.T) {
 	require.ErrorContains(t, err, "grpc-addr")
 }
 
-// A store that takes connections and never answers turns the process unready within SPEC §7's
-// 2 s, even with a store_timeout far above that: readiness pings have a bound of their own.
+// A store that takes connections and never answers turns the process unready within 2 s, even
+// with a store_timeout far above that: readiness pings have a bound of their own.
 func TestHangingStoreTurnsUnreadyQuickly(t *testing.T) {
 	hole, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -245,7 +261,7 @@ func TestHangingStoreTurnsUnreadyQuickly(t *testing.T) {
 	ready := logs.wait(t, "ready", 10*time.Second)
 	start := time.Now()
 	logs.wait(t, "store is unreachable: not serving", 10*time.Second)
-	require.Less(t, time.Since(start), 3*time.Second, "a ping is bounded by 1 s, not by the 1 m store_timeout (SPEC §7: 2 s)")
+	require.Less(t, time.Since(start), 3*time.Second, "a ping is bounded by 1 s, not by the 1 m store_timeout (within 2 s)")
 
 	client := http.Client{Timeout: 10 * time.Second}
 	resp, err := client.Get("http://" + ready["admin_addr"].(string) + "/readyz")
@@ -396,6 +412,9 @@ func TestRunNeverRemovesAFileThatIsNotASocket(t *testing.T) {
 	require.NoError(t, l.Close())
 }
 
+// binaryVersion and binaryRevision are linked into binary, as the Dockerfile links its own.
+const binaryVersion, binaryRevision = "v0.0.0-linked", "f00d"
+
 // binary is built once for the tests that run the real process.
 var binary = sync.OnceValues(func() (string, error) {
 	dir, err := os.MkdirTemp("", "idempotency-extproc-bin")
@@ -403,7 +422,8 @@ var binary = sync.OnceValues(func() (string, error) {
 		return "", err
 	}
 	path := filepath.Join(dir, "idempotency-extproc")
-	out, err := exec.Command("go", "build", "-race", "-o", path, ".").CombinedOutput()
+	out, err := exec.Command("go", "build", "-race", "-ldflags", "-X main.version="+binaryVersion+" -X main.revision="+binaryRevision,
+		"-o", path, ".").CombinedOutput()
 	if err != nil {
 		return "", &buildError{out: string(out), err: err}
 	}
@@ -448,6 +468,7 @@ func startBinaryWithClaim(t *testing.T, key string) (*exec.Cmd, *logLines, map[s
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() { _ = cmd.Process.Kill() })
 	ready := logs.wait(t, "ready", 30*time.Second)
+	require.Equal(t, binaryVersion, ready["version"], "the linked version")
 	return cmd, logs, ready, openClaim(t, ready["grpc_addr"].(string), key)
 }
 
@@ -540,4 +561,110 @@ func TestReadyGaugeFollowsTheStore(t *testing.T) {
 	require.Eventually(t, func() bool { return gauge() == "0" }, 5*time.Second, 20*time.Millisecond)
 	require.NoError(t, mr.Restart())
 	require.Eventually(t, func() bool { return gauge() == "1" }, 10*time.Second, 20*time.Millisecond)
+}
+
+// closeCounter is a store that counts its Close calls.
+type closeCounter struct {
+	cache.Store
+	closed atomic.Int32
+}
+
+func (c *closeCounter) Close() error {
+	c.closed.Add(1)
+	return c.Store.Close()
+}
+
+// SIGTERM during start-up ends run at once, without an error and without opening a listener:
+// a store that takes its time opening does not keep the process from stopping, and is closed
+// when it opens after all.
+func TestRunStopsDuringStartUp(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// when is when the context is cancelled: "before" run starts, "opening" while the store
+		// opens (it answers only after), "opened" just after the store opened.
+		when string
+	}{
+		{"before anything", "before"},
+		{"while the store opens", "opening"},
+		{"just after the store opened", "opened"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			opening, release := make(chan struct{}), make(chan struct{})
+			mem, err := cache.NewMemory(cache.MemoryOptions{})
+			require.NoError(t, err)
+			store := &closeCounter{Store: mem}
+			var listened atomic.Int32
+			opts := runOptions{
+				// A store that ignores ctx.
+				openStore: func(context.Context, *config) (cache.Store, error) {
+					close(opening)
+					switch tc.when {
+					case "opening":
+						<-release
+					case "opened":
+						cancel()
+					}
+					return store, nil
+				},
+				listen: func(addr string) (net.Listener, error) {
+					listened.Add(1)
+					return listen(addr)
+				},
+			}
+			if tc.when == "before" {
+				cancel()
+			}
+			logs := newLogLines()
+			done := make(chan error, 1)
+			go func() {
+				done <- runWith(ctx, []string{"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, env(nil), logs, opts)
+			}()
+			if tc.when == "opening" {
+				<-opening
+				cancel()
+			}
+			select {
+			case err := <-done:
+				require.NoError(t, err, "stopping is not a failure")
+			case <-time.After(5 * time.Second):
+				close(release)
+				t.Fatalf("run still starting 5 s after its context was cancelled; log:\n%s", logs.String())
+			}
+			close(release)
+			logs.wait(t, "stopped during start-up", time.Second)
+			require.NotContains(t, logs.String(), `"ready"`)
+			require.Zero(t, listened.Load(), "no listener opened")
+			if tc.when != "before" {
+				require.Eventually(t, func() bool { return store.closed.Load() == 1 }, 5*time.Second, time.Millisecond, "the store is closed")
+			}
+		})
+	}
+}
+
+// The admin listener closes a keep-alive connection left idle for adminIdleTimeout: idle
+// connections do not pile up for ever.
+func TestAdminClosesIdleConnections(t *testing.T) {
+	mr := miniredis.RunT(t)
+	_, ready, _, _ := runOnMiniredis(t, mr, runOptions{adminIdleTimeout: 300 * time.Millisecond})
+	conn, err := net.Dial("tcp", ready["admin_addr"].(string))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	_, err = io.WriteString(conn, "GET /healthz HTTP/1.1\r\nHost: admin\r\n\r\n")
+	require.NoError(t, err)
+	r := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(r, nil)
+	require.NoError(t, err)
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.False(t, resp.Close, "a keep-alive connection")
+
+	// Well before the read timeout, which would otherwise close it.
+	start := time.Now()
+	require.NoError(t, conn.SetReadDeadline(start.Add(adminReadTimeout/2)))
+	_, err = r.ReadByte()
+	require.ErrorIs(t, err, io.EOF, "the server closed the idle connection")
+	require.Less(t, time.Since(start), adminReadTimeout/2)
 }

@@ -12,7 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// The secret settings reach the stores (SPEC §12): with --record-keys-file the binary writes
+// The secret settings reach the stores: with --record-keys-file the binary writes
 // sealed records and replays them byte for byte; with --key-hash-secret-file its record names
 // are HMACs, stable under one secret, other than the plain SHA-256 names.
 func TestRunSealsRecordsAndKeysTheirNames(t *testing.T) {
@@ -65,8 +65,8 @@ func TestRunSealsRecordsAndKeysTheirNames(t *testing.T) {
 	require.Equal(t, keyedName, again, "stable under one secret")
 }
 
-// A record this replica cannot open (sealed under a key it does not hold) is never run again
-// (SPEC §12): a duplicate gets 409 response-not-replayable, whatever fail_mode says, with an
+// A record this replica cannot open (sealed under a key it does not hold) is never run again:
+// a duplicate gets 409 response-not-replayable, whatever fail_mode says, with an
 // error log that names no secret; the records API shows it as unreadable and purges it, after
 // which the retry runs.
 func TestUnreadableRecordIsNotRunAgain(t *testing.T) {

@@ -14,8 +14,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// openTracing starts OpenTelemetry tracing when the SDK's own environment asks for an exporter
-// (SPEC §9): OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, the protocol in
+// openTracing starts OpenTelemetry tracing when the SDK's own environment asks for an exporter:
+// OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, the protocol in
 // OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or OTEL_EXPORTER_OTLP_PROTOCOL (http/protobuf by default, or
 // grpc), OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER and its argument;
 // the exporters read the rest (headers, timeouts, certificates) themselves. Without an endpoint,

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -77,6 +78,11 @@ func TestDockerfile(t *testing.T) {
 	for _, want := range []string{"CGO_ENABLED=0", "GOOS=$TARGETOS", "GOARCH=$TARGETARCH", "./cmd/idempotency-extproc", "-trimpath"} {
 		require.Contains(t, goBuild, want)
 	}
+	// The image's version reaches the binary's --version: a build argument is seen only by the
+	// stage that declares it.
+	require.True(t, args["VERSION=dev"] && args["REVISION=unknown"], "the build stage declares VERSION and REVISION")
+	require.Contains(t, goBuild, "-X main.version=${VERSION}")
+	require.Contains(t, goBuild, "-X main.revision=${REVISION}")
 
 	require.Regexp(t, `^gcr\.io/distroless/static[-a-z0-9]*:nonroot$`, run[0].args)
 	labels := map[string]bool{}
@@ -114,14 +120,22 @@ func TestDockerfile(t *testing.T) {
 }
 
 // The build stage's command produces a linux binary for each platform the image is published for:
-// the same flags as the Dockerfile's RUN, with TARGETOS and TARGETARCH set as buildx sets them, and
-// the ELF machine of the result checked. (The image itself needs a Docker engine, which CI has and
-// this test does not assume.)
+// the same flags as the Dockerfile's RUN (its -ldflags taken from the Dockerfile, the build
+// arguments filled in), with TARGETOS and TARGETARCH set as buildx sets them, and the ELF machine
+// of the result checked; the binary for this machine prints the VERSION it was built with. (The
+// image itself needs a Docker engine, which CI has and this test does not assume.)
 func TestBinaryBuildsForBothPlatforms(t *testing.T) {
+	var ldflags string
+	for _, in := range parseDockerfile(t, filepath.Join(repoRoot, "Dockerfile")) {
+		if m := regexp.MustCompile(`-ldflags="([^"]*)"`).FindStringSubmatch(in.args); in.cmd == "RUN" && m != nil {
+			ldflags = strings.NewReplacer("${VERSION}", "v9.8.7-test", "${REVISION}", "c0ffee").Replace(m[1])
+		}
+	}
+	require.NotEmpty(t, ldflags, "the Dockerfile's go build has -ldflags")
 	for arch, machine := range map[string]elf.Machine{"amd64": elf.EM_X86_64, "arm64": elf.EM_AARCH64} {
 		t.Run(arch, func(t *testing.T) {
 			out := filepath.Join(t.TempDir(), "idempotency-extproc")
-			cmd := exec.Command("go", "build", "-trimpath", "-o", out, "./cmd/idempotency-extproc")
+			cmd := exec.Command("go", "build", "-trimpath", "-ldflags="+ldflags, "-o", out, "./cmd/idempotency-extproc")
 			cmd.Dir = repoRoot
 			cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH="+arch)
 			b, err := cmd.CombinedOutput()
@@ -130,6 +144,11 @@ func TestBinaryBuildsForBothPlatforms(t *testing.T) {
 			require.NoError(t, err)
 			defer f.Close()
 			require.Equal(t, machine, f.Machine)
+			if runtime.GOOS == "linux" && runtime.GOARCH == arch {
+				version, err := exec.Command(out, "--version").Output()
+				require.NoError(t, err)
+				require.Equal(t, "v9.8.7-test\n", string(version))
+			}
 		})
 	}
 }
