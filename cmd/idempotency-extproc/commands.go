@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"os"
 	"strings"
 	"time"
 
@@ -23,6 +24,8 @@ func dispatch(ctx context.Context, args []string, getenv func(string) string, st
 			return keyHashCommand(args[1:], getenv, stdout, stderr)
 		case "records":
 			return recordsCommand(ctx, args[1:], stdout, stderr)
+		case "check":
+			return checkCommand(args[1:], os.Stdin, stdout, stderr)
 		}
 	}
 	return run(ctx, args, getenv, stderr)

@@ -108,13 +108,13 @@ func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
 		errs = append(errs, &InputError{File: "--envoy-version", Err: err})
 	}
 	for _, in := range inputs {
-		ds, os, err := readInput(in)
+		ds, read, err := readInput(in)
 		if err != nil {
 			errs = append(errs, inputError(in.Name, err))
 			continue
 		}
 		deployments = append(deployments, ds...)
-		objs = append(objs, os...)
+		objs = append(objs, read...)
 	}
 	var kube []*object
 	for _, o := range objs {
@@ -154,6 +154,13 @@ func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
 		})
 	}
 	rep.Findings = append(rep.Findings, versionFindings(version)...)
+	// A resource several deployments share (a BackendTrafficPolicy, a cluster) is reported once.
+	seen := map[Finding]bool{}
+	rep.Findings = slices.DeleteFunc(rep.Findings, func(f Finding) bool {
+		dup := seen[f]
+		seen[f] = true
+		return dup
+	})
 	slices.SortStableFunc(rep.Findings, func(a, b Finding) int {
 		return cmp.Compare(severityRank(a.Severity), severityRank(b.Severity))
 	})
@@ -206,7 +213,7 @@ func kubeDeployments(objs []*object) ([]Deployment, []Finding, error) {
 		}
 		d, found, err := istioDeployment(ef, objs)
 		if err != nil {
-			errs = append(errs, inputError(ef.File, err))
+			errs = append(errs, inputError(ef.File, fmt.Errorf("%s: %w", ef.ref(), err)))
 			continue
 		}
 		if found {

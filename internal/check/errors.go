@@ -18,7 +18,9 @@ type InputError struct {
 	File string
 	// Line is the line of the bad field, 0 when unknown.
 	Line int
-	// Field is the bad field's path in the document, "" when unknown.
+	// Where names the document or the resource of the bad field, "" when the file has one.
+	Where string
+	// Field is the bad field's path in the document or resource, "" when unknown.
 	Field string
 	Err   error
 }
@@ -30,6 +32,9 @@ func (e *InputError) Error() string {
 	}
 	if e.Line > 0 {
 		fmt.Fprintf(&b, "line %d: ", e.Line)
+	}
+	if e.Where != "" {
+		b.WriteString(e.Where + ": ")
 	}
 	if e.Field != "" {
 		b.WriteString(e.Field + ": ")
@@ -49,13 +54,9 @@ func inputError(file string, err error) *InputError {
 	}
 	var l *located
 	if errors.As(err, &l) {
-		// What wraps the located error (a document number, a resource) stays in front of it.
-		outer := strings.TrimSuffix(err.Error(), l.Error())
-		inner := l.Err
-		if outer != "" {
-			inner = fmt.Errorf("%s%w", outer, l.Err)
-		}
-		return &InputError{File: file, Line: l.Line, Field: l.Field, Err: inner}
+		// What wraps the located error names the document or the resource.
+		outer := strings.TrimSuffix(strings.TrimSuffix(err.Error(), l.Error()), ": ")
+		return &InputError{File: file, Line: l.Line, Where: outer, Field: l.Field, Err: l.Err}
 	}
 	return &InputError{File: file, Err: err}
 }
@@ -80,6 +81,23 @@ func (e *located) Error() string {
 }
 
 func (e *located) Unwrap() error { return e.Err }
+
+// within puts the path of the node an error's field lies in before the field; an error without a
+// field gets the path in front.
+func within(path string, err error) error {
+	if l, ok := err.(*located); ok {
+		field := path
+		switch {
+		case l.Field == "":
+		case strings.HasPrefix(l.Field, "["):
+			field += l.Field
+		default:
+			field = join(path, l.Field)
+		}
+		return &located{Line: l.Line, Field: field, Err: l.Err}
+	}
+	return fmt.Errorf("%s: %w", path, err)
+}
 
 // prefixed puts where (a document, a resource) in front of err.
 func prefixed(where string, err error) error {
@@ -111,8 +129,9 @@ func yamlError(err error) error {
 }
 
 // protoJSONPosition is the position protojson puts in its errors: a place in the JSON made from
-// the YAML, which the user never sees.
-var protoJSONPosition = regexp.MustCompile(`^proto: \(line (\d+):(\d+)\): `)
+// the YAML, which the user never sees. The protobuf module writes a space or, at random, a
+// no-break space after "proto:", so that nobody relies on its messages' exact text.
+var protoJSONPosition = regexp.MustCompile(`^proto:[ \x{00a0}]\(line (\d+):(\d+)\):[ \x{00a0}]`)
 
 // protoError turns an error of protojson.Unmarshal of the JSON made from doc (nodeToJSON) into a
 // *located naming the YAML field and its line, when the JSON position maps back to doc.
@@ -128,7 +147,15 @@ func protoError(what string, doc *yaml.Node, err error) error {
 	if m[1] != "1" || jerr != nil {
 		return fmt.Errorf("%s: %s", what, msg)
 	}
-	path := jsonPathAt(js, col-1)
+	// protojson counts columns in runes.
+	off := len(js)
+	for i := range string(js) {
+		if col--; col == 0 {
+			off = i
+			break
+		}
+	}
+	path := jsonPathAt(js, off)
 	n, field := yamlAt(doc, path)
 	if n == nil {
 		return fmt.Errorf("%s: %s", what, msg)
@@ -147,7 +174,7 @@ func jsonPathAt(js []byte, off int) []any {
 	}
 	dec := json.NewDecoder(bytes.NewReader(js))
 	var stack []*frame
-	path := func(extra ...any) []any {
+	path := func() []any {
 		var p []any
 		for _, f := range stack {
 			if f.object {
@@ -156,7 +183,7 @@ func jsonPathAt(js []byte, off int) []any {
 				p = append(p, f.index)
 			}
 		}
-		return append(p, extra...)
+		return p
 	}
 	advance := func() {
 		if len(stack) == 0 {
@@ -179,10 +206,10 @@ func jsonPathAt(js []byte, off int) []any {
 		hit := off >= before && off < after
 		if n := len(stack); n > 0 && stack[n-1].object && stack[n-1].expectKey {
 			if key, ok := tok.(string); ok {
-				if hit {
-					return path(key)
-				}
 				stack[n-1].key, stack[n-1].expectKey = key, false
+				if hit {
+					return path()
+				}
 				continue
 			}
 		}
@@ -221,7 +248,11 @@ func yamlAt(doc *yaml.Node, path []any) (*yaml.Node, string) {
 				return nil, ""
 			}
 			at, n = kv.key, resolve(kv.value)
-			field = join(field, k)
+			if strings.ContainsAny(k, "./") {
+				field += "[" + k + "]" // a map key, such as a typed_per_filter_config filter name
+			} else {
+				field = join(field, k)
+			}
 		case int:
 			if n == nil || n.Kind != yaml.SequenceNode || k >= len(n.Content) {
 				return nil, ""

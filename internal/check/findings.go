@@ -278,7 +278,7 @@ func egTerms(f *Finding, filterPath string) {
 	if rest, ok := strings.CutPrefix(f.Field, filterPath+"."); ok {
 		f.Field = filterPath + "." + egNames.Replace(rest)
 	}
-	f.Fix = egNames.Replace(f.Fix)
+	f.Fix = strings.TrimSuffix(egNames.Replace(f.Fix), "; routes whose fingerprint omits the body may set NONE per route")
 	f.Problem = egNames.Replace(f.Problem)
 	switch f.Field {
 	case filterPath + ".processingMode.request":

@@ -298,12 +298,12 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
 		for i, d := range docs {
 			tp, err := decodeLoose[egTrafficPolicy](d)
 			if err != nil {
-				return nil, EGLimits{}, fmt.Errorf("%s: %w", kind, err)
+				return nil, EGLimits{}, fmt.Errorf("%s: %w", d.ref(), err)
 			}
 			limit := uint32(egDefaultBufferLimit)
 			if tp.Connection.BufferLimit != "" {
 				if limit, err = parseQuantity(tp.Connection.BufferLimit); err != nil {
-					return nil, EGLimits{}, fmt.Errorf("%s connection.bufferLimit: %w", kind, err)
+					return nil, EGLimits{}, fmt.Errorf("%s: spec.connection.bufferLimit: %w", d.ref(), err)
 				}
 			}
 			dst := &limits.ClientBufferLimit
@@ -311,7 +311,7 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
 				dst = &limits.BackendBufferLimit
 				p := egBackendPolicy{obj: d, retry: egRetryPolicy(tp), limit: limit, limitSet: tp.Connection.BufferLimit != ""}
 				if p.targets, err = egPolicyTargets(d, tp.TargetRefs, routes, strict && p.retry != nil); err != nil {
-					return nil, EGLimits{}, fmt.Errorf("%s %s: %w", kind, d.Name, err)
+					return nil, EGLimits{}, fmt.Errorf("%s: %w", d.ref(), err)
 				}
 				btps = append(btps, p)
 			}

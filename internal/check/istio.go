@@ -125,7 +125,7 @@ func IstioDeployment(path string) (Deployment, error) {
 	d, found, err := istioDeployment(ef, objs)
 	switch {
 	case err != nil:
-		return Deployment{}, fmt.Errorf("%s: %w", path, err)
+		return Deployment{}, fmt.Errorf("%s: %s: %w", path, ef.ref(), err)
 	case !found:
 		return Deployment{}, fmt.Errorf("%s: no HTTP_FILTER patch with an ExternalProcessor typed_config", path)
 	}
@@ -137,7 +137,7 @@ func IstioDeployment(path string) (Deployment, error) {
 func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err error) {
 	spec, err := decodeSpec[istioSpec](ef)
 	if err != nil {
-		return Deployment{}, false, fmt.Errorf("EnvoyFilter %s: %w", ef.Name, err)
+		return Deployment{}, false, err
 	}
 	d = Deployment{Source: ef.File + ": " + ef.ref(), File: ef.File, Resource: ef.ref(), Platform: PlatformIstio}
 	var routePatches []int
@@ -147,12 +147,24 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 			routePatches = append(routePatches, i)
 			continue
 		}
+		if cp.ApplyTo == "NETWORK_FILTER" && cp.Patch.Operation == "MERGE" {
+			// A MERGE into the connection manager Istio generates may give it a
+			// local_reply_config.
+			hcm, err := istioHCMPatch(&cp)
+			if err != nil {
+				return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
+			}
+			if lr := hcm.GetLocalReplyConfig(); lr != nil {
+				d.LocalReply, d.HCMPath = lr, fmt.Sprintf("configPatches[%d].patch.value.typed_config", i)
+			}
+			continue
+		}
 		if cp.ApplyTo != "HTTP_FILTER" {
 			continue
 		}
 		hf := &hcmv3.HttpFilter{}
 		if err := decodePatch(&cp, hf); err != nil {
-			return Deployment{}, false, fmt.Errorf("configPatches[%d].patch.value: %w", i, err)
+			return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
 		}
 		if !hf.GetTypedConfig().MessageIs(&filterextproc.ExternalProcessor{}) {
 			continue
@@ -239,7 +251,7 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 		}
 		r := &routev3.Route{}
 		if err := decodePatch(cp, r); err != nil {
-			return Deployment{}, false, fmt.Errorf("configPatches[%d].patch.value: %w", i, err)
+			return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
 		}
 		e := RouteEntry{Name: rc.Vhost.Route.Name, Path: fmt.Sprintf("configPatches[%d].patch.value", i), ResponseBuffer: buffer}
 		if a, ok := r.GetTypedPerFilterConfig()[d.FilterName]; ok {
@@ -281,6 +293,22 @@ func istioBufferLimit(objs []*object) *Limit {
 		}
 	}
 	return l
+}
+
+// istioHCMPatch decodes a NETWORK_FILTER patch value: the connection manager it merges, empty
+// when it patches another filter.
+func istioHCMPatch(cp *istioPatch) (*hcmv3.HttpConnectionManager, error) {
+	f := &listenerv3.Filter{}
+	if err := decodePatch(cp, f); err != nil {
+		return nil, err
+	}
+	hcm := &hcmv3.HttpConnectionManager{}
+	if tc := f.GetTypedConfig(); tc != nil && tc.MessageIs(hcm) {
+		if err := tc.UnmarshalTo(hcm); err != nil {
+			return nil, err
+		}
+	}
+	return hcm, nil
 }
 
 // decodePatch decodes an EnvoyFilter patch value into m as Envoy would read it: unknown fields

@@ -201,8 +201,13 @@ func decodeSpec[T any](o *object) (T, error) {
 	if o.Spec == nil {
 		return spec, nil
 	}
-	err := decodeStrict(o.Spec, &spec)
-	return spec, err
+	if err := unknownKeys(o.Spec, reflect.TypeFor[T](), "spec", 0); err != nil {
+		return spec, err
+	}
+	if err := o.Spec.Decode(&spec); err != nil {
+		return spec, yamlError(err)
+	}
+	return spec, nil
 }
 
 // decodeLoose decodes the spec of o into a T, ignoring fields T does not declare.
@@ -296,7 +301,7 @@ func unknownKeys(n *yaml.Node, t reflect.Type, path string, depth int) error {
 			}
 			ft, ok := fields[k.Value]
 			if !ok {
-				return &located{Line: k.Line, Field: join(path, k.Value), Err: fmt.Errorf("field %s not found in type %s", k.Value, t)}
+				return &located{Line: k.Line, Field: join(path, k.Value), Err: fmt.Errorf("field %s not found", k.Value)}
 			}
 			if err := unknownKeys(val, ft, join(path, k.Value), depth+1); err != nil {
 				return err

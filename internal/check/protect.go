@@ -636,7 +636,7 @@ func (c *checker) retries(e RouteEntry) {
 				}
 			}
 		default:
-			c.refuseRetry(e, retryFix, "has %q: the router retries after the upstream may have run the request (a reset, a timeout, an answer), so a claimed request may run twice; keep only connect-failure, refused-stream and reset-before-request on covered routes", cond)
+			c.refuseRetry(e, retryFix, "has %q: the router retries after the upstream may have run the request (a reset, a timeout, an answer), so a claimed request may run twice", cond)
 		}
 	}
 }
