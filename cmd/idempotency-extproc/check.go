@@ -50,9 +50,10 @@ const (
 func checkCommand(args []string, stdin io.Reader, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("idempotency-extproc check", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fs.SetOutput(stdout)
-		fmt.Fprint(stdout, checkUsage)
+	fs.Usage = func() {} // printed below: on standard output when asked for, else on stderr
+	usage := func(w io.Writer) {
+		fmt.Fprint(w, checkUsage)
+		fs.SetOutput(w)
 		fs.PrintDefaults()
 		fs.SetOutput(stderr)
 	}
@@ -61,8 +62,10 @@ func checkCommand(args []string, stdin io.Reader, stdout, stderr io.Writer) erro
 	version := fs.String("envoy-version", "", "the Envoy version the deployment runs, e.g. 1.38: adds the warnings of its known ext_proc defects")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
+			usage(stdout)
 			return nil
 		}
+		usage(stderr)
 		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
 	}
 	switch {

@@ -2,9 +2,11 @@ package check
 
 import (
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -473,4 +475,40 @@ func TestRunRDS(t *testing.T) {
 	require.Zero(t, rep.Errors(), "%v", rep.Findings)
 	require.Len(t, rep.Findings, 1)
 	require.Contains(t, rep.Findings[0].Problem, "routes come from RDS (local_route)")
+}
+
+// Aliases and merge keys that name one mapping many times (a billion laughs) cost what the
+// document's size does: each reader looks at a node once, and the YAML decoder refuses
+// excessive aliasing.
+func TestRunAliasBombs(t *testing.T) {
+	var b strings.Builder
+	b.WriteString("a0: &a0 {x: 1}\n")
+	for i := 1; i < 16; i++ {
+		fmt.Fprintf(&b, "a%d: &a%d {<<: [%s]}\n", i, i, strings.TrimSuffix(strings.Repeat(fmt.Sprintf("*a%d, ", i-1), 8), ", "))
+	}
+	bomb := b.String()
+	for _, text := range []string{
+		bomb + "<<: *a15\n",
+		bomb + "kind: Service\napiVersion: v1\nmetadata: {name: s}\n",
+		bomb + "apiVersion: gateway.envoyproxy.io/v1alpha1\nkind: EnvoyExtensionPolicy\nmetadata: {name: x}\nspec: {extProc: [*a15]}\n",
+	} {
+		type result struct {
+			rep Report
+			err error
+		}
+		done := make(chan result, 1)
+		go func() {
+			rep, err := Run(shippedPolicy(t), []Input{{Name: "bomb.yaml", Data: []byte(text)}}, Options{})
+			done <- result{rep, err}
+		}()
+		select {
+		case r := <-done:
+			requireWellFormed(t, r.rep, r.err)
+			if r.err == nil {
+				require.Equal(t, 1, r.rep.Errors(), "no ext_proc filter: %v", r.rep.Findings)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("the readers expand the aliases")
+		}
+	}
 }

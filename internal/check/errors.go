@@ -243,7 +243,7 @@ func yamlAt(doc *yaml.Node, path []any) (*yaml.Node, string) {
 	for _, p := range path {
 		switch k := p.(type) {
 		case string:
-			kv := mapKey(n, k, 0)
+			kv := mapKey(n, k)
 			if kv == nil {
 				return nil, ""
 			}

@@ -201,7 +201,7 @@ func decodeSpec[T any](o *object) (T, error) {
 	if o.Spec == nil {
 		return spec, nil
 	}
-	if err := unknownKeys(o.Spec, reflect.TypeFor[T](), "spec", 0); err != nil {
+	if err := unknownKeys(o.Spec, reflect.TypeFor[T](), "spec"); err != nil {
 		return spec, err
 	}
 	if err := o.Spec.Decode(&spec); err != nil {
@@ -260,7 +260,7 @@ func theDoc(path, group, kind string) (*object, error) {
 // and an object's spec may be an item of a List. A field of type any or yaml.Node takes
 // anything. The error names the key's line.
 func decodeStrict(n *yaml.Node, v any) error {
-	if err := unknownKeys(n, reflect.TypeOf(v).Elem(), "", 0); err != nil {
+	if err := unknownKeys(n, reflect.TypeOf(v).Elem(), ""); err != nil {
 		return err
 	}
 	if err := n.Decode(v); err != nil {
@@ -269,14 +269,36 @@ func decodeStrict(n *yaml.Node, v any) error {
 	return nil
 }
 
-// maxDepth bounds the nesting unknownKeys follows, against alias cycles.
+// maxDepth bounds the aliases resolve follows and the nesting unknownKeys walks.
 const maxDepth = 64
 
-func unknownKeys(n *yaml.Node, t reflect.Type, path string, depth int) error {
-	if depth > maxDepth {
-		return &located{Line: n.Line, Field: path, Err: errors.New("nested too deep")}
+// unknownKeys refuses the keys of n that t does not declare. Each node is checked against a type
+// once: aliases and merge keys that name a node many times (a billion laughs) cost no more.
+func unknownKeys(n *yaml.Node, t reflect.Type, path string) error {
+	type visit struct {
+		n *yaml.Node
+		t reflect.Type
 	}
-	n = resolve(n)
+	seen := map[visit]bool{}
+	var walk func(n *yaml.Node, t reflect.Type, path string, depth int) error
+	walk = func(n *yaml.Node, t reflect.Type, path string, depth int) error {
+		n = resolve(n)
+		if n == nil || seen[visit{n, t}] {
+			return nil
+		}
+		seen[visit{n, t}] = true
+		if depth > maxDepth {
+			return &located{Line: n.Line, Field: path, Err: errors.New("nested too deep")}
+		}
+		return unknownKeysOf(n, t, path, func(n *yaml.Node, t reflect.Type, path string) error {
+			return walk(n, t, path, depth+1)
+		})
+	}
+	return walk(n, t, path, 0)
+}
+
+// unknownKeysOf checks the keys of n itself against t, and calls walk on each value.
+func unknownKeysOf(n *yaml.Node, t reflect.Type, path string, walk func(*yaml.Node, reflect.Type, string) error) error {
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
 	}
@@ -293,7 +315,7 @@ func unknownKeys(n *yaml.Node, t reflect.Type, path string, depth int) error {
 			k, val := n.Content[i], n.Content[i+1]
 			if k.Value == "<<" && k.Tag == "!!merge" {
 				for _, m := range mergeSources(val) {
-					if err := unknownKeys(m, t, path, depth+1); err != nil {
+					if err := walk(m, t, path); err != nil {
 						return err
 					}
 				}
@@ -303,7 +325,7 @@ func unknownKeys(n *yaml.Node, t reflect.Type, path string, depth int) error {
 			if !ok {
 				return &located{Line: k.Line, Field: join(path, k.Value), Err: fmt.Errorf("field %s not found", k.Value)}
 			}
-			if err := unknownKeys(val, ft, join(path, k.Value), depth+1); err != nil {
+			if err := walk(val, ft, join(path, k.Value)); err != nil {
 				return err
 			}
 		}
@@ -312,7 +334,7 @@ func unknownKeys(n *yaml.Node, t reflect.Type, path string, depth int) error {
 			return nil
 		}
 		for i, item := range n.Content {
-			if err := unknownKeys(item, t.Elem(), path+"["+strconv.Itoa(i)+"]", depth+1); err != nil {
+			if err := walk(item, t.Elem(), path+"["+strconv.Itoa(i)+"]"); err != nil {
 				return err
 			}
 		}
@@ -321,7 +343,7 @@ func unknownKeys(n *yaml.Node, t reflect.Type, path string, depth int) error {
 			return nil
 		}
 		for i := 0; i+1 < len(n.Content); i += 2 {
-			if err := unknownKeys(n.Content[i+1], t.Elem(), join(path, n.Content[i].Value), depth+1); err != nil {
+			if err := walk(n.Content[i+1], t.Elem(), join(path, n.Content[i].Value)); err != nil {
 				return err
 			}
 		}
@@ -385,7 +407,7 @@ func resolve(n *yaml.Node) *yaml.Node {
 
 // mapValue returns the value of key in mapping node m, merge keys followed, nil when absent.
 func mapValue(m *yaml.Node, key string) *yaml.Node {
-	k := mapKey(m, key, 0)
+	k := mapKey(m, key)
 	if k == nil {
 		return nil
 	}
@@ -394,28 +416,37 @@ func mapValue(m *yaml.Node, key string) *yaml.Node {
 
 type keyValue struct{ key, value *yaml.Node }
 
-func mapKey(m *yaml.Node, key string, depth int) *keyValue {
-	m = resolve(m)
-	if m == nil || m.Kind != yaml.MappingNode || depth > maxDepth {
+// mapKey returns the key node and the value of key in mapping node m: its own key, else the
+// first merged mapping's (depth first, as YAML's merge keys give precedence), each mapping
+// looked at once.
+func mapKey(m *yaml.Node, key string) *keyValue {
+	seen := map[*yaml.Node]bool{}
+	var find func(m *yaml.Node, depth int) *keyValue
+	find = func(m *yaml.Node, depth int) *keyValue {
+		m = resolve(m)
+		if m == nil || m.Kind != yaml.MappingNode || seen[m] || depth > maxDepth {
+			return nil
+		}
+		seen[m] = true
+		var merged []*yaml.Node
+		for i := 0; i+1 < len(m.Content); i += 2 {
+			k := m.Content[i]
+			if k.Value == "<<" && k.Tag == "!!merge" {
+				merged = append(merged, mergeSources(m.Content[i+1])...)
+				continue
+			}
+			if k.Value == key {
+				return &keyValue{k, m.Content[i+1]}
+			}
+		}
+		for _, src := range merged {
+			if kv := find(src, depth+1); kv != nil {
+				return kv
+			}
+		}
 		return nil
 	}
-	var merged []*yaml.Node
-	for i := 0; i+1 < len(m.Content); i += 2 {
-		k := m.Content[i]
-		if k.Value == "<<" && k.Tag == "!!merge" {
-			merged = append(merged, mergeSources(m.Content[i+1])...)
-			continue
-		}
-		if k.Value == key {
-			return &keyValue{k, m.Content[i+1]}
-		}
-	}
-	for _, src := range merged {
-		if kv := mapKey(src, key, depth+1); kv != nil {
-			return kv
-		}
-	}
-	return nil
+	return find(m, 0)
 }
 
 // join appends key to a field path.
