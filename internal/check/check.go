@@ -129,8 +129,8 @@ func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
 	deployments = append(deployments, ds...)
 	for _, d := range deployments {
 		if err := Validate(d.Filter); err != nil {
-			errs = append(errs, &InputError{File: d.File, Field: d.Resource + " " + d.FilterPath,
-				Err: fmt.Errorf("Envoy would refuse the filter: %w", err)})
+			errs = append(errs, &InputError{File: d.File, Where: d.Resource, Field: d.FilterPath,
+				Err: fmt.Errorf("the filter fails Envoy's validation, so Envoy would refuse it: %w", err)})
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -195,7 +195,7 @@ func readInput(in Input) ([]Deployment, []*object, error) {
 		return nil, nil, err
 	}
 	if err := Validate(b); err != nil {
-		return nil, nil, fmt.Errorf("Envoy would refuse the bootstrap: %w", err)
+		return nil, nil, fmt.Errorf("the bootstrap fails Envoy's validation, so Envoy would refuse it: %w", err)
 	}
 	ds, err := bootstrapDeployments(b, in.Name)
 	return ds, nil, err
