@@ -1,3 +1,11 @@
+// Package envoyconf prepares the Envoy configuration shipped in envoy/ for the end-to-end tests:
+// the settings an Envoy-compatible test proxy needs (ProxySettings), a loopback copy of the
+// bootstrap for a real envoy binary (Rewrite) and a helper that runs that binary (StartEnvoy),
+// mutations of a bootstrap for tests that change one setting, and the demo JWTs. The checks that
+// hold configuration to the contract live in internal/check; this package names them for the
+// tests outside the main module.
+//
+// Everything here is test support. Functions are safe for concurrent use; none keeps state.
 package envoyconf
 
 import (
