@@ -514,3 +514,30 @@ func TestRunAliasBombs(t *testing.T) {
 		}
 	}
 }
+
+// The filter-level modes CheckSpec refuses without a policy pass where the policy needs no
+// body: routes whose fingerprint omits it are claimed at request_headers, and a route that
+// stores no body needs no response body.
+func TestRunModesThePolicyAllows(t *testing.T) {
+	const noBodies = "defaults:\n  fingerprint: [method, path]\n  store_body: false\n  scope_headers: [authorization]\n"
+	text := mutate(t, readEnvoyFile(t, "envoy.yaml"), "request_body_mode: BUFFERED\n                # SEND", "request_body_mode: NONE\n                # SEND", 1)
+	text = mutate(t, text, "request_trailer_mode: SEND\n                response_header_mode", "request_trailer_mode: SKIP\n                response_header_mode", 1)
+	text = mutate(t, text, "response_body_mode: BUFFERED\n                response_trailer_mode: SKIP", "response_body_mode: NONE\n                response_trailer_mode: SKIP", 1)
+	text = mutate(t, text, "value: refunds }", "value: default }", 1)
+	for _, tc := range []struct {
+		name, policy string
+		errors       []string
+	}{
+		{"a policy that needs no body", noBodies, nil},
+		{"a policy that reads request bodies", strings.Replace(noBodies, "fingerprint: [method, path]", "fingerprint: [method, path, body]", 1), []string{
+			bootstrapFilter + ".processing_mode.request_body_mode", bootstrapFilter + ".processing_mode.request_trailer_mode"}},
+		{"a policy that stores response bodies", strings.Replace(noBodies, "store_body: false", "store_body: true", 1), []string{
+			bootstrapFilter + ".processing_mode.response_body_mode"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rep, err := Run(parsePolicy(t, tc.policy), []Input{{Name: "e.yaml", Data: []byte(text)}}, Options{})
+			require.NoError(t, err)
+			require.Equal(t, tc.errors, fieldsOf(rep, Error), "%v", rep.Findings)
+		})
+	}
+}

@@ -19,7 +19,18 @@ func deploymentFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding
 	at := func(field string) Finding {
 		return Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + "." + field, Severity: Error}
 	}
+	storesBodies := slices.ContainsFunc(enabledRoutes(p), func(r *policy.Route) bool { return r.StoreBody })
+	mode := d.Filter.GetProcessingMode()
 	for _, e := range SpecErrors(CheckSpec(d.Filter, p.StoreTimeout)) {
+		// CheckSpec knows no policy: a policy whose enabled routes read no request body (their
+		// fingerprints omit it, no body-hash keys) is claimed at request_headers whatever the
+		// request body and trailer modes, and one that stores no response body needs none.
+		switch {
+		case !n.anyBody && e.Field == "processing_mode.request_body_mode" && mode.GetRequestBodyMode() == filterextproc.ProcessingMode_NONE,
+			!n.anyBody && e.Field == "processing_mode.request_trailer_mode" && mode.GetRequestBodyMode() != filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED,
+			!storesBodies && e.Field == "processing_mode.response_body_mode" && mode.GetResponseBodyMode() == filterextproc.ProcessingMode_NONE:
+			continue
+		}
 		f := at(e.Field)
 		f.Problem, f.Fix = e.Problem, e.Fix
 		if e.Breaks != "" {
