@@ -174,7 +174,7 @@ func jsonPathAt(js []byte, off int) []any {
 	}
 	dec := json.NewDecoder(bytes.NewReader(js))
 	var stack []*frame
-	path := func() []any {
+	pathOf := func(stack []*frame) []any {
 		var p []any
 		for _, f := range stack {
 			if f.object {
@@ -185,6 +185,7 @@ func jsonPathAt(js []byte, off int) []any {
 		}
 		return p
 	}
+	path := func() []any { return pathOf(stack) }
 	advance := func() {
 		if len(stack) == 0 {
 			return
@@ -215,6 +216,9 @@ func jsonPathAt(js []byte, off int) []any {
 		}
 		switch tok {
 		case json.Delim('}'), json.Delim(']'):
+			if hit { // an error about the object or array as a whole: it is missing something
+				return pathOf(stack[:len(stack)-1])
+			}
 			stack = stack[:len(stack)-1]
 			advance()
 			continue
