@@ -50,3 +50,5 @@ fuzz: ## each fuzz target for FUZZTIME (seed corpora in each package's testdata/
 	$(GO) test -run '^$$' -fuzz '^FuzzOpen$$' -fuzztime $(FUZZTIME) ./cache/seal/
 	$(GO) test -run '^$$' -fuzz '^FuzzParseKeyring$$' -fuzztime $(FUZZTIME) ./cache/seal/
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeSealedResponse$$' -fuzztime $(FUZZTIME) ./cache/
+	$(GO) test -run '^$$' -fuzz '^FuzzReadBootstrap$$' -fuzztime $(FUZZTIME) ./internal/check/
+	$(GO) test -run '^$$' -fuzz '^FuzzReadKubernetes$$' -fuzztime $(FUZZTIME) ./internal/check/

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"os"
 	"slices"
 	"strings"
 	"time"
@@ -27,6 +28,8 @@ func dispatch(ctx context.Context, args []string, getenv func(string) string, st
 			return keyHashCommand(args[1:], getenv, stdout, stderr)
 		case "records":
 			return recordsCommand(ctx, args[1:], stdout, stderr)
+		case "check":
+			return checkCommand(args[1:], os.Stdin, stdout, stderr)
 		case "version", "-version", "--version":
 			_, err := fmt.Fprintln(stdout, currentBuild().version)
 			return err

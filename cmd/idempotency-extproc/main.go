@@ -6,6 +6,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -26,6 +27,11 @@ func main() {
 	}()
 	if err := dispatch(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr); err != nil {
 		fmt.Fprintln(os.Stderr, "idempotency-extproc:", err)
-		os.Exit(1)
+		code := 1
+		var ec interface{ ExitCode() int } // check's: 1 findings, 2 a file it cannot read
+		if errors.As(err, &ec) {
+			code = ec.ExitCode()
+		}
+		os.Exit(code)
 	}
 }

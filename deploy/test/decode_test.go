@@ -19,6 +19,7 @@ import (
 	istionet "istio.io/api/networking/v1alpha3"
 	appsv1 "k8s.io/api/apps/v1"
 	autoscalingv2 "k8s.io/api/autoscaling/v2"
+	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
@@ -55,6 +56,7 @@ var kinds = map[string]func() any{
 	"v1/Service":                                          func() any { return &corev1.Service{} },
 	"v1/ServiceAccount":                                   func() any { return &corev1.ServiceAccount{} },
 	"apps/v1/Deployment":                                  func() any { return &appsv1.Deployment{} },
+	"batch/v1/Job":                                        func() any { return &batchv1.Job{} },
 	"policy/v1/PodDisruptionBudget":                       func() any { return &policyv1.PodDisruptionBudget{} },
 	"autoscaling/v2/HorizontalPodAutoscaler":              func() any { return &autoscalingv2.HorizontalPodAutoscaler{} },
 	"networking.k8s.io/v1/NetworkPolicy":                  func() any { return &networkingv1.NetworkPolicy{} },

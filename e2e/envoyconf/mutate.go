@@ -12,13 +12,15 @@ import (
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
 )
 
 // MutateHCM applies fn to the first HTTP connection manager of the first listener of b, in
 // place: the typed_config holding it is re-packed. Tests use it to run envoy.yaml with one
 // setting changed (a route timeout, a buffer mode) on the emulator and on a real Envoy alike.
 func MutateHCM(b *bootstrapv3.Bootstrap, fn func(*hcmv3.HttpConnectionManager) error) error {
-	nf, hcm, err := hcmFilter(b)
+	nf, hcm, err := check.HCMFilter(b)
 	if err != nil {
 		return err
 	}
@@ -36,7 +38,7 @@ func MutateHCM(b *bootstrapv3.Bootstrap, fn func(*hcmv3.HttpConnectionManager) e
 // MutateExtProc applies fn to the ext_proc filter config of b's first HTTP connection manager.
 func MutateExtProc(b *bootstrapv3.Bootstrap, fn func(*filterextproc.ExternalProcessor)) error {
 	return MutateHCM(b, func(hcm *hcmv3.HttpConnectionManager) error {
-		hf := extProcFilter(hcm)
+		hf := check.ExtProcHTTPFilter(hcm)
 		if hf == nil {
 			return errors.New("no ext_proc filter")
 		}
@@ -73,7 +75,7 @@ func MutateRoute(b *bootstrapv3.Bootstrap, name string, fn func(*routev3.Route) 
 // empty one when the route has none) and stores the result in the route's
 // typed_per_filter_config, under the ext_proc filter's name.
 func MutateExtProcPerRoute(b *bootstrapv3.Bootstrap, name string, fn func(*filterextproc.ExtProcPerRoute)) error {
-	_, hf, err := extProcOf(b)
+	_, hf, err := check.ExtProcFilter(b)
 	if err != nil {
 		return err
 	}
@@ -141,21 +143,4 @@ func EnableHTTP1Trailers(b *bootstrapv3.Bootstrap) error {
 	}
 	c.TypedExtensionProtocolOptions[upstreamHTTPOptions] = a
 	return nil
-}
-
-// catchAllCluster returns the cluster of the first route with prefix "/" in b's first connection
-// manager.
-func catchAllCluster(b *bootstrapv3.Bootstrap) (string, error) {
-	hcm, err := firstHCM(b)
-	if err != nil {
-		return "", err
-	}
-	for _, vh := range hcm.GetRouteConfig().GetVirtualHosts() {
-		for _, r := range vh.GetRoutes() {
-			if r.GetMatch().GetPrefix() == "/" && r.GetRoute().GetCluster() != "" {
-				return r.GetRoute().GetCluster(), nil
-			}
-		}
-	}
-	return "", errors.New(`no route with prefix "/" and a single cluster`)
 }

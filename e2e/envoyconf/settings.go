@@ -11,13 +11,11 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
-	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
-	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	jwtauthnv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/jwt_authn/v3"
@@ -25,25 +23,12 @@ import (
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
 )
 
-// Envoy's defaults for what Settings reports when the bootstrap leaves it unset.
-const (
-	defaultBufferLimit    = 1 << 20                // per_connection_buffer_limit_bytes
-	defaultRouteTimeout   = 15 * time.Second       // RouteAction.timeout
-	defaultMaxRequests    = 1024                   // max_connections, max_pending_requests, max_requests
-	defaultMaxRetries     = 3                      // max_retries
-	defaultMessageTimeout = 200 * time.Millisecond // ExternalProcessor.message_timeout
-)
-
-// Thresholds are the DEFAULT-priority circuit breaker thresholds of a cluster, with Envoy's
-// defaults (1024, 1024, 1024, 3) filled in for unset fields.
-type Thresholds struct {
-	MaxConnections     uint32
-	MaxPendingRequests uint32
-	MaxRequests        uint32
-	MaxRetries         uint32
-}
+// defaultRouteTimeout is Envoy's RouteAction.timeout, which Settings reports when the bootstrap
+// leaves it unset.
+const defaultRouteTimeout = 15 * time.Second
 
 // Settings gathers what an Envoy-compatible test proxy needs from a bootstrap. Unset values carry
 // Envoy's defaults, so the proxy behaves like Envoy running the same file.
@@ -92,72 +77,6 @@ type Settings struct {
 	UpstreamTrailers, DownstreamTrailers bool
 }
 
-// ExtProc returns the ext_proc filter config of the first HTTP connection manager of the first
-// listener, or an error when there is none.
-func ExtProc(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, error) {
-	f, _, err := extProcOf(b)
-	return f, err
-}
-
-func extProcOf(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, *hcmv3.HttpFilter, error) {
-	hcm, err := firstHCM(b)
-	if err != nil {
-		return nil, nil, err
-	}
-	hf := extProcFilter(hcm)
-	if hf == nil {
-		return nil, nil, errors.New("no ext_proc filter (typed_config ExternalProcessor) in the first HTTP connection manager")
-	}
-	f := &filterextproc.ExternalProcessor{}
-	if err := hf.GetTypedConfig().UnmarshalTo(f); err != nil {
-		return nil, nil, fmt.Errorf("http filter %q: %w", hf.GetName(), err)
-	}
-	return f, hf, nil
-}
-
-// extProcFilter returns the first http filter of hcm whose typed_config is an
-// ExternalProcessor, or nil.
-func extProcFilter(hcm *hcmv3.HttpConnectionManager) *hcmv3.HttpFilter {
-	for _, hf := range hcm.GetHttpFilters() {
-		if tc := hf.GetTypedConfig(); tc != nil && tc.MessageIs(&filterextproc.ExternalProcessor{}) {
-			return hf
-		}
-	}
-	return nil
-}
-
-func firstHCM(b *bootstrapv3.Bootstrap) (*hcmv3.HttpConnectionManager, error) {
-	_, hcm, err := hcmFilter(b)
-	return hcm, err
-}
-
-// hcmFilter returns the network filter holding the first HTTP connection manager of the first
-// listener, and the manager decoded.
-func hcmFilter(b *bootstrapv3.Bootstrap) (*listenerv3.Filter, *hcmv3.HttpConnectionManager, error) {
-	ls := b.GetStaticResources().GetListeners()
-	if len(ls) == 0 {
-		return nil, nil, errors.New("no static listener")
-	}
-	chains := ls[0].GetFilterChains()
-	if dc := ls[0].GetDefaultFilterChain(); dc != nil {
-		chains = append(chains[:len(chains):len(chains)], dc)
-	}
-	for _, fc := range chains {
-		for _, nf := range fc.GetFilters() {
-			tc := nf.GetTypedConfig()
-			if tc == nil || !tc.MessageIs(&hcmv3.HttpConnectionManager{}) {
-				continue
-			}
-			hcm := &hcmv3.HttpConnectionManager{}
-			if err := tc.UnmarshalTo(hcm); err != nil {
-				return nil, nil, fmt.Errorf("listener %q: %w", ls[0].GetName(), err)
-			}
-			return nf, hcm, nil
-		}
-	}
-	return nil, nil, fmt.Errorf("listener %q has no http_connection_manager", ls[0].GetName())
-}
-
 // ProxySettings extracts Settings from b. It fails when the first listener's HTTP connection
 // manager has no ext_proc filter or no inline route_config with one virtual host, when no route
 // matches prefix "/", when a route does not go to the single upstream cluster, when a referenced cluster is not a static
@@ -165,7 +84,7 @@ func hcmFilter(b *bootstrapv3.Bootstrap) (*listenerv3.Filter, *hcmv3.HttpConnect
 // disabled by default, route matches on headers or query parameters, per-route grpc_service, a
 // jwt_authn filter after ext_proc.
 func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
-	f, hf, err := extProcOf(b)
+	f, hf, err := check.ExtProcFilter(b)
 	if err != nil {
 		return Settings{}, err
 	}
@@ -173,7 +92,7 @@ func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
 		return Settings{}, fmt.Errorf("http filter %q is disabled by default (enabled per route): not supported by the test proxy", hf.GetName())
 	}
 	filterName := hf.GetName()
-	hcm, err := firstHCM(b)
+	hcm, err := check.FirstHCM(b)
 	if err != nil {
 		return Settings{}, err
 	}
@@ -419,43 +338,12 @@ func (s Settings) ProxyConfig(processors []string, upstream string) proxy.Config
 	return cfg
 }
 
-func cluster(b *bootstrapv3.Bootstrap, name string) *clusterv3.Cluster {
-	for _, c := range b.GetStaticResources().GetClusters() {
-		if c.GetName() == name {
-			return c
-		}
-	}
-	return nil
-}
-
-func bufferLimit(m interface {
-	GetPerConnectionBufferLimitBytes() *wrapperspb.UInt32Value
-}) uint32 {
-	if v := m.GetPerConnectionBufferLimitBytes(); v != nil {
-		return v.GetValue()
-	}
-	return defaultBufferLimit
-}
-
-func thresholds(c *clusterv3.Cluster) Thresholds {
-	t := Thresholds{defaultMaxRequests, defaultMaxRequests, defaultMaxRequests, defaultMaxRetries}
-	for _, th := range c.GetCircuitBreakers().GetThresholds() {
-		if th.GetPriority() != corev3.RoutingPriority_DEFAULT {
-			continue
-		}
-		for dst, v := range map[*uint32]*wrapperspb.UInt32Value{
-			&t.MaxConnections:     th.GetMaxConnections(),
-			&t.MaxPendingRequests: th.GetMaxPendingRequests(),
-			&t.MaxRequests:        th.GetMaxRequests(),
-			&t.MaxRetries:         th.GetMaxRetries(),
-		} {
-			if v != nil {
-				*dst = v.GetValue()
-			}
-		}
-	}
-	return t
-}
+// bufferLimit and thresholds are a listener's or cluster's buffer limit and a cluster's circuit
+// breaker thresholds, with Envoy's defaults.
+var (
+	bufferLimit = check.BufferLimit
+	thresholds  = check.ClusterThresholds
+)
 
 // Ports are the loopback addresses Rewrite substitutes. Listener and Admin are ports on
 // 127.0.0.1. Processors are the ext_proc server's addresses, each "host:port" or

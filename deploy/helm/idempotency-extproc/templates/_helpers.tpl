@@ -57,6 +57,15 @@ app.kubernetes.io/component: ext-proc
 {{- default (printf "%s-%s" (include "idem.fullname" $root) $suffix) $v.existingSecret -}}
 {{- end -}}
 
+{{/* The policy file: .Values.policy as YAML, or verbatim when it is a string (--set-file policy=FILE). The policy ConfigMap and the policy check hook's render it alike. */}}
+{{- define "idem.policyFile" -}}
+{{- if kindIs "string" .Values.policy -}}
+{{- .Values.policy -}}
+{{- else -}}
+{{- toYaml .Values.policy -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The FQDN of the Service, as the mesh names its cluster. */}}
 {{- define "idem.serviceFQDN" -}}
 {{- printf "%s.%s.svc.%s" (include "idem.fullname" .) .Release.Namespace .Values.istio.clusterDomain -}}

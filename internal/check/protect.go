@@ -1,4 +1,4 @@
-package envoyconf
+package check
 
 import (
 	"errors"
@@ -16,11 +16,16 @@ import (
 )
 
 // Refusal is one setting CheckProtection refuses: the path of the field in the deployment's
-// source and why the setting breaks protection.
+// source, why the setting breaks protection and what to set instead.
 type Refusal struct {
 	Source string // Deployment.Source
 	Field  string // e.g. "http_filters[envoy.filters.http.ext_proc].typed_config.forward_rules.allowed_headers"
 	Reason string
+	Fix    string
+	// Resource and File name the resource that holds Field, and its input, when it is not the
+	// deployment's own (an Istio VirtualService, an Envoy Gateway BackendTrafficPolicy): Field
+	// then starts with Resource.
+	Resource, File string
 }
 
 func (r *Refusal) Error() string {
@@ -31,14 +36,18 @@ func (r *Refusal) Error() string {
 }
 
 // Refusals returns every Refusal in err, which may be one or an errors.Join of several, in order.
-func Refusals(err error) []*Refusal {
-	var out []*Refusal
+func Refusals(err error) []*Refusal { return collect[*Refusal](err) }
+
+// collect returns every T in err's tree (errors.Join and wrapping followed), in order; a T is not
+// looked into.
+func collect[T error](err error) []T {
+	var out []T
 	var walk func(error)
 	walk = func(e error) {
 		if e == nil {
 			return
 		}
-		if r, ok := e.(*Refusal); ok {
+		if r, ok := e.(T); ok {
 			out = append(out, r)
 			return
 		}
@@ -58,14 +67,20 @@ func Refusals(err error) []*Refusal {
 // The names CheckProtection uses for what the processor reads and writes outside the policy.
 const (
 	// RouteMetadataKey is the gRPC initial metadata key with which an Envoy route names a policy
-	// route (SPEC §9).
+	// route.
 	RouteMetadataKey = "x-idempotency-route"
 	// JWTNamespace is the dynamic metadata namespace jwt_authn writes verified payloads to.
 	JWTNamespace = "envoy.filters.http.jwt_authn"
-	// OutcomeNamespace is the namespace the processor writes its outcome to (the policy's
-	// metadata_namespace, SPEC §9, whose default it is).
+	// OutcomeNamespace is the namespace the processor writes its outcome to (the default of the
+	// policy's metadata_namespace).
 	OutcomeNamespace = "idempotency"
 )
+
+// localReplyFix is the fix of every local_reply_config refusal.
+const localReplyFix = "remove local_reply_config from the connection manager"
+
+// retryFix is the fix of a retry condition that may run a claimed request again.
+const retryFix = "keep only connect-failure, refused-stream and reset-before-request in retry_on on covered routes, or set num_retries 0"
 
 // storedHeaderSample stands for "the stored response headers in general": the response fields of
 // RFC 9110 and RFC 6265 an upstream commonly sends. A forward rule that hides one of them from the
@@ -78,8 +93,8 @@ var storedHeaderSample = []string{
 	"retry-after", "www-authenticate", "allow",
 }
 
-// CheckProtection returns every setting of d that silently breaks idempotency under p (SPEC
-// §8), each a *Refusal naming the field, joined with errors.Join; nil when there is none. It
+// CheckProtection returns every setting of d that silently breaks idempotency under p, each a
+// *Refusal naming the field, joined with errors.Join; nil when there is none. It
 // complements CheckSpec, which holds the filter-level config to the contract without a policy.
 // It refuses:
 //
@@ -114,7 +129,7 @@ var storedHeaderSample = []string{
 //
 // A per-route processing_mode replaces the filter-level one whole, and is read as Envoy reads
 // it: DEFAULT header modes send, DEFAULT trailer modes skip. Per-route body modes the processor
-// handles (SPEC §8) are accepted: BUFFERED, STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED, and
+// handles are accepted: BUFFERED, STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED, and
 // NONE where the body is not needed, for requests; all but GRPC for responses.
 func CheckProtection(d Deployment, p *policy.Policy) error {
 	if p == nil {
@@ -214,8 +229,9 @@ type checker struct {
 	retryChecked map[string]bool
 }
 
-func (c *checker) refuse(field, format string, args ...any) {
-	c.errs = append(c.errs, &Refusal{Source: c.d.Source, Field: field, Reason: fmt.Sprintf(format, args...)})
+// refuse records a Refusal of field: what it breaks (format, args) and fix, what to set instead.
+func (c *checker) refuse(field, fix, format string, args ...any) {
+	c.errs = append(c.errs, &Refusal{Source: c.d.Source, Field: field, Reason: fmt.Sprintf(format, args...), Fix: fix})
 }
 
 func checkProtection(d Deployment, n policyNeeds) error {
@@ -227,18 +243,18 @@ func checkProtection(d Deployment, n policyNeeds) error {
 
 	if lr := d.LocalReply; lr != nil {
 		for i := range lr.GetMappers() {
-			c.refuse(fmt.Sprintf("%s.local_reply_config.mappers[%d]", d.HCMPath, i),
+			c.refuse(fmt.Sprintf("%s.local_reply_config.mappers[%d]", d.HCMPath, i), localReplyFix,
 				"rewrites the local replies it matches, and replays and the processor's problem responses are local replies: clients would get a different status, body or content-type")
 		}
 		if lr.GetBodyFormat() != nil {
-			c.refuse(d.HCMPath+".local_reply_config.body_format",
+			c.refuse(d.HCMPath+".local_reply_config.body_format", localReplyFix,
 				"rewrites the body of every local reply, and replays are local replies: a replayed body would not be the stored one")
 		}
 	}
 	c.forwardRules(fp+".forward_rules", f.GetForwardRules())
 	c.mutationRules(fp+".mutation_rules", f.GetMutationRules())
 	if f.GetProcessingRequestModifier() != nil {
-		c.refuse(fp+".processing_request_modifier", "may rename the attributes and metadata the processor looks up")
+		c.refuse(fp+".processing_request_modifier", "remove processing_request_modifier", "may rename the attributes and metadata the processor looks up")
 	}
 	c.requestAttributes(fp+".request_attributes", f.GetRequestAttributes())
 	c.metadataOptions(fp+".metadata_options", f.GetMetadataOptions())
@@ -289,12 +305,12 @@ func (c *checker) forwardRules(path string, fr *filterextproc.HeaderForwardingRu
 		hide(h, "stored responses would lack the response headers it hides: replays would differ from first responses")
 	}
 	if evalErr != nil {
-		c.refuse(path, "%v", evalErr)
+		c.refuse(path, "use exact, prefix, suffix, contains or a valid safe_regex matcher, so that the rules can be checked", "%v", evalErr)
 		return
 	}
 	for _, field := range order {
 		h := byField[field]
-		c.refuse(path+"."+field, "hides %s from the processor (forward rules apply to request and response headers alike): %s",
+		c.refuse(path+"."+field, "let forward_rules pass "+strings.Join(h.names, ", ")+" (or drop forward_rules)", "hides %s from the processor (forward rules apply to request and response headers alike): %s",
 			strings.Join(h.names, ", "), strings.Join(h.whys, "; "))
 	}
 }
@@ -367,7 +383,7 @@ func (c *checker) mutationRules(path string, r *mutationrulesv3.HeaderMutationRu
 		r = &mutationrulesv3.HeaderMutationRules{} // Envoy's defaults still refuse x-envoy-* and routing headers
 	}
 	if r.GetDisallowIsError().GetValue() {
-		c.refuse(path+".disallow_is_error",
+		c.refuse(path+".disallow_is_error", "set disallow_is_error false",
 			"a refused mutation in a CONTINUE answer fails the request with 500 after the upstream ran: the outcome is then unknown, and a retry may run it again")
 	}
 	type refused struct{ names, whys []string }
@@ -405,12 +421,12 @@ func (c *checker) mutationRules(path string, r *mutationrulesv3.HeaderMutationRu
 		check(h, "replays set the stored response headers: a replay would lack the ones refused")
 	}
 	if evalErr != nil {
-		c.refuse(path, "%v", evalErr)
+		c.refuse(path, "use valid regexes, so that the rules can be checked", "%v", evalErr)
 		return
 	}
 	for _, field := range order {
 		x := byField[field]
-		c.refuse(path+"."+field, "refuses mutations of %s (mutation rules apply to immediate responses too): %s",
+		c.refuse(path+"."+field, "let mutation_rules allow "+strings.Join(x.names, ", ")+" (allow_expression, or drop the rule)", "refuses mutations of %s (mutation rules apply to immediate responses too): %s",
 			strings.Join(x.names, ", "), strings.Join(x.whys, "; "))
 	}
 }
@@ -459,25 +475,25 @@ func (c *checker) requestAttributes(path string, attrs []string) {
 		{"connection.uri_san_peer_certificate", c.n.peerIdentity},
 	} {
 		if want.need && !slices.Contains(attrs, want.attr) {
-			c.refuse(path, "lacks %q, which the policy reads: %s", want.attr, attributeWhy[want.attr])
+			c.refuse(path, fmt.Sprintf("add %q to request_attributes", want.attr), "lacks %q, which the policy reads: %s", want.attr, attributeWhy[want.attr])
 		}
 	}
 }
 
 func (c *checker) metadataOptions(path string, mo *filterextproc.MetadataOptions) {
 	if c.n.jwtPayload && !slices.Contains(mo.GetForwardingNamespaces().GetUntyped(), JWTNamespace) {
-		c.refuse(path+".forwarding_namespaces.untyped", "lacks %q: the policy scopes by JWT claims, which would all be empty (every caller in one scope, or 401 under require_scope)", JWTNamespace)
+		c.refuse(path+".forwarding_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.forwarding_namespaces.untyped", JWTNamespace), "lacks %q: the policy scopes by JWT claims, which would all be empty (every caller in one scope, or 401 under require_scope)", JWTNamespace)
 	}
 	if ns := c.n.outcomeNamespace; !slices.Contains(mo.GetReceivingNamespaces().GetUntyped(), ns) {
-		c.refuse(path+".receiving_namespaces.untyped", "lacks %q: Envoy drops the outcome the processor writes there, so access logs and traces never show it", ns)
+		c.refuse(path+".receiving_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.receiving_namespaces.untyped", ns), "lacks %q: Envoy drops the outcome the processor writes there, so access logs and traces never show it", ns)
 	}
 }
 
 // route checks one per-route config of the filter.
 func (c *checker) route(e RouteEntry) {
 	cfg := e.Config
-	if cfg.GetDisabled() {
-		return
+	if cfg.GetDisabled() || c.d.FilterDisabled && cfg == nil {
+		return // the filter does not run on this route
 	}
 	c.retries(e)
 	if cfg == nil {
@@ -489,10 +505,10 @@ func (c *checker) route(e RouteEntry) {
 	}
 	path := e.Path + ".overrides"
 	if o.GetFailureModeAllow().GetValue() {
-		c.refuse(path+".failure_mode_allow", "requests on this route would bypass idempotency whenever the processor fails, and may run twice")
+		c.refuse(path+".failure_mode_allow", "set failure_mode_allow false, or remove it", "requests on this route would bypass idempotency whenever the processor fails, and may run twice")
 	}
 	if o.GetProcessingRequestModifier() != nil {
-		c.refuse(path+".processing_request_modifier", "may rename the attributes and metadata the processor looks up")
+		c.refuse(path+".processing_request_modifier", "remove processing_request_modifier", "may rename the attributes and metadata the processor looks up")
 	}
 	if o.GetMetadataOptions() != nil {
 		c.metadataOptions(path+".metadata_options", o.GetMetadataOptions())
@@ -505,7 +521,7 @@ func (c *checker) route(e RouteEntry) {
 		name := headerValueString(h)
 		body, ok := c.n.routes[name]
 		if !ok {
-			c.refuse(fmt.Sprintf("%s.grpc_initial_metadata[%d]", path, i),
+			c.refuse(fmt.Sprintf("%s.grpc_initial_metadata[%d]", path, i), "name a route the policy file defines, or add that route to it",
 				"names policy route %q, which the policy does not define: the processor answers 500 unknown-idempotency-route", name)
 			continue
 		}
@@ -533,11 +549,11 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 		fullDuplex = filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
 	)
 	if pm.GetRequestHeaderMode() == skip {
-		c.refuse(path+".request_header_mode",
+		c.refuse(path+".request_header_mode", "set SEND (opt a route out with disabled: true)",
 			"is SKIP: the processor would never see requests on this route, and covered ones would run unprotected (opt a route out with disabled: true)")
 	}
 	if pm.GetResponseHeaderMode() == skip {
-		c.refuse(path+".response_header_mode",
+		c.refuse(path+".response_header_mode", "set SEND",
 			"is SKIP: the processor would never see the responses, so no record completes; each lease expires after lock_ttl and a retry runs again")
 	}
 	reqBody, respBody := pm.GetRequestBodyMode(), pm.GetResponseBodyMode()
@@ -545,25 +561,25 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 	case filterextproc.ProcessingMode_BUFFERED, streamed, filterextproc.ProcessingMode_BUFFERED_PARTIAL, fullDuplex:
 	case none:
 		if needsBody {
-			c.refuse(path+".request_body_mode",
+			c.refuse(path+".request_body_mode", "set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED)",
 				"is NONE, but the policy route needs the body (fingerprint body or missing_key: body-hash): covered requests with a body get 500 body-not-available")
 		}
 	default:
-		c.refuse(path+".request_body_mode", "is %s, which the processor cannot claim under (GRPC is not implemented by Envoy)", reqBody)
+		c.refuse(path+".request_body_mode", "set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED)", "is %s, which the processor cannot claim under (GRPC is not implemented by Envoy)", reqBody)
 	}
 	switch respBody {
 	case none, filterextproc.ProcessingMode_BUFFERED, streamed, filterextproc.ProcessingMode_BUFFERED_PARTIAL, fullDuplex:
 	default:
-		c.refuse(path+".response_body_mode", "is %s, which the processor cannot capture (GRPC is not implemented by Envoy)", respBody)
+		c.refuse(path+".response_body_mode", "set BUFFERED or STREAMED", "is %s, which the processor cannot capture (GRPC is not implemented by Envoy)", respBody)
 	}
 	switch m := pm.GetRequestTrailerMode(); {
 	case reqBody == fullDuplex && m != send:
-		c.refuse(path+".request_trailer_mode", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the body; Envoy refuses it at filter level)", m)
+		c.refuse(path+".request_trailer_mode", "set SEND", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the body; Envoy refuses it at filter level)", m)
 	case needsBody && m != send && (reqBody == filterextproc.ProcessingMode_BUFFERED || reqBody == streamed || reqBody == filterextproc.ProcessingMode_BUFFERED_PARTIAL):
-		c.refuse(path+".request_trailer_mode", "is %s, want SEND: the policy route needs the body, and %s", m, trailerWhy)
+		c.refuse(path+".request_trailer_mode", "set SEND", "is %s, want SEND: the policy route needs the body, and %s", m, trailerWhy)
 	}
 	if m := pm.GetResponseTrailerMode(); respBody == fullDuplex && m != send {
-		c.refuse(path+".response_trailer_mode", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the response; Envoy refuses it at filter level)", m)
+		c.refuse(path+".response_trailer_mode", "set SEND", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the response; Envoy refuses it at filter level)", m)
 	}
 }
 
@@ -573,11 +589,17 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 // rate-limited it. The gRPC conditions (cancelled, deadline-exceeded, internal,
 // resource-exhausted, unavailable) fire only on a response that carries grpc-status, whatever
 // the request: accepted because covered requests are HTTP APIs whose upstreams do not send it
-// (gRPC requests are not covered, SPEC §8). An upstream that answers a covered route with
+// (gRPC requests are never covered). An upstream that answers a covered route with
 // grpc-status under one of them would have the request retried.
 var safeRetryOn = map[string]bool{
 	"connect-failure": true, "refused-stream": true, "reset-before-request": true, "envoy-ratelimited": true,
 	"cancelled": true, "deadline-exceeded": true, "internal": true, "resource-exhausted": true, "unavailable": true,
+}
+
+// refuseRetry records a Refusal of e's retry policy, which may live in another resource.
+func (c *checker) refuseRetry(e RouteEntry, fix, format string, args ...any) {
+	c.errs = append(c.errs, &Refusal{Source: c.d.Source, Field: e.RetryPath + ".retry_policy.retry_on", Reason: fmt.Sprintf(format, args...),
+		Fix: fix, Resource: e.RetryResource, File: e.RetryFile})
 }
 
 // retries refuses a retry or hedge policy on a covered route that may send a claimed request
@@ -590,7 +612,7 @@ func (c *checker) retries(e RouteEntry) {
 	}
 	if h := e.Hedge; !c.retryChecked["hedge "+e.HedgePath] && (h.GetHedgeOnPerTryTimeout() || h.GetInitialRequests().GetValue() > 1) {
 		c.retryChecked["hedge "+e.HedgePath] = true
-		c.refuse(e.HedgePath+".hedge_policy", "sends a claimed request upstream again while the first attempt may still be running: it may run twice")
+		c.refuse(e.HedgePath+".hedge_policy", "remove hedge_on_per_try_timeout and initial_requests above 1 on covered routes", "sends a claimed request upstream again while the first attempt may still be running: it may run twice")
 	}
 	if c.retryChecked[e.RetryPath] {
 		return
@@ -610,11 +632,11 @@ func (c *checker) retries(e RouteEntry) {
 			}
 			for _, code := range codes {
 				if c.n.stored(int(code)) {
-					c.refuse(e.RetryPath+".retry_policy.retry_on", "retries %s on status %d, which the policy stores: the upstream ran, and the router runs it again instead of the response being kept", cond, code)
+					c.refuseRetry(e, fmt.Sprintf("stop retrying status %d on covered routes (or set num_retries 0)", code), "retries %s on status %d, which the policy stores: the upstream ran, and the router runs it again instead of the response being kept", cond, code)
 				}
 			}
 		default:
-			c.refuse(e.RetryPath+".retry_policy.retry_on", "has %q: the router retries after the upstream may have run the request (a reset, a timeout, an answer), so a claimed request may run twice; keep only connect-failure, refused-stream and reset-before-request on covered routes", cond)
+			c.refuseRetry(e, retryFix, "has %q: the router retries after the upstream may have run the request (a reset, a timeout, an answer), so a claimed request may run twice", cond)
 		}
 	}
 }

@@ -1,4 +1,4 @@
-package envoyconf
+package check
 
 import (
 	"errors"
@@ -25,7 +25,7 @@ func writeTemp(t testing.TB, name, text string) string {
 }
 
 // checkEnvoyGateway is the verdict on envoy-gateway.yaml: every generated filter validates, meets
-// SPEC §5 and breaks no protection under envoy/policy.yaml (SPEC §8), its processor's circuit
+// the contract (CheckSpec) and breaks no protection under envoy/policy.yaml, its processor's circuit
 // breakers are far above 1024 and both buffer limits hold a 1 MiB body.
 func checkEnvoyGateway(t testing.TB, path string) error {
 	t.Helper()
@@ -335,8 +335,8 @@ func TestParseQuantity(t *testing.T) {
 	}
 }
 
-// checkIstio is the verdict on istio-envoyfilter.yaml: the embedded filter validates, meets SPEC §5
-// and breaks no protection under envoy/policy.yaml (SPEC §8), its HTTP_ROUTE patches match
+// checkIstio is the verdict on istio-envoyfilter.yaml: the embedded filter validates, meets the
+// contract and breaks no protection under envoy/policy.yaml, its HTTP_ROUTE patches match
 // VirtualService routes, and the DestinationRule raises the processor cluster's circuit breakers far above 1024.
 func checkIstio(t testing.TB, path string) error {
 	t.Helper()
@@ -474,7 +474,7 @@ func TestIstioBrokenVariantsFail(t *testing.T) {
 			"processing_mode.response_body_mode is NONE"},
 		{"override mode with DEFAULT", "response_trailer_mode: SKIP\n          - request_header_mode",
 			"response_trailer_mode: DEFAULT\n          - request_header_mode", 1,
-			"allowed_override_modes[0] is not a SPEC §5 mode: response_trailer_mode is DEFAULT, want SKIP"},
+			"allowed_override_modes[0] is not one of the processor's modes: response_trailer_mode is DEFAULT, want SKIP"},
 		{"unknown field in typed_config", "route_cache_action: RETAIN", "route_cache_action: RETAIN\n          bogus: 1", 1, "bogus"},
 		{"unknown field in the patch", "applyTo: HTTP_FILTER", "applyTo: HTTP_FILTER\n    aplyTo: X", 1, "aplyTo"},
 		{"message timeout", "message_timeout: 0.5s", "message_timeout: 0.1s", 1, "message_timeout 100ms is not above"},

@@ -1,4 +1,4 @@
-package envoyconf
+package check
 
 import (
 	"errors"
@@ -14,27 +14,28 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 )
 
-// PassThroughMode and NoStoreMode are the two mode_override values the processor sends
-// (SPEC §5): allowed_override_modes must list exactly these.
+// PassThroughMode and NoStoreMode are the two mode_override values the processor sends:
+// allowed_override_modes must list exactly these.
 var (
 	PassThroughMode = extproc.PassThroughMode
 	NoStoreMode     = extproc.NoStoreMode
 )
 
-// The response attributes SPEC §5 and §8 require: response.code_details tells an Envoy-made
+// The response attributes the processor reads: response.code_details tells an Envoy-made
 // response from an upstream one, and upstream.request_attempt_count tells whether an Envoy-made
 // one came before the request was sent upstream (release) or after (an unknown outcome).
 var requiredResponseAttributes = []string{"response.code_details", "upstream.request_attempt_count"}
 
-// CheckSpec returns every way f departs from the Envoy side of the contract (SPEC §5, with the
-// body modes of §8), joined with errors.Join, or nil. Each error names the field. The rules:
+// CheckSpec returns every way f departs from the Envoy side of the contract (the filter settings
+// the processor relies on, with the body modes it claims requests under), each a *SpecError,
+// joined with errors.Join, or nil. Each error names the field. The rules:
 //
 //   - processing_mode spells out every field (DEFAULT is reported: the project spells every
 //     mode out) with request_header_mode and response_header_mode SEND;
 //   - request_body_mode is BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED, the
-//     modes in which the processor claims a request that carries a body (SPEC §8). NONE is
-//     refused: under it a covered request with a body gets 500 body-not-available unless its
-//     route's fingerprint omits the body, which this check, having no policy, cannot know
+//     modes in which the processor claims a request that carries a body. NONE is refused: under
+//     it a covered request with a body gets 500 body-not-available unless its route's
+//     fingerprint omits the body, which this check, having no policy, cannot know
 //     (CheckProtection allows NONE per route where the policy needs no body). GRPC is not
 //     implemented by Envoy;
 //   - response_body_mode is BUFFERED, STREAMED or FULL_DUPLEX_STREAMED, the modes that capture a
@@ -58,87 +59,126 @@ var requiredResponseAttributes = []string{"response.code_details", "upstream.req
 //     are false.
 //
 // The shipped configurations use BUFFERED in both directions; the other modes are accepted
-// because the processor handles them (SPEC §8), not because they are recommended.
+// because the processor handles them, not because they are recommended.
 func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) error {
 	if f == nil {
 		return errors.New("no ext_proc filter config")
 	}
 	var errs []error
-	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	bad := func(field, problem, breaks, fix string) {
+		errs = append(errs, &SpecError{Field: field, Problem: problem, Breaks: breaks, Fix: fix})
+	}
 
 	if f.GetGrpcService() == nil {
-		bad("grpc_service is not set (http_service cannot carry bodies)")
+		bad("grpc_service", "is not set (http_service cannot carry bodies)", "",
+			"set grpc_service (envoy_grpc to the processor's cluster)")
 	}
 	pm := f.GetProcessingMode()
 	if pm == nil {
-		bad("processing_mode is not set")
+		bad("processing_mode", "is not set", "", "spell out processing_mode as envoy/envoy.yaml does")
 		pm = &filterextproc.ProcessingMode{}
 	}
-	wantHeader := func(field string, got, want filterextproc.ProcessingMode_HeaderSendMode) {
-		if got != want {
-			bad("processing_mode.%s is %s, want %s", field, got, want)
-		}
+	if m := pm.GetRequestHeaderMode(); m != filterextproc.ProcessingMode_SEND {
+		bad("processing_mode.request_header_mode", fmt.Sprintf("is %s, want SEND", m),
+			"the processor would see no request, and covered requests would run unprotected", "set SEND")
 	}
-	wantHeader("request_header_mode", pm.GetRequestHeaderMode(), filterextproc.ProcessingMode_SEND)
-	wantHeader("response_header_mode", pm.GetResponseHeaderMode(), filterextproc.ProcessingMode_SEND)
+	if m := pm.GetResponseHeaderMode(); m != filterextproc.ProcessingMode_SEND {
+		bad("processing_mode.response_header_mode", fmt.Sprintf("is %s, want SEND", m),
+			"the processor would see no response, so no record completes and every duplicate gets 409 until lock_ttl ends", "set SEND")
+	}
 
 	reqBody, respBody := pm.GetRequestBodyMode(), pm.GetResponseBodyMode()
 	switch reqBody {
 	case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED,
 		filterextproc.ProcessingMode_BUFFERED_PARTIAL, filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
 	default:
-		bad("processing_mode.request_body_mode is %s, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED", reqBody)
+		bad("processing_mode.request_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED", reqBody),
+			"the processor cannot claim a covered request with a body: it gets 500 body-not-available",
+			"set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED); routes whose fingerprint omits the body may set NONE per route")
 	}
 	switch respBody {
 	case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED,
 		filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
 	default:
-		bad("processing_mode.response_body_mode is %s, want BUFFERED, STREAMED or FULL_DUPLEX_STREAMED", respBody)
+		bad("processing_mode.response_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED or FULL_DUPLEX_STREAMED", respBody),
+			"responses are stored without their body: duplicates get 409 response-not-replayable instead of a replay",
+			"set BUFFERED, or STREAMED for responses that can outgrow the buffer limit")
 	}
 	fullDuplex := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
 	if m := pm.GetRequestTrailerMode(); m != filterextproc.ProcessingMode_SEND {
-		errs = append(errs, fmt.Errorf("processing_mode.request_trailer_mode is %s, want SEND (%s): %w", m, trailerWhy, ErrRequestTrailersSkipped))
+		errs = append(errs, &SpecError{Field: "processing_mode.request_trailer_mode", Problem: fmt.Sprintf("is %s, want SEND (%s)", m, trailerWhy),
+			Fix: "set SEND", wrapped: ErrRequestTrailersSkipped})
 	}
 	// SEND lets the processor see the end of a STREAMED response whose upstream sends trailers:
-	// its last chunk then has end_of_stream false (reference §2.4).
+	// its last chunk then has end_of_stream false.
 	switch m := pm.GetResponseTrailerMode(); {
 	case respBody == fullDuplex && m != filterextproc.ProcessingMode_SEND:
-		bad("processing_mode.response_trailer_mode is %s, want SEND with response_body_mode FULL_DUPLEX_STREAMED", m)
+		bad("processing_mode.response_trailer_mode", fmt.Sprintf("is %s, want SEND with response_body_mode FULL_DUPLEX_STREAMED", m),
+			"Envoy refuses FULL_DUPLEX_STREAMED without it", "set SEND")
 	case m != filterextproc.ProcessingMode_SKIP && m != filterextproc.ProcessingMode_SEND:
-		bad("processing_mode.response_trailer_mode is %s, want SKIP or SEND", m)
+		bad("processing_mode.response_trailer_mode", fmt.Sprintf("is %s, want SKIP or SEND", m), "", "set SKIP, or SEND for upstreams that send trailers")
 	}
 
 	if !f.GetAllowModeOverride() {
-		bad("allow_mode_override is false, want true (Envoy would ignore the processor's mode_override)")
+		bad("allow_mode_override", "is false, want true (Envoy would ignore the processor's mode_override)",
+			"requests the processor passes through still stream their bodies to it, and responses it will not store are still buffered", "set true")
 	}
 	if f.GetSendBodyWithoutWaitingForHeaderResponse() {
-		bad("send_body_without_waiting_for_header_response is true (Envoy would ignore mode_override)")
+		bad("send_body_without_waiting_for_header_response", "is true (Envoy would ignore mode_override)", "", "set false")
 	}
 	errs = append(errs, checkOverrideModes(f.GetAllowedOverrideModes())...)
 
 	for _, a := range requiredResponseAttributes {
 		if !slices.Contains(f.GetResponseAttributes(), a) {
-			bad("response_attributes lacks %q (%s)", a, attributeWhy[a])
+			bad("response_attributes", fmt.Sprintf("lacks %q (%s)", a, attributeWhy[a]), "",
+				fmt.Sprintf("add %q to response_attributes", a))
 		}
 	}
 	if f.GetFailureModeAllow() {
-		bad("failure_mode_allow is true, want false (requests would bypass idempotency when the processor fails)")
+		bad("failure_mode_allow", "is true, want false (requests would bypass idempotency when the processor fails)",
+			"a covered request may run twice", "set false")
 	}
 	mt := defaultMessageTimeout
 	if d := f.GetMessageTimeout(); d != nil {
 		mt = d.AsDuration()
 	}
 	if mt <= storeTimeout {
-		bad("message_timeout %v is not above store_timeout %v", mt, storeTimeout)
+		bad("message_timeout", fmt.Sprintf("%v is not above store_timeout %v", mt, storeTimeout),
+			"Envoy gives up on the processor's answer before a slow store call ends: the client gets 504 and the key's outcome is unknown",
+			fmt.Sprintf("raise message_timeout above %v (Envoy's default is 200ms)", storeTimeout))
 	}
 	if f.GetObservabilityMode() {
-		bad("observability_mode is true (Envoy ignores the processor's answers)")
+		bad("observability_mode", "is true (Envoy ignores the processor's answers)", "duplicates run again instead of being replayed", "set false")
 	}
 	if f.GetDisableImmediateResponse() {
-		bad("disable_immediate_response is true (replays and errors could not be sent)")
+		bad("disable_immediate_response", "is true (replays and errors could not be sent)", "duplicates run again instead of being replayed", "set false")
 	}
 	return errors.Join(errs...)
 }
+
+// SpecError is one way a filter departs from the contract (CheckSpec).
+type SpecError struct {
+	// Field is the field's path in the ExternalProcessor.
+	Field string
+	// Problem says what is wrong with the field; Breaks what that breaks, "" when Problem says.
+	Problem, Breaks string
+	// Fix says what to set.
+	Fix     string
+	wrapped error
+}
+
+func (e *SpecError) Error() string {
+	msg := e.Field + " " + e.Problem
+	if e.wrapped != nil {
+		msg += ": " + e.wrapped.Error()
+	}
+	return msg
+}
+
+func (e *SpecError) Unwrap() error { return e.wrapped }
+
+// SpecErrors returns every *SpecError in err, in order.
+func SpecErrors(err error) []*SpecError { return collect[*SpecError](err) }
 
 // ErrRequestTrailersSkipped is wrapped by CheckSpec's refusal of a request_trailer_mode other
 // than SEND. Envoy Gateway cannot express SEND except under FullDuplexStreamed, so
@@ -155,6 +195,9 @@ var attributeWhy = map[string]string{
 	"xds.route_name":                      "route_name_* matchers would never match: requests would get another policy route",
 	"connection.uri_san_peer_certificate": "the peer_identity scope would be empty: every mTLS peer would share one scope",
 }
+
+// overrideModesFix is the fix of every allowed_override_modes error.
+const overrideModesFix = "list exactly the two modes envoy/envoy.yaml lists, or none"
 
 func checkOverrideModes(modes []*filterextproc.ProcessingMode) []error {
 	if len(modes) == 0 {
@@ -182,17 +225,20 @@ func checkOverrideModes(modes []*filterextproc.ProcessingMode) []error {
 		}
 		if bestDiff != nil {
 			near[best] = true
-			errs = append(errs, fmt.Errorf("allowed_override_modes[%d] is not a SPEC §5 mode: %s (closest: the %s mode)",
-				i, strings.Join(bestDiff, ", "), want[best].name))
+			errs = append(errs, &SpecError{Field: fmt.Sprintf("allowed_override_modes[%d]", i),
+				Problem: fmt.Sprintf("is not one of the processor's modes: %s (closest: the %s mode)", strings.Join(bestDiff, ", "), want[best].name),
+				Breaks:  "Envoy refuses the processor's mode_override", Fix: overrideModesFix})
 		}
 	}
 	for j, w := range want {
 		if !seen[j] && !near[j] {
-			errs = append(errs, fmt.Errorf("allowed_override_modes lacks the %s mode %s", w.name, formatMode(w.mode)))
+			errs = append(errs, &SpecError{Field: "allowed_override_modes", Problem: fmt.Sprintf("lacks the %s mode %s", w.name, formatMode(w.mode)),
+				Breaks: "Envoy refuses the processor's mode_override", Fix: overrideModesFix})
 		}
 	}
 	if len(modes) > len(want) && len(errs) == 0 {
-		errs = append(errs, fmt.Errorf("allowed_override_modes has %d entries, want exactly the two SPEC §5 modes", len(modes)))
+		errs = append(errs, &SpecError{Field: "allowed_override_modes", Problem: fmt.Sprintf("has %d entries, want exactly the processor's two modes", len(modes)),
+			Fix: overrideModesFix})
 	}
 	return errs
 }

@@ -1,0 +1,126 @@
+// Package envoyconf prepares the Envoy configuration shipped in envoy/ for the end-to-end tests:
+// the settings an Envoy-compatible test proxy needs (ProxySettings), a loopback copy of the
+// bootstrap for a real envoy binary (Rewrite) and a helper that runs that binary (StartEnvoy),
+// mutations of a bootstrap for tests that change one setting, and the demo JWTs. The checks that
+// hold configuration to the contract live in internal/check; this package names them for the
+// tests outside the main module.
+//
+// Everything here is test support. Functions are safe for concurrent use; none keeps state.
+package envoyconf
+
+import (
+	"time"
+
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
+)
+
+// The configuration checks live in internal/check, which the check subcommand runs on users'
+// files; these names let the tests of e2e/ and deploy/test (a module of its own, which cannot
+// import an internal package) call the same code.
+type (
+	// Thresholds are a cluster's circuit breaker thresholds (check.Thresholds).
+	Thresholds = check.Thresholds
+	// Deployment is what a deployment makes of the ext_proc filter (check.Deployment).
+	Deployment = check.Deployment
+	// RouteEntry is one route of a Deployment (check.RouteEntry).
+	RouteEntry = check.RouteEntry
+	// Refusal is one setting CheckProtection refuses (check.Refusal).
+	Refusal = check.Refusal
+	// EGPolicy is an EnvoyExtensionPolicy, translated (check.EGPolicy).
+	EGPolicy = check.EGPolicy
+	// EGLimits are Envoy Gateway's buffer limits (check.EGLimits).
+	EGLimits = check.EGLimits
+	// EGFilterPosition is an entry of an EnvoyProxy's filterOrder (check.EGFilterPosition).
+	EGFilterPosition = check.EGFilterPosition
+)
+
+// The names the processor reads and writes outside the policy.
+const (
+	RouteMetadataKey = check.RouteMetadataKey
+	JWTNamespace     = check.JWTNamespace
+	OutcomeNamespace = check.OutcomeNamespace
+)
+
+// ErrRequestTrailersSkipped is check.ErrRequestTrailersSkipped.
+var ErrRequestTrailersSkipped = check.ErrRequestTrailersSkipped
+
+// PassThroughMode and NoStoreMode are the two mode_override values the processor sends.
+func PassThroughMode() *filterextproc.ProcessingMode { return check.PassThroughMode() }
+
+// NoStoreMode is the mode_override the processor sends for a response it will not store.
+func NoStoreMode() *filterextproc.ProcessingMode { return check.NoStoreMode() }
+
+// Load reads an Envoy bootstrap file (check.Load).
+func Load(path string) (*bootstrapv3.Bootstrap, error) { return check.Load(path) }
+
+// Parse decodes one bootstrap document (check.Parse).
+func Parse(yamlBytes []byte) (*bootstrapv3.Bootstrap, error) { return check.Parse(yamlBytes) }
+
+// Validate runs the proto validation rules on m and every typed config in it (check.Validate).
+func Validate(m proto.Message) error { return check.Validate(m) }
+
+// ExtProc returns the ext_proc filter config of b's first connection manager (check.ExtProc).
+func ExtProc(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, error) {
+	return check.ExtProc(b)
+}
+
+// CheckSpec holds an ext_proc filter config to the contract (check.CheckSpec).
+func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) error {
+	return check.CheckSpec(f, storeTimeout)
+}
+
+// CheckProtection refuses the settings of d that break idempotency under p (check.CheckProtection).
+func CheckProtection(d Deployment, p *policy.Policy) error { return check.CheckProtection(d, p) }
+
+// Refusals returns every Refusal in err (check.Refusals).
+func Refusals(err error) []*Refusal { return check.Refusals(err) }
+
+// WithoutGatewayGaps drops the refusal Envoy Gateway cannot avoid (check.WithoutGatewayGaps).
+func WithoutGatewayGaps(err error) error { return check.WithoutGatewayGaps(err) }
+
+// BootstrapDeployment reads the deployment of a bootstrap (check.BootstrapDeployment).
+func BootstrapDeployment(b *bootstrapv3.Bootstrap, source string) (Deployment, error) {
+	return check.BootstrapDeployment(b, source)
+}
+
+// IstioExtProc returns the filter of an Istio file's EnvoyFilter (check.IstioExtProc).
+func IstioExtProc(path string) (*filterextproc.ExternalProcessor, error) {
+	return check.IstioExtProc(path)
+}
+
+// IstioDeployment reads the deployment of an Istio file (check.IstioDeployment).
+func IstioDeployment(path string) (Deployment, error) { return check.IstioDeployment(path) }
+
+// IstioAccessLogFormats returns the access log formats an Istio file adds (check.IstioAccessLogFormats).
+func IstioAccessLogFormats(path string) ([]string, error) { return check.IstioAccessLogFormats(path) }
+
+// EnvoyGateway translates an Envoy Gateway file (check.EnvoyGateway).
+func EnvoyGateway(path string) ([]EGPolicy, EGLimits, error) { return check.EnvoyGateway(path) }
+
+// EnvoyGatewayFilterOrder returns an Envoy Gateway file's filterOrder (check.EnvoyGatewayFilterOrder).
+func EnvoyGatewayFilterOrder(path string) ([]EGFilterPosition, error) {
+	return check.EnvoyGatewayFilterOrder(path)
+}
+
+// EGFilterChain orders filter types as Envoy Gateway does (check.EGFilterChain).
+func EGFilterChain(present []string, order []EGFilterPosition) ([]string, error) {
+	return check.EGFilterChain(present, order)
+}
+
+// EnvoyGatewayAccessLogFormats returns an Envoy Gateway file's access log formats
+// (check.EnvoyGatewayAccessLogFormats).
+func EnvoyGatewayAccessLogFormats(path string) ([]string, error) {
+	return check.EnvoyGatewayAccessLogFormats(path)
+}
+
+// cluster returns the static cluster of b named name, or nil.
+func cluster(b *bootstrapv3.Bootstrap, name string) *clusterv3.Cluster { return check.Cluster(b, name) }
+
+// catchAllCluster returns the cluster of the first route with prefix "/".
+func catchAllCluster(b *bootstrapv3.Bootstrap) (string, error) { return check.CatchAllCluster(b) }

@@ -1,0 +1,262 @@
+// Package check holds Envoy, Istio and Envoy Gateway configuration to what the processor needs
+// from it. It reads Envoy bootstraps and Kubernetes objects (Istio's EnvoyFilter, VirtualService
+// and DestinationRule; Envoy Gateway's EnvoyExtensionPolicy, HTTPRoute, BackendTrafficPolicy,
+// ClientTrafficPolicy and EnvoyProxy) into go-control-plane's messages, translating Istio's and
+// Envoy Gateway's objects as their source does, and finds every setting that silently breaks
+// idempotency under a policy: Run reports each as a Finding that names the file, the resource and
+// the field, says what breaks and how to fix it. The check subcommand of idempotency-extproc runs
+// it on the user's files, and the project's configuration tests on envoy/ and the Helm chart.
+//
+// Functions are safe for concurrent use; none keeps state.
+package check
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+)
+
+// Severity says whether a finding breaks protection (Error) or costs something the user should
+// know (Warning).
+type Severity string
+
+// The severities.
+const (
+	Error   Severity = "error"
+	Warning Severity = "warning"
+)
+
+// Finding is one setting of the inputs that breaks protection or costs something.
+type Finding struct {
+	// File is the input that holds the setting, as the user named it ("-" is standard input).
+	File string `json:"file"`
+	// Resource is the resource that holds it: `listener "ingress"`, "EnvoyFilter ns/name".
+	Resource string `json:"resource"`
+	// Field is the setting's path in the resource.
+	Field    string   `json:"field"`
+	Severity Severity `json:"severity"`
+	// Problem says what is wrong and what it breaks; Fix what to set instead.
+	Problem string `json:"problem"`
+	Fix     string `json:"fix"`
+}
+
+// String is the finding's line of the text output: FILE: RESOURCE: FIELD: severity: problem; fix.
+func (f Finding) String() string {
+	return fmt.Sprintf("%s: %s: %s: %s: %s; %s", f.File, f.Resource, f.Field, f.Severity, f.Problem, f.Fix)
+}
+
+// Input is one file to check: its name as the user gave it ("-" for standard input) and its
+// content, an Envoy bootstrap (YAML or JSON) or Kubernetes objects (one or many YAML documents,
+// List kinds included).
+type Input struct {
+	Name string
+	Data []byte
+}
+
+// Options are the settings of a check.
+type Options struct {
+	// EnvoyVersion is the Envoy version the deployment runs ("1.38", "v1.39.1"); it adds the
+	// warnings of that version's known ext_proc defects. Empty: none.
+	EnvoyVersion string
+}
+
+// Report is what Run found.
+type Report struct {
+	// Findings are the errors, then the warnings, each in the order of the inputs.
+	Findings []Finding
+	// Skipped names the objects of the inputs whose kinds the check does not read, as
+	// "Kind namespace/name (FILE)".
+	Skipped []string
+}
+
+// Errors returns the number of findings of severity Error.
+func (r Report) Errors() int {
+	n := 0
+	for _, f := range r.Findings {
+		if f.Severity == Error {
+			n++
+		}
+	}
+	return n
+}
+
+// The kinds Run reads, by API group.
+var knownKinds = map[string][]string{
+	istioGroup: {"EnvoyFilter", "VirtualService", "DestinationRule"},
+	egGroup:    {"EnvoyExtensionPolicy", "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyProxy"},
+	gwGroup:    {"HTTPRoute"},
+}
+
+// Run checks inputs under p. The error is set when an input cannot be read or parsed, or is a
+// configuration Envoy (or the mesh) would refuse: it joins an *InputError per bad input, each
+// naming the file and, where known, the line and the field. Otherwise the report holds every
+// finding; a report of no ext_proc filter at all holds one error saying so.
+func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
+	if p == nil {
+		return Report{}, errors.New("no policy")
+	}
+	var rep Report
+	var errs []error
+	var deployments []Deployment
+	var objs []*object
+	version, err := parseVersion(opts.EnvoyVersion)
+	if err != nil {
+		errs = append(errs, &InputError{File: "--envoy-version", Err: err})
+	}
+	for _, in := range inputs {
+		ds, read, err := readInput(in)
+		if err != nil {
+			errs = append(errs, inputError(in.Name, err))
+			continue
+		}
+		deployments = append(deployments, ds...)
+		objs = append(objs, read...)
+	}
+	var kube []*object
+	for _, o := range objs {
+		if slices.Contains(knownKinds[o.group()], o.Kind) {
+			kube = append(kube, o)
+		} else {
+			rep.Skipped = append(rep.Skipped, o.ref()+" ("+o.File+")")
+		}
+	}
+	ds, egOrders, err := kubeDeployments(kube)
+	errs = append(errs, err)
+	deployments = append(deployments, ds...)
+	for _, d := range deployments {
+		if err := Validate(d.Filter); err != nil {
+			errs = append(errs, &InputError{File: d.File, Where: d.Resource, Field: d.FilterPath,
+				Err: fmt.Errorf("the filter fails Envoy's validation, so Envoy would refuse it: %w", err)})
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return Report{}, err
+	}
+
+	n := needsOf(p)
+	for _, d := range deployments {
+		rep.Findings = append(rep.Findings, deploymentFindings(d, p, n)...)
+	}
+	rep.Findings = append(rep.Findings, egOrders...)
+	if len(deployments) == 0 {
+		var names []string
+		for _, in := range inputs {
+			names = append(names, in.Name)
+		}
+		rep.Findings = append(rep.Findings, Finding{
+			File: strings.Join(names, ", "), Resource: "-", Field: "ext_proc", Severity: Error,
+			Problem: "no ext_proc filter found: no http filter with an ExternalProcessor typed_config, EnvoyFilter patching one in, or EnvoyExtensionPolicy with an extProc entry; nothing reaches the processor",
+			Fix:     "add the filter as envoy/envoy.yaml, envoy/istio-envoyfilter.yaml or envoy/envoy-gateway.yaml do, and pass the file that holds it",
+		})
+	}
+	rep.Findings = append(rep.Findings, versionFindings(version)...)
+	// A resource several deployments share (a BackendTrafficPolicy, a cluster) is reported once.
+	seen := map[Finding]bool{}
+	rep.Findings = slices.DeleteFunc(rep.Findings, func(f Finding) bool {
+		dup := seen[f]
+		seen[f] = true
+		return dup
+	})
+	slices.SortStableFunc(rep.Findings, func(a, b Finding) int {
+		return cmp.Compare(severityRank(a.Severity), severityRank(b.Severity))
+	})
+	return rep, nil
+}
+
+func severityRank(s Severity) int {
+	if s == Error {
+		return 0
+	}
+	return 1
+}
+
+// readInput reads one input: the deployments of a bootstrap, or the objects of Kubernetes YAML.
+func readInput(in Input) ([]Deployment, []*object, error) {
+	docs, err := yamlDocuments(in.Data)
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(docs) == 0 {
+		return nil, nil, errors.New("empty: neither an Envoy bootstrap nor Kubernetes objects")
+	}
+	if slices.ContainsFunc(docs, isKubernetes) {
+		objs, err := readObjects(in.Name, docs, false)
+		return nil, objs, err
+	}
+	if len(docs) > 1 {
+		return nil, nil, &located{Line: docRoot(docs[1]).Line, Err: errors.New("a second YAML document without kind: an Envoy bootstrap is one document, Kubernetes objects have apiVersion and kind")}
+	}
+	b, err := parseBootstrap(docs[0])
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := Validate(b); err != nil {
+		return nil, nil, fmt.Errorf("the bootstrap fails Envoy's validation, so Envoy would refuse it: %w", err)
+	}
+	ds, err := bootstrapDeployments(b, in.Name)
+	return ds, nil, err
+}
+
+// kubeDeployments builds the deployments of the Istio and Envoy Gateway objects of all inputs,
+// which may refer to each other across files, and the findings of their EnvoyProxies' filter
+// order.
+func kubeDeployments(objs []*object) ([]Deployment, []Finding, error) {
+	var out []Deployment
+	var errs []error
+	for _, ef := range objs {
+		if !ef.is(istioGroup, "EnvoyFilter") {
+			continue
+		}
+		d, found, err := istioDeployment(ef, objs)
+		if err != nil {
+			errs = append(errs, inputError(ef.File, fmt.Errorf("%s: %w", ef.ref(), err)))
+			continue
+		}
+		if found {
+			d.Processor = istioProcessorLimits(d.Filter, objs)
+			out = append(out, d)
+		}
+	}
+	pols, _, err := envoyGateway(objs, false)
+	if err != nil {
+		errs = append(errs, egInputError(objs, err))
+	}
+	for _, p := range pols {
+		out = append(out, p.Deployment)
+	}
+	var findings []Finding
+	for _, ep := range objs {
+		if !ep.is(egGroup, "EnvoyProxy") {
+			continue
+		}
+		f, err := egOrderFinding(ep)
+		if err != nil {
+			errs = append(errs, inputError(ep.File, err))
+			continue
+		}
+		findings = append(findings, f...)
+	}
+	return out, findings, errors.Join(errs...)
+}
+
+// egInputError names, for an error of envoyGateway, the file of the object it names.
+func egInputError(objs []*object, err error) error {
+	msg := err.Error()
+	for _, o := range objs {
+		if o.group() == egGroup || o.group() == gwGroup {
+			if strings.HasPrefix(msg, o.Kind+" "+o.Namespace+"/"+o.Name+":") || strings.HasPrefix(msg, o.Kind+" "+o.Name+":") {
+				return inputError(o.File, err)
+			}
+		}
+	}
+	for _, o := range objs {
+		if o.is(egGroup, "EnvoyExtensionPolicy") {
+			return inputError(o.File, err)
+		}
+	}
+	return err
+}

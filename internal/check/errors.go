@@ -1,0 +1,273 @@
+package check
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// InputError is an input that cannot be read or parsed: the policy file or a FILE.
+type InputError struct {
+	// File is the input as the user named it; "-" is standard input.
+	File string
+	// Line is the line of the bad field, 0 when unknown.
+	Line int
+	// Where names the document or the resource of the bad field, "" when the file has one.
+	Where string
+	// Field is the bad field's path in the document or resource, "" when unknown.
+	Field string
+	Err   error
+}
+
+func (e *InputError) Error() string {
+	var b strings.Builder
+	if e.File != "" {
+		b.WriteString(e.File + ": ")
+	}
+	if e.Line > 0 {
+		fmt.Fprintf(&b, "line %d: ", e.Line)
+	}
+	if e.Where != "" {
+		b.WriteString(e.Where + ": ")
+	}
+	if e.Field != "" {
+		b.WriteString(e.Field + ": ")
+	}
+	b.WriteString(e.Err.Error())
+	return b.String()
+}
+
+func (e *InputError) Unwrap() error { return e.Err }
+
+// inputError makes an *InputError of err for file, taking the line and field of the first
+// *located in err's chain.
+func inputError(file string, err error) *InputError {
+	var ie *InputError
+	if errors.As(err, &ie) {
+		return ie
+	}
+	var l *located
+	if errors.As(err, &l) {
+		// What wraps the located error names the document or the resource.
+		outer := strings.TrimSuffix(strings.TrimSuffix(err.Error(), l.Error()), ": ")
+		return &InputError{File: file, Line: l.Line, Where: outer, Field: l.Field, Err: l.Err}
+	}
+	return &InputError{File: file, Err: err}
+}
+
+// located is an error at a known place of a document.
+type located struct {
+	Line  int    // 0 when unknown
+	Field string // "" when unknown
+	Err   error
+}
+
+func (e *located) Error() string {
+	var b strings.Builder
+	if e.Line > 0 {
+		fmt.Fprintf(&b, "line %d: ", e.Line)
+	}
+	if e.Field != "" {
+		b.WriteString(e.Field + ": ")
+	}
+	b.WriteString(e.Err.Error())
+	return b.String()
+}
+
+func (e *located) Unwrap() error { return e.Err }
+
+// within puts the path of the node an error's field lies in before the field; an error without a
+// field gets the path in front.
+func within(path string, err error) error {
+	if l, ok := err.(*located); ok {
+		field := path
+		switch {
+		case l.Field == "":
+		case strings.HasPrefix(l.Field, "["):
+			field += l.Field
+		default:
+			field = join(path, l.Field)
+		}
+		return &located{Line: l.Line, Field: field, Err: l.Err}
+	}
+	return fmt.Errorf("%s: %w", path, err)
+}
+
+// prefixed puts where (a document, a resource) in front of err.
+func prefixed(where string, err error) error {
+	if where == "" {
+		return err
+	}
+	return fmt.Errorf("%s: %w", where, err)
+}
+
+var yamlLine = regexp.MustCompile(`^(?:yaml: )?line (\d+): `)
+
+// yamlError turns an error of the YAML decoder into a *located carrying its line.
+func yamlError(err error) error {
+	var te *yaml.TypeError
+	if errors.As(err, &te) {
+		if len(te.Errors) == 1 {
+			if m := yamlLine.FindStringSubmatch(te.Errors[0]); m != nil {
+				line, _ := strconv.Atoi(m[1])
+				return &located{Line: line, Err: errors.New(te.Errors[0][len(m[0]):])}
+			}
+		}
+		return errors.New(strings.Join(te.Errors, "; "))
+	}
+	if m := yamlLine.FindStringSubmatch(err.Error()); m != nil {
+		line, _ := strconv.Atoi(m[1])
+		return &located{Line: line, Err: errors.New("YAML: " + err.Error()[len(m[0]):])}
+	}
+	return err
+}
+
+// protoJSONPosition is the position protojson puts in its errors: a place in the JSON made from
+// the YAML, which the user never sees. The protobuf module writes a space or, at random, a
+// no-break space after "proto:", so that nobody relies on its messages' exact text.
+var protoJSONPosition = regexp.MustCompile(`^proto:[ \x{00a0}]\(line (\d+):(\d+)\):[ \x{00a0}]`)
+
+// protoError turns an error of protojson.Unmarshal of the JSON made from doc (nodeToJSON) into a
+// *located naming the YAML field and its line, when the JSON position maps back to doc.
+func protoError(what string, doc *yaml.Node, err error) error {
+	msg := err.Error()
+	m := protoJSONPosition.FindStringSubmatch(msg)
+	if m == nil {
+		return fmt.Errorf("%s: %w", what, err)
+	}
+	msg = msg[len(m[0]):]
+	col, _ := strconv.Atoi(m[2])
+	js, jerr := nodeToJSON(doc)
+	if m[1] != "1" || jerr != nil {
+		return fmt.Errorf("%s: %s", what, msg)
+	}
+	// protojson counts columns in runes.
+	off := len(js)
+	for i := range string(js) {
+		if col--; col == 0 {
+			off = i
+			break
+		}
+	}
+	path := jsonPathAt(js, off)
+	n, field := yamlAt(doc, path)
+	if n == nil {
+		return fmt.Errorf("%s: %s", what, msg)
+	}
+	return &located{Line: n.Line, Field: field, Err: errors.New(msg)}
+}
+
+// jsonPathAt returns the path (object keys as strings, array indexes as ints) of the key or value
+// that starts at byte offset off of the JSON document js; nil when none does.
+func jsonPathAt(js []byte, off int) []any {
+	type frame struct {
+		object    bool
+		key       string
+		index     int
+		expectKey bool
+	}
+	dec := json.NewDecoder(bytes.NewReader(js))
+	var stack []*frame
+	pathOf := func(stack []*frame) []any {
+		var p []any
+		for _, f := range stack {
+			if f.object {
+				p = append(p, f.key)
+			} else {
+				p = append(p, f.index)
+			}
+		}
+		return p
+	}
+	path := func() []any { return pathOf(stack) }
+	advance := func() {
+		if len(stack) == 0 {
+			return
+		}
+		top := stack[len(stack)-1]
+		if top.object {
+			top.expectKey = true
+		} else {
+			top.index++
+		}
+	}
+	for {
+		before := int(dec.InputOffset())
+		tok, err := dec.Token()
+		if err != nil {
+			return nil
+		}
+		after := int(dec.InputOffset())
+		hit := off >= before && off < after
+		if n := len(stack); n > 0 && stack[n-1].object && stack[n-1].expectKey {
+			if key, ok := tok.(string); ok {
+				stack[n-1].key, stack[n-1].expectKey = key, false
+				if hit {
+					return path()
+				}
+				continue
+			}
+		}
+		switch tok {
+		case json.Delim('}'), json.Delim(']'):
+			if hit { // an error about the object or array as a whole: it is missing something
+				return pathOf(stack[:len(stack)-1])
+			}
+			stack = stack[:len(stack)-1]
+			advance()
+			continue
+		}
+		if hit {
+			return path()
+		}
+		switch tok {
+		case json.Delim('{'):
+			stack = append(stack, &frame{object: true, expectKey: true})
+		case json.Delim('['):
+			stack = append(stack, &frame{})
+		default:
+			advance()
+		}
+	}
+}
+
+// yamlAt follows a JSON path (jsonPathAt) in doc: the node there (the key's node for a key) and
+// the path written as a field path. Nil when the path does not lead through doc: through the
+// value of a type kept opaque, say.
+func yamlAt(doc *yaml.Node, path []any) (*yaml.Node, string) {
+	n := resolve(docRoot(doc))
+	at := n
+	field := ""
+	for _, p := range path {
+		switch k := p.(type) {
+		case string:
+			kv := mapKey(n, k)
+			if kv == nil {
+				return nil, ""
+			}
+			at, n = kv.key, resolve(kv.value)
+			if strings.ContainsAny(k, "./") {
+				field += "[" + k + "]" // a map key, such as a typed_per_filter_config filter name
+			} else {
+				field = join(field, k)
+			}
+		case int:
+			if n == nil || n.Kind != yaml.SequenceNode || k >= len(n.Content) {
+				return nil, ""
+			}
+			n = resolve(n.Content[k])
+			at = n
+			field += "[" + strconv.Itoa(k) + "]"
+		}
+	}
+	if at == nil || at.Line == 0 {
+		return nil, ""
+	}
+	return at, field
+}

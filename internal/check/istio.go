@@ -1,0 +1,478 @@
+package check
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+
+	"go.yaml.in/yaml/v3"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	accesslogv3 "github.com/envoyproxy/go-control-plane/envoy/config/accesslog/v3"
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	accesslogfilev3 "github.com/envoyproxy/go-control-plane/envoy/extensions/access_loggers/file/v3"
+	accesslogstreamv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/access_loggers/stream/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+)
+
+const istioGroup = "networking.istio.io"
+
+// istioSpec mirrors the EnvoyFilter spec fields the file may use; it is decoded strictly.
+type istioSpec struct {
+	WorkloadSelector *istioWorkloadSelector `yaml:"workloadSelector"`
+	TargetRefs       any                    `yaml:"targetRefs"`
+	Priority         int                    `yaml:"priority"`
+	ConfigPatches    []istioPatch           `yaml:"configPatches"`
+}
+
+type istioWorkloadSelector struct {
+	Labels map[string]string `yaml:"labels"`
+}
+
+type istioPatch struct {
+	ApplyTo string     `yaml:"applyTo"`
+	Match   istioMatch `yaml:"match"`
+	Patch   struct {
+		Operation   string    `yaml:"operation"`
+		Value       yaml.Node `yaml:"value"`
+		FilterClass string    `yaml:"filterClass"`
+	} `yaml:"patch"`
+}
+
+type istioMatch struct {
+	Context            string                        `yaml:"context"`
+	Proxy              any                           `yaml:"proxy"`
+	Listener           *istioListenerMatch           `yaml:"listener"`
+	RouteConfiguration *istioRouteConfigurationMatch `yaml:"routeConfiguration"`
+	Cluster            any                           `yaml:"cluster"`
+}
+
+// istioRouteConfigurationMatch is EnvoyFilter.RouteConfigurationMatch, for HTTP_ROUTE patches.
+type istioRouteConfigurationMatch struct {
+	PortNumber int    `yaml:"portNumber"`
+	PortName   string `yaml:"portName"`
+	Gateway    string `yaml:"gateway"`
+	Name       string `yaml:"name"`
+	Vhost      *struct {
+		Name       string `yaml:"name"`
+		DomainName string `yaml:"domainName"`
+		Route      *struct {
+			Name   string `yaml:"name"`
+			Action string `yaml:"action"`
+		} `yaml:"route"`
+	} `yaml:"vhost"`
+}
+
+type istioListenerMatch struct {
+	PortNumber  int              `yaml:"portNumber"`
+	Name        string           `yaml:"name"`
+	FilterChain istioFilterChain `yaml:"filterChain"`
+}
+
+type istioFilterChain struct {
+	Name                 string      `yaml:"name"`
+	Sni                  string      `yaml:"sni"`
+	TransportProtocol    string      `yaml:"transportProtocol"`
+	ApplicationProtocols string      `yaml:"applicationProtocols"`
+	DestinationPort      int         `yaml:"destinationPort"`
+	Filter               istioFilter `yaml:"filter"`
+}
+
+type istioFilter struct {
+	Name      string `yaml:"name"`
+	SubFilter struct {
+		Name string `yaml:"name"`
+	} `yaml:"subFilter"`
+}
+
+// IstioExtProc returns the ExternalProcessor embedded in the EnvoyFilter of the file at path: the
+// typed_config of its HTTP_FILTER patch, decoded like a bootstrap (unknown fields are errors). The
+// patch must insert the filter ahead of the router: INSERT_BEFORE envoy.filters.http.router, or
+// INSERT_FIRST, into the http_connection_manager.
+func IstioExtProc(path string) (*filterextproc.ExternalProcessor, error) {
+	d, err := IstioDeployment(path)
+	if err != nil {
+		return nil, err
+	}
+	return d.Filter, nil
+}
+
+// IstioDeployment reads the ext_proc deployment of the Istio file at path, which holds exactly one
+// EnvoyFilter: the filter of its HTTP_FILTER patch (as IstioExtProc), the per-route configs of
+// its HTTP_ROUTE patches (each patch value decoded as a Route; its route name is the patch's
+// routeConfiguration.vhost.route.name), and the route names the file's VirtualServices give
+// Envoy: an http route's name, or name.matchName for a match with a name (Istio's translateRoute).
+// Istio builds the connection manager itself and sets no local_reply_config.
+func IstioDeployment(path string) (Deployment, error) {
+	objs, err := readDocs(path)
+	if err != nil {
+		return Deployment{}, err
+	}
+	ef, err := only(objs, istioGroup, "EnvoyFilter")
+	if err != nil {
+		return Deployment{}, fmt.Errorf("%s: %w", path, err)
+	}
+	if ef == nil {
+		return Deployment{}, fmt.Errorf("%s: no EnvoyFilter", path)
+	}
+	d, found, err := istioDeployment(ef, objs)
+	switch {
+	case err != nil:
+		return Deployment{}, fmt.Errorf("%s: %s: %w", path, ef.ref(), err)
+	case !found:
+		return Deployment{}, fmt.Errorf("%s: no HTTP_FILTER patch with an ExternalProcessor typed_config", path)
+	}
+	return d, nil
+}
+
+// istioDeployment reads the ext_proc deployment of EnvoyFilter ef with the VirtualServices of
+// objs, as IstioDeployment; found is false when ef patches in no ext_proc filter.
+func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err error) {
+	spec, err := decodeSpec[istioSpec](ef)
+	if err != nil {
+		return Deployment{}, false, err
+	}
+	d = Deployment{Source: ef.File + ": " + ef.ref(), File: ef.File, Resource: ef.ref(), Platform: PlatformIstio}
+	var routePatches []int
+	var filterContext string // the ext_proc patch's match context
+	for i, cp := range spec.ConfigPatches {
+		if cp.ApplyTo == "HTTP_ROUTE" {
+			routePatches = append(routePatches, i)
+			continue
+		}
+		if cp.ApplyTo == "NETWORK_FILTER" && cp.Patch.Operation == "MERGE" {
+			// A MERGE into the connection manager Istio generates may give it a
+			// local_reply_config.
+			hcm, err := istioHCMPatch(&cp)
+			if err != nil {
+				return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
+			}
+			if lr := hcm.GetLocalReplyConfig(); lr != nil {
+				d.LocalReply, d.HCMPath = lr, fmt.Sprintf("configPatches[%d].patch.value.typed_config", i)
+			}
+			continue
+		}
+		if cp.ApplyTo != "HTTP_FILTER" {
+			continue
+		}
+		hf := &hcmv3.HttpFilter{}
+		if err := decodePatch(&cp, hf); err != nil {
+			return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
+		}
+		if !hf.GetTypedConfig().MessageIs(&filterextproc.ExternalProcessor{}) {
+			continue
+		}
+		if d.Filter != nil {
+			return Deployment{}, false, errors.New("more than one ext_proc patch")
+		}
+		l := cp.Match.Listener
+		if l == nil || l.FilterChain.Filter.Name != "envoy.filters.network.http_connection_manager" {
+			return Deployment{}, false, fmt.Errorf("configPatches[%d] does not match the http_connection_manager", i)
+		}
+		switch op := cp.Patch.Operation; {
+		case op == "INSERT_FIRST":
+		case op == "INSERT_BEFORE" && l.FilterChain.Filter.SubFilter.Name == "envoy.filters.http.router":
+		default:
+			return Deployment{}, false, fmt.Errorf("configPatches[%d] must INSERT_BEFORE envoy.filters.http.router (or INSERT_FIRST), have %s %q",
+				i, op, l.FilterChain.Filter.SubFilter.Name)
+		}
+		d.Filter = &filterextproc.ExternalProcessor{}
+		if err := hf.GetTypedConfig().UnmarshalTo(d.Filter); err != nil {
+			return Deployment{}, false, fmt.Errorf("configPatches[%d]: %w", i, err)
+		}
+		d.FilterName = hf.GetName()
+		d.FilterDisabled = hf.GetDisabled()
+		d.FilterPath = fmt.Sprintf("configPatches[%d].patch.value.typed_config", i)
+		filterContext = cp.Match.Context
+	}
+	if d.Filter == nil {
+		return Deployment{}, false, nil
+	}
+	buffer := istioBufferLimit(objs)
+
+	for _, vs := range objs {
+		if !vs.is(istioGroup, "VirtualService") {
+			continue
+		}
+		vsSpec, err := decodeLoose[struct {
+			HTTP []struct {
+				Name  string `yaml:"name"`
+				Match []struct {
+					Name string `yaml:"name"`
+				} `yaml:"match"`
+				Retries *istioRetries `yaml:"retries"`
+			} `yaml:"http"`
+		}](vs)
+		if err != nil {
+			return Deployment{}, false, fmt.Errorf("VirtualService %s: %w", vs.Name, err)
+		}
+		for i, h := range vsSpec.HTTP {
+			at := fmt.Sprintf("%s http[%d]", vs.ref(), i)
+			retry, retryAt := h.Retries.policy(), at+".retries"
+			if h.Retries == nil {
+				retryAt = at + " (no retries: Istio's default retry policy)"
+			}
+			if filterContext == "SIDECAR_INBOUND" {
+				// The VirtualService's retries run in the caller's outbound sidecar: a retry
+				// reaches this filter as a new request with the same key (a duplicate).
+				retry, retryAt = nil, ""
+			}
+			entry := func(name string) RouteEntry {
+				return RouteEntry{Name: name, Path: at, Retry: retry, RetryPath: retryAt, RetryResource: vs.ref(), RetryFile: vs.File,
+					ResponseBuffer: buffer}
+			}
+			named := false
+			for _, m := range h.Match {
+				if m.Name != "" {
+					d.Routes = append(d.Routes, entry(h.Name+"."+m.Name))
+				} else if !named {
+					d.Routes = append(d.Routes, entry(h.Name))
+					named = true
+				}
+			}
+			if len(h.Match) == 0 {
+				d.Routes = append(d.Routes, entry(h.Name))
+			}
+		}
+	}
+
+	for _, i := range routePatches {
+		cp := &spec.ConfigPatches[i]
+		rc := cp.Match.RouteConfiguration
+		if rc == nil || rc.Vhost == nil || rc.Vhost.Route == nil || rc.Vhost.Route.Name == "" {
+			return Deployment{}, false, fmt.Errorf("configPatches[%d]: an HTTP_ROUTE patch must match routeConfiguration.vhost.route.name", i)
+		}
+		r := &routev3.Route{}
+		if err := decodePatch(cp, r); err != nil {
+			return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
+		}
+		e := RouteEntry{Name: rc.Vhost.Route.Name, Path: fmt.Sprintf("configPatches[%d].patch.value", i), ResponseBuffer: buffer}
+		if a, ok := r.GetTypedPerFilterConfig()[d.FilterName]; ok {
+			e.Path += ".typed_per_filter_config[" + d.FilterName + "]"
+			if e.Config, err = deployedPerRoute(a); err != nil {
+				return Deployment{}, false, fmt.Errorf("%s: %w", e.Path, err)
+			}
+		}
+		d.Routes = append(d.Routes, e)
+	}
+	return d, true, nil
+}
+
+// istioBufferLimit is the upstream buffer limit of Istio's clusters: Envoy's default, which
+// Istio leaves alone, unless an EnvoyFilter of objs MERGEs per_connection_buffer_limit_bytes
+// into clusters (the least such value then).
+func istioBufferLimit(objs []*object) *Limit {
+	l := &Limit{Bytes: DefaultBufferLimit, Field: "per_connection_buffer_limit_bytes", Default: true}
+	for _, ef := range objs {
+		if !ef.is(istioGroup, "EnvoyFilter") {
+			continue
+		}
+		spec, err := decodeSpec[istioSpec](ef)
+		if err != nil {
+			continue // istioDeployment reports it
+		}
+		for i, cp := range spec.ConfigPatches {
+			if cp.ApplyTo != "CLUSTER" || cp.Patch.Operation != "MERGE" {
+				continue
+			}
+			c := &clusterv3.Cluster{}
+			if decodePatch(&cp, c) != nil || c.GetPerConnectionBufferLimitBytes() == nil {
+				continue
+			}
+			if v := c.GetPerConnectionBufferLimitBytes().GetValue(); l.Default || v < l.Bytes {
+				l = &Limit{Bytes: v, File: ef.File, Resource: ef.ref(),
+					Field: fmt.Sprintf("configPatches[%d].patch.value.per_connection_buffer_limit_bytes", i)}
+			}
+		}
+	}
+	return l
+}
+
+// istioHCMPatch decodes a NETWORK_FILTER patch value: the connection manager it merges, empty
+// when it patches another filter.
+func istioHCMPatch(cp *istioPatch) (*hcmv3.HttpConnectionManager, error) {
+	f := &listenerv3.Filter{}
+	if err := decodePatch(cp, f); err != nil {
+		return nil, err
+	}
+	hcm := &hcmv3.HttpConnectionManager{}
+	if tc := f.GetTypedConfig(); tc != nil && tc.MessageIs(hcm) {
+		if err := tc.UnmarshalTo(hcm); err != nil {
+			return nil, err
+		}
+	}
+	return hcm, nil
+}
+
+// decodePatch decodes an EnvoyFilter patch value into m as Envoy would read it: unknown fields
+// and unknown "@type"s are errors, naming their line.
+func decodePatch(cp *istioPatch, m proto.Message) error {
+	js, err := nodeToJSON(&cp.Patch.Value)
+	if err != nil {
+		return err
+	}
+	if err := protojson.Unmarshal(js, m); err != nil {
+		return protoError("patch", &cp.Patch.Value, err)
+	}
+	return nil
+}
+
+// istioRetries is a VirtualService HTTPRoute's retries.
+type istioRetries struct {
+	Attempts              *uint32 `yaml:"attempts"`
+	RetryOn               string  `yaml:"retryOn"`
+	PerTryTimeout         string  `yaml:"perTryTimeout"`
+	RetryRemoteLocalities *bool   `yaml:"retryRemoteLocalities"`
+	Backoff               string  `yaml:"backoff"`
+}
+
+// istioDefaultRetryOn and istioDefaultRetryCodes are Istio's default retry policy, applied to
+// every HTTP route whose VirtualService sets no retries (pilot/pkg/networking/core/route/retry,
+// DefaultPolicy: 2 retries).
+const istioDefaultRetryOn = "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes"
+
+var istioDefaultRetryCodes = []uint32{503}
+
+// policy is the router retry policy Istio builds from r (retry.ConvertPolicy): nil retries get
+// the default policy, attempts 0 none; a retryOn replaces the default conditions, its numbers
+// becoming retriable status codes.
+func (r *istioRetries) policy() *routev3.RetryPolicy {
+	p := &routev3.RetryPolicy{NumRetries: wrapperspb.UInt32(2), RetryOn: istioDefaultRetryOn, RetriableStatusCodes: istioDefaultRetryCodes}
+	if r == nil {
+		return p
+	}
+	if r.Attempts != nil {
+		if *r.Attempts == 0 {
+			return nil
+		}
+		p.NumRetries = wrapperspb.UInt32(*r.Attempts)
+	}
+	if r.RetryOn != "" {
+		var conds []string
+		p.RetriableStatusCodes = nil
+		for _, c := range strings.Split(r.RetryOn, ",") {
+			c = strings.TrimSpace(c)
+			if n, err := strconv.ParseUint(c, 10, 32); err == nil {
+				p.RetriableStatusCodes = append(p.RetriableStatusCodes, uint32(n))
+				continue
+			}
+			conds = append(conds, c)
+		}
+		if len(p.RetriableStatusCodes) > 0 && !slices.Contains(conds, "retriable-status-codes") {
+			conds = append(conds, "retriable-status-codes")
+		}
+		p.RetryOn = strings.Join(conds, ",")
+	}
+	return p
+}
+
+// IstioAccessLogFormats returns the text formats of the access logs the Istio file at path adds
+// to the connection manager: its NETWORK_FILTER patches that MERGE an HttpConnectionManager
+// typed_config with access_log entries (stdout or file loggers).
+func IstioAccessLogFormats(path string) ([]string, error) {
+	ef, err := theDoc(path, istioGroup, "EnvoyFilter")
+	if err != nil {
+		return nil, err
+	}
+	spec, err := decodeSpec[istioSpec](ef)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	var out []string
+	for i, cp := range spec.ConfigPatches {
+		if cp.ApplyTo != "NETWORK_FILTER" || cp.Patch.Operation != "MERGE" {
+			continue
+		}
+		f := &listenerv3.Filter{}
+		if err := decodePatch(&cp, f); err != nil {
+			return nil, fmt.Errorf("%s: configPatches[%d].patch.value: %w", path, i, err)
+		}
+		hcm := &hcmv3.HttpConnectionManager{}
+		if err := f.GetTypedConfig().UnmarshalTo(hcm); err != nil {
+			return nil, fmt.Errorf("%s: configPatches[%d]: %w", path, i, err)
+		}
+		formats, err := accessLogFormats(hcm.GetAccessLog())
+		if err != nil {
+			return nil, fmt.Errorf("%s: configPatches[%d]: %w", path, i, err)
+		}
+		out = append(out, formats...)
+	}
+	return out, nil
+}
+
+// accessLogFormats returns the text format of each stdout or file access log in logs.
+func accessLogFormats(logs []*accesslogv3.AccessLog) ([]string, error) {
+	var out []string
+	for _, l := range logs {
+		m, err := l.GetTypedConfig().UnmarshalNew()
+		if err != nil {
+			return nil, err
+		}
+		switch c := m.(type) {
+		case *accesslogstreamv3.StdoutAccessLog:
+			out = append(out, c.GetLogFormat().GetTextFormatSource().GetInlineString())
+		case *accesslogfilev3.FileAccessLog:
+			out = append(out, c.GetLogFormat().GetTextFormatSource().GetInlineString())
+		}
+	}
+	return out, nil
+}
+
+// istioProcessorLimits returns the circuit breaker thresholds a DestinationRule of objs sets on
+// the processor's cluster (outbound|port|subset|host), nil when none names its host: Istio's
+// own defaults are far above what a processor needs. An unset threshold is Istio's default.
+func istioProcessorLimits(f *filterextproc.ExternalProcessor, objs []*object) *ProcessorLimits {
+	parts := strings.Split(f.GetGrpcService().GetEnvoyGrpc().GetClusterName(), "|")
+	if len(parts) != 4 || parts[3] == "" {
+		return nil
+	}
+	host := parts[3]
+	for _, dr := range objs {
+		if !dr.is(istioGroup, "DestinationRule") {
+			continue
+		}
+		spec, err := decodeLoose[struct {
+			Host          string `yaml:"host"`
+			TrafficPolicy struct {
+				ConnectionPool *struct {
+					TCP struct {
+						MaxConnections *uint32 `yaml:"maxConnections"`
+					} `yaml:"tcp"`
+					HTTP struct {
+						HTTP1MaxPendingRequests *uint32 `yaml:"http1MaxPendingRequests"`
+						HTTP2MaxRequests        *uint32 `yaml:"http2MaxRequests"`
+					} `yaml:"http"`
+				} `yaml:"connectionPool"`
+			} `yaml:"trafficPolicy"`
+		}](dr)
+		if err != nil || spec.Host == "" || (spec.Host != host && !strings.HasPrefix(host, spec.Host+".")) {
+			continue
+		}
+		cp := spec.TrafficPolicy.ConnectionPool
+		if cp == nil {
+			return nil
+		}
+		or := func(v *uint32) uint32 {
+			if v == nil {
+				return 1<<32 - 1
+			}
+			return *v
+		}
+		return &ProcessorLimits{
+			Thresholds: Thresholds{
+				MaxConnections:     or(cp.TCP.MaxConnections),
+				MaxPendingRequests: or(cp.HTTP.HTTP1MaxPendingRequests),
+				MaxRequests:        or(cp.HTTP.HTTP2MaxRequests),
+			},
+			File: dr.File, Resource: dr.ref(), Field: "trafficPolicy.connectionPool",
+		}
+	}
+	return nil
+}
