@@ -54,15 +54,11 @@ func TestWorkflow(t *testing.T) {
 	require.True(t, ok)
 	versions := e2e.Strategy.Matrix["envoy"]
 	require.NotEmpty(t, versions)
-	// The versions the README says are supported (docs/notes/deploy.md until it is placed).
-	var docs []byte
-	for _, p := range []string{"README.md", "docs/notes/deploy.md"} {
-		if b, err := os.ReadFile(filepath.Join(repoRoot, p)); err == nil {
-			docs = append(docs, b...)
-		}
-	}
+	// The versions docs/deploying.md says are supported.
+	docs, err := os.ReadFile(filepath.Join(repoRoot, "docs/deploying.md"))
+	require.NoError(t, err)
 	line := regexp.MustCompile(`(?m)^Supported Envoy releases: (.+)\.$`).FindSubmatch(docs)
-	require.NotNil(t, line, `no "Supported Envoy releases: …." line in README.md or docs/notes/deploy.md`)
+	require.NotNil(t, line, `no "Supported Envoy releases: …." line in docs/deploying.md`)
 	documented := regexp.MustCompile(`1\.\d+`).FindAllString(string(line[1]), -1)
 	require.Equal(t, documented, versions, "the e2e matrix runs the documented Envoy releases")
 }
