@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"sort"
 	"strings"
@@ -37,6 +38,9 @@ import (
 const (
 	dashboardFile = chartDir + "/files/grafana-dashboard.json"
 	alertsFile    = chartDir + "/files/prometheus-alerts.yaml"
+	// operatingDoc documents every metric (one row of its metrics table each) and every alert
+	// (one #### heading each, which the alert's runbook_url points to), from the repository root.
+	operatingDoc = "docs/operating.md"
 )
 
 // query is one PromQL expression and where it comes from.
@@ -223,16 +227,11 @@ func TestDashboardModel(t *testing.T) {
 	walk(d.Panels)
 }
 
-// Each alert has a severity, a summary, a description and a runbook, whose paragraph exists in
-// the README text (docs/notes/deploy.md until it is placed in README.md).
+// Each alert has a severity, a summary, a description and a runbook: its runbook_url points to
+// the alert's #### heading in docs/operating.md, which exists.
 func TestAlertsHaveRunbooks(t *testing.T) {
-	var docs []byte
-	for _, p := range []string{"README.md", "docs/notes/deploy.md"} {
-		data, err := os.ReadFile(filepath.Join(repoRoot, p))
-		if err == nil {
-			docs = append(docs, data...)
-		}
-	}
+	docs, err := os.ReadFile(filepath.Join(repoRoot, operatingDoc))
+	require.NoError(t, err)
 	spec := readAlerts(t)
 	require.Len(t, spec.Groups, 1)
 	seen := map[string]bool{}
@@ -244,8 +243,8 @@ func TestAlertsHaveRunbooks(t *testing.T) {
 		require.NotEmpty(t, r.Annotations["summary"], r.Alert)
 		require.NotEmpty(t, r.Annotations["description"], r.Alert)
 		anchor := strings.ToLower(r.Alert)
-		require.True(t, strings.HasSuffix(r.Annotations["runbook_url"], "#"+anchor), "%s runbook_url %s", r.Alert, r.Annotations["runbook_url"])
-		require.True(t, bytes.Contains(docs, []byte("\n#### "+r.Alert+"\n")), "no runbook paragraph (#### %s) in README.md or docs/notes/deploy.md", r.Alert)
+		require.True(t, strings.HasSuffix(r.Annotations["runbook_url"], "/"+operatingDoc+"#"+anchor), "%s runbook_url %s", r.Alert, r.Annotations["runbook_url"])
+		require.True(t, bytes.Contains(docs, []byte("\n#### "+r.Alert+"\n")), "no runbook paragraph (#### %s) in %s", r.Alert, operatingDoc)
 		if r.For != nil {
 			_, err := model.ParseDuration(string(*r.For))
 			require.NoError(t, err, r.Alert)
@@ -274,9 +273,8 @@ func TestAlertsHaveRunbooks(t *testing.T) {
 	require.True(t, found, "no dashboard ConfigMap")
 }
 
-// exposedNames scrapes /metrics and returns the names a query can select: each family's name,
-// and for histograms and summaries the _bucket, _sum and _count series.
-func exposedNames(t *testing.T, adminAddr string) map[string]bool {
+// scrape returns the metric families on the /metrics of the binary at adminAddr.
+func scrape(t *testing.T, adminAddr string) map[string]*dto.MetricFamily {
 	t.Helper()
 	resp, err := http.Get("http://" + adminAddr + "/metrics")
 	require.NoError(t, err)
@@ -285,6 +283,12 @@ func exposedNames(t *testing.T, adminAddr string) map[string]bool {
 	tp := expfmt.NewTextParser(model.UTF8Validation)
 	fams, err := tp.TextToMetricFamilies(resp.Body)
 	require.NoError(t, err)
+	return fams
+}
+
+// exposedNames returns the names a query can select among fams: each family's name, and for
+// histograms and summaries the _bucket, _sum and _count series.
+func exposedNames(fams map[string]*dto.MetricFamily) map[string]bool {
 	names := map[string]bool{}
 	for name, f := range fams {
 		switch f.GetType() {
@@ -299,16 +303,19 @@ func exposedNames(t *testing.T, adminAddr string) map[string]bool {
 	return names
 }
 
-// Every metric the dashboard and the alerting rules name is on the /metrics of the binary,
-// started with the arguments and the policy the chart renders for the memory store, after
-// traffic that gives every labelled family a series.
-func TestQueriedMetricsExist(t *testing.T) {
+// exercised starts the binary with the arguments and the policy the chart renders for the memory
+// store (whose policy has an enforced and a shadow-mode route) and the records API on, sends it
+// traffic through the Envoy emulator configured with the chart's Istio filter, and returns its
+// /metrics. Every labelled family then has a series.
+func exercised(t *testing.T) map[string]*dto.MetricFamily {
+	t.Helper()
 	r := renderSet(t, "memory")
 	_, c := r.deployment(t)
 	var policyYAML string
 	for _, cm := range find[*corev1.ConfigMap](r.objs, "v1/ConfigMap") {
 		policyYAML = cm.Data["policy.yaml"]
 	}
+	require.Contains(t, policyYAML, "mode: shadow", "idempotency_shadow_total exists only with a shadow-mode route")
 	// The records API's series exist once it is on (the chart turns it on with an admin token
 	// Secret, which the memory set leaves off).
 	token := filepath.Join(t.TempDir(), "admin-token")
@@ -320,8 +327,8 @@ func TestQueriedMetricsExist(t *testing.T) {
 	require.NoError(t, err)
 	up := upstream.Start(t)
 	px := proxy.Start(t, proxy.Config{Filter: filter, Processors: []string{proc.grpcAddr}, Upstream: up.URL()})
-	send := func(method, key, body string, headers map[string]string) int {
-		req, err := http.NewRequest(method, px.URL()+"/orders", strings.NewReader(body))
+	send := func(method, path, key, body string, headers map[string]string) int {
+		req, err := http.NewRequest(method, px.URL()+path, strings.NewReader(body))
 		require.NoError(t, err)
 		if key != "" {
 			req.Header.Set("Idempotency-Key", key)
@@ -335,14 +342,22 @@ func TestQueriedMetricsExist(t *testing.T) {
 		resp.Body.Close()
 		return resp.StatusCode
 	}
-	require.Equal(t, http.StatusOK, send(http.MethodGet, "", "", nil))                            // passthrough
-	require.Equal(t, http.StatusOK, send(http.MethodPost, "k1", `{"n":1}`, nil))                  // executed
-	require.Equal(t, http.StatusOK, send(http.MethodPost, "k1", `{"n":1}`, nil))                  // replayed
-	require.Equal(t, http.StatusUnprocessableEntity, send(http.MethodPost, "k1", `{"n":2}`, nil)) // mismatch
+	require.Equal(t, http.StatusOK, send(http.MethodGet, "/orders", "", "", nil))                            // passthrough
+	require.Equal(t, http.StatusOK, send(http.MethodPost, "/orders", "k1", `{"n":1}`, nil))                  // executed
+	require.Equal(t, http.StatusOK, send(http.MethodPost, "/orders", "k1", `{"n":1}`, nil))                  // replayed
+	require.Equal(t, http.StatusUnprocessableEntity, send(http.MethodPost, "/orders", "k1", `{"n":2}`, nil)) // mismatch
 	require.Equal(t, http.StatusInternalServerError,
-		send(http.MethodPost, "k2", `{"n":1}`, map[string]string{"x-test-status": "500"})) // released: status
+		send(http.MethodPost, "/orders", "k2", `{"n":1}`, map[string]string{"x-test-status": "500"})) // released: status
+	require.Equal(t, http.StatusOK, send(http.MethodPost, "/shadow", "s1", `{"n":1}`, nil)) // shadow: executed
+	require.Equal(t, http.StatusOK, send(http.MethodPost, "/shadow", "s1", `{"n":2}`, nil)) // shadow: would be a mismatch
+	return scrape(t, proc.adminAddr)
+}
 
-	exposed := exposedNames(t, proc.adminAddr)
+// Every metric the dashboard and the alerting rules name is on the /metrics of the binary,
+// started with the arguments and the policy the chart renders for the memory store, after
+// traffic that gives every labelled family a series.
+func TestQueriedMetricsExist(t *testing.T) {
+	exposed := exposedNames(exercised(t))
 	used := map[string][]string{} // name -> where
 	for _, q := range append(dashboardQueries(t), alertQueries(t)...) {
 		names, err := metricNames(q.expr)
@@ -361,6 +376,150 @@ func TestQueriedMetricsExist(t *testing.T) {
 	}
 	sort.Strings(missing)
 	require.Empty(t, missing, "metrics the dashboard or the alerts name but the binary does not expose")
+}
+
+// metricRow is one row of docs/operating.md's metrics table.
+type metricRow struct {
+	line      int
+	name, typ string
+	labels    []string
+}
+
+// metricsTable returns the rows of the table of md's "## Metrics" section whose header starts
+// with "| metric |". A row whose first cell is not one metric name in backquotes is an error: a
+// row names a metric.
+func metricsTable(md string) ([]metricRow, error) {
+	lines := strings.Split(md, "\n")
+	start := slices.Index(lines, "## Metrics")
+	if start < 0 {
+		return nil, errors.New(`no "## Metrics" section`)
+	}
+	var rows []metricRow
+	var errs []error
+	inTable := false
+	for i := start + 1; i < len(lines) && !strings.HasPrefix(lines[i], "## "); i++ {
+		l := lines[i]
+		switch {
+		case strings.HasPrefix(l, "| metric |"):
+			inTable = true
+			continue
+		case !inTable || strings.HasPrefix(l, "| ---"):
+			continue
+		case !strings.HasPrefix(l, "|"):
+			inTable = false
+			continue
+		}
+		cells := strings.Split(strings.ReplaceAll(strings.Trim(l, "|"), `\|`, "\x00"), "|")
+		if len(cells) != 4 {
+			errs = append(errs, fmt.Errorf("line %d: %d cells, want 4 (metric, type, labels, meaning): %s", i+1, len(cells), l))
+			continue
+		}
+		m := metricName.FindStringSubmatch(strings.TrimSpace(cells[0]))
+		if m == nil {
+			errs = append(errs, fmt.Errorf("line %d: the first cell names no metric: %s", i+1, l))
+			continue
+		}
+		row := metricRow{line: i + 1, name: m[1], typ: strings.TrimSpace(cells[1])}
+		for _, lm := range backquoted.FindAllStringSubmatch(cells[2], -1) {
+			row.labels = append(row.labels, lm[1])
+		}
+		rows = append(rows, row)
+	}
+	if len(rows) == 0 {
+		errs = append(errs, errors.New(`no "| metric | type | labels | meaning |" table in "## Metrics"`))
+	}
+	return rows, errors.Join(errs...)
+}
+
+var (
+	metricName = regexp.MustCompile("^`([a-zA-Z_:][a-zA-Z0-9_:]*)`$")
+	backquoted = regexp.MustCompile("`([^`]+)`")
+)
+
+// familyLabels returns the label names of f's series, without a histogram's le.
+func familyLabels(f *dto.MetricFamily) []string {
+	var out []string
+	for _, m := range f.GetMetric() {
+		for _, lp := range m.GetLabel() {
+			if n := lp.GetName(); n != "le" && !slices.Contains(out, n) {
+				out = append(out, n)
+			}
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// docs/operating.md's metrics table is the binary's: every idempotency_* family on /metrics is one
+// row, and one row only, with its type and its labels, and every row is such a family. The binary
+// runs as TestQueriedMetricsExist runs it (memory store, a shadow-mode route, the records API
+// on), so every family the process can register is there, each with a series.
+func TestMetricsTableMatchesTheBinary(t *testing.T) {
+	md, err := os.ReadFile(filepath.Join(repoRoot, operatingDoc))
+	require.NoError(t, err)
+	rows, err := metricsTable(string(md))
+	require.NoError(t, err, operatingDoc)
+
+	fams := exercised(t)
+	var problems []string
+	seen := map[string]int{} // name -> line of its row
+	for _, r := range rows {
+		if l, ok := seen[r.name]; ok {
+			problems = append(problems, fmt.Sprintf("%s: rows at lines %d and %d: one row per metric", r.name, l, r.line))
+			continue
+		}
+		seen[r.name] = r.line
+		f, ok := fams[r.name]
+		if !ok {
+			problems = append(problems, fmt.Sprintf("%s (line %d): the binary exposes no such metric: remove the row, or fix its name", r.name, r.line))
+			continue
+		}
+		if typ := strings.ToLower(f.GetType().String()); r.typ != typ {
+			problems = append(problems, fmt.Sprintf("%s (line %d): type %q, the binary's is %q", r.name, r.line, r.typ, typ))
+		}
+		got := slices.Sorted(slices.Values(r.labels))
+		if want := familyLabels(f); !slices.Equal(got, want) {
+			problems = append(problems, fmt.Sprintf("%s (line %d): labels %v, the binary's are %v", r.name, r.line, got, want))
+		}
+	}
+	for name, f := range fams {
+		if strings.HasPrefix(name, "idempotency_") && seen[name] == 0 {
+			problems = append(problems, fmt.Sprintf("%s: exposed by the binary but not in the table: add the row | `%s` | %s | %s | (meaning) |",
+				name, name, strings.ToLower(f.GetType().String()), strings.Join(quoted(familyLabels(f)), ", ")))
+		}
+	}
+	sort.Strings(problems)
+	require.Empty(t, problems, "%s's metrics table and the binary's /metrics differ", operatingDoc)
+}
+
+func quoted(ss []string) []string {
+	out := make([]string, len(ss))
+	for i, s := range ss {
+		out[i] = "`" + s + "`"
+	}
+	return out
+}
+
+// The table parser reads what a metrics table row says, and refuses a row that names no metric.
+func TestMetricsTable(t *testing.T) {
+	md := "# x\n## Metrics\n\n| metric | type | labels | meaning |\n| --- | --- | --- | --- |\n" +
+		"| `a_total` | counter | `route`, `outcome` | what `b` means \\| more |\n" +
+		"| `c` | gauge | | one |\n\nafter\n\n| other | table |\n| --- | --- |\n| `d` | x |\n## Next\n| `e` | counter | | |\n"
+	rows, err := metricsTable(md)
+	require.NoError(t, err)
+	require.Len(t, rows, 2)
+	require.Equal(t, "a_total", rows[0].name)
+	require.Equal(t, "counter", rows[0].typ)
+	require.Equal(t, []string{"route", "outcome"}, rows[0].labels)
+	require.Equal(t, "c", rows[1].name)
+	require.Empty(t, rows[1].labels)
+
+	_, err = metricsTable("## Metrics\n| metric | type | labels | meaning |\n| --- | --- | --- | --- |\n| total requests | counter | | x |\n")
+	require.ErrorContains(t, err, "names no metric")
+	_, err = metricsTable("## Metrics\nno table\n")
+	require.ErrorContains(t, err, "no \"| metric")
+	_, err = metricsTable("# Operating\n")
+	require.ErrorContains(t, err, "no \"## Metrics\" section")
 }
 
 // binary is one running idempotency-extproc.
