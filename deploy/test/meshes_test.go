@@ -23,7 +23,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
-// What SPEC §5 and §9 ask the shipped configs to request and forward.
+// What the shipped configs request and forward (docs/deploying.md#the-ext_proc-filter).
 var (
 	wantRequestAttributes  = []string{"request.id", "xds.route_name", "connection.uri_san_peer_certificate"}
 	wantResponseAttributes = []string{"response.code_details", "upstream.request_attempt_count"}
@@ -152,7 +152,7 @@ func sameFilter(t *testing.T, rendered, shipped *filterextproc.ExternalProcessor
 
 // The rendered EnvoyFilter is the filter of envoy/istio-envoyfilter.yaml for this release's
 // Service: it passes the same contract checks, requests the attributes and forwards the
-// metadata of SPEC §9, and its DestinationRule raises the circuit breakers of that cluster.
+// metadata the processor reads, and its DestinationRule raises the circuit breakers of that cluster.
 func TestChartIstioMeetsSpec(t *testing.T) {
 	shipped, err := envoyconf.IstioExtProc(filepath.Join(repoRoot, "envoy", "istio-envoyfilter.yaml"))
 	require.NoError(t, err)
