@@ -125,8 +125,10 @@ func (st *stream) render(a answer) *extprocv3.ProcessingResponse {
 	return withMetadata(resp, own, r.metadata.encode(st.outcome, st.releaseReason, st.keyHash))
 }
 
-// The two mode_override values of SPEC §5, every field spelled out so that Envoy's
-// allowed_override_modes comparison matches them (reference §4.3).
+// The two mode_override values the processor sends (envoy/envoy.yaml's allowed_override_modes
+// lists exactly these), every field spelled out: Envoy compares an override merged with the
+// filter-level mode to each allowed entry raw, field by field (Filter::onReceiveMessage and
+// effectiveModeOverride in source/extensions/filters/http/ext_proc/ext_proc.cc).
 var (
 	// passThroughMode turns off every phase after request_headers.
 	passThroughMode = &filterextproc.ProcessingMode{
@@ -176,7 +178,9 @@ const (
 )
 
 // streamedBody answers a body message of a FULL_DUPLEX_STREAMED direction with chunk as the body
-// Envoy sends on (reference §17.2: a plain BodyResponse is refused in that mode).
+// Envoy sends on: in that mode a plain BodyResponse is refused as spurious
+// (ProcessorState::handleBodyInStreamedState in
+// source/extensions/filters/http/ext_proc/processor_state.cc).
 func streamedBody(k msgKind, chunk []byte, eos bool) *extprocv3.ProcessingResponse {
 	br := &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{
 		Mutation: &extprocv3.BodyMutation_StreamedResponse{StreamedResponse: &extprocv3.StreamedBodyResponse{Body: chunk, EndOfStream: eos}},
@@ -187,14 +191,15 @@ func streamedBody(k msgKind, chunk []byte, eos bool) *extprocv3.ProcessingRespon
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: br}}
 }
 
-// setHeader is a header mutation that overwrites name; Envoy reads raw_value only (reference
-// §2.7), so value stays empty.
+// setHeader is a header mutation that overwrites name; Envoy reads raw_value only, so value
+// stays empty (MutationUtils::applyHeaderMutations in
+// source/extensions/filters/http/ext_proc/mutation_utils.cc).
 func setHeader(name string, value []byte) *corev3.HeaderValueOption {
 	return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: name, RawValue: value}}
 }
 
 // problemResponse answers a covered request of route r with p: the built-in problem+json, or
-// the route's own template for p's code (SPEC §11). Templates were checked at start-up.
+// the route's own template for p's code. Templates were checked at start-up.
 func problemResponse(p *problem, r *policy.Route) (*extprocv3.ProcessingResponse, error) {
 	status, ct, body := p.status, problemType, p.body
 	if t := r.Problems[p.code]; t != nil {
@@ -223,11 +228,12 @@ func problemResponse(p *problem, r *policy.Route) (*extprocv3.ProcessingResponse
 // replayResponse answers a duplicate with the stored response: its status, every header in order
 // (the second and later values of a repeated header with append, so that they add rather than
 // overwrite) and its body, plus the replay header, the record's expiry and first-sent time
-// (SPEC §11), and Preference-Applied when the duplicate waited.
+// and Preference-Applied when the duplicate waited.
 //
 // Envoy builds the local reply from the status alone, applies these mutations, and only then adds
 // content-type: text/plain where none is set and the body is not empty, or removes content-type
-// and content-length where the body is empty (reference §17.1, Utility::sendLocalReply). So a
+// and content-length where the body is empty (Utility::prepareLocalReply, called by
+// Utility::sendLocalReply, in source/common/http/utility.cc). So a
 // stored content-type is kept, a stored response without one replays as text/plain, and an
 // empty-bodied one loses its content-type: nothing the processor sends can change that.
 func replayResponse(rec *cache.Record, route *policy.Route, waited string) *extprocv3.ProcessingResponse {
@@ -252,7 +258,9 @@ func replayResponse(rec *cache.Record, route *policy.Route, waited string) *extp
 		values[i].Key, values[i].RawValue = h.Name, h.Value
 		for _, prev := range r.Headers[:i] {
 			if prev.Name == h.Name {
-				// ext_proc honours only the deprecated append flag (reference §2.7).
+				// ext_proc honours only the deprecated append flag
+				// (MutationUtils::applyHeaderMutations in
+				// source/extensions/filters/http/ext_proc/mutation_utils.cc).
 				//lint:ignore SA1019 append_action is not implemented for ext_proc mutations
 				opts[i].Append = appendHeader
 				break

@@ -12,8 +12,8 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 )
 
-// SPEC §10 and §11: shadow rollout, waiting instead of 409, expiry headers, the API's own error
-// format, and (SPEC §12) routes that keep no body.
+// What clients and operators see: shadow rollout, waiting instead of 409, expiry headers, the
+// API's own error format, and routes that keep no body.
 
 // Shadow mode claims and records as enforcement does, but every request reaches the upstream and
 // every response reaches the client untouched; the counters say what enforcement would have done.

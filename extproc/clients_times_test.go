@@ -9,7 +9,7 @@ import (
 )
 
 // A stored response carries its record's expiry; a replay carries it and the first request's
-// time, as HTTP-dates (SPEC §11).
+// time, as HTTP-dates.
 func TestExpiryAndFirstSentHeaders(t *testing.T) {
 	forEachStore(t, func(t *testing.T, newStore func(t *testing.T) testStore) {
 		ts := newStore(t)

@@ -28,7 +28,9 @@ import (
 )
 
 // This file drives the server the way Envoy does, message by message over a real gRPC stream
-// (bufconn), with BUFFERED request and response bodies (reference §3).
+// (bufconn), with BUFFERED request and response bodies: each body goes whole, in one message,
+// once its headers are answered (Filter::onData and Filter::handleDataBufferedMode in
+// source/extensions/filters/http/ext_proc/ext_proc.cc).
 
 type harness struct {
 	t        *testing.T
@@ -220,7 +222,8 @@ func (s *stream) send(m *extprocv3.ProcessingRequest) *extprocv3.ProcessingRespo
 	return resp
 }
 
-// end closes the stream the way Envoy does: half-close, then reset (reference §6).
+// end closes the stream the way Envoy does: half-close, then reset
+// (ExternalProcessorStreamImpl::close in source/extensions/filters/http/ext_proc/client_impl.cc).
 func (s *stream) end() {
 	_ = s.s.CloseSend()
 	s.cancel()
@@ -436,7 +439,8 @@ func (h *harness) executions(key string) int {
 }
 
 // immediateResult turns an ImmediateResponse into what Envoy's local reply sends, in
-// Utility::sendLocalReply's order (reference §17.1): a header map with only the status, the
+// the order of Utility::prepareLocalReply (source/common/http/utility.cc), which
+// Utility::sendLocalReply calls: a header map with only the status, the
 // processor's mutations, then content-type text/plain if none is set and the body is not empty,
 // or content-type and content-length removed if it is empty.
 func immediateResult(resp *extprocv3.ProcessingResponse) (result, bool) {
@@ -462,7 +466,7 @@ func applyMutation(hs []string, m *extprocv3.HeaderMutation) []string {
 	}
 	for _, o := range m.GetSetHeaders() {
 		name, value := o.GetHeader().GetKey(), string(o.GetHeader().GetRawValue())
-		//lint:ignore SA1019 ext_proc honours only the deprecated append flag (reference §2.7)
+		//lint:ignore SA1019 ext_proc honours only the deprecated append flag (MutationUtils::applyHeaderMutations)
 		if !o.GetAppend().GetValue() {
 			out = removeHeader(out, name)
 		}

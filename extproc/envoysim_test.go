@@ -12,9 +12,10 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// This file plays Envoy's side of one stream in every body mode, as reference §3 and §17 describe
-// Envoy's ext_proc filter: the message kinds and their order, pipelined STREAMED chunks held
-// until answered, a body complete during the header call sent as one message, BUFFERED_PARTIAL
+// This file plays Envoy's side of one stream in every body mode, as Envoy's ext_proc filter does
+// (Filter in source/extensions/filters/http/ext_proc/ext_proc.cc, ProcessorState in
+// processor_state.cc): the message kinds and their order, pipelined STREAMED chunks held until
+// answered, a body complete during the header call sent as one message, BUFFERED_PARTIAL
 // buffers, FULL_DUPLEX_STREAMED bodies that must come back as streamed_response, honoured
 // mode_override (except in FULL_DUPLEX_STREAMED), ImmediateResponse at any point, Envoy-made
 // responses with their attributes, and early ends. What reaches the upstream is what Envoy would
@@ -187,7 +188,7 @@ func (h *harness) run(r request, sh shape, u upstream) simResult {
 		return res, false
 	}
 	stall := func() simResult {
-		// Envoy's message timer fired: 504, and the stream ends (reference §0.2).
+		// Envoy's message timer fired: 504, and the stream ends (Filter::onMessageTimeout).
 		res.stalled = true
 		res.status = 504
 		return res
@@ -197,7 +198,7 @@ func (h *harness) run(r request, sh shape, u upstream) simResult {
 	reqMode, respMode := sh.reqMode, sh.respMode
 	duplexReq := reqMode == modeDuplex
 	// Envoy waits for the header answer before the body, except in FULL_DUPLEX_STREAMED and
-	// with send_body_without_waiting_for_header_response in STREAMED (reference §3, §17.2).
+	// with send_body_without_waiting_for_header_response in STREAMED (Filter::onData).
 	waitHeaders := !duplexReq && !(reqMode == modeStreamed && sh.bodyBeforeAnswer)
 	first := requestHeaders(r)
 	first.GetRequestHeaders().EndOfStream = !hasBody
@@ -211,7 +212,8 @@ func (h *harness) run(r request, sh shape, u upstream) simResult {
 		require.NotNil(t, resp.GetRequestHeaders(), "request_headers must be answered with request_headers, got %v", kind(resp))
 		headersAnswered = true
 		if mo := resp.GetModeOverride(); mo != nil && !duplexReq && respMode != modeDuplex && !sh.bodyBeforeAnswer {
-			// Honoured (reference §4.3): body modes taken literally.
+			// Honoured (Filter::onReceiveMessage): body modes taken literally
+			// (effectiveModeOverride).
 			reqMode, respMode = mo.GetRequestBodyMode(), mo.GetResponseBodyMode()
 			respHeaderSkip = mo.GetResponseHeaderMode() == filterextproc.ProcessingMode_SKIP
 		}
@@ -263,11 +265,13 @@ func (h *harness) run(r request, sh shape, u upstream) simResult {
 		upstreamBody = r.body
 	case reqMode == modeStreamed:
 		// Pipelined: the next chunk goes without waiting for the last answer, and the data is
-		// held until answered; past the buffer limit Envoy stops reading and waits (reference
-		// §17.1). Each answer lets its chunk go upstream.
+		// held until answered; past the buffer limit Envoy stops reading and waits
+		// (ProcessorState::enqueueStreamingChunk raises the watermark). Each answer lets its
+		// chunk go upstream.
 		parts := split(r.body, sh.chunks)
 		if sh.whole {
-			// Complete during the header call: one message (reference §17.1).
+			// Complete during the header call: one message
+			// (ProcessorState::handleCompleteBodyAvailable).
 			parts = [][]byte{r.body}
 		}
 		if len(r.body) == 0 {
@@ -333,7 +337,8 @@ func (h *harness) run(r request, sh shape, u upstream) simResult {
 		}
 	case reqMode == modeDuplex:
 		// Everything goes at once; the answers come as the processor decides, in order: the
-		// headers, the body as streamed_response chunks, the trailers (reference §17.2).
+		// headers, the body as streamed_response chunks, the trailers
+		// (ProcessorState::handleBodyInStreamedState).
 		parts := split(r.body, sh.chunks)
 		if sh.whole || len(r.body) == 0 {
 			parts = [][]byte{r.body}
@@ -450,7 +455,8 @@ func (h *harness) run(r request, sh shape, u upstream) simResult {
 	case modeBuffered:
 		if len(u.body) > limit {
 			// Over the buffer limit: Envoy's own 500, and the processor never gets the body
-			// (reference §0.5).
+			// (ActiveStreamEncoderFilter::responseDataTooLarge in
+			// source/common/http/filter_manager.cc).
 			res.status, res.body = 500, []byte("Internal Server Error")
 			return res
 		}

@@ -48,7 +48,7 @@ func FuzzParseKey(f *testing.F) {
 		d := newDigest(nil)
 		stored, keyHash := d.storeKey(policy.Default().Default, scope{headers: h}, key)
 		require.True(t, strings.HasPrefix(stored, "idempotency:"))
-		require.Len(t, keyHash, 64, "the whole hex SHA-256: logs and metadata carry it in full (SPEC §10)")
+		require.Len(t, keyHash, 64, "the whole hex SHA-256: logs and metadata carry it in full")
 		require.Equal(t, "idempotency:"+keyHash, stored)
 	})
 }

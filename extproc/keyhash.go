@@ -30,7 +30,7 @@ type KeyRequest struct {
 	Key string
 }
 
-// KeyHash returns the route a request would take and the key_hash of its record (SPEC §10), as
+// KeyHash returns the route a request would take and the key_hash of its record, as
 // a stream computes them; keyHash is the hash factory of Options.KeyHash (nil for SHA-256).
 func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (route, hashed string, err error) {
 	r, params, err := p.Select(policy.Selector{Path: string(splitPath([]byte(req.Path))), Named: req.Route})

@@ -10,8 +10,8 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 )
 
-// SPEC §9: routes chosen by Envoy, scope from verified identity, the outcome in Envoy's access
-// log.
+// Native to the mesh: routes chosen by Envoy, scope from verified identity, the outcome in Envoy's
+// access log.
 
 const meshPolicy = `
 routes:

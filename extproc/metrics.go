@@ -4,7 +4,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Metrics are the Prometheus metrics of SPEC §7 and §8. Create them once per registry.
+// Metrics are the processor's Prometheus metrics (docs/operating.md lists them). Create them once
+// per registry.
 type Metrics struct {
 	requests        *prometheus.CounterVec
 	releases        *prometheus.CounterVec

@@ -12,8 +12,9 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 )
 
-// The request body modes of SPEC §8: whatever the mode, and however Envoy cuts the body, a
-// covered request is claimed exactly once, before any of its body reaches the upstream.
+// The request body modes (docs/guarantees.md#request-body-modes): whatever the mode, and however
+// Envoy cuts the body, a covered request is claimed exactly once, before any of its body reaches
+// the upstream.
 
 // bigBody is a request body of n bytes.
 func bigBody(n int) string { return strings.Repeat("x", n) }
@@ -67,8 +68,8 @@ func TestEveryRequestBodyModeClaimsOnce(t *testing.T) {
 // outstanding; ProcessorState::finalizeBodyResponse sends them when the queue is empty), and the
 // processor answers no chunk before the body's end. It stalls into Envoy's message timeout
 // (504) without its body reaching the upstream, and leaves the key free. A request with
-// trailers and no data is claimed at its trailers. SPEC §8 and the README send routes whose
-// clients send request trailers to BUFFERED or FULL_DUPLEX_STREAMED.
+// trailers and no data is claimed at its trailers. docs/guarantees.md#request-body-modes sends
+// routes whose clients send request trailers to BUFFERED or FULL_DUPLEX_STREAMED.
 func TestStreamedRequestTrailers(t *testing.T) {
 	h := newHarness(t, harnessOptions{})
 	sh := shape{reqMode: modeStreamed, respMode: modeBuffered, chunks: []int{10}, trailers: true, trailerSend: true, messageTimeout: 300 * time.Millisecond}
@@ -281,7 +282,7 @@ func TestFullDuplexBodyStreamedBackAfterTheClaim(t *testing.T) {
 	require.Equal(t, []int{64 << 10, 64 << 10, 22 << 10}, sizes)
 }
 
-// gRPC requests are never covered (SPEC §8): Envoy would turn a replay into a trailers-only gRPC
+// gRPC requests are never covered: Envoy would turn a replay into a trailers-only gRPC
 // error. They pass through untouched, counted as passthrough.
 func TestGRPCRequestsAreNotCovered(t *testing.T) {
 	// Envoy's Grpc::Common::hasGrpcContentType (source/common/grpc/common.cc): exactly

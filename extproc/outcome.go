@@ -9,7 +9,7 @@ import (
 // idempotency_requests_total label, the log field and the dynamic metadata's outcome.
 type Outcome string
 
-// The outcomes of SPEC §7 and §8.
+// The outcomes (docs/outcomes.md has the table).
 const (
 	// Passthrough: not covered (or no key under missing_key: optional, or a gRPC request);
 	// nothing was stored.
@@ -75,9 +75,9 @@ func newProblem(o Outcome, status int, code, detail string, retryAfter bool) *pr
 	return &problem{outcome: o, status: status, code: code, detail: detail, retryAfter: retryAfter, body: body}
 }
 
-// reasonPhrase is status's reason phrase in RFC 9110, which SPEC §4 asks for in a problem's
-// title; net/http still says "Unprocessable Entity" for 422 and "Request Entity Too Large" for
-// 413, the names of RFC 4918 and RFC 7231.
+// reasonPhrase is status's reason phrase in RFC 9110, which a problem's title carries; net/http
+// still says "Unprocessable Entity" for 422 and "Request Entity Too Large" for 413, the names of
+// RFC 4918 and RFC 7231.
 func reasonPhrase(status int) string {
 	switch status {
 	case http.StatusUnprocessableEntity:

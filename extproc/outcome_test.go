@@ -38,7 +38,7 @@ func forEachStore(t *testing.T, f func(t *testing.T, newStore func(t *testing.T)
 	}
 }
 
-// problemBody decodes a problem+json body and checks its shape (SPEC §4).
+// requireProblem decodes a problem+json body and checks its shape.
 func requireProblem(t *testing.T, res result, status int, code string) {
 	t.Helper()
 	require.Equal(t, status, res.status)
@@ -67,7 +67,7 @@ var rfc9110Titles = map[int]string{
 	503: "Service Unavailable",
 }
 
-// TestOutcomeTable has one case per row of SPEC §4's outcome table.
+// TestOutcomeTable has one case per row of the outcome table (docs/outcomes.md).
 func TestOutcomeTable(t *testing.T) {
 	forEachStore(t, func(t *testing.T, newStore func(t *testing.T) testStore) {
 		cases := []struct {
@@ -172,7 +172,7 @@ func TestOutcomeTable(t *testing.T) {
 					"set-cookie", "b=2", "x-idempotency-replayed", "true",
 					"x-idempotency-expires", rec.ExpiresAt.UTC().Format(http.TimeFormat),
 					"x-idempotency-first-sent", rec.CreatedAt.UTC().Format(http.TimeFormat),
-				}, res.headers, "every header in order, minus hop-by-hop, content-length, date and x-envoy-*; then the record's expiry and first-sent time (SPEC §11)")
+				}, res.headers, "every header in order, minus hop-by-hop, content-length, date and x-envoy-*; then the record's expiry and first-sent time")
 				ir := res.final.GetImmediateResponse()
 				for _, o := range ir.GetHeaders().GetSetHeaders() {
 					require.Empty(t, o.GetHeader().GetValue(), "values travel in raw_value only")
@@ -454,7 +454,7 @@ func TestStoreUnavailable(t *testing.T) {
 			res := h.do(post("/v1/payments", "k", body), created)
 			require.True(t, res.executed)
 			require.Equal(t, append(slices.Clone(created.headers), replayed, "false"), res.headers,
-				"untouched but for the replay header (SPEC §4)")
+				"untouched but for the replay header")
 			require.Equal(t, filterextproc.ProcessingMode_NONE, res.final.GetModeOverride().GetResponseBodyMode(),
 				"nothing to store: the body phase is off")
 			require.Equal(t, created.body, res.body)

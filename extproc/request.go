@@ -249,7 +249,7 @@ func (d *digest) headerValues(w hash.Hash, h headers, name string) {
 func (d *digest) finish(h hash.Hash) []byte { return h.Sum(d.sum[:0]) }
 
 // fingerprint returns the SHA-256 over the route's fingerprint parts and fingerprint headers.
-// A route that lists no part (SPEC §4: the mismatch check is off; the policy refuses fingerprint
+// A route that lists no part (the mismatch check is off; the policy refuses fingerprint
 // headers beside it) gets the hash of its name instead: nothing is checked within the route,
 // and a key reused from another route is still another endpoint's (422). Renaming such a route
 // makes its records mismatch until they expire.
@@ -291,7 +291,7 @@ func (d *digest) bodyHashKey(method, path, body []byte) string {
 	return hex.EncodeToString(d.finish(d.h))
 }
 
-// scope is what a request's scope values are read from (SPEC §9): its headers, the payload
+// scope is what a request's scope values are read from: its headers, the payload
 // jwt_authn verified, the mTLS peer's URI SAN, and the route's path parameters.
 type scope struct {
 	headers headers
@@ -302,7 +302,7 @@ type scope struct {
 
 // storeKey returns key_prefix + the hex hash of the scope values and the client's key, so that
 // clients whose scope differs never share a record and raw keys never reach the store, and the
-// hex hash alone, the record's key_hash (SPEC §10).
+// hex hash alone, the record's key_hash.
 //
 // Each value is hashed behind its source's name, length-prefixed: a header's as before scope
 // sources existed (its name, its value count, its values), so records stored by scope_headers
@@ -345,8 +345,8 @@ func (d *digest) storeKey(r *policy.Route, sc scope, key string) (stored, keyHas
 	return stored, stored[len(r.KeyPrefix):]
 }
 
-// scopeEmpty reports whether every scope value of the request is empty or absent (SPEC §9,
-// require_scope).
+// scopeEmpty reports whether every scope value of the request is empty or absent
+// (require_scope).
 func scopeEmpty(r *policy.Route, sc scope) bool {
 	param := 0
 	for _, src := range r.Scope {
@@ -447,7 +447,7 @@ var notReplayed = map[string]bool{
 
 // replayableHeaders returns the response headers to store, in order: everything but
 // pseudo-headers, hop-by-hop headers, content-length, date, x-envoy-*, the replay header and the
-// route's exclude_response_headers (SPEC §4, replay fidelity).
+// route's exclude_response_headers (replay fidelity, docs/outcomes.md).
 func replayableHeaders(h headers, r *policy.Route) []cache.Header {
 	out := make([]cache.Header, 0, len(h))
 	for _, v := range h {

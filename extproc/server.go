@@ -1,5 +1,5 @@
 // Package extproc is the Envoy external-processing server: one gRPC stream per HTTP request, and
-// on it the idempotency state machine of SPEC §3, §4 and §8.
+// on it the idempotency state machine (docs/architecture.md follows one request through it).
 //
 // A request's path through the package: Server.Process receives each ProcessingRequest and hands
 // it to its stream (stream.go), whose state moves along one transition table; the request
@@ -45,11 +45,11 @@ type Options struct {
 	Metrics *Metrics
 	// Clock times lease renewals (default: the wall clock).
 	Clock clock.Clock
-	// Tracer, when set, traces every covered request and its store calls (SPEC §9); nil turns
+	// Tracer, when set, traces every covered request and its store calls; nil turns
 	// tracing off at no cost.
 	Tracer trace.Tracer
 	// KeyHash makes the hash of stored keys and fingerprints (default SHA-256); an HMAC under a
-	// secret keeps someone who reads the store from testing guesses (SPEC §12).
+	// secret keeps someone who reads the store from testing guesses.
 	KeyHash func() hash.Hash
 }
 
@@ -193,16 +193,19 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	for {
 		req, err := srv.Recv()
 		if err != nil {
-			// Envoy ends every stream with a half-close and a reset (reference §6): both are the
-			// normal end, not errors.
+			// Envoy ends every stream with a half-close and a reset
+			// (ExternalProcessorStreamImpl::close in
+			// source/extensions/filters/http/ext_proc/client_impl.cc): both are the normal end, not
+			// errors.
 			if errors.Is(err, io.EOF) || status.Code(err) == codes.Canceled || errors.Is(err, context.Canceled) {
 				return nil
 			}
 			return err
 		}
 		if req.GetObservabilityMode() {
-			// Envoy ignores every answer (reference §4.1): nothing can be protected, and no
-			// lease may be taken for a request that runs whatever the store says.
+			// Envoy ignores every answer (Filter::onReceiveMessage returns at once in observability
+			// mode, source/extensions/filters/http/ext_proc/ext_proc.cc): nothing can be protected,
+			// and no lease may be taken for a request that runs whatever the store says.
 			s.misconfigured(MisconfigObservabilityMode, func() {
 				s.log.Error().Msg("Envoy's ext_proc filter has observability_mode on: it ignores this processor's answers, so no request is protected; turn it off")
 			})
@@ -217,7 +220,8 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 				return nil // Envoy is gone; finish decides what happens to the lease.
 			}
 			if resp.GetImmediateResponse() != nil {
-				// Envoy processes nothing more for this request (reference §0.4).
+				// Envoy processes nothing more for this request: Filter::onReceiveMessage marks
+				// processing complete and closes the stream before Filter::sendImmediateResponse.
 				return nil
 			}
 		}

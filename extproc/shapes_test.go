@@ -11,8 +11,9 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// randomShape draws how Envoy delivers one request (reference §17): its body modes, how the body
-// is cut, whether it came whole during the header call, trailers, and how the exchange ends.
+// randomShape draws how Envoy delivers one request (as envoysim_test.go plays it): its body
+// modes, how the body is cut, whether it came whole during the header call, trailers, and how the
+// exchange ends.
 // Shapes that fail by design are left out: request_body_mode NONE on a route that needs the body
 // (500 body-not-available), trailers under BUFFERED_PARTIAL (413), a body with trailers under
 // STREAMED (it stalls: TestStreamedRequestTrailers), bodies over a limit.
@@ -62,10 +63,11 @@ func shapesSeed(t *testing.T) uint64 {
 
 // TestRandomStreamShapes sends concurrent requests under a few keys, each in a random stream shape
 // (body modes × chunkings × bodies whole during the header call × trailers × early ends ×
-// Envoy-made responses × attempt counts), on both stores, and holds the processor to SPEC §8:
-// while the store is healthy, each key reaches the upstream at most once, except ambiguous
-// outcomes under unknown_outcome: release, each of which is counted; no request with a body
-// fails because of its mode; a replay is always its own key's response.
+// Envoy-made responses × attempt counts), on both stores, and holds the processor to its
+// guarantee (docs/guarantees.md#at-most-once-while-the-store-is-healthy): while the store is
+// healthy, each key reaches the upstream at most once, except ambiguous outcomes under
+// unknown_outcome: release, each of which is counted; no request with a body fails because of
+// its mode; a replay is always its own key's response.
 //
 // The same keys go to four routes that share the key prefix (two of which leave the path out of
 // their fingerprints) from callers whose JWT subjects differ only in type (1, "1", true, "true"):

@@ -98,7 +98,7 @@ func TestConcurrentDuplicatesRunOnce(t *testing.T) {
 
 // A storable status seen via the upstream whose body never arrives (upstream reset mid-body, a
 // body over Envoy's buffer limit, the client gone): the upstream certainly ran, so the record is
-// completed without a body and a retry gets 409 response-not-replayable (SPEC §4).
+// completed without a body and a retry gets 409 response-not-replayable.
 func TestStreamEndedMidBodyCompletesWithoutBody(t *testing.T) {
 	forEachStore(t, func(t *testing.T, newStore func(t *testing.T) testStore) {
 		ts := newStore(t)
@@ -192,7 +192,8 @@ func TestStreamedResponseBody(t *testing.T) {
 }
 
 func TestBufferedResponseWithTrailersIsComplete(t *testing.T) {
-	// With trailers, Envoy sends the buffered body with end_of_stream false (reference §2.4).
+	// With trailers, Envoy sends the buffered body with end_of_stream false (Filter::onTrailers in
+	// source/extensions/filters/http/ext_proc/ext_proc.cc).
 	h := newHarness(t, harnessOptions{})
 	s := h.open()
 	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
@@ -213,7 +214,7 @@ func TestReplayHeaders(t *testing.T) {
 	require.Equal(t, 200, int(ir.GetStatus().GetCode()))
 	var got []string
 	for _, o := range ir.GetHeaders().GetSetHeaders() {
-		//lint:ignore SA1019 ext_proc honours only the deprecated append flag (reference §2.7)
+		//lint:ignore SA1019 ext_proc honours only the deprecated append flag (MutationUtils::applyHeaderMutations)
 		got = append(got, fmt.Sprintf("%s=%s append=%v value=%q", o.GetHeader().GetKey(), o.GetHeader().GetRawValue(), o.GetAppend().GetValue(), o.GetHeader().GetValue()))
 	}
 	require.Equal(t, []string{
@@ -225,7 +226,7 @@ func TestReplayHeaders(t *testing.T) {
 	}, got)
 	require.Empty(t, ir.GetHeaders().GetRemoveHeaders(), "removing content-type cannot work: Envoy adds text/plain after the mutations")
 	require.Equal(t, []string{"set-cookie", "a=1", "vary", "accept", "set-cookie", "b=2", "set-cookie", "c=3", "idempotent-replayed", "true", "content-type", "text/plain"}, res.headers,
-		"a stored response without content-type replays through Envoy as text/plain (reference §17.1)")
+		"a stored response without content-type replays through Envoy as text/plain (Utility::prepareLocalReply)")
 }
 
 func TestKeysAreScoped(t *testing.T) {
@@ -385,9 +386,10 @@ func kind(resp *extprocv3.ProcessingResponse) string {
 	return "unknown"
 }
 
-// TestModeOverridesAreSPEC5 holds the two mode_override values to SPEC §5, field by field:
-// Envoy compares them with allowed_override_modes as raw values, so every field is spelled out.
-func TestModeOverridesAreSPEC5(t *testing.T) {
+// TestModeOverridesSpellEveryField holds the two mode_override values, field by field, to the
+// two entries allowed_override_modes lists (envoy/envoy.yaml): Envoy compares them as raw values,
+// so every field is spelled out.
+func TestModeOverridesSpellEveryField(t *testing.T) {
 	const (
 		send = filterextproc.ProcessingMode_SEND
 		skip = filterextproc.ProcessingMode_SKIP
@@ -608,7 +610,7 @@ func (s *slowRenewals) Renew(ctx context.Context, _ cache.Lease, _ time.Duration
 	return ctx.Err()
 }
 
-// The completion is the phase's one store call (SPEC §4): a renewal in flight when the response
+// The completion is the phase's one store call: a renewal in flight when the response
 // ends is cut short, not waited for, or the phase could take two store timeouts and outlast
 // Envoy's message_timeout.
 func TestRenewalInFlightDoesNotDelayCompletion(t *testing.T) {

@@ -8,7 +8,7 @@ import (
 	"google.golang.org/grpc/metadata"
 )
 
-// Tracing (SPEC §9): one span per covered request, a child of the trace context Envoy sends in
+// Tracing: one span per covered request, a child of the trace context Envoy sends in
 // the stream's gRPC initial metadata (W3C traceparent), with one child span per store call. With
 // no tracer nothing here runs: a stream's span is nil and every method is a nil check.
 

@@ -66,7 +66,7 @@ const (
 	workloadUncovered = "uncovered GET"
 	workloadFirst     = "first execution"
 	workloadReplay    = "replay"
-	// The other body modes' first executions (SPEC §8), each against a null processor that does
+	// The other body modes' first executions, each against a null processor that does
 	// what the mode requires: a STREAMED request body of 4 chunks of 256 B (the response
 	// BUFFERED), FULL_DUPLEX_STREAMED both ways with 4 chunks of 256 B each way, and BUFFERED on
 	// a route whose fingerprint omits the body, claimed at request_headers. No name holds a

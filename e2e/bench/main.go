@@ -1,7 +1,8 @@
 // Command bench compares idempotency-extproc with a null ext_proc processor on loopback: the
-// message sequences Envoy sends (reference §3), 32 concurrent streams, three workloads
-// (uncovered GET, first executions, replays) and three targets (a null processor that answers
-// CONTINUE to every phase, the processor with its memory store, and with a real redis-server).
+// message sequences Envoy's ext_proc filter sends (source/extensions/filters/http/ext_proc/), 32
+// concurrent streams, three workloads (uncovered GET, first executions, replays) and three
+// targets (a null processor that answers CONTINUE to every phase, the processor with its memory
+// store, and with a real redis-server).
 // It prints requests/s, p50 and p99 latency, the ratio to the null processor, the store calls
 // and Redis commands per request, redis-benchmark's requests/s at the same concurrency, and
 // what a request's Redis round trips take by themselves at the fixed rate, beside the null

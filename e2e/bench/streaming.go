@@ -12,9 +12,9 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 )
 
-// The streamed body modes (SPEC §8, reference §17): a request body of streamChunks chunks of
-// streamChunk bytes, sent as Envoy sends them in STREAMED and FULL_DUPLEX_STREAMED mode, and in
-// FULL_DUPLEX_STREAMED a response body cut the same way. The HTTP request and response have no
+// The streamed body modes (docs/guarantees.md#request-body-modes): a request body of
+// streamChunks chunks of streamChunk bytes, sent as Envoy sends them in STREAMED and
+// FULL_DUPLEX_STREAMED mode, and in FULL_DUPLEX_STREAMED a response body cut the same way. The HTTP request and response have no
 // trailers (a plain JSON POST and its answer), so no trailers message is sent in either mode.
 const (
 	streamChunks = 4
@@ -35,7 +35,8 @@ func chunks(b []byte) [][]byte {
 }
 
 // requestStreaming plays one first execution's exchange as Envoy does in a streamed request body
-// mode (reference §3, §17.1, §17.2, and the processor's Envoy simulator, extproc/envoysim_test.go):
+// mode (Filter::onData and ProcessorState in source/extensions/filters/http/ext_proc/), as the
+// processor's Envoy simulator, extproc/envoysim_test.go, plays it too:
 //
 //   - STREAMED request, BUFFERED response: the request headers, and once they are answered the
 //     body's chunks, pipelined (each sent without waiting for the previous one's answer), then an
@@ -83,7 +84,8 @@ func requestStreaming(ctx context.Context, client extprocv3.ExternalProcessorCli
 	}
 	var mode *filterextproc.ProcessingMode
 	if !duplex {
-		// STREAMED: the body goes once the headers are answered (reference §3).
+		// STREAMED: the body goes once the headers are answered (Filter::onData holds it while
+		// they are not).
 		resp, err := recv("request_headers")
 		if err != nil {
 			return err
@@ -195,7 +197,8 @@ func streamedBack(recv func(string) (*extprocv3.ProcessingResponse, error), kind
 		}
 		sr := body.GetResponse().GetBodyMutation().GetStreamedResponse()
 		if sr == nil {
-			// Envoy rejects it as spurious and fails the request (reference §17.2).
+			// Envoy rejects it as spurious and fails the request
+			// (ProcessorState::handleBodyInStreamedState).
 			return fmt.Errorf("a FULL_DUPLEX_STREAMED %s answered without a streamed_response: %T", kind, resp.GetResponse())
 		}
 		got = append(got, sr.GetBody()...)

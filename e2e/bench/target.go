@@ -300,8 +300,8 @@ func fill(m *cache.Memory, bound int64) error {
 }
 
 // benchPolicy is the default policy with a store_timeout that tolerates a saturated machine, and
-// a route whose fingerprint omits the body, claimed at request_headers in every body mode (SPEC
-// §8): the claim-at-headers workload's. Every other workload's path takes the defaults.
+// a route whose fingerprint omits the body, claimed at request_headers in every body mode: the
+// claim-at-headers workload's. Every other workload's path takes the defaults.
 func benchPolicy() *policy.Policy {
 	p, err := policy.Parse([]byte(`store_timeout: 2s
 routes:

@@ -102,7 +102,8 @@ func TestStreamedLockStep(t *testing.T) {
 
 // A STREAMED body longer than the buffer limit, with its answers withheld, stops being read once
 // the queue exceeds the limit (the watermark), and the message timer of the last send expires:
-// 504 (reference §17.1, SPEC §8). STREAMED lets the headers go on after their answer, so the
+// 504 (ProcessorState::enqueueStreamingChunk raises the watermark; Filter::onMessageTimeout).
+// STREAMED lets the headers go on after their answer, so the
 // upstream request has started, but no byte of the body reached it.
 func TestStreamedStallsAboveTheBufferLimit(t *testing.T) {
 	f := bufferedFilter()
@@ -190,7 +191,8 @@ func TestStreamedHeldStreams(t *testing.T) {
 
 // BUFFERED holds the body during the header call with StopIterationAndBuffer: an upload larger
 // than the listener buffer gets 413 even when the header answer is a pass-through
-// mode_override, if the body outruns it (Filter::onData, reference §17.2).
+// mode_override, if the body outruns it (Filter::onData;
+// ActiveStreamDecoderFilter::requestDataTooLarge in source/common/http/filter_manager.cc).
 func TestBufferedUploadOutrunsThePassThroughAnswer(t *testing.T) {
 	f := bufferedFilter()
 	passThrough := on("request_headers", func(st extprocv3.ExternalProcessor_ProcessServer, req *extprocv3.ProcessingRequest) error {

@@ -15,13 +15,14 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 )
 
-// Defaults that match Envoy's (reference §4.1, §9).
+// Defaults that match Envoy's.
 const (
 	// DefaultBufferLimit is Envoy's default per_connection_buffer_limit_bytes (1 MiB).
 	DefaultBufferLimit = 1 << 20
 	// DefaultRouteTimeout is Envoy's default route timeout.
 	DefaultRouteTimeout = 15 * time.Second
-	// DefaultMessageTimeout is ext_proc's default message_timeout.
+	// DefaultMessageTimeout is ext_proc's default message_timeout
+	// (ExternalProcessingFilterConfig::DefaultMessageTimeoutMs in config.h).
 	DefaultMessageTimeout = 200 * time.Millisecond
 	// DefaultDeferredCloseTimeout is ext_proc's default deferred_close_timeout, used only in
 	// observability mode (ext_proc.h DEFAULT_DEFERRED_CLOSE_TIMEOUT_MS).
@@ -145,8 +146,8 @@ type Behaviour struct {
 	// response phase for them and its stream just ends. Envoy 1.34 to 1.36 behave so
 	// (CVE-2025-30157, runtime guard envoy.reloadable_features.skip_ext_proc_on_local_reply).
 	// Envoy 1.37 sends them again (PR #41769): its ext_proc.cc Filter::encodeHeaders has no
-	// such check and the guard is gone from runtime_features.cc. The 1.34–1.36 code itself
-	// could not be read; the model follows its release note.
+	// such check and the guard is gone from runtime_features.cc. For 1.34–1.36 the model follows
+	// the 1.34 release note.
 	SkipExtProcOnLocalReply bool
 	// NoStreamCloseOptimization keeps the side stream open until the HTTP stream ends, as before
 	// Envoy 1.37. Without it the stream is closed right after the last expected answer
@@ -277,7 +278,8 @@ func (r Record) DynamicMetadataValue(ns string, keys ...string) string {
 	return string(b)
 }
 
-// Stats are counters that mirror the ext_proc filter's stats (reference §5, §15) plus a few of
+// Stats are counters that mirror the ext_proc filter's stats (ALL_EXT_PROC_FILTER_STATS in
+// source/extensions/filters/http/ext_proc/ext_proc.h) plus a few of
 // the proxy's own. All counts are totals since New.
 type Stats struct {
 	// StreamsStarted counts gRPC streams opened (streams_started).

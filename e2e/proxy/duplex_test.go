@@ -92,9 +92,10 @@ func (c *collector) handle(st extprocv3.ExternalProcessor_ProcessServer, req *ex
 	return nil
 }
 
-// FULL_DUPLEX_STREAMED (reference §17.2): chunks go as they arrive, even while the headers wait
-// for their answer (Filter::onData); the processor may hold everything and send the body back as
-// streamed_response chunks; no message timer runs (ProcessorState::onStartProcessorCall).
+// FULL_DUPLEX_STREAMED: chunks go as they arrive, even while the headers wait for their answer
+// (Filter::onData); the processor may hold everything and send the body back as
+// streamed_response chunks (ProcessorState::handleDuplexStreamedBodyResponse); no message timer
+// runs (ProcessorState::onStartProcessorCall).
 func TestFullDuplexCollectAndStreamBack(t *testing.T) {
 	c := &collector{delay: 300 * time.Millisecond}
 	e := newEnv(t, duplexFilter(), c.handle, func(cfg *proxy.Config) {

@@ -17,7 +17,8 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 )
 
-// filterName keys ProcessingRequest.attributes (ext_proc.cc FilterName, reference §2.2).
+// filterName keys ProcessingRequest.attributes (FilterName in ext_proc.cc, used by
+// Filter::addAttributes).
 const filterName = "envoy.filters.http.ext_proc"
 
 // openState is Filter::StreamOpenState.
@@ -395,7 +396,8 @@ func (x *exchange) onReceiveMessage(resp *extprocv3.ProcessingResponse) {
 // filter-level body mode is FULL_DUPLEX_STREAMED, and only while a header message is being
 // answered. The override is merged with the filter-level processing_mode (never with a
 // per-route one, nor with an earlier override), and with allowed_override_modes it must equal
-// an entry on the five fields other than request_header_mode (reference §17.1).
+// an entry on the five fields other than request_header_mode (effectiveModeOverride and the
+// allowed_override_modes check in Filter::onReceiveMessage).
 func (x *exchange) modeOverride(resp *extprocv3.ProcessingResponse) {
 	o := resp.GetModeOverride()
 	if o == nil {
@@ -527,7 +529,7 @@ func (x *exchange) clearAsyncState() {
 }
 
 // onGrpcClose is Filter::onGrpcCloseWithStatus for a clean close: the request goes on without
-// the processor (reference §2.1, §5).
+// the processor.
 func (x *exchange) onGrpcClose() {
 	if x.processingComplete {
 		return

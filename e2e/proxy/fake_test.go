@@ -119,7 +119,9 @@ func (f *fakeProcessor) Process(st extprocv3.ExternalProcessor_ProcessServer) er
 }
 
 // next returns the log of the next stream to end, checking that it ended the way Envoy ends
-// streams: io.EOF or Canceled on Recv (reference §6), unless the handler ended it.
+// streams: io.EOF or Canceled on Recv (ExternalProcessorStreamImpl::close in
+// source/extensions/filters/http/ext_proc/client_impl.cc half-closes, then resets), unless the
+// handler ended it.
 func (f *fakeProcessor) next(t *testing.T) streamLog {
 	t.Helper()
 	select {
@@ -187,7 +189,7 @@ func immediate(code typev3.StatusCode, body string, m *extprocv3.HeaderMutation,
 func setRaw(key, value string, appendIt bool) *corev3.HeaderValueOption {
 	o := &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: key, RawValue: []byte(value)}}
 	if appendIt {
-		//lint:ignore SA1019 ext_proc honours only the deprecated append (reference §2.7).
+		//lint:ignore SA1019 ext_proc honours only the deprecated append (MutationUtils::applyHeaderMutations).
 		o.Append = wrapperspb.Bool(true)
 	}
 	return o
@@ -250,7 +252,8 @@ func values(t *testing.T, m *corev3.HeaderMap, name string) []string {
 	return out
 }
 
-// fullMode spells out every field of a processing mode (reference §4.3).
+// fullMode spells out every field of a processing mode: Filter::onReceiveMessage compares a
+// mode_override with each allowed_override_modes entry raw, field by field.
 func fullMode(reqBody filterextproc.ProcessingMode_BodySendMode, respHeader filterextproc.ProcessingMode_HeaderSendMode, respBody filterextproc.ProcessingMode_BodySendMode) *filterextproc.ProcessingMode {
 	return &filterextproc.ProcessingMode{
 		RequestHeaderMode:   filterextproc.ProcessingMode_SEND,
@@ -262,7 +265,8 @@ func fullMode(reqBody filterextproc.ProcessingMode_BodySendMode, respHeader filt
 	}
 }
 
-// bufferedFilter is the project's filter configuration (SPEC §5) with a generous timeout.
+// bufferedFilter is a filter configuration like the one envoy/envoy.yaml ships (BUFFERED both
+// ways, every mode field spelled out, allow_mode_override), with a generous timeout.
 func bufferedFilter() *filterextproc.ExternalProcessor {
 	return &filterextproc.ExternalProcessor{
 		ProcessingMode:     fullMode(filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_SEND, filterextproc.ProcessingMode_BUFFERED),
@@ -351,12 +355,14 @@ func statusErr(code codes.Code, msg string) handler {
 	}
 }
 
-// valueOnly is a set_headers entry that uses value, which Envoy ignores (reference §2.7).
+// valueOnly is a set_headers entry that uses value, which Envoy ignores
+// (MutationUtils::applyHeaderMutations).
 func valueOnly(key, value string) *corev3.HeaderValueOption {
 	return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: key, Value: value}}
 }
 
-// bothSet is a set_headers entry with value and raw_value, which Envoy rejects (reference §2.7).
+// bothSet is a set_headers entry with value and raw_value, which Envoy rejects
+// (MutationUtils::applyHeaderMutations).
 func bothSet(key, value string) *corev3.HeaderValueOption {
 	return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: key, Value: value, RawValue: []byte(value)}}
 }

@@ -11,7 +11,8 @@ import (
 	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
 )
 
-// field is one header entry. Names are lower case, as in Envoy's header maps (reference §2.4).
+// field is one header entry. Names are lower case, as in Envoy's header maps (the HTTP/1 codec
+// lower-cases them: ConnectionImpl::completeLastHeader in source/common/http/http1/codec_impl.cc).
 type field struct {
 	name  string
 	value string
@@ -54,8 +55,7 @@ func (h *headerList) del(name string) {
 }
 
 // headerMap converts the list for a ProcessingRequest, keeping only the names fw lets through
-// (MutationUtils::headersToProto). Values go in raw_value only; value stays empty (reference
-// §2.4).
+// (MutationUtils::headersToProto). Values go in raw_value only; value stays empty.
 func (h headerList) headerMap(fw *forwardRules) *corev3.HeaderMap {
 	m := &corev3.HeaderMap{Headers: make([]*corev3.HeaderValue, 0, len(h))}
 	for _, f := range h {
@@ -82,7 +82,8 @@ func (h headerList) writeTo(dst http.Header, skip ...string) {
 var hopByHop = []string{"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"}
 
 // fromHTTP appends the entries of hdr with lower-cased names, sorted by name so the order is
-// deterministic; the values of a repeated header keep their order (reference §2.4).
+// deterministic; the values of a repeated header keep their order, one entry each, as
+// MutationUtils::headersToProto sends them.
 func (h *headerList) fromHTTP(hdr http.Header, skip ...string) {
 	names := make([]string, 0, len(hdr))
 	for name := range hdr {

@@ -49,7 +49,8 @@ type replyContext struct {
 	grpc, head bool
 }
 
-// prepareLocalReply is Utility::prepareLocalReply, in Envoy's order (reference §17.1): a header
+// prepareLocalReply is Utility::prepareLocalReply (source/common/http/utility.cc), in Envoy's
+// order: a header
 // map holding only :status; the caller's modify_headers; the connection manager's
 // local_reply_config rewrite; the gRPC conversion when the request is gRPC; then, with a body,
 // content-length and content-type (the rewrite's, text/plain by default) only when none is set
@@ -136,7 +137,7 @@ func percentEncode(s string) string {
 }
 
 // sanitizeDetails replaces whitespace with '_', as StringUtil::replaceAllEmptySpace does for
-// response code details (reference §2.6).
+// response code details (Filter::sendImmediateResponse).
 func sanitizeDetails(s string) string {
 	return strings.Map(func(r rune) rune {
 		if unicode.IsSpace(r) {

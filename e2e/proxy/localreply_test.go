@@ -18,7 +18,8 @@ import (
 
 // Utility::prepareLocalReply builds the headers from :status alone, applies the processor's
 // mutations, then sets content-length and adds text/plain only when no content-type is set; an
-// empty body loses content-type and content-length (reference §17.1). On the wire the HTTP/1
+// empty body loses content-type and content-length (source/common/http/utility.cc). On the wire
+// the HTTP/1
 // codec adds content-length: 0 to a reply that ends with its headers.
 func TestLocalReplyHeaderOrder(t *testing.T) {
 	mut := func(set []*corev3.HeaderValueOption, remove ...string) *extprocv3.HeaderMutation {

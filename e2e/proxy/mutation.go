@@ -119,8 +119,10 @@ func validMutationValue(name, value string) bool {
 	return true
 }
 
-// mutationError is a header or body mutation that Envoy rejects (absl::InvalidArgumentError,
-// reference §2.7, §5): a CONTINUE answer carrying one fails the request with status_on_error.
+// mutationError is a header or body mutation that Envoy rejects (the error status of
+// MutationUtils::applyHeaderMutations in source/extensions/filters/http/ext_proc/mutation_utils.cc,
+// or of ProcessorState::handleBodyResponse): a CONTINUE answer carrying one fails the request
+// with status_on_error (Filter::handleErrorResponse in ext_proc.cc).
 type mutationError struct{ msg string }
 
 func (e *mutationError) Error() string { return e.msg }
@@ -161,12 +163,12 @@ func applyMutation(h *headerList, m *extprocv3.HeaderMutation, rules *mutationRu
 		if hv == nil {
 			continue
 		}
-		// Setting both value and raw_value is an error (reference §0.3, §2.7).
+		// Setting both value and raw_value is an error (MutationUtils::applyHeaderMutations).
 		if hv.GetValue() != "" && len(hv.GetRawValue()) > 0 {
 			return rejected + 1, &mutationError{msg: "Only one of value or raw_value in the HeaderValue message should be set."}
 		}
 		// Envoy reads raw_value only (send_header_raw_value): a mutation that sets only value
-		// yields an empty header (reference §0.3, §2.7).
+		// yields an empty header.
 		value := string(hv.GetRawValue())
 		if !validName(hv.GetKey()) || !validValue(value) {
 			return rejected + 1, &mutationError{msg: "Invalid character in set_headers mutation."}
@@ -176,8 +178,8 @@ func applyMutation(h *headerList, m *extprocv3.HeaderMutation, rules *mutationRu
 			continue
 		}
 		// The deprecated append BoolValue: unset or false overwrites, true adds; append_action is
-		// not read (reference §2.7).
-		//lint:ignore SA1019 ext_proc honours only the deprecated append (reference §2.7).
+		// not read.
+		//lint:ignore SA1019 ext_proc honours only the deprecated append (MutationUtils::applyHeaderMutations).
 		appendIt := opt.GetAppend().GetValue()
 		op := opSet
 		if appendIt && h.has(lower) {

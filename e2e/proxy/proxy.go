@@ -1,7 +1,6 @@
 // Package proxy is an HTTP reverse proxy that drives ext_proc servers the way Envoy's ext_proc
 // HTTP filter does, for end-to-end tests on machines without an Envoy binary. It models Envoy,
-// not the product: every behaviour cites the Envoy source it follows (file and function; the
-// project's notes, reference/envoy-extproc.md, are cited as "reference §N").
+// not the product: every behaviour cites the Envoy source it follows (file and function).
 //
 // Modelled, from Envoy 1.37's source (ext_proc.cc, processor_state.cc, mutation_utils.cc,
 // mutation_rules.cc, matching_utils.cc, http/utility.cc, local_reply.cc, filter_manager.cc,
@@ -141,11 +140,13 @@ func New(cfg Config) (*Proxy, error) {
 		responseLimit:  int64(cfg.UpstreamBufferLimit),
 		routeTimeout:   cfg.RouteTimeout,
 	}
-	// An unset message_timeout is 200 ms; an explicit 0 fires at once (reference §4.1).
+	// An unset message_timeout is 200 ms (ExternalProcessingFilterConfig::DefaultMessageTimeoutMs
+	// in source/extensions/filters/http/ext_proc/config.h); an explicit 0 fires at once.
 	if d := filter.GetMessageTimeout(); d != nil {
 		p.messageTimeout = d.AsDuration()
 	}
-	// max_message_timeout 0 disables override_message_timeout (reference §4.1).
+	// max_message_timeout 0 disables override_message_timeout: Filter::onNewTimeout ignores any
+	// override above it.
 	p.maxMsgTimeout = filter.GetMaxMessageTimeout().AsDuration()
 	if c := filter.GetStatusOnError().GetCode(); c >= 100 && c <= 999 {
 		p.statusOnError = int(c)
@@ -189,7 +190,8 @@ func New(cfg Config) (*Proxy, error) {
 				Backoff:           backoff.Config{BaseDelay: 50 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
 				MinConnectTimeout: time.Second,
 			}),
-			// Envoy's envoy_grpc max_receive_message_length defaults to unlimited (reference §9).
+			// Envoy's envoy_grpc max_receive_message_length defaults to unlimited (its field doc
+			// in api/envoy/config/core/v3/grpc_service.proto).
 			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(math.MaxInt32), grpc.MaxCallSendMsgSize(math.MaxInt32)),
 		)
 		if err != nil {

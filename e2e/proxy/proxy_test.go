@@ -81,8 +81,9 @@ func TestContinuePassthrough(t *testing.T) {
 	require.Equal(t, []string{"request_headers", "request_body", "response_headers", "response_body"}, kinds(log.msgs))
 	rh, rb, sh, sb := log.msgs[0], log.msgs[1], log.msgs[2], log.msgs[3]
 
-	// request_headers: pseudo-headers, lower-case names, raw_value only, repeated entries, HCM
-	// headers, end_of_stream false (reference §2.4, §2.8).
+	// request_headers: pseudo-headers, lower-case names, raw_value only, repeated entries
+	// (MutationUtils::headersToProto), HCM headers
+	// (ConnectionManagerUtility::mutateRequestHeaders), end_of_stream false.
 	hm := rh.GetRequestHeaders().GetHeaders()
 	require.False(t, rh.GetRequestHeaders().GetEndOfStream())
 	require.Equal(t, []string{"POST"}, values(t, hm, ":method"))
@@ -97,8 +98,8 @@ func TestContinuePassthrough(t *testing.T) {
 	require.Len(t, ids, 1)
 	require.Empty(t, values(t, hm, "host"))
 
-	// protocol_config on the first message only; attributes on the first message of each
-	// direction (reference §2.2).
+	// protocol_config on the first message only (Filter::encodeProtocolConfig); attributes on the
+	// first message of each direction (Filter::addAttributes).
 	require.Equal(t, bodyBUF, rh.GetProtocolConfig().GetRequestBodyMode())
 	require.Equal(t, bodyBUF, rh.GetProtocolConfig().GetResponseBodyMode())
 	attrs := rh.GetAttributes()[fieldsKey].GetFields()
@@ -151,7 +152,8 @@ func TestBodylessRequestAndResponse(t *testing.T) {
 	require.Empty(t, got)
 
 	log := e.proc.next(t)
-	// end_of_stream true means no body message in that direction (reference §2.4).
+	// end_of_stream true means no body message in that direction
+	// (ProcessorState::handleHeadersResponseWithContinue).
 	require.Equal(t, []string{"request_headers", "response_headers"}, kinds(log.msgs))
 	require.True(t, log.msgs[0].GetRequestHeaders().GetEndOfStream())
 	require.Equal(t, []string{"given-id"}, values(t, log.msgs[0].GetRequestHeaders().GetHeaders(), "x-request-id"))
@@ -262,7 +264,8 @@ func TestImmediateResponse(t *testing.T) {
 			}
 			require.Empty(t, resp.Header.Values("X-Envoy-Upstream-Service-Time"))
 			log := e.proc.next(t)
-			// No response phase follows an ImmediateResponse (reference §0.4).
+			// No response phase follows an ImmediateResponse: Filter::onReceiveMessage marks
+			// processing complete.
 			require.Equal(t, tt.wantKinds, kinds(log.msgs))
 			if tt.at != "response_headers" {
 				require.Zero(t, e.up.Total())
@@ -280,8 +283,8 @@ func TestImmediateResponse(t *testing.T) {
 }
 
 func TestModeOverride(t *testing.T) {
-	passThrough := fullMode(bodyNONE, modeSKIP, bodyNONE) // SPEC §5, at request_headers
-	notStored := fullMode(bodyNONE, modeSEND, bodyNONE)   // SPEC §5, at response_headers
+	passThrough := fullMode(bodyNONE, modeSKIP, bodyNONE) // the processor's, at request_headers
+	notStored := fullMode(bodyNONE, modeSEND, bodyNONE)   // the processor's, at response_headers
 	allowList := []*filterextproc.ProcessingMode{passThrough, notStored}
 	all := []string{"request_headers", "request_body", "response_headers", "response_body"}
 	override := func(at string, m *filterextproc.ProcessingMode) handler {
@@ -386,7 +389,8 @@ func TestProcessorFailures(t *testing.T) {
 				resp, got := e.do(t, http.MethodPost, "/pay", []byte("x"))
 				rec := e.record(t)
 				if allow {
-					// Processing is skipped and the request goes on (reference §5).
+					// Processing is skipped and the request goes on (failureModeAllow() in
+					// Filter::onReceiveMessage, onMessageTimeout and onGrpcError).
 					require.Equal(t, http.StatusOK, resp.StatusCode)
 					require.Equal(t, 1, e.up.Total())
 					require.Equal(t, int64(1), e.proxy.Stats().FailureModeAllowed)
@@ -416,7 +420,8 @@ func TestCleanCloseContinuesWithoutProcessing(t *testing.T) {
 	})
 	e := newEnv(t, bufferedFilter(), h)
 	resp, _ := e.do(t, http.MethodPost, "/pay", []byte("x"))
-	// A clean close (status OK) means "proceed without the server" (reference §2.1, §5).
+	// A clean close (status OK) means "proceed without the server"
+	// (ExternalProcessorStreamImpl::onRemoteClose, Filter::onGrpcClose).
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 	require.Equal(t, []string{"request_headers"}, kinds(e.proc.next(t).msgs))
 	require.Equal(t, 1, e.up.Total())
@@ -444,7 +449,7 @@ func TestOverrideMessageTimeout(t *testing.T) {
 			resp, _ := e.do(t, http.MethodPost, "/pay", []byte("x"))
 			e.proc.next(t)
 			if max == 0 {
-				// max_message_timeout 0 disables the API (reference §2.3, §4.1).
+				// max_message_timeout 0 disables the API (Filter::onNewTimeout).
 				require.Equal(t, http.StatusGatewayTimeout, resp.StatusCode)
 				require.Equal(t, int64(1), e.proxy.Stats().TimeoutOverridesIgnored)
 				return
@@ -481,7 +486,7 @@ func TestRequestOverBufferLimit(t *testing.T) {
 			require.Equal(t, http.StatusRequestEntityTooLarge, resp.StatusCode)
 			require.Equal(t, "Payload Too Large", string(got))
 			require.Equal(t, "request_payload_too_large", e.record(t).CodeDetails)
-			// The processor never gets the body (reference §0.5, §9).
+			// The processor never gets the body (ActiveStreamDecoderFilter::requestDataTooLarge).
 			log := e.proc.next(t)
 			require.Equal(t, tc.wantKinds, kinds(log.msgs))
 			require.Zero(t, e.up.Total())
@@ -507,7 +512,8 @@ func TestResponseOverBufferLimit(t *testing.T) {
 		require.Equal(t, http.StatusInternalServerError, resp.StatusCode)
 		require.Equal(t, "Internal Server Error", string(got))
 		require.Equal(t, "response_payload_too_large", e.record(t).CodeDetails)
-		// response_body never reaches the processor (reference §0.5, §8, §9).
+		// response_body never reaches the processor
+		// (ActiveStreamEncoderFilter::responseDataTooLarge).
 		require.Equal(t, []string{"request_headers", "request_body", "response_headers"}, kinds(e.proc.next(t).msgs))
 	}
 }
@@ -527,7 +533,8 @@ func TestStreamedResponse(t *testing.T) {
 			answered.Store(0)
 			resp, got := e.do(t, http.MethodPost, "/download", []byte("x"), "X-Test-Body-Bytes", strconv.Itoa(n), "X-Test-Chunked", chunked)
 			require.Equal(t, http.StatusOK, resp.StatusCode)
-			// Envoy removes content-length for STREAMED (reference §3).
+			// Envoy removes content-length for STREAMED
+			// (ProcessorState::shouldRemoveContentLength).
 			require.Equal(t, int64(-1), resp.ContentLength)
 			require.True(t, bytes.Equal(upstream.Body(n), got), "body delivered byte for byte")
 
@@ -556,7 +563,7 @@ func TestStreamedResponse(t *testing.T) {
 
 // A response whose upstream sends trailers ends its body with end_of_stream false, with no
 // empty last chunk; the trailers then come in a response_trailers message only with
-// response_trailer_mode SEND, in every body mode (reference §2.4, §3). Without the upstream's
+// response_trailer_mode SEND, in every body mode (Filter::onTrailers). Without the upstream's
 // enable_trailers, Envoy's HTTP/1 codec drops them: the body ends the stream as usual.
 func TestResponseTrailers(t *testing.T) {
 	bodyKinds := map[filterextproc.ProcessingMode_BodySendMode]bool{bodySTR: true, filterextproc.ProcessingMode_BUFFERED: true, filterextproc.ProcessingMode_BUFFERED_PARTIAL: true}
@@ -677,8 +684,7 @@ func TestStreamedResponseFailureResets(t *testing.T) {
 	require.NoError(t, err)
 	defer func() { _ = resp.Body.Close() }()
 	require.Equal(t, http.StatusOK, resp.StatusCode)
-	// The headers are downstream already, so the failure resets the stream instead of a 500
-	// (reference §5, §9).
+	// The headers are downstream already, so the failure resets the stream instead of a 500.
 	_, err = io.ReadAll(resp.Body)
 	require.Error(t, err)
 	e.proc.next(t)
@@ -714,7 +720,7 @@ func TestStreamedRequestBody(t *testing.T) {
 		total += len(m.GetRequestBody().GetBody())
 	}
 	require.Equal(t, len(body), total)
-	// content-length is dropped for STREAMED (reference §3).
+	// content-length is dropped for STREAMED (ProcessorState::shouldRemoveContentLength).
 	require.Empty(t, e.up.Requests()[0].Header.Get("Content-Length"))
 }
 
@@ -780,7 +786,7 @@ func TestMutations(t *testing.T) {
 			}}
 		case "response_body":
 			// Header mutations still count in a BUFFERED body answer, and a replaced body needs a
-			// matching content-length (reference §2.5, §3).
+			// matching content-length (ProcessorState::handleBodyResponse).
 			c.HeaderMutation = &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 				setRaw("x-from-body", "yes", false),
 				setRaw("content-length", "8", false),
@@ -814,7 +820,7 @@ func TestMutations(t *testing.T) {
 
 // An invalid mutation in an answer other than an ImmediateResponse fails the request with
 // status_on_error (500 by default), whatever failure_mode_allow says (Envoy's
-// handleErrorResponse, reference §5).
+// Filter::handleErrorResponse).
 func TestInvalidMutationUsesStatusOnError(t *testing.T) {
 	bad := func(st extprocv3.ExternalProcessor_ProcessServer, req *extprocv3.ProcessingRequest) error {
 		return st.Send(answer(req, &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
@@ -865,7 +871,8 @@ func TestContinueAndReplace(t *testing.T) {
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 	require.Equal(t, "R", string(got))
 	require.Equal(t, sha([]byte("replaced")), e.up.Requests()[0].BodySHA256)
-	// No further message in a direction after CONTINUE_AND_REPLACE (reference §2.5).
+	// No further message in a direction after CONTINUE_AND_REPLACE
+	// (ProcessorState::handleHeadersResponseWithContinueAndReplace).
 	require.Equal(t, []string{"request_headers", "response_headers"}, kinds(e.proc.next(t).msgs))
 }
 
@@ -876,7 +883,7 @@ func TestBodyMutationContentLengthMismatch(t *testing.T) {
 	e := newEnv(t, bufferedFilter(), h)
 	resp, _ := e.do(t, http.MethodPost, "/x", []byte("short"))
 	// BUFFERED with header SEND keeps content-length; a mismatched mutation is a 500
-	// (reference §3).
+	// (ProcessorState::handleBodyResponse).
 	require.Equal(t, http.StatusInternalServerError, resp.StatusCode)
 	require.Equal(t, "mismatch_between_content_length_and_the_length_of_the_mutated_body", e.record(t).CodeDetails)
 	require.Zero(t, e.up.Total())
@@ -921,7 +928,7 @@ func TestUpstreamFailures(t *testing.T) {
 
 				log := e.proc.next(t)
 				if !toExtProc {
-					// No response phase: the stream just ends (reference §7, §8).
+					// No response phase: the stream just ends (Behaviour.SkipExtProcOnLocalReply).
 					require.Equal(t, []string{"request_headers", "request_body"}, kinds(log.msgs))
 					return
 				}

@@ -81,7 +81,8 @@ func (x *exchange) begin() {
 }
 
 // requestHeaders builds the header map the HCM hands to the filters: pseudo-headers, the request
-// headers with lower-cased names, x-request-id and x-forwarded-proto (reference §2.4, §2.8).
+// headers with lower-cased names, x-request-id and x-forwarded-proto
+// (ConnectionManagerUtility::mutateRequestHeaders in source/common/http/conn_manager_utility.cc).
 // Hop-by-hop headers and Expect: 100-continue are consumed by the codec and HCM.
 func (x *exchange) requestHeaders() headerList {
 	r := x.r
@@ -565,7 +566,7 @@ func (x *exchange) onUpstream(res upstreamResult) {
 	h := headerList{{name: ":status", value: strconv.Itoa(resp.StatusCode)}}
 	h.fromHTTP(resp.Header)
 	// The router adds x-envoy-upstream-service-time before the filters see the headers
-	// (reference §2.8).
+	// (Router::Filter::onUpstreamHeaders in source/common/router/router.cc).
 	h.add("x-envoy-upstream-service-time", strconv.FormatInt(time.Since(x.up.start).Milliseconds(), 10))
 	r := &response{status: resp.StatusCode, headers: h, details: "via_upstream", flagStr: "-"}
 	noBody := x.head || resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusNotModified ||
@@ -585,7 +586,7 @@ func (x *exchange) onUpstream(res upstreamResult) {
 	x.encodeResponse(r)
 }
 
-// routerFailure maps a failed round trip to the router's local reply (reference §7), as
+// routerFailure maps a failed round trip to the router's local reply, as
 // router.cc Filter::onUpstreamReset builds it: the reset reason, and the transport's failure
 // reason after it when there is one, in the body and, spaces made underscores, in the details.
 // For a refused connection on Linux that reason is "delayed connect error: Connection refused":

@@ -123,9 +123,10 @@ func (k responseSink) trailers(t headerList) {
 	x.finished = true
 }
 
-// tooLarge is ActiveStreamEncoderFilter::responseDataTooLarge for a buffer that is not streaming:
-// 500 response_payload_too_large straight to the codec, or a reset once headers went downstream
-// (reference §9). The processor never gets the body.
+// tooLarge is ActiveStreamEncoderFilter::responseDataTooLarge
+// (source/common/http/filter_manager.cc) for a buffer that is not streaming: 500
+// response_payload_too_large straight to the codec, or a reset once headers went downstream. The
+// processor never gets the body.
 func (k responseSink) tooLarge() {
 	k.x.sendLocalReply(localReply{code: http.StatusInternalServerError, body: "Internal Server Error",
 		details: "response_payload_too_large"})

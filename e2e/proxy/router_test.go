@@ -34,8 +34,8 @@ func rawUpstream(t *testing.T, raw string) string {
 	return srv.URL
 }
 
-// Early ends the processor can only learn from the stream's end (reference §8): the router's
-// responses and resets, as Envoy makes them.
+// Early ends the processor can only learn from the stream's end (no ext_proc message reports
+// them): the router's responses and resets, as Envoy makes them.
 func TestRouterEarlyEnds(t *testing.T) {
 	for _, tc := range []struct {
 		name        string

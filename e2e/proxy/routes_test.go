@@ -96,7 +96,8 @@ func TestRoutes(t *testing.T) {
 }
 
 // mode_override merges with the filter-level processing_mode, not with the route's, and
-// allowed_override_modes compares that merge (reference §17.1): a route that sends response
+// allowed_override_modes compares that merge (Filter::onReceiveMessage passes
+// config_->processingMode() to effectiveModeOverride): a route that sends response
 // trailers still loses them to an override whose trailer mode is DEFAULT.
 func TestModeOverrideUsesTheFilterLevelMode(t *testing.T) {
 	f := bufferedFilter() // trailers SKIP at the filter level

@@ -84,7 +84,8 @@ func TestMutationRules(t *testing.T) {
 }
 
 // With disallow_is_error a disallowed mutation in the response_headers answer fails the request
-// after the upstream ran (reference §17.2).
+// after the upstream ran (MutationUtils::applyHeaderMutations fails it; Filter::handleErrorResponse
+// sends status_on_error).
 func TestDisallowIsErrorAfterTheUpstream(t *testing.T) {
 	f := bufferedFilter()
 	f.MutationRules = &mutationrulesv3.HeaderMutationRules{DisallowIsError: wrapperspb.Bool(true)}

@@ -199,7 +199,7 @@ const (
 
 // close ends the stream the way Envoy's default close does (ExternalProcessorStreamImpl::close
 // without ext_proc_graceful_grpc_close): a half-close followed by a reset, so the server's Recv
-// sees io.EOF or Canceled (reference §6). Envoy's half-close goes after the messages its stream
+// sees io.EOF or Canceled. Envoy's half-close goes after the messages its stream
 // buffered; here they wait in the send queue, so the half-close is written after them (up to
 // drainBound, for a processor that stopped reading), and grpc-go, which drops what it still
 // queues at a reset, gets up to closeGrace for the server to end the stream after it. It waits

@@ -129,7 +129,7 @@ func (u *Upstream) Count(key string) int {
 // Ran returns the number of requests for key whose whole body the upstream read: the executions
 // of a handler that acts on a request once it has its body. It is below Count when requests
 // arrived and were reset before their body ended, as a STREAMED request whose chunks the
-// processor never let through (SPEC §8).
+// processor never let through.
 func (u *Upstream) Ran(key string) int {
 	u.mu.Lock()
 	defer u.mu.Unlock()

@@ -40,7 +40,7 @@ func (e *FieldError) Error() string {
 }
 
 // Setting is a top-level key of the policy file that belongs to the program rather than to the
-// policy: the settings of SPEC §2 (grpc_addr, redis_url, …).
+// policy: the settings docs/configuration.md lists with the flags (grpc_addr, redis_url, …).
 type Setting struct {
 	Key string
 	// List accepts a YAML list of strings, given back joined by commas, as well as a string.

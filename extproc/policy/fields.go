@@ -628,8 +628,8 @@ func (d *decoder) finish(x *draft) {
 		d.fail(firstOf(ttl, maxTTL), f("ttl"), "%v exceeds max_ttl %v", r.TTL, r.MaxTTL)
 	}
 	if fp, fh := x.given["fingerprint"], x.given["fingerprint_headers"]; (fp != nil || fh != nil) && len(r.Fingerprint) == 0 && len(r.FingerprintHeaders) > 0 {
-		// An empty fingerprint turns the mismatch check off (SPEC §4): headers alone would
-		// silently be ignored.
+		// An empty fingerprint turns the mismatch check off: headers alone would silently be
+		// ignored.
 		d.fail(firstOf(fh, fp), f("fingerprint_headers"), "set while fingerprint is [], which turns the mismatch check off; list the parts to hash too, or drop the headers")
 	}
 	d.compileScope(x)

@@ -91,7 +91,9 @@ routes:
 	require.Empty(t, none.ScopeHeaders)
 }
 
-// Each field of SPEC §9–§12 is inherited from defaults field by field, and a route overrides it.
+// Each route field added after the first version of the file (mode, in_flight_wait,
+// expires_header, first_sent_header, replay_header_fresh, store_body, require_scope,
+// jwt_payload_key) is inherited from defaults field by field, and a route overrides it.
 func TestNewFieldsInherit(t *testing.T) {
 	p := mustParse(t, `
 defaults:

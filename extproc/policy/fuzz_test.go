@@ -13,7 +13,7 @@ import (
 // no policy, and a policy it accepts answers every selector with a route whose settings hold the
 // invariants the server relies on.
 func FuzzParse(f *testing.F) {
-	f.Add([]byte(specExample))
+	f.Add([]byte(annotatedExample))
 	f.Add([]byte("defaults: {ttl: 1h, max_ttl: 2h}\nroutes: [{name: a, match: {path_exact: /a}}]\n"))
 	f.Add([]byte("routes: [{name: r, match: {path_regex: '^/(?P<org>[^/]+)'}, scope_path_params: [org]}]\n"))
 	f.Add([]byte("defaults: {store_statuses: [2xx, 409, \"5XX\"], fingerprint: []}\nfail_mode: open\n"))

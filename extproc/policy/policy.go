@@ -1,5 +1,5 @@
-// Package policy reads the YAML policy file (SPEC §6, §8–§12) and compiles it into the per-route
-// settings the stream state machine consults.
+// Package policy reads the YAML policy file (docs/configuration.md) and compiles it into the
+// per-route settings the stream state machine consults.
 //
 // Every field is described once, in the tables of fields.go: its key, its built-in default (as
 // YAML), the values it accepts and its documentation. The built-in defaults are compiled from
@@ -35,7 +35,7 @@ const (
 	UnknownOutcomeRelease UnknownOutcome = "release" // free the key: a retry runs again
 	UnknownOutcomeKeep    UnknownOutcome = "keep"    // leave the lease to expire after lock_ttl
 	// UnknownOutcomeRecord stores an outcome-unknown record for the record's TTL: duplicates get
-	// 409 outcome-unknown until an operator purges the key or the TTL ends (SPEC §8).
+	// 409 outcome-unknown until an operator purges the key or the TTL ends.
 	UnknownOutcomeRecord UnknownOutcome = "record"
 )
 
@@ -48,7 +48,7 @@ const (
 	FailOpen   FailMode = "open"   // pass the request through untouched
 )
 
-// Mode says whether a route enforces idempotency or only counts what enforcing would do (SPEC §10).
+// Mode says whether a route enforces idempotency or only counts what enforcing would do.
 type Mode string
 
 // The mode values.
@@ -70,7 +70,7 @@ const (
 	PartBody   Part = "body" // raw bytes
 )
 
-// ScopeKind is where a scope value comes from (SPEC §9).
+// ScopeKind is where a scope value comes from.
 type ScopeKind string
 
 // The scope sources.
@@ -94,15 +94,15 @@ type ScopeSource struct {
 	Name string // empty for ScopePeerIdentity
 }
 
-// Defaults and limits of SPEC §6–§11 that code outside this package refers to. The defaults of
-// every field are in the tables of fields.go.
+// Defaults and limits of the policy file that code outside this package refers to. The defaults
+// of every field are in the tables of fields.go.
 const (
 	DefaultTTL              = 24 * time.Hour
 	DefaultLockTTL          = 30 * time.Second
 	DefaultStoreTimeout     = 100 * time.Millisecond
 	DefaultMaxResponseBytes = 1 << 20
 	// DefaultMaxRequestBytes bounds the request bodies the processor holds itself (STREAMED,
-	// FULL_DUPLEX_STREAMED; SPEC §8).
+	// FULL_DUPLEX_STREAMED).
 	DefaultMaxRequestBytes = 1 << 20
 	// MaxRequestBytesLimit is the largest max_request_bytes accepted.
 	MaxRequestBytesLimit = 256 << 20
@@ -111,9 +111,9 @@ const (
 	// MaxDuration is the longest ttl, max_ttl and lock_ttl accepted: ten years, the stores' limit
 	// (cache.MaxTTL).
 	MaxDuration = 10 * 365 * 24 * time.Hour
-	// MaxInFlightWait is the longest in_flight_wait accepted (SPEC §11).
+	// MaxInFlightWait is the longest in_flight_wait accepted.
 	MaxInFlightWait = 10 * time.Second
-	// DefaultMetadataNamespace is the dynamic metadata namespace of the outcome (SPEC §9).
+	// DefaultMetadataNamespace is the dynamic metadata namespace of the outcome.
 	DefaultMetadataNamespace = "idempotency"
 	// DefaultProblemContentType is the content type of a problem whose entry sets none.
 	DefaultProblemContentType = "application/problem+json"
@@ -199,7 +199,7 @@ type Route struct {
 	Problems map[string]*Problem
 }
 
-// Selector is what a route is chosen by (SPEC §9).
+// Selector is what a route is chosen by.
 type Selector struct {
 	// Path is the request path without its query.
 	Path string
@@ -382,7 +382,7 @@ func (s StatusSet) Has(code int) bool {
 
 func (s *StatusSet) add(code int) { s.bits[code/64] |= 1 << (code % 64) }
 
-// Problem replaces the built-in answer for one problem code (SPEC §11).
+// Problem replaces the built-in answer for one problem code (docs/outcomes.md lists the codes).
 type Problem struct {
 	// Status is the HTTP status; 0 keeps the built-in one.
 	Status int

@@ -9,8 +9,9 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
-// specExample is the policy file of SPEC §6, verbatim.
-const specExample = `
+// annotatedExample is an annotated policy file: the defaults' first fields, a route scoped by
+// path parameters and a disabled route.
+const annotatedExample = `
 defaults:                          # every route inherits these; a route overrides field by field
   methods: [POST, PUT, PATCH]
   key_headers: [idempotency-key, x-idempotency-key, x-idempotency]
@@ -96,7 +97,7 @@ func mustParse(t *testing.T, src string) *policy.Policy {
 }
 
 func TestSpecExample(t *testing.T) {
-	p := mustParse(t, specExample)
+	p := mustParse(t, annotatedExample)
 	require.Len(t, p.Routes, 2)
 
 	r, params := p.Match("/v1/organizations/o1/ledgers/l9/transactions/json")
