@@ -23,7 +23,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 )
 
-// The body modes of SPEC §8 through the front proxy: in each, however the proxy cuts the body
+// The request body modes (docs/guarantees.md#request-body-modes) through the front proxy: in each, however the proxy cuts the body
 // (one message, many pipelined chunks), the first request runs once, a duplicate is replayed byte
 // for byte and a changed body is 422. With a real Envoy the shapes are its own.
 func TestEveryBodyModeThroughEnvoy(t *testing.T) {
@@ -113,7 +113,7 @@ func TestStreamedDuplicatesRunOnce(t *testing.T) {
 	t.Logf("%d requests reached the upstream with their headers; %d got their body", s.up.Count("race-streamed"), s.up.Ran("race-streamed"))
 }
 
-// The outcome reaches Envoy's access log (SPEC §9): %DYNAMIC_METADATA(idempotency:outcome)% and
+// The outcome reaches Envoy's access log (docs/operating.md): %DYNAMIC_METADATA(idempotency:outcome)% and
 // the rest, on every request the processor settles.
 func TestOutcomeInTheAccessLog(t *testing.T) {
 	t.Parallel()
@@ -149,7 +149,7 @@ func TestOutcomeInTheAccessLog(t *testing.T) {
 	require.Equal(t, "default", records[0].DynamicMetadataValue("idempotency", "route"))
 }
 
-// A route scoped by the JWT subject (SPEC §9): jwt_authn verifies the token before ext_proc and
+// A route scoped by the JWT subject: jwt_authn verifies the token before ext_proc and
 // forwards its payload; the policy's transfers route is chosen by Envoy's route name and scopes
 // keys by the verified subject, so two users never share a record and a forged header cannot
 // stand for a subject.

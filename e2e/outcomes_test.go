@@ -33,7 +33,7 @@ func storeArgs(t *testing.T) map[string]func(t *testing.T) []string {
 
 const replayed = "X-Idempotency-Replayed"
 
-// TestOutcomeTableOverHTTP checks every row of SPEC §4's outcome table through HTTP: the status,
+// TestOutcomeTableOverHTTP checks every row of the outcome table (docs/outcomes.md) through HTTP: the status,
 // body bytes, headers, and how often the upstream ran.
 func TestOutcomeTableOverHTTP(t *testing.T) {
 	t.Parallel()
@@ -248,7 +248,7 @@ func TestStreamedResponseReplayedByteForByte(t *testing.T) {
 // A STREAMED response whose upstream sends trailers ends only with its trailers: with
 // response_trailer_mode SEND it is stored and replayed; with SKIP the processor never sees it
 // end, so the record is completed without its body: the upstream ran, and a retry gets 409
-// response-not-replayable instead of running again (SPEC §4).
+// response-not-replayable instead of running again.
 func TestStreamedResponseWithTrailers(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -287,8 +287,10 @@ func TestStreamedResponseWithTrailers(t *testing.T) {
 func TestBufferedResponseOverEnvoyLimitCompletesWithoutBody(t *testing.T) {
 	t.Parallel()
 	// Envoy answers 500 for a BUFFERED response over its limit and never sends the body
-	// (reference §9): the upstream ran all the same, so the record is completed without its
-	// body and a retry gets 409 response-not-replayable instead of running again (SPEC §4).
+	// (response_payload_too_large: ActiveStreamEncoderFilter::responseDataTooLarge in
+	// source/common/http/filter_manager.cc): the upstream ran all the same, so the record is
+	// completed without its body and a retry gets 409 response-not-replayable instead of
+	// running again.
 	s := newStack(t, stackOptions{})
 	h := map[string]string{"X-Test-Body-Bytes": itoa(2 << 20)}
 	r := s.do(call{key: "over-1", headers: h, body: `{}`})

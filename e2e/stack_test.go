@@ -185,7 +185,8 @@ type stackOptions struct {
 	// upstream overrides the upstream URL (default: a counting test upstream).
 	upstream string
 	// localReplies makes the emulator send router-generated replies to the processor, as some
-	// Envoy versions do (reference §7). A real Envoy does what its version does.
+	// Envoy versions do (the emulator's Behaviour.SkipExtProcOnLocalReply). A real Envoy does
+	// what its version does.
 	localReplies bool
 	// shapes pins how the emulator cuts bodies into messages, for tests that need one shape
 	// reproduced; a real Envoy cuts them as its timing says.

@@ -9,7 +9,7 @@ import (
 // NullProcessor answers every message with the least a processor must send, and changes
 // nothing: the floor that any ext_proc server pays, against which the processor is measured.
 // That is CONTINUE to every phase, trailers included; but in a FULL_DUPLEX_STREAMED direction
-// Envoy rejects a plain body answer (reference §17.2), so each body chunk goes back as it came,
+// Envoy rejects a plain body answer (Filter::onReceiveMessage in source/extensions/filters/http/ext_proc/ext_proc.cc treats it as spurious), so each body chunk goes back as it came,
 // a streamed_response with its end_of_stream, which is what a processor that lets the body
 // through unchanged must do. The modes come in the first message's protocol_config.
 type NullProcessor struct {
