@@ -16,7 +16,14 @@ type Metrics struct {
 	waitCalls       *prometheus.CounterVec
 	unreadable      *prometheus.CounterVec
 	upstreamRetries *prometheus.CounterVec
+	unconfirmed     *prometheus.CounterVec
 }
+
+// The op labels of idempotency_durability_unconfirmed_total.
+const (
+	unconfirmedClaim    = "claim"
+	unconfirmedComplete = "complete"
+)
 
 // NewMetrics creates the metrics and registers them with reg.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
@@ -62,11 +69,18 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "idempotency_upstream_retries_total",
 			Help: "Covered requests whose response came from the upstream on an attempt after the first (upstream.request_attempt_count > 1: a route retry_policy or hedging re-sent them), by route. Harmless after connect-failure or refused-stream; after reset, 5xx or a per-try timeout the upstream may have run the request more than once.",
 		}, []string{"route"}),
+		unconfirmed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_durability_unconfirmed_total",
+			Help: "Writes of routes with durability that too few Redis replicas acknowledged in time, by op: claim (withdrawn; the request was answered as a store failure and did not run under it) or complete (kept; the response went out, and a failover before the replicas catch up may lose the record).",
+		}, []string{"op"}),
 	}
 	for _, kind := range misconfigKinds {
 		m.misconfig.WithLabelValues(kind)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable, m.upstreamRetries} {
+	for _, op := range []string{unconfirmedClaim, unconfirmedComplete} {
+		m.unconfirmed.WithLabelValues(op)
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable, m.upstreamRetries, m.unconfirmed} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

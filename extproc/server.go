@@ -72,6 +72,9 @@ type Server struct {
 	keyHash                                       func() hash.Hash
 	tracer                                        trace.Tracer
 
+	// The claims and completions too few replicas confirmed (route durability).
+	unconfirmedClaims, unconfirmedCompletes prometheus.Counter
+
 	streams sync.WaitGroup
 	// misconfigLogs logs each kind of Envoy misconfiguration once per process.
 	misconfigLogs map[string]*sync.Once
@@ -192,6 +195,8 @@ func NewServer(opts Options) (*Server, error) {
 	d := s.metrics.storeDuration
 	s.acquireObs, s.renewObs = d.WithLabelValues("acquire"), d.WithLabelValues("renew")
 	s.completeObs, s.releaseObs = d.WithLabelValues("complete"), d.WithLabelValues("release")
+	u := s.metrics.unconfirmed
+	s.unconfirmedClaims, s.unconfirmedCompletes = u.WithLabelValues(unconfirmedClaim), u.WithLabelValues(unconfirmedComplete)
 	return s, nil
 }
 
@@ -315,6 +320,10 @@ func (s *Server) acquire(st *stream, c cache.Claim) (cache.Lease, *cache.Record,
 	st.inStore = false
 	s.acquireObs.Observe(time.Since(start).Seconds())
 	endStoreSpan(sp, err)
+	if errors.Is(err, cache.ErrUnconfirmed) {
+		// Withdrawn: the caller answers it as any store failure, and the request does not run.
+		s.unconfirmedClaims.Inc()
+	}
 	return l, rec, err
 }
 
@@ -325,6 +334,13 @@ func (s *Server) complete(st *stream, ctx context.Context, l cache.Lease, r cach
 	st.inStore = false
 	s.completeObs.Observe(time.Since(start).Seconds())
 	endStoreSpan(sp, err)
+	if errors.Is(err, cache.ErrUnconfirmed) {
+		// The record is written and the lease spent: the completion is done. Only a failover
+		// before the replicas catch up could lose it.
+		s.unconfirmedCompletes.Inc()
+		st.event(s.log.Warn()).Err(err).Msg("completion not confirmed by the store's replicas; a failover before they catch up may lose the record")
+		return nil
+	}
 	return err
 }
 

@@ -610,7 +610,8 @@ func (st *stream) claim(body []byte) {
 		st.reqBody = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
 	}
 
-	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.ttl, Route: r.Name}
+	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.ttl, Route: r.Name,
+		Replicas: r.Durability.Replicas, ReplicaTimeout: r.Durability.Timeout}
 	wait, preferred := st.waitBudget()
 	var deadline time.Time
 	for {
