@@ -25,7 +25,8 @@ func TestDurabilityUnconfirmed(t *testing.T) {
 	ok := upstream{status: 201, body: []byte("ok")}
 	unconfirmed := func(op string) float64 { return h.counter("idempotency_durability_unconfirmed_total", "op", op) }
 
-	require.True(t, h.do(post("/v1/payments", "a", `{}`), ok).executed, "a claim the replica confirms runs")
+	first := h.do(post("/v1/payments", "a", `{}`), ok)
+	require.True(t, first.executed, "a claim the replica confirms runs: %d %s\n%s", first.status, first.body, h.logs.String())
 	require.False(t, h.do(post("/v1/payments", "a", `{}`), ok).executed, "and its duplicate replays")
 
 	replica.Pause()
