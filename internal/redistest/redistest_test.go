@@ -404,3 +404,33 @@ func other(pair []*redistest.Server, s *redistest.Server) *redistest.Server {
 	}
 	return pair[0]
 }
+
+// When a master with two replicas dies, Redis promotes one of them on its own, and the other
+// follows it.
+func TestClusterAwaitFailover(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	c := redistest.StartCluster(t, 3, 2)
+	require.Len(t, c.Replicas(), 6)
+	old, replicas := c.Masters()[0], c.Replicas()[:2]
+	key := "k"
+	for i := 0; ; i++ {
+		slot, err := old.Client(t).ClusterKeySlot(ctx, key).Result()
+		require.NoError(t, err)
+		if slot < 16384/3 {
+			break
+		}
+		key = fmt.Sprintf("k%d", i)
+	}
+	require.NoError(t, old.Client(t).Set(ctx, key, "v1", 0).Err())
+	require.Equal(t, int64(2), old.Client(t).Do(ctx, "wait", 2, 5000).Val())
+
+	old.Kill()
+	c.AwaitFailoverOf(0)
+	promoted := c.Masters()[0]
+	require.Contains(t, replicas, promoted)
+	require.Equal(t, []*redistest.Server{old, other(replicas, promoted)}, c.Replicas()[:2])
+	require.Equal(t, "v1", promoted.Client(t).Get(ctx, key).Val())
+	require.NoError(t, promoted.Client(t).Set(ctx, key, "v2", 0).Err())
+	require.Equal(t, int64(1), promoted.Client(t).Do(ctx, "wait", 1, 5000).Val(), "the other replica follows the new master")
+}
