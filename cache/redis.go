@@ -146,6 +146,10 @@ type RedisOptions struct {
 // a native SET NX GET; the owner-checked operations are scripts, sent by SHA (EVALSHA) and loaded
 // on first use. Completing a large record stages its bytes in a second key of the same slot for
 // the length of one round trip, then renames it onto the record in the owner-checked script.
+//
+// The claims and completions of a durable claim (Claim.Replicas) end their round trip with WAIT,
+// on the connection that carried them (under Cluster, one to the master of the key's slot), and
+// are judged by its count: see sendBatch.
 type Redis struct {
 	client  redis.UniversalClient
 	timeout time.Duration
