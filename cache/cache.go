@@ -140,7 +140,11 @@ type Claim struct {
 	Replicas int
 	// ReplicaTimeout bounds each of those waits; at least 1ms when Replicas is set. It counts
 	// within the store's own timeout: a wait that outlasts the call's deadline fails the call as
-	// any deadline does.
+	// any deadline does, and is not reported as ErrUnconfirmed (a claim is then withdrawn in the
+	// background). A call that shares round trips with others (the Redis batcher) may first wait
+	// for a round trip already waiting for replicas: with replicas that do not answer, only a
+	// ReplicaTimeout below half the store's timeout leaves every claim the time to be refused
+	// with ErrUnconfirmed.
 	ReplicaTimeout time.Duration
 }
 
