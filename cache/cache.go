@@ -28,6 +28,11 @@ var (
 	ErrFull = errors.New("cache: the store is full and refuses writes")
 	// ErrClosed means the store was closed.
 	ErrClosed = errors.New("cache: store closed")
+	// ErrUnconfirmed means a write of a durable claim (Claim.Replicas above 0) was not
+	// acknowledged by that many replicas within Claim.ReplicaTimeout, so a failover could lose
+	// it. What has happened then depends on the method: Acquire withdrew its claim, Complete
+	// wrote its record and left it (see Store).
+	ErrUnconfirmed = errors.New("cache: write not confirmed by enough replicas")
 )
 
 // Store holds idempotency records. Implementations are safe for concurrent use by any number of
@@ -37,16 +42,17 @@ var (
 // the call (RedisOptions.Timeout; the memory store does no I/O and returns at once), and also
 // honours the deadline and cancellation of ctx, whichever ends first. Callers need no deadline of
 // their own: a call under context.WithoutCancel still returns within the store's timeout. A method
-// that returns an error other than ErrLeaseLost or ErrNotFound may or may not have taken effect
-// (the store could have applied it before the connection broke); every method is safe to retry
-// with the same arguments.
+// that returns an error other than ErrLeaseLost, ErrNotFound or ErrUnconfirmed (whose effects
+// Acquire and Complete state) may or may not have taken effect (the store could have applied it
+// before the connection broke); every method is safe to retry with the same arguments.
 //
 // Times: a record's lifetimes (Claim.LockTTL, Claim.TTL, Renew's d) count from the moment the
 // store applies the call. Record.CreatedAt and Record.ExpiresAt are read on the clock of the
 // process that wrote them (MemoryOptions.Clock, RedisOptions.Clock); for a shared store they are
 // as good as the replicas' clocks agree.
 type Store interface {
-	// Acquire claims key in one atomic step and one store round trip.
+	// Acquire claims key in one atomic step and one store round trip (and one more to withdraw a
+	// durable claim that is not confirmed, below).
 	//
 	// If no live record exists for key, Acquire creates a pending one: a lease of c.LockTTL owned
 	// by a fresh random token, carrying c.Fingerprint, c.TTL (the lifetime the completed record
@@ -61,6 +67,16 @@ type Store interface {
 	// When Acquire fails, the caller holds nothing. If the failure came after the store may have
 	// created the record (a deadline while waiting for the reply), the store removes it in the
 	// background, best effort; otherwise it expires after LockTTL.
+	//
+	// A durable claim (c.Replicas above 0) also waits, up to c.ReplicaTimeout, until c.Replicas
+	// replicas acknowledge the pending record it created. If fewer do, Acquire withdraws the
+	// record with the owner check, as Release does, so that nothing is left pending, and returns
+	// an error wrapping ErrUnconfirmed and a zero Lease: the caller holds nothing and must not run
+	// the request, which a failover could then run a second time. If that withdrawal fails too,
+	// the store retries it in the background, best effort, and otherwise the pending record
+	// expires after c.LockTTL. An Acquire that finds a record returns it whatever the replicas
+	// say: it wrote nothing. A store without replicas (Memory) returns ErrUnconfirmed for every
+	// durable claim it would create, and creates nothing.
 	Acquire(ctx context.Context, key string, c Claim) (Lease, *Record, error)
 
 	// Lookup returns the live record for key, pending or completed, as Acquire would find it, and
@@ -77,11 +93,23 @@ type Store interface {
 	// it returns ErrLeaseLost, and writes nothing, if the caller no longer owns a pending record
 	// for the key. Completing again with the same lease after a success is a no-op that succeeds,
 	// so a retry after a lost reply is safe.
+	//
+	// A lease of a durable claim (Claim.Replicas above 0) makes Complete wait as Acquire did,
+	// for the completed record. If fewer replicas acknowledge it in time, the record has still
+	// been written, and stays: Complete returns an error wrapping ErrUnconfirmed, the lease is
+	// spent as after a success (there is nothing to release), and only a failover before the
+	// replicas catch up can lose the record, which leaves the pending record the claim's replicas
+	// hold, to expire after its lease. Completing again with the same lease waits again and
+	// returns nil once the replicas hold the record.
 	Complete(ctx context.Context, l Lease, resp Response) error
 
 	// Release deletes the caller's pending record so that the key is free at once. The owner check
 	// and the delete are one atomic step: it returns ErrLeaseLost, and deletes nothing, if the
 	// caller no longer owns a pending record for the key; a completed record is never released.
+	//
+	// Renew and Release never wait for replicas, whatever the claim: a failover that loses a
+	// renewal leaves the lease the renewal before it gave, which the next renewal extends, and
+	// one that loses a release leaves the pending record to expire after its lease.
 	Release(ctx context.Context, l Lease) error
 
 	// Purge deletes the record for key whatever its state, in one atomic step, so that the next
@@ -109,6 +137,18 @@ type Claim struct {
 	// Route names the policy route that claimed the key, for operators (Lookup, the records
 	// API). It is kept with the record, cut to MaxRouteBytes.
 	Route string
+	// Replicas, when above 0, makes the claim durable: Acquire and then Complete wait until this
+	// many replicas of the store acknowledge their write, so that a failover cannot lose it (see
+	// Store.Acquire and Store.Complete). 0, the default, waits for none.
+	Replicas int
+	// ReplicaTimeout bounds each of those waits; at least 1ms when Replicas is set. It counts
+	// within the store's own timeout: a wait that outlasts the call's deadline fails the call as
+	// any deadline does, and is not reported as ErrUnconfirmed (a claim is then withdrawn in the
+	// background). A call that shares round trips with others (the Redis batcher) may first wait
+	// for a round trip already waiting for replicas: with replicas that do not answer, only a
+	// ReplicaTimeout below half the store's timeout leaves every claim the time to be refused
+	// with ErrUnconfirmed.
+	ReplicaTimeout time.Duration
 }
 
 // MaxRouteBytes is the longest Claim.Route a store keeps.
@@ -128,6 +168,9 @@ type Lease struct {
 	route       string
 	ttl         time.Duration
 	created     time.Time
+	// The claim's durability, which Complete waits for too.
+	replicas       int
+	replicaTimeout time.Duration
 }
 
 // Key returns the stored key the lease is for, or "" for the zero Lease.

@@ -223,6 +223,10 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 		rec, err := m.record(i, true, key)
 		return Lease{}, rec, err
 	}
+	if c.Replicas > 0 {
+		m.mu.Unlock()
+		return Lease{}, nil, fmt.Errorf("cache: acquire: %w: the memory store has no replicas", ErrUnconfirmed)
+	}
 	// Tokens only need to be unique within this store, which a counter guarantees.
 	m.tokens++
 	i = m.slot()
@@ -726,8 +730,14 @@ func (h *deadlineHeap) remove(k int) {
 func (h *deadlineHeap) fix(k int) { heap.Fix(h, k) }
 
 func checkClaim(c Claim) error {
-	if !validTTL(c.LockTTL) || !validTTL(c.TTL) {
+	switch {
+	case !validTTL(c.LockTTL) || !validTTL(c.TTL):
 		return fmt.Errorf("cache: acquire: lock TTL and TTL must be 1ms to %v, got %v and %v", MaxTTL, c.LockTTL, c.TTL)
+	case c.Replicas < 0:
+		return fmt.Errorf("cache: acquire: replicas must not be negative, got %d", c.Replicas)
+	case c.Replicas > 0 && !validTTL(c.ReplicaTimeout):
+		// WAIT takes whole milliseconds, and 0 waits for ever.
+		return fmt.Errorf("cache: acquire: the replica timeout must be 1ms to %v, got %v", MaxTTL, c.ReplicaTimeout)
 	}
 	return nil
 }

@@ -32,6 +32,11 @@ const unbatchedBytes = 256 << 10
 // goroutine is added. Each call is still one command or script on one key, atomic on its own:
 // batching changes nothing about what it means.
 //
+// The calls of durable claims (call.replicas) have a batcher of their own, so that no other call
+// waits for replicas. Its batches go as any other and end with one WAIT (sendBatch): a pipeline
+// is one connection, and WAIT confirms every write its connection made before it, so one WAIT
+// confirms every call of its batch, each against the replicas it asks for.
+//
 // Deadlines are the calls' own (call.deadline, set by Redis.bound): the batcher adds none. A
 // caller's own call, sent alone, runs under the caller's context; a batch, which serves callers
 // that may each stop waiting, runs until the latest deadline among its calls.

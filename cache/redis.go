@@ -47,6 +47,19 @@ local owned = (layout == '%c' or layout == '%c') and string.sub(head, 3, %d) == 
 local st = string.sub(head, 2, 2)
 `, ownerLen-1, recordLayout, layout2, ownerLen)
 
+// luaCompletedAgain defines completedAgain, which a completion script returns when the caller's
+// record is completed already (a retried Complete): it sets the record's expiry to what it is,
+// which changes nothing but is a write, and returns 2. A durable Complete's WAIT then confirms the
+// earlier write too, whatever connection carried it: replicas apply writes in the order the
+// master made them, so one that acknowledged this write holds every write before it.
+const luaCompletedAgain = `
+local function completedAgain()
+  local at = redis.call('PEXPIRETIME', KEYS[1])
+  if at > 0 then redis.call('PEXPIREAT', KEYS[1], at) end
+  return 2
+end
+`
+
 var (
 	// renewScript: KEYS[1] key; ARGV token, lock ms, the lease's new end (Unix ms, padded).
 	// Returns 1 when renewed.
@@ -59,18 +72,19 @@ end
 return 0
 `, recordLayout, expiresOffset))
 	// completeScript: KEYS[1] key; ARGV token, the completed record, TTL ms. Returns 1 when
-	// completed; a completed record stays completed, so a retried Complete succeeds.
-	completeScript = redis.NewScript(luaOwned + `
+	// completed; a completed record stays completed, so a retried Complete succeeds, with 2 (see
+	// luaCompletedAgain).
+	completeScript = redis.NewScript(luaOwned + luaCompletedAgain + `
 if not owned then return 0 end
-if st == 'c' then return 1 end
+if st == 'c' then return completedAgain() end
 if st ~= 'p' then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1
 `)
 	// completeStagedScript: KEYS[1] key, KEYS[2] the staging key holding the completed record;
-	// ARGV token, TTL ms. Returns 1 when completed, as completeScript; the staged bytes are gone
-	// either way.
-	completeStagedScript = redis.NewScript(luaOwned + `
+	// ARGV token, TTL ms. Returns 1 when completed, or 2, as completeScript; the staged bytes are
+	// gone either way.
+	completeStagedScript = redis.NewScript(luaOwned + luaCompletedAgain + `
 if owned and st == 'p' then
   if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ERR idempotency: staged record missing') end
   redis.call('RENAME', KEYS[2], KEYS[1])
@@ -78,7 +92,7 @@ if owned and st == 'p' then
   return 1
 end
 redis.call('DEL', KEYS[2])
-if owned and st == 'c' then return 1 end
+if owned and st == 'c' then return completedAgain() end
 return 0
 `)
 	// releaseScript: KEYS[1] key; ARGV token. Returns 1 when deleted.
@@ -132,11 +146,18 @@ type RedisOptions struct {
 // a native SET NX GET; the owner-checked operations are scripts, sent by SHA (EVALSHA) and loaded
 // on first use. Completing a large record stages its bytes in a second key of the same slot for
 // the length of one round trip, then renames it onto the record in the owner-checked script.
+//
+// The claims and completions of a durable claim (Claim.Replicas) end their round trip with WAIT,
+// on the connection that carried them (under Cluster, one to the master of the key's slot), and
+// are judged by its count: see sendBatch.
 type Redis struct {
 	client  redis.UniversalClient
 	timeout time.Duration
 	clock   clock.Clock
 	send    sender
+	// durable sends the calls of durable claims, which end their round trips with a WAIT:
+	// batched apart from the others, so that no other call waits for replicas.
+	durable sender
 	orphans *orphans
 	ring    *seal.Keyring // seals responses, when set
 }
@@ -163,11 +184,11 @@ func NewRedis(client redis.UniversalClient, opts RedisOptions) *Redis {
 	if opts.Clock == nil {
 		opts.Clock = clock.Real{}
 	}
-	var send sender = newPipeline(client, pipelineSlots)
+	var send, durable sender = newPipeline(client, pipelineSlots), newPipeline(client, pipelineSlots)
 	if opts.DisableBatching {
-		send = direct{client: client}
+		send, durable = direct{client: client}, direct{client: client}
 	}
-	r := &Redis{client: client, timeout: opts.Timeout, clock: opts.Clock, send: send, orphans: newOrphans(opts.Clock), ring: opts.Keyring}
+	r := &Redis{client: client, timeout: opts.Timeout, clock: opts.Clock, send: send, durable: durable, orphans: newOrphans(opts.Clock), ring: opts.Keyring}
 	go r.orphans.run(r.releaseOrphans, opts.Timeout)
 	return r
 }
@@ -275,7 +296,9 @@ func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
 }
 
 // Acquire implements [Store.Acquire]. It is one SET NX PX GET: Redis creates the pending record
-// if the key is free and answers with the record it found otherwise.
+// if the key is free and answers with the record it found otherwise. A durable claim's SET is
+// followed by its WAIT on the same connection, in the same round trip (see sendBatch); an
+// unconfirmed claim is withdrawn by the release script, in a second round trip.
 func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Record, error) {
 	if err := checkClaim(c); err != nil {
 		return Lease{}, nil, err
@@ -287,15 +310,21 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	token := newToken()
 	c.Route = routeOf(c.Route)
 	pending := appendPending(make([]byte, 0, headerLen+len(c.Fingerprint)+routeLenDigits+len(c.Route)), token, c, now)
-	lease := Lease{key: key, token: token, fingerprint: string(c.Fingerprint), route: c.Route, ttl: c.TTL, created: now}
-	found, err := r.send.run(ctx, &call{
+	lease := Lease{key: key, token: token, fingerprint: string(c.Fingerprint), route: c.Route, ttl: c.TTL, created: now,
+		replicas: c.Replicas, replicaTimeout: c.ReplicaTimeout}
+	set := &call{
 		args:     []any{"set", key, pending, "nx", "px", c.LockTTL.Milliseconds(), "get"},
 		deadline: deadline,
 		// The SET may have run while this caller never learned it: free what it may have
 		// created rather than block the key for a whole lease.
-		undo: func(*redis.Cmd) { r.orphans.add(lease, c.LockTTL) },
-	}).Text()
+		undo:     func(*redis.Cmd) { r.orphans.add(lease, c.LockTTL) },
+		replicas: c.Replicas,
+		wait:     c.ReplicaTimeout,
+	}
+	found, err := r.sender(set).run(ctx, set).Text()
 	switch {
+	case errors.Is(err, redis.Nil) && set.unconfirmed != nil:
+		return r.withdraw(ctx, lease, c.LockTTL, set.unconfirmed)
 	case errors.Is(err, redis.Nil):
 		return lease, nil, nil
 	case err == nil:
@@ -313,9 +342,33 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	}
 	if rec.State == Pending && owner == token {
 		// go-redis retried a SET whose first reply was lost: the record is the caller's own.
+		if c.Replicas > 0 {
+			// It was written by the lost attempt, on a connection whose WAIT never came back,
+			// and this WAIT, after a SET that wrote nothing, does not cover it.
+			return r.withdraw(ctx, lease, c.LockTTL, fmt.Errorf("%w: the claim was written by an attempt whose reply was lost", ErrUnconfirmed))
+		}
 		return lease, nil, nil
 	}
 	return Lease{}, rec, nil
+}
+
+// withdraw releases the pending record of a durable claim that replicas did not confirm and
+// returns Acquire's answer: why, and no lease. A release that fails is retried in the background
+// as an orphan's; the record expires after lockTTL otherwise.
+func (r *Redis) withdraw(ctx context.Context, l Lease, lockTTL time.Duration, why error) (Lease, *Record, error) {
+	err := r.owned(ctx, "release", &call{script: releaseScript, keys: []string{l.key}, args: []any{l.token}}, l)
+	if err != nil && !errors.Is(err, ErrLeaseLost) {
+		r.orphans.add(l, lockTTL)
+	}
+	return Lease{}, nil, fmt.Errorf("cache: redis acquire: %w", why)
+}
+
+// sender returns the sender of c: the durable one for a call that waits for replicas.
+func (r *Redis) sender(c *call) sender {
+	if c.replicas > 0 {
+		return r.durable
+	}
+	return r.send
 }
 
 // newToken returns 128 random bits as tokenLen base32 characters.
@@ -344,7 +397,7 @@ func (r *Redis) run(ctx context.Context, c *call) *redis.Cmd {
 	ctx, cancel, deadline := r.bound(ctx)
 	defer cancel()
 	c.deadline = deadline
-	return r.send.run(ctx, c)
+	return r.sender(c).run(ctx, c)
 }
 
 // Lookup implements [Store.Lookup]. It reads the record and the key's expiry in one transaction
@@ -410,7 +463,17 @@ func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 			}
 		}
 	}
-	return r.owned(ctx, "complete", c, l)
+	c.replicas, c.wait = l.replicas, l.replicaTimeout
+	n, err := r.run(ctx, c).Int64()
+	switch {
+	case err != nil:
+		return redisError("complete", err)
+	case n != 1 && n != 2: // 2: completed before, by this lease
+		return ErrLeaseLost
+	case c.unconfirmed != nil:
+		return fmt.Errorf("cache: redis complete: %w", c.unconfirmed)
+	}
+	return nil
 }
 
 // stagingKey returns the key a large completion of key by token stages its bytes in: a name that
@@ -514,6 +577,7 @@ func (r *Redis) Ping(ctx context.Context) error {
 func (r *Redis) Close() error {
 	r.orphans.stop()
 	r.send.close()
+	r.durable.close()
 	err := r.client.Close()
 	if errors.Is(err, redis.ErrClosed) {
 		return nil

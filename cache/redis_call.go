@@ -3,7 +3,9 @@ package cache
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -37,6 +39,13 @@ type call struct {
 	// undo, when set, runs with the reply of a call that may have run while its caller did not
 	// learn what it did: the caller stopped waiting, or the round trip failed.
 	undo func(*redis.Cmd)
+	// replicas, when above 0, makes the call durable: its round trip ends with a WAIT for that
+	// many replicas, bounded by wait, on the connection that carried the call (see sendBatch).
+	// The sender sets unconfirmed, before the reply is handed over, when fewer acknowledged it:
+	// an error wrapping ErrUnconfirmed that says how many did, or why the WAIT failed.
+	replicas    int
+	wait        time.Duration
+	unconfirmed error
 
 	// The batcher's bookkeeping, guarded by pipeline.mu.
 	taken bool          // out of the queue, in a batch
@@ -46,10 +55,10 @@ type call struct {
 }
 
 // send sends c in a round trip of its own under ctx. A script goes by SHA and is loaded if need
-// be; a staged call goes as a pipeline of its two commands.
+// be; a staged or durable call goes as a pipeline of its commands.
 func (c *call) send(ctx context.Context, client redis.UniversalClient) *redis.Cmd {
 	switch {
-	case c.stage != nil:
+	case c.stage != nil || c.replicas > 0:
 		return sendBatch(ctx, client, []*call{c})[0]
 	case c.script != nil:
 		return c.script.Run(ctx, client, c.keys, c.args...)
@@ -119,7 +128,18 @@ func unreachable(err error) bool {
 // loaded once each (on every node under Cluster) and the refused calls sent again together, by
 // SHA, or whole (EVAL) if the load failed: under Cluster one node down or slow fails it. A staged
 // call's stage goes just before its script, and once: a script sent again finds it in place.
+//
+// When some calls are durable, each pipeline ends with one WAIT for the most replicas any of
+// them asks, bounded by the shortest wait any of them allows, and each durable call is judged by
+// the WAIT of the pipeline that carried it (confirm). A pipeline is one connection, and WAIT
+// counts every write its connection made before it, so one WAIT confirms every call of its
+// round trip; under Cluster, where a pipeline is split among the nodes, the calls go instead
+// to the master of their key's slot, one pipeline per master (sendByMaster).
 func sendBatch(ctx context.Context, client redis.UniversalClient, calls []*call) []*redis.Cmd {
+	w := waitOf(calls)
+	if cc, ok := client.(*redis.ClusterClient); ok && w.replicas > 0 {
+		return sendByMaster(ctx, cc, calls)
+	}
 	cmds := make([]*redis.Cmd, len(calls))
 	stages := make([]*redis.Cmd, len(calls))
 	add := func(pipe redis.Pipeliner, i int) {
@@ -136,6 +156,7 @@ func sendBatch(ctx context.Context, client redis.UniversalClient, calls []*call)
 		}
 		add(pipe, i)
 	}
+	waited := w.add(ctx, pipe)
 	_, _ = pipe.Exec(ctx)
 	var refused []int
 	loaded := map[*redis.Script]bool{}
@@ -149,16 +170,28 @@ func sendBatch(ctx context.Context, client redis.UniversalClient, calls []*call)
 		}
 		refused = append(refused, i)
 	}
+	again := map[int]bool{}
 	if len(refused) > 0 {
 		pipe := client.Pipeline()
 		for _, i := range refused {
+			again[i] = true
 			if c := calls[i]; loaded[c.script] {
 				add(pipe, i)
 			} else {
 				cmds[i] = c.script.Eval(ctx, pipe, c.keys, c.args...)
 			}
 		}
+		// The calls sent again went on this pipeline's connection: its own WAIT judges them.
+		rewaited := waitOf(pick(calls, refused)).add(ctx, pipe)
 		_, _ = pipe.Exec(ctx)
+		for _, i := range refused {
+			confirm(calls[i], rewaited)
+		}
+	}
+	for i, c := range calls {
+		if !again[i] {
+			confirm(c, waited)
+		}
 	}
 	for i, st := range stages {
 		// A failed stage fails its call with its own error (an OOM reply, a broken connection)
@@ -174,4 +207,112 @@ func errorCmd(ctx context.Context, err error) *redis.Cmd {
 	cmd := redis.NewCmd(ctx)
 	cmd.SetErr(err)
 	return cmd
+}
+
+// wait is the WAIT that ends a durable round trip: for replicas replicas, for at most timeout.
+// Its zero value adds none.
+type wait struct {
+	replicas int
+	timeout  time.Duration
+}
+
+// waitOf returns the WAIT calls need: the most replicas any asks for, within the shortest wait
+// any allows, so that no call waits longer than it allows and none is confirmed by fewer
+// replicas than it asks (confirm compares each with the count the WAIT returns).
+func waitOf(calls []*call) wait {
+	var w wait
+	for _, c := range calls {
+		if c.replicas <= 0 {
+			continue
+		}
+		if w.replicas == 0 || c.wait < w.timeout {
+			w.timeout = c.wait
+		}
+		w.replicas = max(w.replicas, c.replicas)
+	}
+	return w
+}
+
+// add queues the WAIT on pipe, last, and returns its reply; nil for the zero wait.
+func (w wait) add(ctx context.Context, pipe redis.Pipeliner) *redis.Cmd {
+	if w.replicas == 0 {
+		return nil
+	}
+	// WAIT takes whole milliseconds, and 0 would wait for ever: claims have at least 1ms.
+	return pipe.Do(ctx, "wait", w.replicas, max(w.timeout.Milliseconds(), 1))
+}
+
+// confirm sets c.unconfirmed from waited, the reply of the WAIT that ended the round trip that
+// carried c; a call that is not durable is left alone.
+func confirm(c *call, waited *redis.Cmd) {
+	if c.replicas <= 0 {
+		return
+	}
+	c.unconfirmed = nil
+	n, err := waited.Int64()
+	switch {
+	case err != nil:
+		c.unconfirmed = fmt.Errorf("%w: WAIT failed: %w", ErrUnconfirmed, err)
+	case n < int64(c.replicas):
+		c.unconfirmed = fmt.Errorf("%w: %d of %d replicas acknowledged within %v", ErrUnconfirmed, n, c.replicas, c.wait)
+	}
+}
+
+// pick returns calls[i] for each i of idx.
+func pick(calls []*call, idx []int) []*call {
+	out := make([]*call, len(idx))
+	for j, i := range idx {
+		out[j] = calls[i]
+	}
+	return out
+}
+
+// key returns the key c is on: its script's first key, or its command's first argument.
+func (c *call) key() string {
+	if c.script != nil {
+		return c.keys[0]
+	}
+	k, _ := c.args[1].(string)
+	return k
+}
+
+// sendByMaster sends durable calls under Cluster: each to the master that owns its key's slot
+// (ClusterClient.MasterForKey), the calls of one master in one pipeline that ends with its WAIT,
+// the masters at once. WAIT names no key, so in a Cluster pipeline it would go to any node, and
+// the Cluster client would follow a MOVED reply to another node than the WAIT's: here neither
+// can happen. A call that finds the slot map stale (a MOVED reply after a failover, a master
+// that is gone) fails, and the map is reloaded for the calls that follow.
+func sendByMaster(ctx context.Context, cc *redis.ClusterClient, calls []*call) []*redis.Cmd {
+	cmds := make([]*redis.Cmd, len(calls))
+	var masters []*redis.Client
+	byMaster := map[*redis.Client][]int{}
+	for i, c := range calls {
+		m, err := cc.MasterForKey(ctx, c.key())
+		if err != nil {
+			cmds[i] = errorCmd(ctx, err)
+			continue
+		}
+		if byMaster[m] == nil {
+			masters = append(masters, m)
+		}
+		byMaster[m] = append(byMaster[m], i)
+	}
+	var wg sync.WaitGroup
+	for _, m := range masters {
+		wg.Go(func() {
+			idx := byMaster[m]
+			for j, cmd := range sendBatch(ctx, m, pick(calls, idx)) {
+				cmds[idx[j]] = cmd
+			}
+		})
+	}
+	wg.Wait()
+	for _, cmd := range cmds {
+		if err := cmd.Err(); err != nil && !errors.Is(err, redis.Nil) {
+			// Cheap: go-redis reloads in the background, at most once per 200 ms.
+			cc.ReloadState(ctx)
+			break
+		}
+	}
+	return cmds
 }

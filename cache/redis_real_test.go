@@ -113,9 +113,9 @@ func TestRedisConformanceSentinel(t *testing.T) {
 	sn := redistest.StartSentinel(t)
 	storetest.Run(t, func(t *testing.T) storetest.Harness {
 		require.NoError(t, sn.Master().Client(t).FlushAll(t.Context()).Err())
-		s, err := cache.OpenRedis(cache.RedisOptions{SentinelAddrs: sn.Addrs(), SentinelMaster: sn.MasterName(), Timeout: time.Second})
+		s, err := cache.OpenRedis(cache.RedisOptions{SentinelAddrs: sn.Addrs(), SentinelMaster: sn.MasterName(), Timeout: 3 * time.Second})
 		require.NoError(t, err)
-		return storetest.Harness{Store: s, Advance: realTime, Scale: realTimeScale}
+		return storetest.Harness{Store: s, Advance: realTime, Scale: realTimeScale, Replicas: 1}
 	})
 }
 
@@ -209,4 +209,148 @@ func TestRedisUnreachableAtStart(t *testing.T) {
 	_, _, err = s.Acquire(t.Context(), "k", testClaim)
 	require.Error(t, err)
 	require.Less(t, time.Since(start), time.Second)
+}
+
+// warm makes a Cluster client load its slot map and its table of commands, which it reads from
+// any node, a paused replica included: done once the replicas are paused, that would take the
+// client's timeouts.
+func warm(t *testing.T, s *cache.Redis) *cache.Redis {
+	l, _, err := s.Acquire(t.Context(), "warm", testClaim)
+	require.NoError(t, err)
+	require.NoError(t, s.Release(t.Context(), l))
+	return s
+}
+
+// pauser returns a Harness.PauseReplicas that pauses servers and resumes them, at the latest
+// when t's case ends.
+func pauser(t *testing.T, servers []*redistest.Server) func() func() {
+	resume := func() {
+		for _, r := range servers {
+			r.Resume()
+		}
+	}
+	t.Cleanup(resume)
+	return func() func() {
+		for _, r := range servers {
+			r.Pause()
+		}
+		return resume
+	}
+}
+
+// The durable claims on a standalone master with one replica, batched and not.
+func TestRedisDurabilityStandalone(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t, redistest.Options{})
+	replicas := redistest.StartReplicas(t, srv, 1)
+	admin := srv.Client(t)
+	for _, unbatched := range []bool{false, true} {
+		t.Run("unbatched="+strconv.FormatBool(unbatched), func(t *testing.T) {
+			storetest.RunDurability(t, func(t *testing.T) storetest.Harness {
+				require.NoError(t, admin.FlushAll(t.Context()).Err())
+				s, err := cache.OpenRedis(cache.RedisOptions{URL: srv.URL(), Timeout: 5 * time.Second, DisableBatching: unbatched})
+				require.NoError(t, err)
+				return storetest.Harness{Store: s, Advance: realTime, Scale: realTimeScale, Replicas: 1, PauseReplicas: pauser(t, replicas)}
+			})
+		})
+	}
+}
+
+// The durable claims under Sentinel, on a master with two replicas.
+func TestRedisDurabilitySentinel(t *testing.T) {
+	t.Parallel()
+	sn := redistest.StartSentinelReplicas(t, 2)
+	master, replicas := sn.Master(), sn.Replicas()
+	storetest.RunDurability(t, func(t *testing.T) storetest.Harness {
+		require.NoError(t, master.Client(t).FlushAll(t.Context()).Err())
+		s, err := cache.OpenRedis(cache.RedisOptions{SentinelAddrs: sn.Addrs(), SentinelMaster: sn.MasterName(), Timeout: 5 * time.Second})
+		require.NoError(t, err)
+		return storetest.Harness{Store: s, Advance: realTime, Scale: realTimeScale, Replicas: 2, PauseReplicas: pauser(t, replicas)}
+	})
+}
+
+// The durable claims under Cluster, three masters with a replica each.
+func TestRedisDurabilityCluster(t *testing.T) {
+	t.Parallel()
+	cl := redistest.StartCluster(t, 3, 1)
+	storetest.RunDurability(t, func(t *testing.T) storetest.Harness {
+		for _, m := range cl.Masters() {
+			require.NoError(t, m.Client(t).FlushAll(t.Context()).Err())
+		}
+		s, err := cache.OpenRedis(cache.RedisOptions{ClusterAddrs: cl.Addrs(), Timeout: 5 * time.Second})
+		require.NoError(t, err)
+		return storetest.Harness{Store: warm(t, s), Advance: realTime, Scale: realTimeScale, Replicas: 1, PauseReplicas: pauser(t, cl.Replicas())}
+	})
+}
+
+// Under Cluster a durable write waits on the master that owns its key's slot: with one shard's
+// replica paused, the claims of that shard's keys are refused and the others' confirmed. A WAIT
+// sent to any other master would find its replica in sync and confirm them all.
+func TestRedisClusterWaitsOnTheKeysMaster(t *testing.T) {
+	t.Parallel()
+	cl := redistest.StartCluster(t, 3, 1)
+	s, err := cache.OpenRedis(cache.RedisOptions{ClusterAddrs: cl.Addrs(), Timeout: 5 * time.Second})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+	warm(t, s)
+	admin := cl.Masters()[0].Client(t)
+	shardOf := func(key string) int {
+		slot, err := admin.ClusterKeySlot(t.Context(), key).Result()
+		require.NoError(t, err)
+		return int(slot) * 3 / 16384 // StartCluster gives shard i the i-th third of the slots
+	}
+	paused := cl.Replicas()[1]
+	paused.Pause()
+	t.Cleanup(paused.Resume)
+
+	claim := cache.Claim{LockTTL: time.Minute, TTL: time.Hour, Replicas: 1, ReplicaTimeout: 300 * time.Millisecond}
+	seen := map[int]int{}
+	for i := range 30 {
+		key := "idempotency:" + strconv.Itoa(i)
+		shard := shardOf(key)
+		seen[shard]++
+		l, _, err := s.Acquire(t.Context(), key, claim)
+		if shard == 1 {
+			require.ErrorIs(t, err, cache.ErrUnconfirmed, "%s is on the paused replica's shard", key)
+			_, err := s.Lookup(t.Context(), key)
+			require.ErrorIs(t, err, cache.ErrNotFound, key)
+			continue
+		}
+		require.NoError(t, err, "%s is on shard %d", key, shard)
+		require.NoError(t, s.Complete(t.Context(), l, cache.Response{Status: 200}), key)
+	}
+	require.Len(t, seen, 3, "keys on every shard: %v", seen)
+}
+
+// A completion sent again on another connection than the first one is confirmed only once the
+// replicas hold the record, which the first one wrote: the other connection's own earlier writes,
+// long acknowledged, say nothing of it.
+func TestRedisDurableCompleteAgainOnAnotherConnection(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t, redistest.Options{})
+	replica := redistest.StartReplicas(t, srv, 1)[0]
+	open := func() *cache.Redis {
+		s, err := cache.OpenRedis(cache.RedisOptions{URL: srv.URL(), Timeout: 5 * time.Second, DisableBatching: true, PoolSize: 1})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = s.Close() })
+		return s
+	}
+	first, other := open(), open()
+	claim := cache.Claim{LockTTL: time.Minute, TTL: time.Hour, Replicas: 1, ReplicaTimeout: 300 * time.Millisecond}
+	l, _, err := first.Acquire(t.Context(), "k", claim)
+	require.NoError(t, err)
+	// The other store's one connection writes, and its write is acknowledged.
+	_, _, err = other.Acquire(t.Context(), "other", claim)
+	require.NoError(t, err)
+
+	replica.Pause()
+	t.Cleanup(replica.Resume)
+	resp := cache.Response{Status: 200, Body: []byte("once")}
+	require.ErrorIs(t, first.Complete(t.Context(), l, resp), cache.ErrUnconfirmed)
+	require.ErrorIs(t, other.Complete(t.Context(), l, resp), cache.ErrUnconfirmed, "the replica still lacks the record")
+	replica.Resume()
+	require.NoError(t, other.Complete(t.Context(), l, resp))
+	rec, err := replica.Client(t).Get(t.Context(), "k").Result()
+	require.NoError(t, err)
+	require.Contains(t, rec, "once", "the replica holds the completed record")
 }

@@ -137,7 +137,7 @@ func (c *completions) run(p pendingCompletion) {
 		}
 		// Not under c.ctx: a write under way when Shutdown gives up still gets its answer, within
 		// the store's own timeout.
-		err := s.completeCall(context.Background(), nil, p.lease, p.resp)
+		err := s.completeCall(context.Background(), nil, p.event, p.lease, p.resp)
 		switch {
 		case err == nil:
 			m.completionRetries.WithLabelValues("landed").Inc()

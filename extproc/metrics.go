@@ -23,7 +23,14 @@ type Metrics struct {
 	completionRetries    *prometheus.CounterVec
 	completionsPending   prometheus.Gauge
 	completionsAbandoned *prometheus.CounterVec
+	unconfirmed          *prometheus.CounterVec
 }
+
+// The op labels of idempotency_durability_unconfirmed_total.
+const (
+	unconfirmedClaim    = "claim"
+	unconfirmedComplete = "complete"
+)
 
 // internalIllegalTransition is the kind of idempotency_internal_errors_total for a move not in the
 // stream's transition table.
@@ -93,6 +100,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "idempotency_completions_abandoned_total",
 			Help: "Completed records never written, by reason: capacity (too many pending), expired (the record's TTL passed) or shutdown (the process ended first). Each lease expires after lock_ttl, after which a retry of its request may run again.",
 		}, []string{"reason"}),
+		unconfirmed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_durability_unconfirmed_total",
+			Help: "Writes of routes with durability that too few Redis replicas acknowledged in time, by op: claim (withdrawn; the request was answered as a store failure and did not run under it) or complete (kept; the response went out, and a failover before the replicas catch up may lose the record).",
+		}, []string{"op"}),
 	}
 	for _, kind := range misconfigKinds {
 		m.misconfig.WithLabelValues(kind)
@@ -109,7 +120,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	for _, r := range []string{abandonedCapacity, abandonedExpired, abandonedShutdown} {
 		m.completionsAbandoned.WithLabelValues(r)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable, m.upstreamRetries, m.storeErrors, m.internalErrors, m.completionRetries, m.completionsPending, m.completionsAbandoned} {
+	for _, op := range []string{unconfirmedClaim, unconfirmedComplete} {
+		m.unconfirmed.WithLabelValues(op)
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable, m.upstreamRetries, m.storeErrors, m.internalErrors, m.completionRetries, m.completionsPending, m.completionsAbandoned, m.unconfirmed} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -73,6 +73,9 @@ type Server struct {
 	keyHash                                       func() hash.Hash
 	tracer                                        trace.Tracer
 
+	// The claims and completions too few replicas confirmed (route durability).
+	unconfirmedClaims, unconfirmedCompletes prometheus.Counter
+
 	streams sync.WaitGroup
 	// misconfigLogs logs each kind of Envoy misconfiguration once per process.
 	misconfigLogs map[string]*sync.Once
@@ -138,6 +141,8 @@ func NewServer(opts Options) (*Server, error) {
 	d := s.metrics.storeDuration
 	s.acquireObs, s.renewObs = d.WithLabelValues("acquire"), d.WithLabelValues("renew")
 	s.completeObs, s.releaseObs = d.WithLabelValues("complete"), d.WithLabelValues("release")
+	u := s.metrics.unconfirmed
+	s.unconfirmedClaims, s.unconfirmedCompletes = u.WithLabelValues(unconfirmedClaim), u.WithLabelValues(unconfirmedComplete)
 	return s, nil
 }
 
@@ -298,11 +303,17 @@ func (s *Server) acquire(st *stream, c cache.Claim) (cache.Lease, *cache.Record,
 	s.acquireObs.Observe(time.Since(start).Seconds())
 	s.storeError("acquire", err)
 	endStoreSpan(sp, err)
+	if errors.Is(err, cache.ErrUnconfirmed) {
+		// Withdrawn: the caller answers it as any store failure, and the request does not run.
+		s.unconfirmedClaims.Inc()
+	}
 	return l, rec, err
 }
 
-// completeCall writes l's record: for the stream st, or for a background retry when st is nil.
-func (s *Server) completeCall(ctx context.Context, st *stream, l cache.Lease, r cache.Response) error {
+// completeCall writes l's record: for the stream st, or for a background retry when st is nil;
+// id adds the request's identity to a log line. A record written but not confirmed by enough
+// replicas (durability) is done: it is counted, logged, and nil is returned.
+func (s *Server) completeCall(ctx context.Context, st *stream, id func(*zerolog.Event) *zerolog.Event, l cache.Lease, r cache.Response) error {
 	start, sp := time.Now(), st.storeSpan("complete")
 	if st != nil {
 		st.inStore = true
@@ -314,6 +325,13 @@ func (s *Server) completeCall(ctx context.Context, st *stream, l cache.Lease, r 
 	s.completeObs.Observe(time.Since(start).Seconds())
 	s.storeError("complete", err)
 	endStoreSpan(sp, err)
+	if errors.Is(err, cache.ErrUnconfirmed) {
+		// The record is written and the lease spent: the completion is done. Only a failover
+		// before the replicas catch up could lose it.
+		s.unconfirmedCompletes.Inc()
+		id(s.log.Warn()).Err(err).Msg("completion not confirmed by the store's replicas; a failover before they catch up may lose the record")
+		return nil
+	}
 	return err
 }
 
@@ -331,7 +349,8 @@ func (s *Server) release(st *stream, ctx context.Context, l cache.Lease) error {
 // storeError counts a failed store call by operation and kind (storeErrorKind). A lost lease is
 // not the store's failure, nor is a call the stream's end cut short.
 func (s *Server) storeError(op string, err error) {
-	if err == nil || errors.Is(err, cache.ErrLeaseLost) || errors.Is(err, context.Canceled) {
+	// An unconfirmed write is counted apart (idempotency_durability_unconfirmed_total).
+	if err == nil || errors.Is(err, cache.ErrLeaseLost) || errors.Is(err, context.Canceled) || errors.Is(err, cache.ErrUnconfirmed) {
 		return
 	}
 	s.metrics.storeErrors.WithLabelValues(op, storeErrorKind(err)).Inc()

@@ -592,7 +592,8 @@ func (st *stream) claim(body []byte) {
 		st.w.body = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
 	}
 
-	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.adm.ttl, Route: r.Name}
+	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.adm.ttl, Route: r.Name,
+		Replicas: r.Durability.Replicas, ReplicaTimeout: r.Durability.Timeout}
 	wait, preferred := st.waitBudget()
 	var deadline time.Time
 	for {
@@ -887,7 +888,7 @@ func (st *stream) complete() {
 func (st *stream) record(resp cache.Response) bool {
 	st.renewal.stop()
 	// The client may already be gone; the record must still be written.
-	err := st.s.completeCall(context.WithoutCancel(st.ctx), st, st.lease, resp)
+	err := st.s.completeCall(context.WithoutCancel(st.ctx), st, st.event, st.lease, resp)
 	retried := err != nil && retryable(err) && st.s.completions.retry(pendingCompletion{
 		lease: st.lease, resp: resp, lockTTL: st.route.LockTTL, until: st.s.clock.Now().Add(st.adm.ttl),
 		requestID: st.requestID, route: st.route.Name, keyHash: st.keyHash,

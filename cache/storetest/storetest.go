@@ -32,6 +32,13 @@ type Harness struct {
 	// Now, when set, is the store's clock (the times it stores in records); the wall clock
 	// otherwise.
 	Now func() time.Time
+	// Replicas is how many replicas acknowledge each write of the store, so that a durable claim
+	// of that many is confirmed: 0 for a store without replicas. A store with replicas needs a
+	// timeout of a few seconds: the cases wait up to 2 s for them.
+	Replicas int
+	// PauseReplicas, when set, makes every replica stop acknowledging writes (SIGSTOP) and
+	// returns a function that resumes them. Only real servers with replicas set it.
+	PauseReplicas func() (resume func())
 
 	lockTTL, ttl time.Duration
 }
@@ -49,10 +56,7 @@ const (
 
 // Run runs the conformance suite. newHarness is called once per case.
 func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
-	cases := []struct {
-		name string
-		f    func(t *testing.T, h Harness)
-	}{
+	cases := []suiteCase{
 		{"AcquireCreatesPending", testAcquireCreatesPending},
 		{"ConcurrentAcquireOneOwner", testConcurrentAcquireOneOwner},
 		{"LeaseExpiryFreesKey", testLeaseExpiryFreesKey},
@@ -85,6 +89,22 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"LargeCompleteIsFinal", testLargeCompleteIsFinal},
 		{"CancelledLookupAndPurge", testCancelledLookupAndPurge},
 	}
+	run(t, newHarness, append(cases, durabilityCases...))
+}
+
+// RunDurability runs the suite's cases of durable claims alone, for stores whose other cases run
+// elsewhere: a store on a master with replicas, whose Harness sets Replicas and PauseReplicas.
+func RunDurability(t *testing.T, newHarness func(t *testing.T) Harness) {
+	run(t, newHarness, durabilityCases)
+}
+
+// suiteCase is one case of the suite.
+type suiteCase struct {
+	name string
+	f    func(t *testing.T, h Harness)
+}
+
+func run(t *testing.T, newHarness func(t *testing.T) Harness, cases []suiteCase) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			h := newHarness(t)

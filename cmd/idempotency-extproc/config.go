@@ -383,11 +383,32 @@ func loadConfig(args []string, getenv func(string) string, help io.Writer) (*con
 		if err := cache.CheckRedisOptions(c.redisOptions(0)); err != nil {
 			errs = append(errs, fmt.Errorf("redis-url (%s): %w", sources["redis-url"], err))
 		}
+	case c.store == "memory" && c.policy != nil:
+		if waits := durableRoutes(c.policy); len(waits) > 0 {
+			errs = append(errs, fmt.Errorf("durability.replicas (config file %s) is above 0 for %s, and the memory store (store, %s) has no replicas to wait for: use the Redis store, or durability.replicas: 0",
+				path, strings.Join(waits, ", "), sources["store"]))
+		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
 	return c, nil
+}
+
+// durableRoutes names the routes that wait for replicas (durability.replicas above 0): "the
+// defaults", then each route by its name.
+func durableRoutes(p *policy.Policy) []string {
+	var names []string
+	for _, r := range append([]*policy.Route{p.Default}, p.Routes...) {
+		switch {
+		case r.Durability.Replicas == 0:
+		case r == p.Default:
+			names = append(names, "the defaults")
+		default:
+			names = append(names, fmt.Sprintf("route %q", r.Name))
+		}
+	}
+	return names
 }
 
 // redisOptions are the Redis store's options, each call bounded by timeout.

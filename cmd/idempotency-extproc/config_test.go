@@ -271,3 +271,25 @@ func TestRunOptionsDefaults(t *testing.T) {
 	require.Greater(t, adminWriteTimeout, recordsTimeout, "a records API call answers before its connection is cut")
 	require.Equal(t, time.Second, runOptions{drainTimeout: time.Second}.withDefaults().drainTimeout, "a set field stays")
 }
+
+// Waiting for replicas needs a store that has them: the memory store refuses durability at
+// start-up, naming the setting and the routes that ask for it.
+func TestConfigDurabilityNeedsRedis(t *testing.T) {
+	file := writeFile(t, `
+routes:
+  - {name: pay, match: {path_prefix: /pay}, durability: {replicas: 1}}
+  - {name: refund, match: {path_prefix: /refund}}
+  - {name: ledger, match: {path_prefix: /ledger}, durability: {replicas: 2}}
+`)
+	_, err := loadConfig([]string{"--config", file}, env(nil), io.Discard)
+	require.EqualError(t, err, `durability.replicas (config file `+file+`) is above 0 for route "pay", route "ledger", and the memory store (store, default) has no replicas to wait for: use the Redis store, or durability.replicas: 0`)
+
+	file = writeFile(t, "durability: {replicas: 1}\nroutes: [{name: off, match: {path_prefix: /o}, durability: {replicas: 0}}]\n")
+	_, err = loadConfig([]string{"--config", file, "--store", "memory"}, env(nil), io.Discard)
+	require.ErrorContains(t, err, "is above 0 for the defaults, and the memory store (store, flag --store)")
+	require.NotContains(t, err.Error(), "off")
+
+	c, err := loadConfig([]string{"--config", file, "--store", "redis"}, env(nil), io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, 1, c.policy.Default.Durability.Replicas)
+}

@@ -49,6 +49,9 @@ type options struct {
 	// fills it), which is also the bytes redis-benchmark's SETs write per size.
 	sizes, streamCounts []int
 	redisBytes          int64
+	// replicatedAddr is a Redis master with one replica, for -mode costs' durability section;
+	// "" skips it.
+	replicatedAddr string
 }
 
 // memoryBound is the memory stores' bound for the option's value.
@@ -104,6 +107,9 @@ type cell struct {
 	slowCalls        int64           // store operations that took over slowCall
 	redisCommands    float64         // commands sent to Redis per request
 	redisTrips       float64         // round trips to Redis per request (pipelined calls share one)
+	redisWaits       float64         // WAITs for replicas per request (durable round trips)
+	unconfirmed      int64           // claims and completions the replicas did not confirm in time
+	replicaCPU       time.Duration   // the Redis replica's CPU time, where the section has one
 	logLines         float64         // lines the processor logged per request
 	failures         int64           // requests settled otherwise than a clean run does (counters.Failures)
 	roundRPS         []float64       // each round's requests/s, for the paired ratios
@@ -128,7 +134,11 @@ func (c cell) mean() time.Duration { return c.latency / time.Duration(c.requests
 // hasStore and hasRedis tell which counters mean something for c's target.
 func (c cell) hasStore() bool { return c.target != targetNull }
 func (c cell) hasRedis() bool {
-	return c.target == targetRedis || c.target == targetRedisUnbatched || c.target == targetRedisPlain
+	switch c.target {
+	case targetRedis, targetRedisUnbatched, targetRedisPlain, targetRedisReplicated, targetRedisDurable:
+		return true
+	}
+	return false
 }
 
 type result struct {
@@ -475,6 +485,8 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 			c.slowCalls += after.SlowCalls - before.SlowCalls
 			c.redisCommands += float64(after.Commands - before.Commands)
 			c.redisTrips += float64(after.Trips - before.Trips)
+			c.redisWaits += float64(after.Waits - before.Waits)
+			c.unconfirmed += after.Unconfirmed - before.Unconfirmed
 			c.logLines += float64(after.LogLines - before.LogLines)
 			c.failures += after.Failures - before.Failures
 		}
@@ -486,6 +498,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 		c.waitCalls /= float64(c.requests)
 		c.redisCommands /= float64(c.requests)
 		c.redisTrips /= float64(c.requests)
+		c.redisWaits /= float64(c.requests)
 		c.logLines /= float64(c.requests)
 		c.p50, c.p99 = percentiles(lats[i])
 	}
@@ -807,7 +820,7 @@ func redisBenchmark(addr string, clients int) float64 {
 }
 
 // startRedis runs a throwaway redis-server on a free loopback port.
-func startRedis() (string, func(), error) {
+func startRedis(args ...string) (string, func(), error) {
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		return "", nil, err
@@ -823,8 +836,8 @@ func startRedis() (string, func(), error) {
 	if err != nil {
 		return "", nil, err
 	}
-	cmd := exec.Command(bin, "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-		"--dir", dir, "--logfile", filepath.Join(dir, "redis.log"))
+	cmd := exec.Command(bin, append([]string{"--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+		"--dir", dir, "--logfile", filepath.Join(dir, "redis.log")}, args...)...)
 	if err := cmd.Start(); err != nil {
 		return "", nil, err
 	}

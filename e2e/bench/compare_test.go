@@ -212,9 +212,11 @@ func TestNullProcessorStreamsBack(t *testing.T) {
 // plain SETs target's two SETs per first execution, of the records' sizes.
 func TestCosts(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
+	replicated := redistest.Start(t, redistest.Options{})
+	redistest.StartReplicas(t, replicated, 1)
 	sizes, streams := []int{1 << 10, 64 << 10}, []int{8, 16}
 	res, err := costs(t.Context(), options{duration: 300 * time.Millisecond, rounds: 2, streams: 8, redisAddr: srv.Addr(),
-		memoryBytes: 8 << 20, sizes: sizes, streamCounts: streams, redisBytes: 16 << 20})
+		memoryBytes: 8 << 20, sizes: sizes, streamCounts: streams, redisBytes: 16 << 20, replicatedAddr: replicated.Addr()})
 	require.NoError(t, err)
 	var out bytes.Buffer
 	res.print(&out)
@@ -222,8 +224,8 @@ func TestCosts(t *testing.T) {
 
 	ring, err := benchKeyring()
 	require.NoError(t, err)
-	envelope := int64(ring.SealedLen(0))                  // the version, key id, nonce and tag
-	require.Len(t, res.sections, len(sizes)+len(streams)) // a section per size, one of in-flight duplicates, one per further stream count
+	envelope := int64(ring.SealedLen(0))                    // the version, key id, nonce and tag
+	require.Len(t, res.sections, len(sizes)+len(streams)+1) // a section per size, one of in-flight duplicates, one per further stream count, durability
 	var spans int64
 	for _, sec := range res.sections {
 		for _, w := range sec.workloads {
@@ -297,6 +299,15 @@ func TestCosts(t *testing.T) {
 					}
 					require.Equal(t, c.storeCalls+extra, c.redisCommands, where)
 					require.Positive(t, c.redisCPU, where)
+					if target == targetRedisDurable {
+						require.Equal(t, c.redisTrips, c.redisWaits, "%s: a WAIT ends every round trip", where)
+						require.Positive(t, c.redisWaits, where)
+					} else {
+						require.Zero(t, c.redisWaits, where)
+					}
+					if sec.replicated {
+						require.Positive(t, c.replicaCPU, "%s: the replica's CPU is measured", where)
+					}
 					if target == targetRedisUnbatched {
 						require.Equal(t, c.storeCalls, c.redisTrips, "%s: a round trip per store call", where)
 					} else {
@@ -324,7 +335,9 @@ func TestCosts(t *testing.T) {
 	for _, want := range []string{"### 1 KiB bodies, 8 streams: features", "### 64 KiB bodies, 8 streams", "### 1 KiB bodies, 16 streams",
 		"### A duplicate waiting for a request in flight", "### What each feature costs", "### redis-server's CPU per first execution",
 		"| first execution | null processor, plain SETs |",
-		"| first execution | memory store, sealed |", "| replay | redis store, batching off |", "Every request of every cell was settled"} {
+		"| first execution | memory store, sealed |", "| replay | redis store, batching off |", "Every request of every cell was settled",
+		"### durability: 1 KiB bodies, 8 streams, a Redis master with one replica", "| first execution | redis store, replicas: 1 |",
+		"| durability: 1 KiB bodies, 8 streams, a Redis master with one replica | replay | redis store, replicas: 1 | redis store, master with a replica |"} {
 		require.Contains(t, out.String(), want)
 	}
 }

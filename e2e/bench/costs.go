@@ -24,7 +24,9 @@ import (
 // alternating rounds, what each feature and each dimension costs: tracing on and sealing on
 // (memory store, 1 KiB bodies), a duplicate that waits for a request in flight, the Redis store
 // with its batcher on and off, bodies of 1 KiB, 64 KiB and 1 MiB, and 32, 256 and 1,024
-// concurrent streams. CPU per request (the target process' own) leads; throughput ratios follow.
+// concurrent streams, and, on a Redis master with one replica, durability.replicas: 1 against
+// the same store waiting for no replica. CPU per request (the target process' own) leads;
+// throughput ratios follow.
 // Redis is filled to its bound before each section (fillRedis), and redis-server's CPU per first
 // execution is set against plain SETs of the records' bytes in the same rounds (plainset.go).
 
@@ -45,6 +47,8 @@ type costSection struct {
 	shape     shape
 	workloads []string
 	targets   []string
+	// replicated runs its Redis targets on the master with a replica (options.replicatedAddr).
+	replicated bool
 }
 
 // sized is the shape of request and response bodies of n bytes each.
@@ -63,8 +67,9 @@ func fmtBytes(n int) string {
 }
 
 // costSections are the sections of -mode costs for the given body sizes (the first the
-// features' size) and stream counts (the first the other sections').
-func costSections(sizes, streams []int, redis bool) []costSection {
+// features' size) and stream counts (the first the other sections'), the durability section
+// last when there is a Redis master with a replica.
+func costSections(sizes, streams []int, redis, replicated bool) []costSection {
 	var secs []costSection
 	both := []string{workloadFirst, workloadReplay}
 	keep := func(names ...string) []string {
@@ -91,6 +96,10 @@ func costSections(sizes, streams []int, redis bool) []costSection {
 	for _, n := range streams[1:] {
 		secs = append(secs, costSection{name: fmt.Sprintf("%s bodies, %d streams", fmtBytes(sizes[0]), n), streams: n, shape: sized(sizes[0]),
 			workloads: []string{workloadFirst}, targets: keep(targetNull, targetMemory, targetRedis)})
+	}
+	if replicated {
+		secs = append(secs, costSection{name: fmt.Sprintf("durability: %s bodies, %d streams, a Redis master with one replica", fmtBytes(sizes[0]), s0),
+			streams: s0, shape: sized(sizes[0]), workloads: both, targets: []string{targetNull, targetRedisReplicated, targetRedisDurable}, replicated: true})
 	}
 	return secs
 }
@@ -153,24 +162,54 @@ func costs(ctx context.Context, o options) (costResult, error) {
 		o.streamCounts = []int{o.streams, 256, 1024}
 	}
 	res := costResult{opts: o, recordBytes: map[int]int{}, plainBytes: map[int]int{}, sets: map[int]setCost{}}
-	res.sections = costSections(o.sizes, o.streamCounts, o.redisAddr != "")
+	res.sections = slices.DeleteFunc(costSections(o.sizes, o.streamCounts, o.redisAddr != "", o.replicatedAddr != ""), func(sec costSection) bool {
+		if len(o.only) == 0 {
+			return false
+		}
+		for term := range o.only {
+			if strings.Contains(sec.name, term) {
+				return false
+			}
+		}
+		return true
+	})
 	recv, err := startSpanReceiver()
 	if err != nil {
 		return res, err
 	}
 	defer recv.close()
 
-	var admin *redis.Client
+	var admin, replicatedAdmin, replicaAdmin *redis.Client
+	// bound gives a Redis its bound and the eviction of the least recently used keys beyond it.
+	bound := func(c *redis.Client, bytes int64) error {
+		for _, kv := range [][2]string{{"maxmemory", strconv.FormatInt(bytes, 10)}, {"maxmemory-policy", "allkeys-lru"}} {
+			if err := c.ConfigSet(ctx, kv[0], kv[1]).Err(); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
 	if o.redisAddr != "" {
 		admin = redis.NewClient(&redis.Options{Addr: o.redisAddr})
 		defer admin.Close()
 		// 1 MiB records at hundreds a second would fill the machine's memory: Redis evicts the
 		// least recently used keys beyond its bound (1 GiB), as a Redis sized for its replay
 		// window does. redis-benchmark's SETs run under the same bound.
-		for _, kv := range [][2]string{{"maxmemory", strconv.FormatInt(o.redisBytes, 10)}, {"maxmemory-policy", "allkeys-lru"}} {
-			if err := admin.ConfigSet(ctx, kv[0], kv[1]).Err(); err != nil {
-				return res, err
-			}
+		if err := bound(admin, o.redisBytes); err != nil {
+			return res, err
+		}
+	}
+	if o.replicatedAddr != "" {
+		replicatedAdmin = redis.NewClient(&redis.Options{Addr: o.replicatedAddr})
+		defer replicatedAdmin.Close()
+		if replicaAdmin, err = replicaOf(ctx, replicatedAdmin); err != nil {
+			return res, err
+		}
+		defer replicaAdmin.Close()
+		// A quarter of the other's bound: its replica holds as much again. The durability
+		// section's 1 KiB records fill it many times over.
+		if err := bound(replicatedAdmin, o.redisBytes/4); err != nil {
+			return res, err
 		}
 	}
 	procs := map[string]*targetProcess{}
@@ -185,7 +224,11 @@ func costs(ctx context.Context, o options) (costResult, error) {
 	}()
 	clients := map[string]extprocv3.ExternalProcessorClient{}
 	start := func(name string, env ...string) error {
-		t, err := startTarget(name, o.redisAddr, o.memoryBytes, env...)
+		addr := o.redisAddr
+		if name == targetRedisReplicated || name == targetRedisDurable {
+			addr = o.replicatedAddr
+		}
+		t, err := startTarget(name, addr, o.memoryBytes, env...)
 		if err != nil {
 			return err
 		}
@@ -226,10 +269,14 @@ func costs(ctx context.Context, o options) (costResult, error) {
 	}
 	each := o.duration / time.Duration(o.rounds)
 	for _, sec := range res.sections {
-		if admin != nil && slices.Contains(sec.targets, targetRedis) {
+		secAdmin := admin
+		if sec.replicated {
+			secAdmin = replicatedAdmin
+		}
+		if secAdmin != nil && (sec.replicated || slices.Contains(sec.targets, targetRedis)) {
 			// Each section starts with Redis at its bound, full of values of the size of the
 			// section's records: the steady state of a Redis that has run for a while.
-			if err := fillRedis(ctx, admin, len(sec.shape.resp)+overhead); err != nil {
+			if err := fillRedis(ctx, secAdmin, len(sec.shape.resp)+overhead); err != nil {
 				return res, err
 			}
 		}
@@ -249,13 +296,23 @@ func costs(ctx context.Context, o options) (costResult, error) {
 					return res, fmt.Errorf("%s, %s, %s, warming up: %w", sec.name, w, t.name, err)
 				}
 			}
-			cells, err := rounds(ctx, o.rounds, w, targets, admin, func(i int) (cell, []time.Duration, error) {
-				return driveShaped(ctx, clients[targets[i].name], w, sec.streams, each, sec.shape)
+			replicaCPU := make([]time.Duration, len(targets))
+			cells, err := rounds(ctx, o.rounds, w, targets, secAdmin, func(i int) (cell, []time.Duration, error) {
+				var cpu0 time.Duration
+				if sec.replicated {
+					cpu0 = redisServerCPU(ctx, replicaAdmin)
+				}
+				c, lat, err := driveShaped(ctx, clients[targets[i].name], w, sec.streams, each, sec.shape)
+				if sec.replicated {
+					replicaCPU[i] += redisServerCPU(ctx, replicaAdmin) - cpu0
+				}
+				return c, lat, err
 			})
 			if err != nil {
 				return res, fmt.Errorf("%s: %w", sec.name, err)
 			}
 			for i, c := range cells {
+				c.replicaCPU = replicaCPU[i]
 				if w == workloadFirst {
 					// After the rounds, outside their CPU time: what the target holds per stream
 					// in flight.
@@ -544,6 +601,15 @@ func (r costResult) print(w io.Writer) {
 				if c.waitCalls > 0 {
 					also = append(also, fmt.Sprintf("%.2f wait store calls/req", c.waitCalls))
 				}
+				if c.redisWaits > 0 {
+					also = append(also, fmt.Sprintf("%.2f WAITs/req", c.redisWaits))
+				}
+				if c.replicaCPU > 0 && name != targetNull {
+					also = append(also, fmt.Sprintf("replica CPU %.1f µs/req", perRequest(c.replicaCPU, c.requests)))
+				}
+				if c.unconfirmed > 0 {
+					also = append(also, fmt.Sprintf("%d claims or completions unconfirmed", c.unconfirmed))
+				}
 				if c.sealOverhead > 0 {
 					also = append(also, fmt.Sprintf("sealed: +%d B/record", c.sealOverhead))
 				}
@@ -577,6 +643,7 @@ var featurePairs = [][2]string{
 	{targetMemoryTraced, targetMemory},
 	{targetMemorySealed, targetMemory},
 	{targetRedisUnbatched, targetRedis},
+	{targetRedisDurable, targetRedisReplicated},
 }
 
 func (r costResult) printFeatureCosts(w io.Writer) {

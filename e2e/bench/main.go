@@ -16,6 +16,7 @@
 //	go run ./e2e/bench -duration 10s -streams 64
 //	go run ./e2e/bench -redis-batching=false -only "first execution,redis store"
 //	go run ./e2e/bench -mode costs -duration 6s -rounds 3   # what features and dimensions cost
+//	go run ./e2e/bench -mode costs -only durability          # durability.replicas: 1 against 0
 //
 // It needs redis-server (and redis-benchmark) on PATH for the Redis rows; without them those
 // rows are skipped. Ratios, not absolute numbers, are the claims: the client, the processor and
@@ -43,11 +44,11 @@ func main() {
 	streams := flag.Int("streams", 32, "concurrent ext_proc streams")
 	rounds := flag.Int("rounds", 5, "alternating rounds each cell's duration is split into")
 	load := flag.Float64("load", 0.5, "also run each workload at this fraction of the slowest target's requests/s, to measure latency below saturation (0: skip)")
-	only := flag.String("only", "", "comma-separated workloads and targets to run (default all), e.g. \"first execution,memory store\"")
+	only := flag.String("only", "", "comma-separated workloads and targets to run (default all), e.g. \"first execution,memory store\"; with -mode costs, the sections whose title holds one of them, e.g. durability")
 	memoryBytes := flag.Int64("memory-bytes", 0, "the memory stores' bound (default the binary's, 256 MiB)")
 	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory, .memory-empty and .redis")
 	traceOut := flag.String("trace", "", "write execution traces (go tool trace) of the whole run, named as -cpuprofile's")
-	mode := flag.String("mode", "compare", "compare: the default tables; costs: CPU per request over the null processor of each feature (tracing, sealing, a waiting duplicate, the Redis batcher on and off, against plain SETs of the records under the same load), of 1 KiB, 64 KiB and 1 MiB bodies and of -streams, 256 and 1,024 streams, in one run")
+	mode := flag.String("mode", "compare", "compare: the default tables; costs: CPU per request over the null processor of each feature (tracing, sealing, a waiting duplicate, the Redis batcher on and off, against plain SETs of the records under the same load, durability.replicas: 1 on a Redis master with a replica), of 1 KiB, 64 KiB and 1 MiB bodies and of -streams, 256 and 1,024 streams, in one run")
 	redisBatching := flag.Bool("redis-batching", true, "let the Redis store share round trips among concurrent calls in pipelined batches (false: a round trip per call)")
 	sizes := flag.String("sizes", "1024,65536,1048576", "-mode costs: the body sizes in bytes, comma-separated; the first is the features' size")
 	streamCounts := flag.String("stream-counts", "", "-mode costs: the stream counts, comma-separated (default -streams, 256, 1024); the first is the other sections'")
@@ -86,7 +87,16 @@ func main() {
 		defer stop()
 	}
 	if *mode == "costs" {
-		o := options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, memoryBytes: *memoryBytes, redisBytes: 1 << 30}
+		o := options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, memoryBytes: *memoryBytes, redisBytes: 1 << 30, only: filter}
+		if redisAddr != "" {
+			replicated, stop, err := startReplicatedRedis()
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "bench: no Redis master with a replica, durability section skipped:", err)
+			} else {
+				defer stop()
+				o.replicatedAddr = replicated
+			}
+		}
 		var err error
 		if o.sizes, err = ints(*sizes); err == nil {
 			o.streamCounts, err = ints(*streamCounts)

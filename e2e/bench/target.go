@@ -47,6 +47,7 @@ var profileSuffix = map[string]string{
 	targetNull: ".null", targetMemory: ".memory", targetMemoryEmpty: ".memory-empty", targetRedis: ".redis",
 	targetMemoryTraced: ".memory-traced", targetMemorySealed: ".memory-sealed", targetMemoryWait: ".memory-wait",
 	targetRedisUnbatched: ".redis-unbatched", targetRedisPlain: ".redis-plain",
+	targetRedisReplicated: ".redis-replicated", targetRedisDurable: ".redis-durable",
 }
 
 // counters are what a target process reports: its CPU time and, for the processor, its store
@@ -62,6 +63,9 @@ type counters struct {
 	SlowCalls int64
 	Commands  int64
 	Trips     int64
+	// Waits are the WAIT commands the Redis store sent (durable round trips), Unconfirmed the
+	// claims and completions they did not confirm (idempotency_durability_unconfirmed_total).
+	Waits, Unconfirmed int64
 	// LogLines are the lines the processor logged.
 	LogLines int64
 	// Failures are the requests the processor settled otherwise than a clean run does: the
@@ -127,11 +131,11 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 		return err
 	}
 	var (
-		p               extprocv3.ExternalProcessorServer
-		commands, trips atomic.Int64
-		spans           atomic.Int64 // ended by the traced target
-		memory          *cache.Memory
-		sealOverhead    int64
+		p                      extprocv3.ExternalProcessorServer
+		commands, trips, waits atomic.Int64
+		spans                  atomic.Int64 // ended by the traced target
+		memory                 *cache.Memory
+		sealOverhead           int64
 		// flush, for the traced target, exports the spans still buffered.
 		flush = func(context.Context) error { return nil }
 	)
@@ -180,15 +184,19 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 			return err
 		}
 		p = srv
-	case targetRedis, targetRedisUnbatched:
+	case targetRedis, targetRedisUnbatched, targetRedisReplicated, targetRedisDurable:
 		unbatched := name == targetRedisUnbatched || os.Getenv(envUnbatched) == "1"
 		rs, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + redisAddr + "/0", Timeout: time.Second, DisableBatching: unbatched})
 		if err != nil {
 			return err
 		}
 		defer rs.Close()
-		rs.Client().AddHook(commandCounter{commands: &commands, trips: &trips})
-		srv, err := extproc.NewServer(extproc.Options{Store: rs, Policy: benchPolicy(), Logger: &log, Metrics: metrics})
+		rs.Client().AddHook(commandCounter{commands: &commands, trips: &trips, waits: &waits})
+		pol := benchPolicy()
+		if name == targetRedisDurable {
+			pol = durablePolicy()
+		}
+		srv, err := extproc.NewServer(extproc.Options{Store: rs, Policy: pol, Logger: &log, Metrics: metrics})
 		if err != nil {
 			return err
 		}
@@ -199,7 +207,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 			return err
 		}
 		defer ps.rdb.Close()
-		ps.rdb.AddHook(commandCounter{commands: &commands, trips: &trips})
+		ps.rdb.AddHook(commandCounter{commands: &commands, trips: &trips, waits: &waits})
 		p = ps
 	default:
 		return fmt.Errorf("no target %q", name)
@@ -243,7 +251,7 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 			}
 		}
 		cpu, rss := processUsage()
-		c := counters{CPU: cpu, PeakRSS: rss, Commands: commands.Load(), Trips: trips.Load(), LogLines: lines.n.Load(), SealOverhead: sealOverhead, Spans: spans.Load()}
+		c := counters{CPU: cpu, PeakRSS: rss, Commands: commands.Load(), Trips: trips.Load(), Waits: waits.Load(), LogLines: lines.n.Load(), SealOverhead: sealOverhead, Spans: spans.Load()}
 		if err := storeCalls(reg, &c); err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
@@ -446,6 +454,11 @@ func storeCalls(g prometheus.Gatherer, c *counters) error {
 				c.WaitCalls += int64(m.GetCounter().GetValue())
 			}
 			continue
+		case "idempotency_durability_unconfirmed_total":
+			for _, m := range f.GetMetric() {
+				c.Unconfirmed += int64(m.GetCounter().GetValue())
+			}
+			continue
 		case "idempotency_store_duration_seconds":
 		default:
 			continue
@@ -475,7 +488,9 @@ const slowCall = time.Millisecond
 // commandCounter counts the store's commands go-redis sends (SET for an acquire, scripts for
 // the rest) and the round trips they take: one per command sent alone, one per pipelined batch.
 // Connection set-up (HELLO) is not counted.
-type commandCounter struct{ commands, trips *atomic.Int64 }
+// commandCounter counts the store's commands (set, evalsha, eval), the round trips that carry
+// them, and the WAITs that end durable round trips.
+type commandCounter struct{ commands, trips, waits *atomic.Int64 }
 
 func isStoreCommand(cmd redis.Cmder) bool {
 	switch cmd.Name() {
@@ -503,6 +518,9 @@ func (h commandCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redi
 		for _, c := range cmds {
 			if isStoreCommand(c) {
 				n++
+			}
+			if c.Name() == "wait" && h.waits != nil {
+				h.waits.Add(1)
 			}
 		}
 		if n > 0 { // not a connection's set-up, which go-redis pipelines too

@@ -93,6 +93,8 @@ const maxSteps = 1 << 18
 type decoder struct {
 	errs  []error
 	steps int
+	// durabilities are the durability mappings read, for checkDurability.
+	durabilities []durabilityCheck
 }
 
 func (d *decoder) fail(n *yaml.Node, path, format string, args ...any) {

@@ -80,6 +80,13 @@ func topFields() []topField {
 		{key: "problems",
 			doc: "replaces built-in problem responses for every route, by problem code: `{status, content_type, body}`, see the per-route `problems`",
 			set: func(d *decoder, p *Policy, v *yaml.Node, path string) { p.Problems = d.problems(v, path) }},
+		{key: "durability", def: "{replicas: 0, timeout: " + DefaultDurabilityTimeout.String() + "}",
+			doc: durabilityDoc,
+			set: func(d *decoder, p *Policy, v *yaml.Node, path string) {
+				var timeout *yaml.Node
+				p.Durability, timeout = d.durability(p.Durability, v, path)
+				d.durabilities = append(d.durabilities, durabilityCheck{path: path, node: v, timeout: timeout})
+			}},
 	}
 }
 
@@ -260,6 +267,13 @@ func routeFields() []field {
 					x.r.KeyPrefix = s
 				}
 			}},
+		{key: "durability", where: routesOnly, inDefaults: "belongs at the top level (for every route) or in a route, not in defaults",
+			doc: "the top-level `durability` for the route's requests, field by field: `{replicas, timeout}`",
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+				var timeout *yaml.Node
+				x.r.Durability, timeout = d.durability(x.r.Durability, v, path)
+				d.durabilities = append(d.durabilities, durabilityCheck{route: x.r, path: path, node: v, timeout: timeout})
+			}},
 		{key: "problems", where: routesOnly, inDefaults: "belongs at the top level (for every route) or in a route, not in defaults",
 			doc: "replaces built-in problem responses of the route, by problem code, over the top-level entries: `{status, content_type, body}`; `status` 200–599 (default: the built-in one), `content_type` (default `application/problem+json`, only with `body`), `body` a Go `text/template` over `.Code`, `.Title`, `.Detail`, `.Status` (and `json`, which writes its argument as JSON), checked at start-up; the codes are " + codeList(),
 			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
@@ -409,6 +423,9 @@ func (d *decoder) file(root *yaml.Node, settings []Setting) (*Policy, map[string
 			d.builtin(f.key, f.def, func(v *yaml.Node, path string) { d.top(f, p, v, path) })
 		}
 	}
+	// A built-in durability.timeout above the file's store_timeout is the file's to fix where
+	// durability is on (checkDurability), not an error of the built-in defaults.
+	d.durabilities = nil
 	values := map[string]string{}
 	var defaults, routes *yaml.Node
 	if root != nil && !isNull(root) {
@@ -444,7 +461,7 @@ func (d *decoder) file(root *yaml.Node, settings []Setting) (*Policy, map[string
 	}
 
 	builtin := d.builtinRoute()
-	builtin.Problems = p.Problems
+	builtin.Problems, builtin.Durability = p.Problems, p.Durability
 	p.Default = builtin
 	if defaults != nil {
 		p.Default, _ = d.route(builtin, defaults, "defaults", true)
@@ -470,6 +487,7 @@ func (d *decoder) file(root *yaml.Node, settings []Setting) (*Policy, map[string
 		})
 	}
 	d.scopeKinds(p)
+	d.checkDurability(p)
 	return p, values
 }
 

@@ -436,7 +436,8 @@ func TestFieldDocs(t *testing.T) {
 	}
 	require.Len(t, seen, len(docs), "each field is listed once per level")
 	for _, key := range []string{"top level problems", "routes problems", "defaults, routes scope", "routes match", "top level metadata_namespace",
-		"defaults, routes in_flight_wait", "defaults, routes store_body", "defaults, routes mode", "defaults, routes expires_header"} {
+		"defaults, routes in_flight_wait", "defaults, routes store_body", "defaults, routes mode", "defaults, routes expires_header",
+		"top level durability", "routes durability"} {
 		require.True(t, seen[key], key)
 	}
 }
@@ -446,4 +447,72 @@ func TestFieldDocs(t *testing.T) {
 func TestScopeKindsApartUnderTheirOwnPrefix(t *testing.T) {
 	_, err := policy.Parse([]byte("routes:\n  - {name: h, match: {path_prefix: /h}, scope: [{header: org}]}\n  - {name: o, key_prefix: 'orgs:', match: {path_regex: '/o/(?P<org>[^/]+)'}, scope: [{path_param: org}]}\n"))
 	require.NoError(t, err)
+}
+
+// durability is a top-level field that a route overrides field by field.
+func TestDurability(t *testing.T) {
+	def := policy.Default()
+	require.Equal(t, policy.Durability{Replicas: 0, Timeout: 50 * time.Millisecond}, def.Durability, "off by default")
+	require.Equal(t, def.Durability, def.Default.Durability)
+
+	p := mustParse(t, `
+durability: {replicas: 1}
+store_timeout: 200ms
+routes:
+  - {name: inherits, match: {path_prefix: /i}}
+  - {name: more, match: {path_prefix: /m}, durability: {replicas: 2}}
+  - {name: longer, match: {path_prefix: /l}, durability: {timeout: 200ms}}
+  - {name: off, match: {path_prefix: /o}, durability: {replicas: 0}}
+`)
+	require.Equal(t, policy.Durability{Replicas: 1, Timeout: 50 * time.Millisecond}, p.Durability, "the timeout keeps its default")
+	require.Equal(t, p.Durability, p.Default.Durability, "the defaults take the top level's")
+	require.Equal(t, p.Durability, route(t, p, "inherits").Durability)
+	require.Equal(t, policy.Durability{Replicas: 2, Timeout: 50 * time.Millisecond}, route(t, p, "more").Durability)
+	require.Equal(t, policy.Durability{Replicas: 1, Timeout: 200 * time.Millisecond}, route(t, p, "longer").Durability, "as long as store_timeout, given after it")
+	require.Equal(t, policy.Durability{Replicas: 0, Timeout: 50 * time.Millisecond}, route(t, p, "off").Durability)
+
+	p = mustParse(t, "routes: [{name: on, match: {path_prefix: /}, durability: {replicas: 3, timeout: 1ms}}]\n")
+	require.Equal(t, policy.Durability{}, policy.Durability{Replicas: p.Durability.Replicas}, "the top level stays off")
+	require.Equal(t, policy.Durability{Replicas: 3, Timeout: time.Millisecond}, route(t, p, "on").Durability)
+}
+
+// Bad durability values name the field and its line; a wait longer than store_timeout is refused
+// where it is given, or where it is inherited by a route that waits for replicas.
+func TestInvalidDurability(t *testing.T) {
+	cases := []struct {
+		name string
+		src  string
+		want []string
+	}{
+		{"negative replicas", "durability: {replicas: -1}\n", []string{"durability.replicas: must be between 0 (off) and 1000, got -1 (line 1)"}},
+		{"replicas not a number", "durability:\n  replicas: one\n", []string{`durability.replicas: must be a whole number, got "one" (line 2)`}},
+		{"a zero timeout", "durability: {timeout: 0s}\n", []string{"durability.timeout: must be at least 1ms, got 0s"}},
+		{"a bad timeout", "durability: {timeout: soon}\n", []string{`durability.timeout: invalid duration "soon"`}},
+		{"an unknown field", "durability: {replica: 1}\n", []string{"durability.replica: unknown field (did you mean replicas?)"}},
+		{"not a mapping", "durability: 1\n", []string{`durability: must be a mapping, got "1"`}},
+		{"null", "durability:\n", []string{"durability: has no value"}},
+		{"in defaults", "defaults: {durability: {replicas: 1}}\n", []string{"defaults.durability: belongs at the top level"}},
+		{"a route's bad replicas", "routes: [{name: a, match: {path_prefix: /}, durability: {replicas: x}}]\n", []string{`routes[0] (a).durability.replicas: must be a whole number, got "x"`}},
+		{"a timeout above store_timeout", "durability: {replicas: 1, timeout: 150ms}\nstore_timeout: 100ms\n",
+			[]string{"durability.timeout: 150ms exceeds store_timeout 100ms, which bounds each store call, the wait for replicas included (line 1)"}},
+		{"a timeout above store_timeout while off", "durability: {timeout: 150ms}\n", []string{"durability.timeout: 150ms exceeds store_timeout 100ms"}},
+		{"a route's timeout above store_timeout", "routes:\n  - name: a\n    match: {path_prefix: /}\n    durability: {timeout: 1s}\n",
+			[]string{"routes[0] (a).durability.timeout: 1s exceeds store_timeout 100ms", "(line 4)"}},
+		{"an inherited timeout above store_timeout on a route that waits", "store_timeout: 20ms\nroutes:\n  - name: a\n    match: {path_prefix: /}\n    durability: {replicas: 1}\n",
+			[]string{"routes[0] (a).durability.timeout: 50ms (inherited) exceeds store_timeout 20ms", "(line 5)"}},
+		{"a default timeout above store_timeout at the top level that waits", "store_timeout: 20ms\ndurability: {replicas: 1}\n",
+			[]string{"durability.timeout: 50ms (the default) exceeds store_timeout 20ms", "(line 2)"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := policy.Parse([]byte(c.src))
+			require.Error(t, err)
+			for _, w := range c.want {
+				require.ErrorContains(t, err, w)
+			}
+		})
+	}
+	// A default timeout above store_timeout is fine where nothing waits.
+	p := mustParse(t, "store_timeout: 20ms\nroutes: [{name: a, match: {path_prefix: /}, durability: {replicas: 1, timeout: 20ms}}]\n")
+	require.Equal(t, 20*time.Millisecond, route(t, p, "a").Durability.Timeout)
 }

@@ -134,6 +134,8 @@ type Policy struct {
 	// Problems are the top-level problems entries, for answers that no route gives (an unknown
 	// x-idempotency-route); every route's Problems already include them. Nil when none is set.
 	Problems map[string]*Problem
+	// Durability is the top-level durability, which every route's Durability starts from.
+	Durability Durability
 
 	byName map[string]*Route
 }
@@ -197,6 +199,9 @@ type Route struct {
 	// Problems replace the built-in problem responses, by problem code: the route's entries over
 	// the top-level ones. Nil when neither sets any.
 	Problems map[string]*Problem
+	// Durability is how many replicas of the store confirm the route's claims and completions:
+	// the top-level durability with the route's fields over it.
+	Durability Durability
 }
 
 // Selector is what a route is chosen by.

@@ -188,6 +188,45 @@ func (c *Cluster) FailoverReplicaOf(i int) {
 	c.waitHealthyLocked(id)
 }
 
+// AwaitFailoverOf waits until Redis has promoted one of shard i's replicas on its own, as it
+// does once the shard's master is stopped or killed for longer than the node timeout (2 s): the
+// replica with the most of the master's writes stands first. It returns once every running node
+// reports cluster_state:ok and sees the promoted node as a master, and the shard's other running
+// replicas replicate from it; afterwards Masters()[i] is the promoted node and the former master
+// is the first of the shard's replicas. All of it takes at most 30 seconds or fails the test.
+func (c *Cluster) AwaitFailoverOf(i int) {
+	c.t.Helper()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if i < 0 || i >= len(c.shards) || len(c.shards[i].replicas) == 0 {
+		c.t.Fatalf("redistest: AwaitFailoverOf(%d): there is no shard %d with a replica", i, i)
+	}
+	sh := c.shards[i]
+	var promoted *Server
+	waitFor(c.t, clusterTimeout, "a replica of shard "+strconv.Itoa(i)+" to become master", func() error {
+		for _, r := range sh.replicas {
+			if !r.Running() {
+				continue
+			}
+			info, err := r.info("replication")
+			if err == nil && infoField(info, "role") == "master" {
+				promoted = r
+				return nil
+			}
+		}
+		return fmt.Errorf("no replica of %s has role master", sh.master.Addr())
+	})
+	id := c.nodeID(promoted)
+	replicas := []*Server{sh.master}
+	for _, r := range sh.replicas {
+		if r != promoted {
+			replicas = append(replicas, r)
+		}
+	}
+	sh.master, sh.replicas = promoted, replicas
+	c.waitHealthyLocked(id)
+}
+
 // waitHealthy waits until the cluster matches c.shards; see waitHealthyLocked.
 func (c *Cluster) waitHealthy() {
 	c.t.Helper()

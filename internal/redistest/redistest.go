@@ -1,6 +1,7 @@
 // Package redistest starts real redis-server processes on loopback for tests: a standalone server
-// (optionally with TLS, a password or an ACL user), a Redis Cluster, and a Sentinel-managed master
-// with one replica.
+// (optionally with TLS, a password or an ACL user) and replicas of it, a Redis Cluster, and a
+// Sentinel-managed master with one or more replicas. Any of them can be paused (SIGSTOP) and
+// resumed, for a node that falls behind or stops answering.
 //
 // Every process runs in its own t.TempDir() with persistence off (save "", appendonly no), is bound
 // to 127.0.0.1, logs to a file in its directory, and is killed and reaped by a t.Cleanup registered
@@ -121,8 +122,9 @@ type Server struct {
 	tls  *tls.Config
 	ca   string
 
-	mu   sync.Mutex // serialises launching, stopping and reading proc
-	proc *process   // the running process, nil when stopped
+	mu     sync.Mutex // serialises launching, stopping and reading proc
+	proc   *process   // the running process, nil when stopped
+	paused bool       // proc was sent SIGSTOP and not SIGCONT since
 }
 
 // process is one launch of redis-server.
@@ -402,14 +404,51 @@ func (s *Server) Kill() {
 	s.stop(syscall.SIGKILL)
 }
 
+// Pause stops the server process with SIGSTOP: it keeps its port, connections and data, and
+// answers nothing, replicates nothing and acknowledges nothing until Resume. Pausing a paused or
+// stopped server does nothing. Stop, Kill, Restart and the cleanup work on a paused server.
+func (s *Server) Pause() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.proc == nil || s.paused {
+		return
+	}
+	if err := s.proc.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		s.t.Fatalf("redistest: SIGSTOP to redis-server %s: %v", s.describe(), err)
+	}
+	s.paused = true
+}
+
+// Resume continues a paused server with SIGCONT; it then works through what it was sent
+// meanwhile. Resuming a server that is not paused does nothing.
+func (s *Server) Resume() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.resume()
+}
+
+// resume sends SIGCONT to a paused process. s.mu must be held.
+func (s *Server) resume() {
+	if s.proc == nil || !s.paused {
+		return
+	}
+	if err := s.proc.cmd.Process.Signal(syscall.SIGCONT); err != nil {
+		s.t.Fatalf("redistest: SIGCONT to redis-server %s: %v", s.describe(), err)
+	}
+	s.paused = false
+}
+
 // stop signals the running process, if any, and reaps it. s.mu must be held.
 func (s *Server) stop(sig syscall.Signal) {
 	p := s.proc
 	if p == nil {
 		return
 	}
-	s.proc = nil
 	_ = p.cmd.Process.Signal(sig)
+	if s.paused && sig != syscall.SIGKILL {
+		_ = p.cmd.Process.Signal(syscall.SIGCONT) // a stopped process acts on SIGTERM once continued
+	}
+	s.proc, s.paused = nil, false
 	select {
 	case <-p.done:
 	case <-time.After(stopTimeout):

@@ -339,3 +339,98 @@ func TestStartFailureIsReported(t *testing.T) {
 		})
 	}
 }
+
+// Replicas follow their master, with its credentials; a paused replica acknowledges nothing
+// until it is resumed, and then catches up.
+func TestReplicasPauseAndResume(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	master := redistest.Start(t, redistest.Options{Password: "pw"})
+	replicas := redistest.StartReplicas(t, master, 2)
+	require.Len(t, replicas, 2)
+	c := master.Client(t)
+	require.NoError(t, c.Set(ctx, "k", "v1", 0).Err())
+	require.Equal(t, int64(2), c.Do(ctx, "wait", 2, 5000).Val(), "both replicas acknowledge")
+	for _, r := range replicas {
+		require.Equal(t, "v1", r.Client(t).Get(ctx, "k").Val())
+	}
+
+	replicas[0].Pause()
+	replicas[0].Pause() // idempotent
+	require.NoError(t, c.Set(ctx, "k", "v2", 0).Err())
+	start := time.Now()
+	require.Equal(t, int64(1), c.Do(ctx, "wait", 2, 300).Val(), "the paused replica acknowledges nothing")
+	require.GreaterOrEqual(t, time.Since(start), 300*time.Millisecond, "WAIT ran out its timeout")
+
+	replicas[0].Resume()
+	replicas[0].Resume() // idempotent
+	require.Equal(t, int64(2), c.Do(ctx, "wait", 2, 5000).Val(), "resumed, it catches up")
+	require.Equal(t, "v2", replicas[0].Client(t).Get(ctx, "k").Val())
+
+	// A paused server still stops.
+	replicas[1].Pause()
+	replicas[1].Stop()
+	require.False(t, replicas[1].Running())
+}
+
+// With two replicas, the sentinels promote one of them when the master dies, and the other
+// follows it.
+func TestSentinelTwoReplicas(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	s := redistest.StartSentinelReplicas(t, 2)
+	old := s.Master()
+	replicas := s.Replicas()
+	require.Len(t, replicas, 2)
+	require.NotContains(t, replicas, old)
+	require.Same(t, replicas[0], s.Replica())
+	require.NoError(t, old.Client(t).Set(ctx, "k", "v1", 0).Err())
+	require.Equal(t, int64(2), old.Client(t).Do(ctx, "wait", 2, 5000).Val())
+
+	old.Kill()
+	s.Failover()
+	promoted := s.Master()
+	require.Contains(t, replicas, promoted)
+	require.Equal(t, "v1", promoted.Client(t).Get(ctx, "k").Val())
+	require.NoError(t, promoted.Client(t).Set(ctx, "k", "v2", 0).Err())
+	require.Equal(t, int64(1), promoted.Client(t).Do(ctx, "wait", 1, 5000).Val(), "the other replica follows the new master")
+	require.Equal(t, []*redistest.Server{old, other(replicas, promoted)}, s.Replicas())
+}
+
+// other returns the server of pair that is not s.
+func other(pair []*redistest.Server, s *redistest.Server) *redistest.Server {
+	if pair[0] == s {
+		return pair[1]
+	}
+	return pair[0]
+}
+
+// When a master with two replicas dies, Redis promotes one of them on its own, and the other
+// follows it.
+func TestClusterAwaitFailover(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	c := redistest.StartCluster(t, 3, 2)
+	require.Len(t, c.Replicas(), 6)
+	old, replicas := c.Masters()[0], c.Replicas()[:2]
+	key := "k"
+	for i := 0; ; i++ {
+		slot, err := old.Client(t).ClusterKeySlot(ctx, key).Result()
+		require.NoError(t, err)
+		if slot < 16384/3 {
+			break
+		}
+		key = fmt.Sprintf("k%d", i)
+	}
+	require.NoError(t, old.Client(t).Set(ctx, key, "v1", 0).Err())
+	require.Equal(t, int64(2), old.Client(t).Do(ctx, "wait", 2, 5000).Val())
+
+	old.Kill()
+	c.AwaitFailoverOf(0)
+	promoted := c.Masters()[0]
+	require.Contains(t, replicas, promoted)
+	require.Equal(t, []*redistest.Server{old, other(replicas, promoted)}, c.Replicas()[:2])
+	require.Equal(t, "v1", promoted.Client(t).Get(ctx, key).Val())
+	require.NoError(t, promoted.Client(t).Set(ctx, key, "v2", 0).Err())
+	require.Equal(t, int64(1), promoted.Client(t).Do(ctx, "wait", 1, 5000).Val(), "the other replica follows the new master")
+}

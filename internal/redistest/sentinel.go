@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -21,42 +22,50 @@ const (
 	sentinelFailedWait = 6 * time.Second        // after an accepted SENTINEL FAILOVER, before issuing it again
 )
 
-// Sentinel is a master, one replica of it and three sentinels monitoring them, started by
-// StartSentinel. Its methods report failures through the testing.TB given to StartSentinel.
+// Sentinel is a master, its replicas and three sentinels monitoring them, started by
+// StartSentinel or StartSentinelReplicas. Its methods report failures through the testing.TB
+// given to the function that started it.
 type Sentinel struct {
 	t         testing.TB
-	nodes     [2]*Server // the two data nodes; which one is master is the sentinels' business
+	nodes     []*Server // the data nodes; which one is master is the sentinels' business
 	sentinels []*Server
 }
 
-// StartSentinel starts a master, a replica of it and three sentinels (redis-server --sentinel)
-// monitoring the master as "mymaster" with quorum 2, down-after-milliseconds 1000,
-// failover-timeout 5000 and parallel-syncs 1. It returns once the replica is in sync and every
-// sentinel reports the master, the replica with its link up, and the two other sentinels, which
-// takes a few seconds. Every process is a Server whose cleanup is registered on t.
+// StartSentinel starts a master, one replica of it and three sentinels: StartSentinelReplicas
+// with one replica.
 func StartSentinel(t testing.TB) *Sentinel {
 	t.Helper()
-	bin := Require(t)
+	return StartSentinelReplicas(t, 1)
+}
+
+// StartSentinelReplicas starts a master, replicas replicas of it (at least one) and three
+// sentinels (redis-server --sentinel) monitoring the master as "mymaster" with quorum 2,
+// down-after-milliseconds 1000, failover-timeout 5000 and parallel-syncs 1. It returns once the
+// replicas are in sync and every sentinel reports the master, every replica with its link up,
+// and the two other sentinels, which takes a few seconds. Every process is a Server whose cleanup
+// is registered on t.
+func StartSentinelReplicas(t testing.TB, replicas int) *Sentinel {
+	t.Helper()
+	if replicas < 1 {
+		t.Fatalf("redistest: StartSentinelReplicas needs at least one replica, got %d", replicas)
+	}
+	Require(t)
 	s := &Sentinel{t: t}
-	master := start(t, bin, Options{}, kindStandalone)
-	replica := start(t, bin, Options{Args: []string{"replicaof 127.0.0.1 " + strconv.Itoa(master.Port())}}, kindStandalone)
-	s.nodes = [2]*Server{master, replica}
-	waitFor(t, sentinelTimeout, "replica "+replica.Addr()+" to sync with "+master.Addr(), func() error {
-		return replicating(replica, master)
-	})
+	master := Start(t, Options{})
+	s.nodes = append([]*Server{master}, StartReplicas(t, master, replicas)...)
 
 	name := sentinelMasterName
 	for range sentinelCount {
-		s.sentinels = append(s.sentinels, start(t, bin, Options{Args: []string{
+		s.sentinels = append(s.sentinels, start(t, master.bin, Options{Args: []string{
 			fmt.Sprintf("sentinel monitor %s 127.0.0.1 %d %d", name, master.Port(), sentinelQuorum),
 			fmt.Sprintf("sentinel down-after-milliseconds %s 1000", name),
 			fmt.Sprintf("sentinel failover-timeout %s 5000", name),
 			fmt.Sprintf("sentinel parallel-syncs %s 1", name),
 		}}, kindSentinel))
 	}
-	waitFor(t, sentinelTimeout, "every sentinel to know the master, its replica and the other sentinels", func() error {
+	waitFor(t, sentinelTimeout, "every sentinel to know the master, its replicas and the other sentinels", func() error {
 		for _, sn := range s.sentinels {
-			if err := s.sees(sn, master, replica); err != nil {
+			if err := s.sees(sn, master, s.nodes[1:]); err != nil {
 				return err
 			}
 		}
@@ -93,34 +102,54 @@ func (s *Sentinel) Master() *Server {
 	return master
 }
 
-// Replica returns the data node that is not the current master (see Master).
+// Replica returns the first data node, in the order they were started, that is not the current
+// master (see Master).
 func (s *Sentinel) Replica() *Server {
 	s.t.Helper()
-	return s.other(s.Master())
+	return s.Replicas()[0]
+}
+
+// Replicas returns the data nodes that are not the current master (see Master), in the order
+// they were started.
+func (s *Sentinel) Replicas() []*Server {
+	s.t.Helper()
+	master := s.Master()
+	var replicas []*Server
+	for _, n := range s.nodes {
+		if n != master {
+			replicas = append(replicas, n)
+		}
+	}
+	return replicas
 }
 
 // Failover asks a sentinel to fail over (SENTINEL FAILOVER, repeated while the sentinel refuses,
-// for example because it does not yet consider the replica fit) and returns once every running
-// sentinel reports the other data node as master and that node has role:master. If the former
-// master is running, Failover then makes it a replica of the new master itself (REPLICAOF and
-// CONFIG REWRITE, as the sentinels would after several seconds) and waits until it is in sync, so
-// the pair is ready for the next Failover. All of it takes at most 20 seconds or fails the test.
+// for example because it does not yet consider a replica fit) and returns once every running
+// sentinel reports another data node as master and that node has role:master. The sentinels
+// choose it: the replica with the most of the master's writes, among those that answer. If the
+// former master is running, Failover then makes it a replica of the new master itself (REPLICAOF
+// and CONFIG REWRITE, as the sentinels would after several seconds), and it waits until every
+// running data node replicates the new master, so that the nodes are ready for the next
+// Failover. All of it takes at most 20 seconds or fails the test.
 func (s *Sentinel) Failover() {
 	s.t.Helper()
 	old := s.Master()
-	promoted := s.other(old)
 	deadline := time.Now().Add(sentinelTimeout)
-	var next time.Time
-	waitFor(s.t, sentinelTimeout, "the sentinels to report "+promoted.Addr()+" as master", func() error {
+	var (
+		next     time.Time
+		promoted *Server
+	)
+	waitFor(s.t, sentinelTimeout, "the sentinels to report another node than "+old.Addr()+" as master", func() error {
 		reported, err := s.reportedMaster()
-		if err == nil && reported == promoted {
-			info, err := promoted.info("replication")
+		if err == nil && reported != old {
+			info, err := reported.info("replication")
 			if err != nil {
 				return err
 			}
 			if role := infoField(info, "role"); role != "master" {
-				return fmt.Errorf("%s reported as master but has role:%s", promoted.Addr(), role)
+				return fmt.Errorf("%s reported as master but has role:%s", reported.Addr(), role)
 			}
+			promoted = reported
 			return nil
 		}
 		if time.Now().Before(next) {
@@ -144,20 +173,25 @@ func (s *Sentinel) Failover() {
 		return fmt.Errorf("SENTINEL FAILOVER: %v", failover)
 	})
 
-	if !old.Running() {
-		return
-	}
-	for _, cmd := range [][]any{
-		{"REPLICAOF", "127.0.0.1", promoted.Port()},
-		{"CONFIG", "REWRITE"},
-	} {
-		if err := old.do(cmd...).Err(); err != nil {
-			s.t.Fatalf("redistest: %v on former master %s: %v", cmd, old.Addr(), err)
+	if old.Running() {
+		for _, cmd := range [][]any{
+			{"REPLICAOF", "127.0.0.1", promoted.Port()},
+			{"CONFIG", "REWRITE"},
+		} {
+			if err := old.do(cmd...).Err(); err != nil {
+				s.t.Fatalf("redistest: %v on former master %s: %v", cmd, old.Addr(), err)
+			}
 		}
 	}
-	waitFor(s.t, time.Until(deadline), "former master "+old.Addr()+" to sync with "+promoted.Addr(), func() error {
-		return replicating(old, promoted)
-	})
+	// The sentinels point the other replicas at the new master themselves.
+	for _, n := range s.nodes {
+		if n == promoted || !n.Running() {
+			continue
+		}
+		waitFor(s.t, time.Until(deadline), "data node "+n.Addr()+" to sync with "+promoted.Addr(), func() error {
+			return replicating(n, promoted)
+		})
+	}
 }
 
 // reportedMaster returns the data node all running sentinels report as master.
@@ -191,17 +225,9 @@ func (s *Sentinel) reportedMaster() (*Server, error) {
 	return nil, fmt.Errorf("sentinels report unknown master %s", addr)
 }
 
-// other returns the data node that is not n.
-func (s *Sentinel) other(n *Server) *Server {
-	if s.nodes[0] == n {
-		return s.nodes[1]
-	}
-	return s.nodes[0]
-}
-
-// sees checks that sentinel sn reports master as master with replica in sync and knows the other
+// sees checks that sentinel sn reports master as master with replicas in sync and knows the other
 // sentinels.
-func (s *Sentinel) sees(sn, master, replica *Server) error {
+func (s *Sentinel) sees(sn, master *Server, replicas []*Server) error {
 	ctx, cancel := context.WithTimeout(context.Background(), probeTimeout)
 	defer cancel()
 	c := redis.NewSentinelClient(sn.adminOptions())
@@ -211,20 +237,22 @@ func (s *Sentinel) sees(sn, master, replica *Server) error {
 		return fmt.Errorf("SENTINEL MASTER on %s: %w", sn.Addr(), err)
 	}
 	if m["port"] != strconv.Itoa(master.Port()) || m["flags"] != "master" ||
-		m["num-slaves"] != "1" || m["num-other-sentinels"] != strconv.Itoa(sentinelCount-1) {
+		m["num-slaves"] != strconv.Itoa(len(replicas)) || m["num-other-sentinels"] != strconv.Itoa(sentinelCount-1) {
 		return fmt.Errorf("sentinel %s reports master port %s flags %s with %s replicas and %s other sentinels",
 			sn.Addr(), m["port"], m["flags"], m["num-slaves"], m["num-other-sentinels"])
 	}
-	replicas, err := c.Replicas(ctx, sentinelMasterName).Result()
+	reported, err := c.Replicas(ctx, sentinelMasterName).Result()
 	if err != nil {
 		return fmt.Errorf("SENTINEL REPLICAS on %s: %w", sn.Addr(), err)
 	}
-	for _, r := range replicas {
-		if r["port"] == strconv.Itoa(replica.Port()) && r["flags"] == "slave" && r["master-link-status"] == "ok" {
-			return nil
+	for _, replica := range replicas {
+		if !slices.ContainsFunc(reported, func(r map[string]string) bool {
+			return r["port"] == strconv.Itoa(replica.Port()) && r["flags"] == "slave" && r["master-link-status"] == "ok"
+		}) {
+			return fmt.Errorf("sentinel %s does not report replica %s in sync: %v", sn.Addr(), replica.Addr(), reported)
 		}
 	}
-	return fmt.Errorf("sentinel %s does not report replica %s in sync: %v", sn.Addr(), replica.Addr(), replicas)
+	return nil
 }
 
 // replicating checks that replica is a replica of master with its link up and no sync in progress.

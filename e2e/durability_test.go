@@ -1,0 +1,285 @@
+package e2e_test
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
+)
+
+// The figure of durability: duplicate traffic on fresh keys through the binary, the Redis master
+// SIGKILLed while its replicas lag behind it, and each key's executions counted at the upstream
+// once a replica has taken over and every key has been sent again. With durability.replicas: 1
+// no key runs twice: a claim no replica holds is refused before the request runs. With
+// replicas: 0 the writes the replicas had not received when the master died are lost, and the
+// keys they claimed or completed run again: the test reports how many.
+//
+// The lag is made, not waited for: the replicas' links to the master are cut for lagFor before
+// the master dies (cut), while the replicas keep answering everything else, so that the Sentinels
+// and the Cluster still count them fit to take over. Whatever the master wrote meanwhile is lost
+// with it, whichever replica takes over.
+
+const (
+	figureSeed    = 20261204
+	figureWorkers = 6
+	figureMaxKeys = 3000
+	// figureBodyBytes: completions large enough to take the staged path of the Redis store.
+	figureBodyBytes = 8 << 10
+	figureLead      = time.Second // traffic before the lag
+	lagFor          = time.Second // the replicas' lag when the master dies
+	// figurePolicy: the wait for replicas is short, so that claims refused during the lag do not
+	// hold the batcher for long; lock_ttl outlasts the test, so that a lease whose completion was
+	// lost is not taken for a free key.
+	figurePolicy = "store_timeout: 500ms\ndurability: {replicas: %d, timeout: 100ms}\ndefaults:\n  lock_ttl: 60s\n"
+)
+
+// figure is one run: a store, how to make its replicas lag, and how to fail its master over.
+type figure struct {
+	replicas int      // durability.replicas
+	args     []string // the processor's store flags
+	// lag makes the replicas that may take over lag and returns what lets them catch up.
+	lag      func() (catchUp func())
+	kill     func() // SIGKILLs the master
+	failover func() // returns once a replica has taken over
+	// policy is added to the defaults of figurePolicy.
+	policy string
+}
+
+// figureKey is the idempotency key of a figure's i-th key.
+func figureKey(i int) string { return "fig-" + itoa(i) }
+
+// figureResult is what a run saw.
+type figureResult struct {
+	// keys were sent, lagged of them first while the replicas lagged; doubles ran twice.
+	keys, lagged, doubles int
+	// failover is from the master's death to the failover's end; restored, to the first request
+	// sent after the death that ran.
+	failover, restored time.Duration
+	first, second      map[int]int // statuses of the traffic, and of the keys sent again
+	unconfirmed        [2]float64  // idempotency_durability_unconfirmed_total, claim and complete
+}
+
+func (r figureResult) String() string {
+	return fmt.Sprintf("%d keys, %d of them first sent while the replicas lagged; %d ran twice; failover took %v, service restored %v after the kill; statuses %v, sent again %v; unconfirmed claims %v, completions %v",
+		r.keys, r.lagged, r.doubles, r.failover.Round(time.Millisecond), r.restored.Round(time.Millisecond), r.first, r.second, r.unconfirmed[0], r.unconfirmed[1])
+}
+
+// cut returns a figure's lag for the replicas of master: it cuts their links and keeps them from
+// coming back (a wrong masterauth, refused by a master without passwords), and what it returns
+// lets them follow a master again.
+func cut(t *testing.T, master *redistest.Server, replicas []*redistest.Server) func() func() {
+	return func() func() {
+		for _, r := range replicas {
+			require.NoError(t, r.Client(t).ConfigSet(t.Context(), "masterauth", "no-such-password").Err())
+		}
+		require.NoError(t, master.Client(t).Do(t.Context(), "client", "kill", "type", "replica").Err())
+		return func() {
+			for _, r := range replicas {
+				require.NoError(t, r.Client(t).ConfigSet(t.Context(), "masterauth", "").Err())
+			}
+		}
+	}
+}
+
+func (f figure) run(t *testing.T) figureResult {
+	t.Helper()
+	s := newStack(t, stackOptions{args: f.args, policy: fmt.Sprintf(figurePolicy, f.replicas) + f.policy})
+	rng := rand.New(rand.NewPCG(figureSeed, 0))
+	dups := make([]int, figureMaxKeys) // concurrent duplicates of key i, the same in every run
+	for i := range dups {
+		dups[i] = 1 + rng.IntN(3)
+	}
+	key := figureKey
+	headers := map[string]string{"X-Test-Body-Bytes": itoa(figureBodyBytes), "X-Test-Delay": "5ms"}
+
+	var (
+		mu       sync.Mutex
+		res      = figureResult{first: map[int]int{}, second: map[int]int{}}
+		killedAt time.Time
+		next     int
+		stop     = make(chan struct{})
+		wg       sync.WaitGroup
+	)
+	take := func() (int, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		select {
+		case <-stop:
+			return 0, false
+		default:
+		}
+		if next == figureMaxKeys {
+			return 0, false
+		}
+		next++
+		return next - 1, true
+	}
+	for range figureWorkers {
+		wg.Go(func() {
+			for {
+				i, ok := take()
+				if !ok {
+					return
+				}
+				var each sync.WaitGroup
+				for range dups[i] {
+					each.Go(func() {
+						sent := time.Now()
+						r, err := s.try(call{key: key(i), headers: headers, body: `{"amount":1}`})
+						mu.Lock()
+						defer mu.Unlock()
+						if err != nil {
+							res.first[0]++
+							return
+						}
+						res.first[r.status]++
+						if !killedAt.IsZero() && sent.After(killedAt) && r.status == 200 && r.header.Get(replayed) == "false" && res.restored == 0 {
+							res.restored = time.Since(killedAt)
+						}
+					})
+				}
+				each.Wait()
+			}
+		})
+	}
+
+	time.Sleep(figureLead)
+	mu.Lock()
+	lagFrom := next
+	mu.Unlock()
+	catchUp := f.lag()
+	time.Sleep(lagFor)
+	f.kill()
+	mu.Lock()
+	killedAt = time.Now()
+	lagTo := next
+	mu.Unlock()
+	catchUp()
+	f.failover()
+	res.failover = time.Since(killedAt)
+	// Traffic goes on until a request sent after the kill has run, or for 10 s.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		mu.Lock()
+		restored := res.restored
+		mu.Unlock()
+		if restored > 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	close(stop)
+	wg.Wait()
+	res.keys = next
+	require.Positive(t, res.restored, "a request sent after the failover ran: %v", res.first)
+
+	// Every key once more, after the failover: a key whose record was lost runs again. A store
+	// failure is tried again, for a while: the request did not run.
+	jobs := make(chan int)
+	for range figureWorkers {
+		wg.Go(func() {
+			for i := range jobs {
+				var r reply
+				var err error
+				for try := 0; try < 50; try++ {
+					r, err = s.try(call{key: key(i), headers: headers, body: `{"amount":1}`})
+					if err == nil && !(r.status == 503 && r.problemCode() == "store-unavailable") {
+						break
+					}
+					time.Sleep(100 * time.Millisecond)
+				}
+				mu.Lock()
+				if err != nil {
+					res.second[0]++
+				} else {
+					res.second[r.status]++
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	for i := range res.keys {
+		jobs <- i
+	}
+	close(jobs)
+	wg.Wait()
+
+	res.lagged = lagTo - lagFrom
+	for i := range res.keys {
+		if s.up.Count(key(i)) > 1 {
+			res.doubles++
+		}
+	}
+	_, m := s.procs[0].admin("/metrics")
+	res.unconfirmed = [2]float64{
+		metric(m, `idempotency_durability_unconfirmed_total{op="claim"}`),
+		metric(m, `idempotency_durability_unconfirmed_total{op="complete"}`),
+	}
+	return res
+}
+
+// check holds a run to the promise: none of its keys ran twice with replicas: 1. With replicas:
+// 0 it only reports the window.
+func (f figure) check(t *testing.T, res figureResult) {
+	t.Helper()
+	t.Logf("durability.replicas: %d: %v", f.replicas, res)
+	if f.replicas == 0 {
+		return
+	}
+	require.Zero(t, res.doubles, "with durability.replicas: %d no key runs twice", f.replicas)
+	require.Positive(t, res.unconfirmed[0], "the lag was seen: claims were refused")
+}
+
+// TestDurabilityFailoverSentinel runs the figure on a Sentinel-managed master with two replicas:
+// the Sentinels promote the one with the most writes.
+func TestDurabilityFailoverSentinel(t *testing.T) {
+	t.Parallel()
+	for _, replicas := range []int{0, 1} {
+		t.Run(fmt.Sprintf("replicas=%d", replicas), func(t *testing.T) {
+			t.Parallel()
+			sn := redistest.StartSentinelReplicas(t, 2)
+			master := sn.Master()
+			f := figure{
+				replicas: replicas,
+				args:     []string{"--store", "redis", "--redis-sentinel-addrs", strings.Join(sn.Addrs(), ","), "--redis-sentinel-master", sn.MasterName()},
+				lag:      cut(t, master, sn.Replicas()),
+				kill:     master.Kill,
+				failover: sn.Failover,
+			}
+			f.check(t, f.run(t))
+		})
+	}
+}
+
+// TestDurabilityFailoverCluster runs the figure on Redis Cluster, three masters with two replicas
+// each: the replicas of the shard that holds the figure's keys lag, its master dies, and Redis
+// promotes one of them on its own (the one with the most writes stands first). The stored keys
+// are hashes, spread over every shard; a key_prefix with a hash tag puts them all on one.
+func TestDurabilityFailoverCluster(t *testing.T) {
+	t.Parallel()
+	for _, replicas := range []int{0, 1} {
+		t.Run(fmt.Sprintf("replicas=%d", replicas), func(t *testing.T) {
+			t.Parallel()
+			cl := redistest.StartCluster(t, 3, 2)
+			slot, err := cl.Masters()[0].Client(t).ClusterKeySlot(t.Context(), "{fig}").Result()
+			require.NoError(t, err)
+			shard := int(slot) * 3 / 16384 // StartCluster gives shard i the i-th third of the slots
+			master := cl.Masters()[shard]
+			f := figure{
+				replicas: replicas,
+				args:     []string{"--store", "redis", "--redis-cluster-addrs", strings.Join(cl.Addrs(), ",")},
+				policy:   "  key_prefix: 'idempotency:{fig}:'\n",
+				lag:      cut(t, master, cl.Replicas()[2*shard:2*shard+2]),
+				kill:     master.Kill,
+				failover: func() { cl.AwaitFailoverOf(shard) },
+			}
+			f.check(t, f.run(t))
+		})
+	}
+}
