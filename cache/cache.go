@@ -232,7 +232,7 @@ type Response struct {
 	// to be stored): the request ran and completed, but it cannot be replayed.
 	BodyOmitted bool
 	// OutcomeUnknown marks a record of a request whose outcome nobody knows: it may or may not
-	// have run upstream (SPEC §8, unknown_outcome: record). Such a response has no headers and no
+	// have run upstream (unknown_outcome: record, docs/guarantees.md#ambiguous-outcomes). Such a response has no headers and no
 	// body (BodyOmitted is set with it); Status is the status Envoy made, or 0 when the stream
 	// ended before any response.
 	OutcomeUnknown bool

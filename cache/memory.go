@@ -36,7 +36,7 @@ type MemoryOptions struct {
 	// Clock tells the time for leases and TTLs (default the wall clock).
 	Clock clock.Clock
 	// Keyring, when set, seals every response the store keeps (status, headers and body) with
-	// its active key, bound to the record's key, and opens them on Acquire (SPEC §12). Responses
+	// its active key, bound to the record's key, and opens them on Acquire (docs/guarantees.md#stored-responses-at-rest). Responses
 	// stored without a keyring still read; one that cannot be opened (its key is not in the
 	// keyring, it was altered or moved, or the store has no keyring) gives ErrUnreadable.
 	Keyring *seal.Keyring

@@ -13,7 +13,7 @@ const maxBatch = 128
 
 // unbatchedBytes: a call that stages at least this many bytes (a large completion) skips the
 // batcher and goes in a round trip of its own, as with batching off. In the comparative
-// benchmark's run 19 (docs/performance.md), 1 MiB first executions cost redis-server 38% more
+// benchmark's run 19 (docs/runs/history.md), 1 MiB first executions cost redis-server 38% more
 // CPU and ran 0.90x as fast batched as unbatched, while at 64 KiB the two cost the same; deep
 // pipelines of large values cost redis-server more per value. The threshold lies between the
 // two measured sizes. Run 22, with Redis full before each section, has the two within noise at

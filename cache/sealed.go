@@ -10,7 +10,7 @@ import (
 // ErrUnreadable means a stored response is sealed and cannot be opened: it names a key that is
 // not in the store's keyring, it fails authentication (its bytes changed, or it was copied from
 // another key), or the store has no keyring at all. It wraps ErrCorrupt. A duplicate of such a
-// record must not run again: it cannot be replayed (SPEC §12).
+// record must not run again: it cannot be replayed.
 var ErrUnreadable = fmt.Errorf("%w: a sealed response cannot be opened", ErrCorrupt)
 
 // appendStoredResponse appends r as a store keeps it to dst: its encoding (appendResponse) when

@@ -12,7 +12,7 @@ import (
 const MinSecretLen = 32
 
 // NewKeyHasher returns a factory of HMAC-SHA256 hashes keyed with secret, to name records in
-// place of plain SHA-256 (SPEC §12, --key-hash-secret-file): without the secret, someone who
+// place of plain SHA-256 (--key-hash-secret-file, docs/configuration.md): without the secret, someone who
 // reads the store cannot test guesses of a scope and key against its record names. Each call of
 // the factory returns a new hash, which like any hash.Hash serves one goroutine at a time; the
 // factory itself is safe for concurrent use. Its sums are 32 bytes, as SHA-256's are.

@@ -1,5 +1,6 @@
-// Package seal protects stored responses at rest (SPEC §12): AES-256-GCM sealing under a keyring
-// of named keys, and keyed record names (HMAC-SHA256).
+// Package seal protects stored responses at rest: AES-256-GCM sealing under a keyring of named
+// keys, and keyed record names (HMAC-SHA256). docs/guarantees.md#stored-responses-at-rest says
+// what that promises.
 //
 // A [Keyring] seals with its active key and opens with any of its keys, so keys rotate by adding
 // a new active key in front of the old ones and dropping an old key once no record it sealed can

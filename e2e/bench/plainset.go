@@ -21,7 +21,7 @@ import (
 // SET of the record's bytes plus the small commands cost it. redis-benchmark's SETs measure the
 // second on an otherwise idle machine; the first executions run while the load generator, the
 // processor and redis-server share the machine's two cores, where the same SET costs
-// redis-server about twice as much CPU (docs/performance.md). The plain SETs target is that
+// redis-server about twice as much CPU (docs/runs/history.md, run 22). The plain SETs target is that
 // baseline under the same load: the null processor, writing to Redis what a store without an
 // owner check would, where the processor's store calls are: at the claim, a SET of a value the
 // size of the pending record, and once the response has ended, a SET of a value the size of the
