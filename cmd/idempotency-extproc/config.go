@@ -53,7 +53,7 @@ type config struct {
 
 // setting is one setting of the program: the flag --name, the environment variable
 // IDEMPOTENCY_NAME, the policy file key name (with underscores), its default, what it does (for
-// -h and the README) and apply, which validates a value and sets it. Flags beat the
+// -h and docs/configuration.md) and apply, which validates a value and sets it. Flags beat the
 // environment, which beats the file, which beats the default; an empty variable counts as unset.
 type setting struct {
 	name string
@@ -73,7 +73,7 @@ func (s setting) env() string {
 func (s setting) fileKey() string { return strings.ReplaceAll(s.name, "-", "_") }
 
 // docParts splits doc around the one word in braces that names the setting's value: {file},
-// {address}. The README shows the word as it is; -h shows it as the flag's placeholder
+// {address}. docs/configuration.md shows the word as it is; -h shows it as the flag's placeholder
 // (-config file), which the flag package takes from the first back-quoted word of a usage.
 func (s setting) docParts() (before, word, after string) {
 	before, rest, ok := strings.Cut(s.doc, "{")
@@ -84,7 +84,7 @@ func (s setting) docParts() (before, word, after string) {
 	return before, word, after
 }
 
-// markdown is doc as the README's table of settings shows it.
+// markdown is doc as docs/configuration.md's table of settings shows it.
 func (s setting) markdown() string {
 	before, word, after := s.docParts()
 	return before + word + after

@@ -1,7 +1,8 @@
 // Command idempotency-extproc is an Envoy external processor that gives any HTTP upstream
-// Idempotency-Key semantics. See the README for its flags and policy file, or run it with help.
-// Its commands check, key-hash and records help operators check a deployment and find and purge
-// one record. Any error exits 1, a usage mistake included, with its message on stderr.
+// Idempotency-Key semantics. docs/configuration.md documents its flags and policy file; help
+// lists them too. Its commands check, key-hash and records help operators check a deployment and
+// find and purge one record. Any error exits 1, a usage mistake included, with its message on
+// stderr.
 package main
 
 import (

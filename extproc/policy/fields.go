@@ -339,7 +339,8 @@ func setOptionalHeader(assign func(*Route, string)) func(*decoder, *draft, *yaml
 	}
 }
 
-// Fields documents every field of the policy file, in the order of the README's table.
+// FieldDoc documents one field of the policy file, as docs/configuration.md's table of fields
+// shows it.
 type FieldDoc struct {
 	Key string
 	// Where is "top level", "defaults, routes" or "routes".

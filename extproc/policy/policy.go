@@ -4,7 +4,7 @@
 // Every field is described once, in the tables of fields.go: its key, its built-in default (as
 // YAML), the values it accepts and its documentation. The built-in defaults are compiled from
 // those tables like any file, the file is validated in one walk over its YAML node tree, and
-// Fields lists the same tables for the README.
+// Fields lists the same tables for docs/configuration.md.
 package policy
 
 import (

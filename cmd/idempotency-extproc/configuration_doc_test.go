@@ -11,7 +11,8 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
-// settingsTable is the README's table of the program's settings, written from settings().
+// settingsTable is docs/configuration.md's table of the program's settings, written from
+// settings().
 func settingsTable() string {
 	var b strings.Builder
 	b.WriteString("| flag | env | file key | default | meaning |\n| --- | --- | --- | --- | --- |\n")
@@ -25,7 +26,8 @@ func settingsTable() string {
 	return b.String()
 }
 
-// policyTable is the README's table of the policy file's fields, written from policy.Fields().
+// policyTable is docs/configuration.md's table of the policy file's fields, written from
+// policy.Fields().
 func policyTable() string {
 	var b strings.Builder
 	b.WriteString("| field | where | default | meaning |\n| --- | --- | --- | --- |\n")
@@ -49,43 +51,43 @@ func code(v string) string {
 // cell escapes what would end a Markdown table cell.
 func cell(s string) string { return strings.ReplaceAll(s, "|", `\|`) }
 
-// readmeConfiguration returns the README's Configuration section.
-func readmeConfiguration(t *testing.T) string {
+// configurationDoc is the path of the page that documents every setting, from this directory.
+const configurationDoc = "../../docs/configuration.md"
+
+// readConfigurationDoc returns docs/configuration.md.
+func readConfigurationDoc(t *testing.T) string {
 	t.Helper()
-	data, err := os.ReadFile("../../README.md")
+	data, err := os.ReadFile(configurationDoc)
 	require.NoError(t, err)
-	readme := string(data)
-	start := strings.Index(readme, "\n## Configuration\n")
-	require.GreaterOrEqual(t, start, 0, "README.md has a Configuration section")
-	section := readme[start+1:]
-	if end := strings.Index(section[3:], "\n## "); end >= 0 {
-		section = section[:end+3]
-	}
-	return section
+	return string(data)
 }
 
-// The README's Configuration section lists every setting and every policy field with its
-// default, as the tables the program runs on say: when this fails, paste the text it prints
-// (docs/notes/policy.md holds it too) over the README's two tables.
-func TestREADMEListsEverySetting(t *testing.T) {
-	section := readmeConfiguration(t)
+// docs/configuration.md lists every setting and every policy field with its default, as the
+// tables the program runs on say, once: when this fails, paste the text it prints over the page's
+// two tables.
+func TestConfigurationDocListsEverySetting(t *testing.T) {
+	doc := readConfigurationDoc(t)
 	var missing []string
 	for _, table := range []string{settingsTable(), policyTable()} {
-		if !strings.Contains(section, table) {
+		switch strings.Count(doc, table) {
+		case 0:
 			missing = append(missing, table)
+		case 1:
+		default:
+			t.Errorf("docs/configuration.md holds this table more than once; keep one:\n\n%s", table)
 		}
 	}
-	require.Empty(t, missing, "README.md's Configuration section lacks these tables as the code has them; paste them over its tables:\n\n%s",
+	require.Empty(t, missing, "docs/configuration.md lacks these tables as the code has them; paste them over its tables:\n\n%s",
 		strings.Join(missing, "\n"))
 }
 
-// The policy file the README's Configuration section shows is one the program takes.
-func TestREADMEPolicyExampleParses(t *testing.T) {
-	section := readmeConfiguration(t)
-	blocks := regexp.MustCompile("(?s)```yaml\n(.*?)```").FindAllStringSubmatch(section, -1)
+// Every policy file docs/configuration.md shows (each yaml block) is one the program takes.
+func TestConfigurationDocPolicyExamplesParse(t *testing.T) {
+	doc := readConfigurationDoc(t)
+	blocks := regexp.MustCompile("(?s)```yaml\n(.*?)```").FindAllStringSubmatch(doc, -1)
 	require.NotEmpty(t, blocks, "a YAML example")
 	for _, b := range blocks {
 		_, _, err := policy.ParseFile([]byte(b[1]), fileSettings(settings()))
-		require.NoError(t, err, "README example:\n%s", b[1])
+		require.NoError(t, err, "docs/configuration.md example:\n%s", b[1])
 	}
 }
