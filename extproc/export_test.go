@@ -65,3 +65,24 @@ func LogRequestLines(log *zerolog.Logger, n int) {
 		st.logRequest()
 	}
 }
+
+// ProblemAnswer is what the built-in problems of one code answer.
+type ProblemAnswer struct {
+	Status     int
+	RetryAfter bool
+	Outcome    Outcome
+}
+
+// ProblemAnswers returns what the built-in problems answer, by code, and the codes whose problems
+// answer differently from one another, which one row of a table could not say.
+func ProblemAnswers() (answers map[string]ProblemAnswer, disagreeing []string) {
+	answers = map[string]ProblemAnswer{}
+	for _, p := range problems {
+		a := ProblemAnswer{Status: p.status, RetryAfter: p.retryAfter, Outcome: p.outcome}
+		if prev, ok := answers[p.code]; ok && prev != a {
+			disagreeing = append(disagreeing, p.code)
+		}
+		answers[p.code] = a
+	}
+	return answers, disagreeing
+}
