@@ -3,6 +3,7 @@ package extproc_test
 import (
 	"context"
 	"io"
+	"os"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -19,6 +20,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/extproctest"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/logbatch"
 )
 
 // These benchmarks run the stream handler on an in-memory stream, without gRPC, to show what the
@@ -203,12 +205,31 @@ func BenchmarkSettledMetadata(b *testing.B) {
 	}
 }
 
-// BenchmarkRequestLogLine measures the one line a covered request logs at info, as zerolog writes
-// it to a discarding writer (the process' stderr costs what the system makes it cost).
+// BenchmarkRequestLogLine measures the one line a covered request logs at info, formatted by
+// zerolog and written to /dev/null as the binary writes its log: one line at a time ("unbatched",
+// a system call each), and in batches (logbatch, the binary's writer).
 func BenchmarkRequestLogLine(b *testing.B) {
-	log := zerolog.New(io.Discard).Level(zerolog.InfoLevel).With().Timestamp().Logger()
-	b.ReportAllocs()
-	extproc.LogRequestLines(&log, b.N)
+	for _, batched := range []bool{false, true} {
+		name := "unbatched"
+		if batched {
+			name = "batched"
+		}
+		b.Run(name, func(b *testing.B) {
+			devNull, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
+			require.NoError(b, err)
+			defer devNull.Close()
+			var w io.Writer = devNull
+			if batched {
+				lw := logbatch.New(devNull, 50*time.Millisecond)
+				defer lw.Close()
+				w = lw
+			}
+			log := zerolog.New(w).Level(zerolog.InfoLevel).With().Timestamp().Logger()
+			b.ReportAllocs()
+			b.ResetTimer()
+			extproc.LogRequestLines(&log, b.N)
+		})
+	}
 }
 
 // BenchmarkFeaturesElsewhere runs first executions on a route that uses no optional feature, in a

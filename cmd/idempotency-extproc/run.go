@@ -25,6 +25,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/logbatch"
 )
 
 // runOptions are what tests change in run; a zero field takes its default.
@@ -114,7 +115,10 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	if err != nil {
 		return err
 	}
-	log := newLogger(cfg, stderr)
+	lines := logbatch.New(stderr, logInterval)
+	// Deferred first, so it runs last: every line of the run is written before run returns.
+	defer lines.Close()
+	log := newLogger(cfg, lines)
 	redis.SetLogger(redisLogger{log: log})
 
 	store, err := openStoreUntil(ctx, cfg, opts.openStore)
@@ -294,10 +298,17 @@ func routeNames(p *policy.Policy) []string {
 	return append(names, p.Default.Name)
 }
 
-func newLogger(cfg *config, stderr io.Writer) zerolog.Logger {
-	var w io.Writer = stderr
+// logInterval is how long a log line at info or below may wait to be written with others (warn
+// and above are written at once): a write per line would cost a system call per covered request.
+const logInterval = 50 * time.Millisecond
+
+// newLogger returns the process' logger, writing to out (a logbatch.Writer).
+func newLogger(cfg *config, out *logbatch.Writer) zerolog.Logger {
+	var w io.Writer = out
 	if cfg.logFormat == "console" {
-		w = zerolog.ConsoleWriter{Out: stderr, TimeFormat: time.RFC3339}
+		// ConsoleWriter formats each line and hands it to out whole, through its Write: the
+		// level is in the text, so every console line waits for the batch.
+		w = zerolog.ConsoleWriter{Out: out, TimeFormat: time.RFC3339}
 	}
 	return zerolog.New(w).Level(cfg.logLevel).With().Timestamp().Logger()
 }
