@@ -23,9 +23,9 @@ import (
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
-	"github.com/idempotency-extproc/idempotency-extproc/internal/logbatch"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/extproctest"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/logbatch"
 )
 
 // Each target runs in a process of its own, as a processor does beside Envoy: its CPU time is
