@@ -250,8 +250,8 @@ func TestRequestTrailersWithoutBody(t *testing.T) {
 // A STREAMED request body followed by trailers is never claimed: Envoy holds the trailers while
 // a chunk's answer is outstanding (Filter::onTrailers: a callback other than Idle pauses them) and
 // the processor answers the chunks only at the claim, which waits for the end. Envoy's
-// message_timeout ends it with 504 and the upstream never gets the body (the README's known
-// limit). BUFFERED claims the same request at its trailers.
+// message_timeout ends it with 504 and the upstream never gets the body (a known limit:
+// docs/guarantees.md#request-body-modes). BUFFERED claims the same request at its trailers.
 func TestStreamedBodyWithTrailersStalls(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {

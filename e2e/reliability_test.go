@@ -225,7 +225,7 @@ func TestSIGKILLedReplicaFreesItsKeyWithinLockTTL(t *testing.T) {
 	require.Equal(t, "false", r.header.Get(replayed))
 	t.Logf("key found free by a request sent %v after the kill (lock_ttl 2s)", sent.Round(10*time.Millisecond))
 	require.Less(t, sent, 2*time.Second+3*time.Second)
-	require.Equal(t, 2, s.up.Count("crash-1"), "the first run's outcome was unknown: the retry ran again (see the README's guarantees)")
+	require.Equal(t, 2, s.up.Count("crash-1"), "the first run's outcome was unknown: the retry ran again (docs/guarantees.md#ambiguous-outcomes)")
 	// A request is counted when its stream ends, just after the client has its answer.
 	within(t, time.Now(), 5*time.Second, "the other replica served the retry", func() bool {
 		_, m := other.admin("/metrics")

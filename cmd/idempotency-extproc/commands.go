@@ -55,16 +55,18 @@ func serve(ctx context.Context, args []string, getenv func(string) string, stdou
 	return err
 }
 
+// commands are the binary's commands and what each does, as help lists them.
+var commands = [][2]string{
+	{"serve", "run the processor: the command when none is given"},
+	{"check", "check a policy and Envoy/Istio/Envoy Gateway files before deploying them"},
+	{"key-hash", "print the key_hash of the record a request would get"},
+	{"records", "show or purge one record through a running server's records API"},
+	{"version", "print the version"},
+	{"help", "print this help; help COMMAND prints a command's"},
+}
+
 // writeUsage writes the binary's usage: its commands, then the server's flags.
 func writeUsage(w io.Writer) error {
-	commands := [][2]string{
-		{"serve", "run the processor: the command when none is given"},
-		{"check", "check a policy and Envoy/Istio/Envoy Gateway files before deploying them"},
-		{"key-hash", "print the key_hash of the record a request would get"},
-		{"records", "show or purge one record through a running server's records API"},
-		{"version", "print the version"},
-		{"help", "print this help; help COMMAND prints a command's"},
-	}
 	var b strings.Builder
 	b.WriteString(`usage: idempotency-extproc [COMMAND] [flags]
 

@@ -25,7 +25,7 @@ const storeTimeout = 100 * time.Millisecond
 
 // repoRoot walks up from the package directory to the directory holding go.mod.
 
-// shippedMode is the processing_mode every shipped configuration spells out, as the README
+// shippedMode is the processing_mode every shipped configuration spells out, as docs/deploying.md
 // documents it: CheckSpec also accepts a STREAMED response body.
 // The attributes every shipped configuration requests: what the processor reads.
 var (
@@ -190,7 +190,7 @@ func TestEnvoyYAMLMeetsSpec(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, CheckSpec(f, storeTimeout))
 
-	// Beyond CheckSpec: the shipped file spells out exactly what the README documents.
+	// Beyond CheckSpec: the shipped file spells out exactly what docs/deploying.md documents.
 	require.True(t, proto.Equal(shippedMode, f.GetProcessingMode()), "processing_mode: %v", f.GetProcessingMode())
 	require.Len(t, f.GetAllowedOverrideModes(), 2)
 	require.True(t, proto.Equal(PassThroughMode(), f.GetAllowedOverrideModes()[0]))

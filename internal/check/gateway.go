@@ -807,7 +807,7 @@ func EGFilterChain(present []string, order []EGFilterPosition) ([]string, error)
 // EnvoyExtensionPolicy has no field for it. Under Buffered, Streamed or BufferedPartial a
 // covered request that carries trailers and no data therefore reaches the upstream unclaimed;
 // the processor counts it (idempotency_envoy_misconfig_total{kind="unclaimed_request"}) and the
-// README says so, with FullDuplexStreamed as the cure for clients that send request trailers.
+// docs/deploying.md says so, with FullDuplexStreamed as the cure for clients that send request trailers.
 func WithoutGatewayGaps(err error) error {
 	var keep []error
 	var walk func(error)

@@ -86,7 +86,7 @@ const retryFix = "keep only connect-failure, refused-stream and reset-before-req
 // RFC 9110 and RFC 6265 an upstream commonly sends. A forward rule that hides one of them from the
 // processor, or a mutation rule that refuses it, makes replays differ from first responses. Rules
 // aimed only at other names (an operator's own x-internal-* headers, say) are accepted; the
-// README says such headers are missing from replays.
+// deployment guide (docs/deploying.md) says such headers are missing from replays.
 var storedHeaderSample = []string{
 	"content-type", "content-encoding", "content-language", "content-location", "location",
 	"cache-control", "etag", "last-modified", "expires", "vary", "link", "set-cookie",
