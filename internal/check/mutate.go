@@ -13,8 +13,8 @@ import (
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 )
 
-// The mutations of e2e/envoyconf (mutate.go), for the tests of this package, which that package
-// imports.
+// Edits of a parsed bootstrap, in place, for the tests of this package and of the Envoy emulator
+// (e2e/envoyconf), which run the shipped files with one setting changed.
 
 // MutateHCM applies fn to the first HTTP connection manager of the first listener of b, in
 // place: the typed_config holding it is re-packed. Tests use it to run envoy.yaml with one
