@@ -156,17 +156,7 @@ func (c *completions) run(p pendingCompletion) {
 
 // wait blocks until no write is pending or ctx is done.
 func (c *completions) wait(ctx context.Context) error {
-	done := make(chan struct{})
-	go func() {
-		c.wg.Wait()
-		close(done)
-	}()
-	select {
-	case <-done:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	return waitGroup(ctx, &c.wg)
 }
 
 // stop gives up every pending write (each is counted and logged) and returns once their

@@ -277,9 +277,15 @@ func (s *Server) Shutdown(ctx context.Context) error {
 // it held (or handed a completion the store failed to write to the background retries), or ctx
 // is done.
 func (s *Server) Wait(ctx context.Context) error {
+	return waitGroup(ctx, &s.streams)
+}
+
+// waitGroup waits for wg or for ctx, whichever ends first. sync.WaitGroup has no wait with a
+// deadline, so a goroutine waits and is left to end with the group when ctx wins.
+func waitGroup(ctx context.Context, wg *sync.WaitGroup) error {
 	done := make(chan struct{})
 	go func() {
-		s.streams.Wait()
+		wg.Wait()
 		close(done)
 	}()
 	select {
