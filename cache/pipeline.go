@@ -25,10 +25,10 @@ const unbatchedBytes = 256 << 10
 // where a Redis-backed replica spends its time. RedisOptions.DisableBatching turns it off
 // (direct); the comparative benchmark runs both (e2e/bench -redis-batching).
 //
-// It holds a few slots. A call that finds a free slot runs at once on the caller's goroutine,
-// taking along every call queued so far in one pipelined batch. A call that finds every slot
-// busy queues, then waits for its reply or for a free slot, in which case it runs the queue
-// itself. So nothing waits when the store is idle, no call is stranded in the queue, and no
+// It holds pipelineSlots slots. A call that finds a free slot runs at once on the caller's
+// goroutine, taking along every call queued so far in one pipelined batch. A call that finds
+// every slot busy queues, then waits for its reply or for a free slot, in which case it runs the
+// queue itself. So nothing waits when the store is idle, no call is stranded in the queue, and no
 // goroutine is added. Each call is still one command or script on one key, atomic on its own:
 // batching changes nothing about what it means.
 //

@@ -186,7 +186,7 @@ func TestRedisAcquireRetriedToAnErrorReplyFreesTheKey(t *testing.T) {
 }
 
 // pipelineCounter counts the script calls sent alone and in pipelines. While hold is set,
-// every command waits for release to be closed, so that both slots stay busy and later calls
+// every command waits for release to be closed, so that every slot stays busy and later calls
 // queue; held counts the script calls waiting so.
 type pipelineCounter struct {
 	passHook
@@ -242,6 +242,16 @@ func newHeldRedis(t *testing.T) (*Redis, *miniredis.Miniredis, *pipelineCounter)
 	return s, mr, hook
 }
 
+// busyKeys names one call per slot of the batcher: held in the hook, they keep every slot busy,
+// so that the calls after them queue.
+func busyKeys() []string {
+	keys := make([]string, pipelineSlots)
+	for i := range keys {
+		keys[i] = "busy" + strconv.Itoa(i)
+	}
+	return keys
+}
+
 // waitAllWaiting waits until every one of n calls is either held in the hook or queued.
 func waitAllWaiting(t *testing.T, s *Redis, hook *pipelineCounter, n int) int {
 	t.Helper()
@@ -260,8 +270,8 @@ func TestRedisPipelinesConcurrentCalls(t *testing.T) {
 	ctx := t.Context()
 	const n = 100
 
-	// heldBurst runs n calls at once while the hook holds the commands, so that both slots
-	// stay busy and the rest queue; then it lets them all go.
+	// heldBurst runs n calls at once while the hook holds the commands, so that every slot
+	// stays busy and the rest queue; then it lets them all go.
 	heldBurst := func(call func(i int) error) {
 		t.Helper()
 		hook.held.Store(0)
@@ -279,7 +289,7 @@ func TestRedisPipelinesConcurrentCalls(t *testing.T) {
 			}()
 		}
 		queued := waitAllWaiting(t, s, hook, n)
-		require.Positive(t, queued, "with both slots busy, calls queue")
+		require.Positive(t, queued, "with every slot busy, calls queue")
 		hook.hold.Store(false)
 		close(hook.release)
 		wg.Wait()
@@ -349,7 +359,7 @@ func TestRedisAbandonedQueuedCallIsNeverSent(t *testing.T) {
 	s, mr, hook := newHeldRedis(t)
 	hook.hold.Store(true)
 	var wg sync.WaitGroup
-	for _, k := range []string{"a", "b"} {
+	for _, k := range busyKeys() {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -357,7 +367,7 @@ func TestRedisAbandonedQueuedCallIsNeverSent(t *testing.T) {
 			assert.NoError(t, err, k)
 		}()
 	}
-	require.Zero(t, waitAllWaiting(t, s, hook, 2), "both slots taken, nothing queued")
+	require.Zero(t, waitAllWaiting(t, s, hook, pipelineSlots), "every slot taken, nothing queued")
 
 	ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
 	defer cancel()
@@ -371,9 +381,11 @@ func TestRedisAbandonedQueuedCallIsNeverSent(t *testing.T) {
 	hook.hold.Store(false)
 	close(hook.release)
 	wg.Wait()
-	require.Equal(t, int64(2), hook.sets.Load(), "only the two calls waited for were sent")
+	require.Equal(t, int64(pipelineSlots), hook.sets.Load(), "only the calls waited for were sent")
 	require.False(t, mr.Exists("queued"))
-	require.True(t, mr.Exists("a") && mr.Exists("b"))
+	for _, k := range busyKeys() {
+		require.True(t, mr.Exists(k), k)
+	}
 }
 
 // While Redis answers later than the store timeout, every Acquire fails, and none of them may
@@ -950,15 +962,15 @@ func TestBatchRunsUntilItsLatestDeadline(t *testing.T) {
 	s, _ := hookedRedisWith(t, hook, RedisOptions{Timeout: time.Hour})
 	p := s.send.(*pipeline)
 	hook.hold.Store(true)
-	// Both slots busy, so that the next calls queue and leave in one batch.
+	// Every slot busy, so that the next calls queue and leave in one batch.
 	var wg sync.WaitGroup
-	for _, k := range []string{"a", "b"} {
+	for _, k := range busyKeys() {
 		wg.Go(func() {
 			_, _, err := s.Acquire(t.Context(), k, Claim{LockTTL: time.Hour, TTL: time.Hour})
 			assert.NoError(t, err)
 		})
 	}
-	require.Eventually(t, func() bool { return hook.held.Load() == 2 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return hook.held.Load() == pipelineSlots }, 10*time.Second, time.Millisecond)
 	var deadlines []time.Time
 	var mu sync.Mutex
 	hook.seen = func(ctx context.Context) {
@@ -1031,7 +1043,7 @@ func TestOrphansRetryOnTheStoreClock(t *testing.T) {
 	require.Eventually(t, func() bool { return clk.Pending() == 0 }, 10*time.Second, time.Millisecond, "nothing left to retry")
 }
 
-// A completion that stages at least unbatchedBytes skips the batcher: with both slots busy it
+// A completion that stages at least unbatchedBytes skips the batcher: with every slot busy it
 // runs at once, in a round trip of its own (its staging SET and its script), while small calls
 // queue behind the busy slots.
 func TestLargeCompletionsSkipTheBatcher(t *testing.T) {
@@ -1047,16 +1059,16 @@ func TestLargeCompletionsSkipTheBatcher(t *testing.T) {
 	hook.held.Store(0)
 	hook.hold.Store(true)
 	var wg sync.WaitGroup
-	errs := make(chan error, 6)
+	errs := make(chan error, pipelineSlots+4)
 	do := func(f func() error) {
 		wg.Add(1)
 		go func() { defer wg.Done(); errs <- f() }()
 	}
-	// Two small calls take both slots and are held.
-	for i := range 2 {
-		do(func() error { _, _, err := s.Acquire(ctx, "busy"+strconv.Itoa(i), claim); return err })
+	// Small calls take every slot and are held.
+	for _, k := range busyKeys() {
+		do(func() error { _, _, err := s.Acquire(ctx, k, claim); return err })
 	}
-	require.Eventually(t, func() bool { return hook.held.Load() == 2 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return hook.held.Load() == pipelineSlots }, 10*time.Second, time.Millisecond)
 	// Small completions queue; the large one goes on at once (held in the hook as its pipeline
 	// of two commands, not queued).
 	for i := range 3 {
@@ -1069,8 +1081,8 @@ func TestLargeCompletionsSkipTheBatcher(t *testing.T) {
 	require.Eventually(t, func() bool {
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		return hook.held.Load() == 4 && len(p.queue) == 3
-	}, 10*time.Second, time.Millisecond, "the large completion runs while both slots are busy; the small ones queue")
+		return hook.held.Load() == pipelineSlots+2 && len(p.queue) == 3
+	}, 10*time.Second, time.Millisecond, "the large completion runs while every slot is busy; the small ones queue")
 	hook.hold.Store(false)
 	close(hook.release)
 	wg.Wait()
