@@ -62,7 +62,20 @@ func memoryBound(b int64) int64 {
 	return b
 }
 
-func (o options) runs(name string) bool { return len(o.only) == 0 || o.only[name] }
+// runs tells whether the workload or target name, one of all, runs: -only may name workloads,
+// targets or both, and a kind of which it names none runs whole (so "-only redis store" runs
+// every workload against the Redis store and the null processor).
+func (o options) runs(name string, all []string) bool {
+	if o.only[name] {
+		return true
+	}
+	for _, n := range all {
+		if o.only[n] {
+			return false
+		}
+	}
+	return true
+}
 
 // Workloads, in the order they are printed.
 const (
@@ -339,7 +352,7 @@ func compare(ctx context.Context, o options) (result, error) {
 		}
 	}()
 	for _, name := range names {
-		if name != targetNull && !o.runs(name) {
+		if name != targetNull && !o.runs(name, names) {
 			continue
 		}
 		t, err := startTarget(name, o.redisAddr, o.memoryBytes)
@@ -355,7 +368,7 @@ func compare(ctx context.Context, o options) (result, error) {
 	}
 
 	for _, w := range workloads {
-		if !o.runs(w) {
+		if !o.runs(w, workloads) {
 			continue
 		}
 		clients := make([]extprocv3.ExternalProcessorClient, len(targets))
@@ -403,7 +416,7 @@ func compare(ctx context.Context, o options) (result, error) {
 			cells[i].rate = rate
 		}
 		res.paced = append(res.paced, cells...)
-		if o.redisAddr != "" && o.runs(targetRedis) && roundTrips[w] > 0 {
+		if o.redisAddr != "" && o.runs(targetRedis, names) && roundTrips[w] > 0 {
 			null := slices.IndexFunc(targets, func(t *targetProcess) bool { return t.name == targetNull })
 			a, err := redisAlone(ctx, o.redisAddr, clients[null], w, o.streams, rate, o.rounds, each)
 			if err != nil {

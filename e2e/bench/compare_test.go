@@ -17,6 +17,7 @@ import (
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -394,6 +395,32 @@ func TestRatioFor(t *testing.T) {
 	require.Equal(t, time.Millisecond, littleMean(32, r*8000)-littleMean(32, 8000))
 	// No budget: the target must be as fast as the null processor.
 	require.InDelta(t, 1.0, ratioFor(32, 8000, 0), 1e-9)
+}
+
+// TestOnly: -only names workloads, targets or both; a kind it names none of runs whole. A
+// filter naming only targets once ran nothing at all.
+func TestOnly(t *testing.T) {
+	targets := []string{targetNull, targetMemory, targetRedis}
+	for _, c := range []struct {
+		only                 string
+		workload, redis, mem bool
+	}{
+		{"", true, true, true},
+		{targetRedis, true, true, false},
+		{workloadReplay, false, true, true},
+		{workloadReplay + "," + targetRedis, false, true, false},
+		{workloadFirst + "," + targetRedis, true, true, false},
+	} {
+		o := options{only: map[string]bool{}}
+		for _, n := range strings.Split(c.only, ",") {
+			if n != "" {
+				o.only[n] = true
+			}
+		}
+		assert.Equal(t, c.workload, o.runs(workloadFirst, workloads), "%q: first execution", c.only)
+		assert.Equal(t, c.redis, o.runs(targetRedis, targets), "%q: redis store", c.only)
+		assert.Equal(t, c.mem, o.runs(targetMemory, targets), "%q: memory store", c.only)
+	}
 }
 
 // dialTarget starts a target process and returns it with a client of its ext_proc listener;
