@@ -21,10 +21,10 @@ import (
 const DefaultRedisTimeout = 100 * time.Millisecond
 
 // pipelineSlots is how many batches of calls may be in flight at once; calls beyond wait and
-// leave together (see pipeline). One batch on the wire while the next fills: with two, a call
-// arriving during a round trip took the second slot and went alone, so a first execution cost
-// 0.45 round trips instead of 0.26 and about 20 µs more of the processor's CPU under load
-// (docs/runs/27), for no lower latency.
+// leave together (see pipeline). One batch is on the wire while the next fills: with two, a call
+// arriving during a round trip took the second slot and went alone, so under load a first
+// execution made 0.45 round trips instead of 0.25 and cost the processor 10 to 25 µs more CPU,
+// with latency the same within the benchmark's noise (docs/runs/27-a2c2781-redis-one-batch.txt).
 const pipelineSlots = 1
 
 // A completed record of at least stagedRecordBytes is not sent through its script: its bytes go
