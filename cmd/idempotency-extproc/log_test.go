@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -13,30 +12,14 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/internal/logbatch"
 )
 
-// lockedBuffer is a bytes.Buffer safe for the batch writer's goroutine and the test's.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // In both log formats a line at info waits for the batch, and a warning is written at once,
 // after the lines that waited before it. The console format once let warnings wait too.
 func TestWarningsAreWrittenAtOnce(t *testing.T) {
 	for _, format := range []string{"json", "console"} {
 		t.Run(format, func(t *testing.T) {
-			var out lockedBuffer
+			// Every write to out comes from this goroutine: the batch writer's own flushes
+			// come every hour, and Close runs in the test's cleanup.
+			var out bytes.Buffer
 			lines := logbatch.New(&out, time.Hour)
 			t.Cleanup(func() { _ = lines.Close() })
 			log := newLogger(&config{logFormat: format, logLevel: zerolog.InfoLevel}, lines)

@@ -2,8 +2,6 @@ package envoyconf
 
 import (
 	"net"
-	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -20,43 +18,21 @@ import (
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
-	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/check/checktest"
 )
 
-// storeTimeout is the processor's default store_timeout (policy.DefaultStoreTimeout).
-const storeTimeout = 100 * time.Millisecond
+// The shared test helpers, under the names these tests use.
+var (
+	envoyFile     = checktest.EnvoyFile
+	readEnvoyFile = checktest.ReadEnvoyFile
+	shippedPolicy = checktest.ShippedPolicy
+	mutate        = checktest.Mutate
+)
 
-func repoRoot(t testing.TB) string {
-	t.Helper()
-	dir, err := os.Getwd()
-	require.NoError(t, err)
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir
-		}
-		parent := filepath.Dir(dir)
-		require.NotEqual(t, dir, parent, "no go.mod above the package directory")
-		dir = parent
-	}
-}
-
-func envoyFile(t testing.TB, name string) string {
-	return filepath.Join(repoRoot(t), "envoy", name)
-}
-
-func readEnvoyFile(t testing.TB, name string) string {
-	data, err := os.ReadFile(envoyFile(t, name))
-	require.NoError(t, err)
-	return string(data)
-}
-
-// shippedPolicy is envoy/policy.yaml, the policy the shipped configurations are checked against.
-func shippedPolicy(t testing.TB) *policy.Policy {
-	t.Helper()
-	p, err := policy.Parse([]byte(readEnvoyFile(t, "policy.yaml")))
-	require.NoError(t, err)
-	return p
-}
+const (
+	storeTimeout = checktest.StoreTimeout
+	minimal      = checktest.Minimal
+)
 
 // loadForProxy loads envoy.yaml for the tests of ProxySettings and Rewrite (settings.go).
 func loadForProxy(t testing.TB) *bootstrapv3.Bootstrap {
@@ -115,38 +91,6 @@ func TestEnvoyYAMLProxySettings(t *testing.T) {
 	require.Equal(t, 30*time.Second, ka.GetInterval().AsDuration())
 	require.Equal(t, 5*time.Second, ka.GetTimeout().AsDuration())
 }
-
-// minimal is a bootstrap that leaves everything it can at Envoy's defaults.
-const minimal = `
-static_resources:
-  listeners:
-  - name: l
-    address: { socket_address: { address: 0.0.0.0, port_value: 10000 } }
-    filter_chains:
-    - filters:
-      - name: hcm
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: s
-          route_config:
-            virtual_hosts:
-            - name: v
-              domains: ["*"]
-              routes:
-              - match: { prefix: "/" }
-                route: { cluster: app }
-          http_filters:
-          - name: my_ext_proc
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service: { envoy_grpc: { cluster_name: proc } }
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: proc
-  - name: app
-`
 
 // EnableHTTP1Trailers turns on enable_trailers on both sides, and ProxySettings reads them.
 func TestEnableHTTP1Trailers(t *testing.T) {
@@ -214,23 +158,6 @@ func TestProxySettingsRejects(t *testing.T) {
 		_, err = ProxySettings(b)
 		require.ErrorContains(t, err, "no inline route_config")
 	})
-}
-
-// mutate replaces old by new in text (the n-th occurrence, 1-based; 0 = every occurrence) and
-// fails the test when old is absent, so a stale mutation cannot pass silently.
-func mutate(t testing.TB, text, old, new string, n int) string {
-	t.Helper()
-	require.Contains(t, text, old, "mutation target is gone from the file")
-	if n == 0 {
-		return strings.ReplaceAll(text, old, new)
-	}
-	idx := -1
-	for i := 0; i < n; i++ {
-		next := strings.Index(text[idx+1:], old)
-		require.GreaterOrEqual(t, next, 0, "fewer than %d occurrences of %q", n, old)
-		idx += 1 + next
-	}
-	return text[:idx] + new + text[idx+len(old):]
 }
 
 func TestRewrite(t *testing.T) {

@@ -17,22 +17,30 @@ import (
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 
-	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/check/checktest"
 )
 
-// storeTimeout is the processor's default store_timeout (policy.DefaultStoreTimeout).
-const storeTimeout = 100 * time.Millisecond
+// The shared test helpers, under the names these tests use.
+var (
+	envoyFile     = checktest.EnvoyFile
+	readEnvoyFile = checktest.ReadEnvoyFile
+	shippedPolicy = checktest.ShippedPolicy
+	mutate        = checktest.Mutate
+)
 
-// repoRoot walks up from the package directory to the directory holding go.mod.
+const (
+	storeTimeout = checktest.StoreTimeout
+	minimal      = checktest.Minimal
+)
 
-// shippedMode is the processing_mode every shipped configuration spells out, as docs/deploying.md
-// documents it: CheckSpec also accepts a STREAMED response body.
 // The attributes every shipped configuration requests: what the processor reads.
 var (
 	shippedRequestAttributes  = []string{"request.id", "xds.route_name", "connection.uri_san_peer_certificate"}
 	shippedResponseAttributes = []string{"response.code", "response.code_details", "response.flags", "upstream.request_attempt_count"}
 )
 
+// shippedMode is the processing_mode every shipped configuration spells out, as docs/deploying.md
+// documents it: CheckSpec also accepts a STREAMED response body.
 var shippedMode = &filterextproc.ProcessingMode{
 	RequestHeaderMode:   filterextproc.ProcessingMode_SEND,
 	RequestBodyMode:     filterextproc.ProcessingMode_BUFFERED,
@@ -40,30 +48,6 @@ var shippedMode = &filterextproc.ProcessingMode{
 	ResponseHeaderMode:  filterextproc.ProcessingMode_SEND,
 	ResponseBodyMode:    filterextproc.ProcessingMode_BUFFERED,
 	ResponseTrailerMode: filterextproc.ProcessingMode_SKIP,
-}
-
-func repoRoot(t testing.TB) string {
-	t.Helper()
-	dir, err := os.Getwd()
-	require.NoError(t, err)
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir
-		}
-		parent := filepath.Dir(dir)
-		require.NotEqual(t, dir, parent, "no go.mod above the package directory")
-		dir = parent
-	}
-}
-
-func envoyFile(t testing.TB, name string) string {
-	return filepath.Join(repoRoot(t), "envoy", name)
-}
-
-func readEnvoyFile(t testing.TB, name string) string {
-	data, err := os.ReadFile(envoyFile(t, name))
-	require.NoError(t, err)
-	return string(data)
 }
 
 // typedConfigs returns the message inside every google.protobuf.Any of m, recursively.
@@ -126,13 +110,6 @@ func bootstrapLimits(b *bootstrapv3.Bootstrap, f *filterextproc.ExternalProcesso
 }
 
 // shippedPolicy is envoy/policy.yaml, the policy the shipped configurations are checked against.
-func shippedPolicy(t testing.TB) *policy.Policy {
-	t.Helper()
-	p, err := policy.Parse([]byte(readEnvoyFile(t, "policy.yaml")))
-	require.NoError(t, err)
-	return p
-}
-
 func checkLimits(th Thresholds, listener, upstream uint32) error {
 	var problems []string
 	for name, v := range map[string]uint32{
@@ -208,38 +185,6 @@ func TestEnvoyYAMLMeetsSpec(t *testing.T) {
 	require.NoError(t, checkBootstrap(t, readEnvoyFile(t, "envoy.yaml")))
 }
 
-// minimal is a bootstrap that leaves everything it can at Envoy's defaults.
-const minimal = `
-static_resources:
-  listeners:
-  - name: l
-    address: { socket_address: { address: 0.0.0.0, port_value: 10000 } }
-    filter_chains:
-    - filters:
-      - name: hcm
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: s
-          route_config:
-            virtual_hosts:
-            - name: v
-              domains: ["*"]
-              routes:
-              - match: { prefix: "/" }
-                route: { cluster: app }
-          http_filters:
-          - name: my_ext_proc
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service: { envoy_grpc: { cluster_name: proc } }
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: proc
-  - name: app
-`
-
 func TestParseRejects(t *testing.T) {
 	_, err := Parse(nil)
 	require.ErrorContains(t, err, "empty")
@@ -249,23 +194,6 @@ func TestParseRejects(t *testing.T) {
 	require.Error(t, err)
 	_, err = Load(filepath.Join(t.TempDir(), "missing.yaml"))
 	require.ErrorIs(t, err, os.ErrNotExist)
-}
-
-// mutate replaces old by new in text (the n-th occurrence, 1-based; 0 = every occurrence) and
-// fails the test when old is absent, so a stale mutation cannot pass silently.
-func mutate(t testing.TB, text, old, new string, n int) string {
-	t.Helper()
-	require.Contains(t, text, old, "mutation target is gone from the file")
-	if n == 0 {
-		return strings.ReplaceAll(text, old, new)
-	}
-	idx := -1
-	for i := 0; i < n; i++ {
-		next := strings.Index(text[idx+1:], old)
-		require.GreaterOrEqual(t, next, 0, "fewer than %d occurrences of %q", n, old)
-		idx += 1 + next
-	}
-	return text[:idx] + new + text[idx+len(old):]
 }
 
 // A broken envoy.yaml must fail this test.
