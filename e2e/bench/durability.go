@@ -24,17 +24,7 @@ const (
 // changes nothing of what a confirmed write costs (WAIT returns once the replica acknowledges)
 // and keeps a loaded machine's stall from failing a claim.
 func durablePolicy() *policy.Policy {
-	p, err := policy.Parse([]byte(`store_timeout: 2s
-durability: {replicas: 1, timeout: 1s}
-routes:
-  - name: headers-only
-    match: {path_prefix: /v1/headers-only/}
-    fingerprint: [method, path]
-`))
-	if err != nil {
-		panic(err)
-	}
-	return p
+	return mustPolicy("store_timeout: 2s\ndurability: {replicas: 1, timeout: 1s}\n" + benchRoutes)
 }
 
 // startReplicatedRedis starts a redis-server and a replica of it on loopback and returns the

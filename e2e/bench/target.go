@@ -315,22 +315,26 @@ func fill(m *cache.Memory, bound int64) error {
 // a route whose fingerprint omits the body, claimed at request_headers in every body mode: the
 // claim-at-headers workload's. Every other workload's path takes the defaults.
 func benchPolicy() *policy.Policy {
-	p, err := policy.Parse([]byte(`store_timeout: 2s
-routes:
+	return mustPolicy("store_timeout: 2s\n" + benchRoutes)
+}
+
+// benchRoutes is benchPolicy's route, which the other policies that serve the claim-at-headers
+// workload carry too.
+const benchRoutes = `routes:
   - name: headers-only
     match: {path_prefix: /v1/headers-only/}
     fingerprint: [method, path]
-`))
-	if err != nil {
-		panic(err)
-	}
-	return p
-}
+`
 
 // waitPolicy is benchPolicy with in_flight_wait: a duplicate of a request in flight waits for its
 // replay, polling the store, rather than being answered 409 at once.
 func waitPolicy() *policy.Policy {
-	p, err := policy.Parse([]byte("store_timeout: 2s\ndefaults:\n  in_flight_wait: 2s\n"))
+	return mustPolicy("store_timeout: 2s\ndefaults:\n  in_flight_wait: 2s\n")
+}
+
+// mustPolicy parses a policy of the benchmark's own, which is never wrong.
+func mustPolicy(text string) *policy.Policy {
+	p, err := policy.Parse([]byte(text))
 	if err != nil {
 		panic(err)
 	}
