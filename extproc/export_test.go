@@ -1,6 +1,8 @@
 package extproc
 
 import (
+	"slices"
+
 	"github.com/rs/zerolog"
 	"google.golang.org/protobuf/proto"
 
@@ -71,6 +73,19 @@ type ProblemAnswer struct {
 	Status     int
 	RetryAfter bool
 	Outcome    Outcome
+}
+
+// ProblemCodes returns the code of every problem the processor answers, each once, in the order
+// of problems. docs/outcomes.md's table of problem codes has one row for each, and a policy's
+// problems entries may restyle each (policy.ProblemCodes).
+func ProblemCodes() []string {
+	var codes []string
+	for _, p := range problems {
+		if !slices.Contains(codes, p.code) {
+			codes = append(codes, p.code)
+		}
+	}
+	return codes
 }
 
 // ProblemAnswers returns what the built-in problems answer, by code, and the codes whose problems

@@ -3,7 +3,6 @@ package extproc
 import (
 	"encoding/json"
 	"net/http"
-	"slices"
 )
 
 // Outcome is what happened to one request. The same value is the response's meaning, the
@@ -126,19 +125,6 @@ var problems = []*problem{
 	problemNotReplayable, problemOutcomeUnknown, problemTooLarge, problemBodyNotAvailable,
 	problemStoreUnavailable, problemUnknownRoute, problemRouteMismatch, problemScopeMissing,
 	problemScopeAmbiguous,
-}
-
-// ProblemCodes returns the code of every problem the processor answers, each once, in the order
-// of problems. docs/outcomes.md's table of problem codes has one row for each, and a policy's
-// problems entries may restyle each (policy.ProblemCodes).
-func ProblemCodes() []string {
-	var codes []string
-	for _, p := range problems {
-		if !slices.Contains(codes, p.code) {
-			codes = append(codes, p.code)
-		}
-	}
-	return codes
 }
 
 // Release reasons, the reason label of idempotency_releases_total.

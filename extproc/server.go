@@ -307,12 +307,10 @@ func (s *Server) acquire(st *stream, c cache.Claim) (cache.Lease, *cache.Record,
 	l, rec, err := s.store.Acquire(st.ctx, st.storeKey, c)
 	st.inStore = false
 	s.acquireObs.Observe(time.Since(start).Seconds())
+	// An unconfirmed claim is withdrawn: the caller answers it as any store failure, and the
+	// request does not run.
 	s.storeError("acquire", err)
 	endStoreSpan(sp, err)
-	if errors.Is(err, cache.ErrUnconfirmed) {
-		// Withdrawn: the caller answers it as any store failure, and the request does not run.
-		s.unconfirmedClaims.Inc()
-	}
 	return l, rec, err
 }
 
@@ -334,7 +332,6 @@ func (s *Server) completeCall(ctx context.Context, st *stream, id func(*zerolog.
 	if errors.Is(err, cache.ErrUnconfirmed) {
 		// The record is written and the lease spent: the completion is done. Only a failover
 		// before the replicas catch up could lose it.
-		s.unconfirmedCompletes.Inc()
 		id(s.log.Warn()).Err(err).Msg("completion not confirmed by the store's replicas; a failover before they catch up may lose the record")
 		return nil
 	}
@@ -353,13 +350,18 @@ func (s *Server) release(st *stream, ctx context.Context, l cache.Lease) error {
 }
 
 // storeError counts a failed store call by operation and kind (storeErrorKind). A lost lease is
-// not the store's failure, nor is a call the stream's end cut short.
+// not the store's failure, nor is a call the stream's end cut short. A write the replicas did not
+// confirm (durability) is counted apart, in idempotency_durability_unconfirmed_total.
 func (s *Server) storeError(op string, err error) {
-	// An unconfirmed write is counted apart (idempotency_durability_unconfirmed_total).
-	if err == nil || errors.Is(err, cache.ErrLeaseLost) || errors.Is(err, context.Canceled) || errors.Is(err, cache.ErrUnconfirmed) {
-		return
+	switch {
+	case err == nil, errors.Is(err, cache.ErrLeaseLost), errors.Is(err, context.Canceled):
+	case errors.Is(err, cache.ErrUnconfirmed) && op == "acquire":
+		s.unconfirmedClaims.Inc()
+	case errors.Is(err, cache.ErrUnconfirmed) && op == "complete":
+		s.unconfirmedCompletes.Inc()
+	default:
+		s.metrics.storeErrors.WithLabelValues(op, storeErrorKind(err)).Inc()
 	}
-	s.metrics.storeErrors.WithLabelValues(op, storeErrorKind(err)).Inc()
 }
 
 // The kinds of store failure, the kind label of idempotency_store_errors_total.

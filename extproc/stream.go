@@ -962,7 +962,7 @@ func (st *stream) storeFailed(op string, err error) {
 func (st *stream) finish() {
 	if st.inStore {
 		// The stream's goroutine is unwinding a panic from inside the store: make no further
-		// store call (Server.recoverStream ends the process).
+		// store call (Server.StreamInterceptor lets the panic end the process).
 		st.s.storeBroken.Store(true)
 		return
 	}
