@@ -400,12 +400,8 @@ func loadConfig(args []string, getenv func(string) string, help io.Writer) (*con
 func durableRoutes(p *policy.Policy) []string {
 	var names []string
 	for _, r := range append([]*policy.Route{p.Default}, p.Routes...) {
-		switch {
-		case r.Durability.Replicas == 0:
-		case r == p.Default:
-			names = append(names, "the defaults")
-		default:
-			names = append(names, fmt.Sprintf("route %q", r.Name))
+		if r.Durability.Replicas > 0 {
+			names = append(names, r.Description())
 		}
 	}
 	return names

@@ -190,6 +190,20 @@ func (d *decoder) integer(n *yaml.Node, path string) (int64, bool) {
 	return i, true
 }
 
+// intIn reads a whole number from lo to hi; range says which in the error, e.g. "between 0 and
+// 10".
+func (d *decoder) intIn(n *yaml.Node, path string, lo, hi int64, rangeSays string) (int, bool) {
+	i, ok := d.integer(n, path)
+	switch {
+	case !ok:
+		return 0, false
+	case i < lo || i > hi:
+		d.fail(n, path, "must be %s, got %d", rangeSays, i)
+		return 0, false
+	}
+	return int(i), true
+}
+
 // duration reads a Go duration between least and most.
 func (d *decoder) duration(n *yaml.Node, path string, least, most time.Duration, mostSays string) (time.Duration, bool) {
 	s, ok := d.str(n, path)

@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"fmt"
 	"time"
 
 	"go.yaml.in/yaml/v3"
@@ -32,19 +33,16 @@ type durabilityCheck struct {
 	timeout *yaml.Node
 }
 
-// durability reads a durability mapping over base, field by field.
-func (d *decoder) durability(base Durability, v *yaml.Node, path string) (Durability, *yaml.Node) {
+// durability reads a durability mapping over dst, field by field, and records it for
+// checkDurability; route is the route it belongs to, nil at the top level.
+func (d *decoder) durability(dst *Durability, route *Route, v *yaml.Node, path string) {
+	base := *dst
 	var timeout *yaml.Node
 	d.fields(v, path, func(key string, k, fv *yaml.Node, at string) {
 		switch key {
 		case "replicas":
-			n, ok := d.integer(fv, at)
-			switch {
-			case !ok:
-			case n < 0 || n > maxReplicas:
-				d.fail(fv, at, "must be between 0 (off) and %d, got %d", maxReplicas, n)
-			default:
-				base.Replicas = int(n)
+			if n, ok := d.intIn(fv, at, 0, maxReplicas, fmt.Sprintf("between 0 (off) and %d", maxReplicas)); ok {
+				base.Replicas = n
 			}
 		case "timeout":
 			timeout = fv
@@ -55,7 +53,8 @@ func (d *decoder) durability(base Durability, v *yaml.Node, path string) (Durabi
 			d.unknown(k, at, []string{"replicas", "timeout"})
 		}
 	})
-	return base, timeout
+	*dst = base
+	d.durabilities = append(d.durabilities, durabilityCheck{route: route, path: path, node: v, timeout: timeout})
 }
 
 // maxReplicas bounds durability.replicas: far more replicas than any master has.

@@ -82,11 +82,7 @@ func topFields() []topField {
 			set: func(d *decoder, p *Policy, v *yaml.Node, path string) { p.Problems = d.problems(v, path) }},
 		{key: "durability", def: "{replicas: 0, timeout: " + DefaultDurabilityTimeout.String() + "}",
 			doc: durabilityDoc,
-			set: func(d *decoder, p *Policy, v *yaml.Node, path string) {
-				var timeout *yaml.Node
-				p.Durability, timeout = d.durability(p.Durability, v, path)
-				d.durabilities = append(d.durabilities, durabilityCheck{path: path, node: v, timeout: timeout})
-			}},
+			set: func(d *decoder, p *Policy, v *yaml.Node, path string) { d.durability(&p.Durability, nil, v, path) }},
 	}
 }
 
@@ -269,11 +265,7 @@ func routeFields() []field {
 			}},
 		{key: "durability", where: routesOnly, inDefaults: "belongs at the top level (for every route) or in a route, not in defaults",
 			doc: "the top-level `durability` for the route's requests, field by field: `{replicas, timeout}`",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				var timeout *yaml.Node
-				x.r.Durability, timeout = d.durability(x.r.Durability, v, path)
-				d.durabilities = append(d.durabilities, durabilityCheck{route: x.r, path: path, node: v, timeout: timeout})
-			}},
+			set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.durability(&x.r.Durability, x.r, v, path) }},
 		{key: "problems", where: routesOnly, inDefaults: "belongs at the top level (for every route) or in a route, not in defaults",
 			doc: "replaces built-in problem responses of the route, by problem code, over the top-level entries: `{status, content_type, body}`; `status` 200–599 (default: the built-in one), `content_type` (default `application/problem+json`, only with `body`), `body` a Go `text/template` over `.Code`, `.Title`, `.Detail`, `.Status` (and `json`, which writes its argument as JSON), checked at start-up; the codes are " + codeList(),
 			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
@@ -319,13 +311,8 @@ func setDuration(assign func(*Route, time.Duration)) func(*decoder, *draft, *yam
 
 func setBytes(limit int, assign func(*Route, int)) func(*decoder, *draft, *yaml.Node, string) {
 	return func(d *decoder, x *draft, v *yaml.Node, path string) {
-		n, ok := d.integer(v, path)
-		switch {
-		case !ok:
-		case n < 0 || n > int64(limit):
-			d.fail(v, path, "must be between 0 and %d, got %d", limit, n)
-		default:
-			assign(x.r, int(n))
+		if n, ok := d.intIn(v, path, 0, int64(limit), fmt.Sprintf("between 0 and %d", limit)); ok {
+			assign(x.r, n)
 		}
 	}
 }
@@ -510,7 +497,7 @@ func (d *decoder) scopeKinds(p *Policy) {
 					}
 					// b is routes[i+j]: routes[0] is the defaults.
 					d.fail(nil, fmt.Sprintf("routes[%d] (%s).scope", i+j, b.Name), "%q is a %s here and a %s in %s, which shares key_prefix %q: their stored keys could collide; give one of them its own key_prefix",
-						sb.Name, sb.Kind, sa.Kind, describeRoute(a), a.KeyPrefix)
+						sb.Name, sb.Kind, sa.Kind, a.Description(), a.KeyPrefix)
 				}
 			}
 		}
@@ -520,8 +507,9 @@ func (d *decoder) scopeKinds(p *Policy) {
 // headerOrParam reports whether k's values are hashed behind their name alone (see scopeKinds).
 func headerOrParam(k ScopeKind) bool { return k == ScopeHeader || k == ScopePathParam }
 
-// describeRoute names r for an error message: "the defaults", or the route by its name.
-func describeRoute(r *Route) string {
+// Description names r in a message: "the defaults" for the policy's defaults, else the route
+// by its name.
+func (r *Route) Description() string {
 	if r.Name == "default" {
 		return "the defaults"
 	}

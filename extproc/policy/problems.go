@@ -45,15 +45,10 @@ func (d *decoder) problem(code string, v *yaml.Node, path string) *Problem {
 	d.fields(v, path, func(key string, k, fv *yaml.Node, at string) {
 		switch key {
 		case "status":
-			n, ok := d.integer(fv, at)
-			switch {
-			case !ok:
+			if n, ok := d.intIn(fv, at, 200, 599, "an HTTP status from 200 to 599"); ok {
+				p.Status = n
+			} else {
 				bad = true
-			case n < 200 || n > 599:
-				d.fail(fv, at, "must be an HTTP status from 200 to 599, got %d", n)
-				bad = true
-			default:
-				p.Status = int(n)
 			}
 		case "content_type":
 			contentType = fv
