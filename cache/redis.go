@@ -23,7 +23,7 @@ const DefaultRedisTimeout = 100 * time.Millisecond
 // pipelineSlots is how many batches of calls may be in flight at once; calls beyond wait and
 // leave together (see pipeline). One batch is on the wire while the next fills: with two, a call
 // arriving during a round trip took the second slot and went alone, so under load a first
-// execution made 0.45 round trips instead of 0.25 and cost the processor 10 to 25 µs more CPU,
+// execution made 0.45 round trips instead of 0.25 and cost the processor 25.6 µs more CPU,
 // with latency the same within the benchmark's noise (docs/runs/27-a2c2781-redis-one-batch.txt).
 const pipelineSlots = 1
 

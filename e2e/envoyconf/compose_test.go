@@ -41,8 +41,8 @@ type composeService struct {
 	} `yaml:"healthcheck"`
 }
 
-// The compose file cannot run here (no Docker engine); this holds it to envoy.yaml instead: every
-// endpoint Envoy dials is a service that listens there, and the processor uses Redis.
+// The compose file is held to envoy.yaml without a Docker engine: every endpoint Envoy dials is
+// a service that listens there, and the processor uses Redis.
 func TestComposeMatchesEnvoyYAML(t *testing.T) {
 	data, err := os.ReadFile(envoyFile(t, "compose.yaml"))
 	require.NoError(t, err)
