@@ -359,8 +359,7 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 // returns Acquire's answer: why, and no lease. A release that fails is retried in the background
 // as an orphan's; the record expires after lockTTL otherwise.
 func (r *Redis) withdraw(ctx context.Context, l Lease, lockTTL time.Duration, why error) (Lease, *Record, error) {
-	err := r.owned(ctx, "release", &call{script: releaseScript, keys: []string{l.key}, args: []any{l.token}}, l)
-	if err != nil && !errors.Is(err, ErrLeaseLost) {
+	if err := r.Release(ctx, l); err != nil && !errors.Is(err, ErrLeaseLost) {
 		r.orphans.add(l, lockTTL)
 	}
 	return Lease{}, nil, fmt.Errorf("cache: redis acquire: %w", why)
@@ -467,16 +466,7 @@ func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 		}
 	}
 	c.replicas, c.wait = l.replicas, l.replicaTimeout
-	n, err := r.run(ctx, c).Int64()
-	switch {
-	case err != nil:
-		return redisError("complete", err)
-	case n != 1 && n != 2: // 2: completed before, by this lease
-		return ErrLeaseLost
-	case c.unconfirmed != nil:
-		return fmt.Errorf("cache: redis complete: %w", c.unconfirmed)
-	}
-	return nil
+	return r.owned(ctx, "complete", c, l)
 }
 
 // stagingKey returns the key a large completion of key by token stages its bytes in: a name that
@@ -517,18 +507,21 @@ func (r *Redis) Purge(ctx context.Context, key string) error {
 	return nil
 }
 
-// owned runs an owner-checked script call for l that answers 1 on success and 0 when the lease
-// is lost.
+// owned runs an owner-checked script call for l that answers 1 on success (2 when the
+// completion script finds the record completed before, by this lease) and 0 when the lease is
+// lost. A write the replicas did not confirm (durability) is done, and reported as such.
 func (r *Redis) owned(ctx context.Context, op string, c *call, l Lease) error {
 	if l.token == "" {
 		return ErrLeaseLost
 	}
 	n, err := r.run(ctx, c).Int64()
-	if err != nil {
+	switch {
+	case err != nil:
 		return redisError(op, err)
-	}
-	if n != 1 {
+	case n != 1 && n != 2:
 		return ErrLeaseLost
+	case c.unconfirmed != nil:
+		return fmt.Errorf("cache: redis %s: %w", op, c.unconfirmed)
 	}
 	return nil
 }

@@ -170,11 +170,12 @@ func sendBatch(ctx context.Context, client redis.UniversalClient, calls []*call)
 		}
 		refused = append(refused, i)
 	}
-	again := map[int]bool{}
+	for _, c := range calls {
+		confirm(c, waited)
+	}
 	if len(refused) > 0 {
 		pipe := client.Pipeline()
 		for _, i := range refused {
-			again[i] = true
 			if c := calls[i]; loaded[c.script] {
 				add(pipe, i)
 			} else {
@@ -185,12 +186,7 @@ func sendBatch(ctx context.Context, client redis.UniversalClient, calls []*call)
 		rewaited := waitOf(pick(calls, refused)).add(ctx, pipe)
 		_, _ = pipe.Exec(ctx)
 		for _, i := range refused {
-			confirm(calls[i], rewaited)
-		}
-	}
-	for i, c := range calls {
-		if !again[i] {
-			confirm(c, waited)
+			confirm(calls[i], rewaited) // over the first WAIT's finding
 		}
 	}
 	for i, st := range stages {
