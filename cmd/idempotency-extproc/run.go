@@ -306,25 +306,9 @@ const logInterval = 50 * time.Millisecond
 func newLogger(cfg *config, out *logbatch.Writer) zerolog.Logger {
 	var w io.Writer = out
 	if cfg.logFormat == "console" {
-		w = consoleLines{ConsoleWriter: zerolog.ConsoleWriter{Out: out, TimeFormat: time.RFC3339}, out: out}
+		w = out.Formatted(zerolog.ConsoleWriter{Out: out, TimeFormat: time.RFC3339})
 	}
 	return zerolog.New(w).Level(cfg.logLevel).With().Timestamp().Logger()
-}
-
-// consoleLines formats each line as zerolog.ConsoleWriter does and keeps out's rule: a line at
-// warn or above is written at once, with what waited before it. ConsoleWriter alone hands out
-// its text without the level, so every console line waited for the batch.
-type consoleLines struct {
-	zerolog.ConsoleWriter
-	out *logbatch.Writer
-}
-
-func (c consoleLines) WriteLevel(l zerolog.Level, p []byte) (int, error) {
-	n, err := c.ConsoleWriter.Write(p)
-	if l >= zerolog.WarnLevel && l != zerolog.NoLevel {
-		c.out.Flush()
-	}
-	return n, err
 }
 
 // redisLogger sends go-redis' own messages (one per failed dial while Redis is down) to the

@@ -84,8 +84,31 @@ func (w *Writer) Write(p []byte) (int, error) {
 // after what came before it.
 func (w *Writer) WriteLevel(l zerolog.Level, p []byte) (int, error) {
 	n, err := w.Write(p)
-	if l >= zerolog.WarnLevel && l != zerolog.NoLevel {
+	if urgent(l) {
 		w.Flush()
+	}
+	return n, err
+}
+
+// urgent reports whether a line at level l is written at once: warn and above.
+func urgent(l zerolog.Level) bool { return l >= zerolog.WarnLevel && l != zerolog.NoLevel }
+
+// Formatted returns a writer for a zerolog logger that formats each line with f, which writes
+// the result to w (a zerolog.ConsoleWriter whose Out is w, say), and writes a line at warn or
+// above at once, as w's own WriteLevel does. f alone would hand w its text without the level.
+func (w *Writer) Formatted(f io.Writer) zerolog.LevelWriter { return formatted{f: f, w: w} }
+
+type formatted struct {
+	f io.Writer
+	w *Writer
+}
+
+func (x formatted) Write(p []byte) (int, error) { return x.f.Write(p) }
+
+func (x formatted) WriteLevel(l zerolog.Level, p []byte) (int, error) {
+	n, err := x.f.Write(p)
+	if urgent(l) {
+		x.w.Flush()
 	}
 	return n, err
 }
