@@ -493,9 +493,6 @@ func storeCalls(g prometheus.Gatherer, c *counters) error {
 // slowCall is the time over which a store call counts as slow: a bucket of the histogram.
 const slowCall = time.Millisecond
 
-// commandCounter counts the store's commands go-redis sends (SET for an acquire, scripts for
-// the rest) and the round trips they take: one per command sent alone, one per pipelined batch.
-// Connection set-up (HELLO) is not counted.
 // commandCounter counts the store's commands (set, evalsha, eval), the round trips that carry
 // them, and the WAITs that end durable round trips.
 type commandCounter struct{ commands, trips, waits *atomic.Int64 }

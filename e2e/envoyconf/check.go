@@ -28,33 +28,11 @@ type (
 	Thresholds = check.Thresholds
 	// Deployment is what a deployment makes of the ext_proc filter (check.Deployment).
 	Deployment = check.Deployment
-	// RouteEntry is one route of a Deployment (check.RouteEntry).
-	RouteEntry = check.RouteEntry
-	// Refusal is one setting CheckProtection refuses (check.Refusal).
-	Refusal = check.Refusal
 	// EGPolicy is an EnvoyExtensionPolicy, translated (check.EGPolicy).
 	EGPolicy = check.EGPolicy
 	// EGLimits are Envoy Gateway's buffer limits (check.EGLimits).
 	EGLimits = check.EGLimits
-	// EGFilterPosition is an entry of an EnvoyProxy's filterOrder (check.EGFilterPosition).
-	EGFilterPosition = check.EGFilterPosition
 )
-
-// The names the processor reads and writes outside the policy.
-const (
-	RouteMetadataKey = check.RouteMetadataKey
-	JWTNamespace     = check.JWTNamespace
-	OutcomeNamespace = check.OutcomeNamespace
-)
-
-// ErrRequestTrailersSkipped is check.ErrRequestTrailersSkipped.
-var ErrRequestTrailersSkipped = check.ErrRequestTrailersSkipped
-
-// PassThroughMode and NoStoreMode are the two mode_override values the processor sends.
-func PassThroughMode() *filterextproc.ProcessingMode { return check.PassThroughMode() }
-
-// NoStoreMode is the mode_override the processor sends for a response it will not store.
-func NoStoreMode() *filterextproc.ProcessingMode { return check.NoStoreMode() }
 
 // Load reads an Envoy bootstrap file (check.Load).
 func Load(path string) (*bootstrapv3.Bootstrap, error) { return check.Load(path) }
@@ -78,16 +56,8 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 // CheckProtection refuses the settings of d that break idempotency under p (check.CheckProtection).
 func CheckProtection(d Deployment, p *policy.Policy) error { return check.CheckProtection(d, p) }
 
-// Refusals returns every Refusal in err (check.Refusals).
-func Refusals(err error) []*Refusal { return check.Refusals(err) }
-
 // WithoutGatewayGaps drops the refusal Envoy Gateway cannot avoid (check.WithoutGatewayGaps).
 func WithoutGatewayGaps(err error) error { return check.WithoutGatewayGaps(err) }
-
-// BootstrapDeployment reads the deployment of a bootstrap (check.BootstrapDeployment).
-func BootstrapDeployment(b *bootstrapv3.Bootstrap, source string) (Deployment, error) {
-	return check.BootstrapDeployment(b, source)
-}
 
 // IstioExtProc returns the filter of an Istio file's EnvoyFilter (check.IstioExtProc).
 func IstioExtProc(path string) (*filterextproc.ExternalProcessor, error) {
@@ -102,22 +72,6 @@ func IstioAccessLogFormats(path string) ([]string, error) { return check.IstioAc
 
 // EnvoyGateway translates an Envoy Gateway file (check.EnvoyGateway).
 func EnvoyGateway(path string) ([]EGPolicy, EGLimits, error) { return check.EnvoyGateway(path) }
-
-// EnvoyGatewayFilterOrder returns an Envoy Gateway file's filterOrder (check.EnvoyGatewayFilterOrder).
-func EnvoyGatewayFilterOrder(path string) ([]EGFilterPosition, error) {
-	return check.EnvoyGatewayFilterOrder(path)
-}
-
-// EGFilterChain orders filter types as Envoy Gateway does (check.EGFilterChain).
-func EGFilterChain(present []string, order []EGFilterPosition) ([]string, error) {
-	return check.EGFilterChain(present, order)
-}
-
-// EnvoyGatewayAccessLogFormats returns an Envoy Gateway file's access log formats
-// (check.EnvoyGatewayAccessLogFormats).
-func EnvoyGatewayAccessLogFormats(path string) ([]string, error) {
-	return check.EnvoyGatewayAccessLogFormats(path)
-}
 
 // cluster returns the static cluster of b named name, or nil.
 func cluster(b *bootstrapv3.Bootstrap, name string) *clusterv3.Cluster { return check.Cluster(b, name) }
