@@ -17,9 +17,12 @@ import (
 
 // Defaults that match Envoy's.
 const (
-	// DefaultBufferLimit is Envoy's default per_connection_buffer_limit_bytes (1 MiB).
+	// DefaultBufferLimit is Envoy's default per_connection_buffer_limit_bytes (1 MiB), for a
+	// listener (ListenerImpl's constructor in source/common/listener_manager/listener_impl.cc)
+	// and a cluster (ClusterInfoImpl's in source/common/upstream/upstream_impl.cc) alike.
 	DefaultBufferLimit = 1 << 20
-	// DefaultRouteTimeout is Envoy's default route timeout.
+	// DefaultRouteTimeout is Envoy's default route timeout (DEFAULT_ROUTE_TIMEOUT_MS, read in
+	// RouteEntryImplBase's constructor in source/common/router/config_impl.cc).
 	DefaultRouteTimeout = 15 * time.Second
 	// DefaultMessageTimeout is ext_proc's default message_timeout
 	// (ExternalProcessingFilterConfig::DefaultMessageTimeoutMs in config.h).

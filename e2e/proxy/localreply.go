@@ -137,7 +137,8 @@ func percentEncode(s string) string {
 }
 
 // sanitizeDetails replaces whitespace with '_', as StringUtil::replaceAllEmptySpace does for
-// response code details (Filter::sendImmediateResponse).
+// response code details (Filter::sendImmediateResponse in
+// source/extensions/filters/http/ext_proc/ext_proc.cc).
 func sanitizeDetails(s string) string {
 	return strings.Map(func(r rune) rune {
 		if unicode.IsSpace(r) {

@@ -163,12 +163,13 @@ func applyMutation(h *headerList, m *extprocv3.HeaderMutation, rules *mutationRu
 		if hv == nil {
 			continue
 		}
-		// Setting both value and raw_value is an error (MutationUtils::applyHeaderMutations).
+		// Setting both value and raw_value is an error (MutationUtils::applyHeaderMutations in
+		// source/extensions/filters/http/ext_proc/mutation_utils.cc).
 		if hv.GetValue() != "" && len(hv.GetRawValue()) > 0 {
 			return rejected + 1, &mutationError{msg: "Only one of value or raw_value in the HeaderValue message should be set."}
 		}
-		// Envoy reads raw_value only (send_header_raw_value): a mutation that sets only value
-		// yields an empty header.
+		// Envoy reads raw_value only (send_header_raw_value; the same applyHeaderMutations): a
+		// mutation that sets only value yields an empty header.
 		value := string(hv.GetRawValue())
 		if !validName(hv.GetKey()) || !validValue(value) {
 			return rejected + 1, &mutationError{msg: "Invalid character in set_headers mutation."}

@@ -145,8 +145,8 @@ func New(cfg Config) (*Proxy, error) {
 	if d := filter.GetMessageTimeout(); d != nil {
 		p.messageTimeout = d.AsDuration()
 	}
-	// max_message_timeout 0 disables override_message_timeout: Filter::onNewTimeout ignores any
-	// override above it.
+	// max_message_timeout 0 disables override_message_timeout: Filter::onNewTimeout
+	// (source/extensions/filters/http/ext_proc/ext_proc.cc) ignores any override above it.
 	p.maxMsgTimeout = filter.GetMaxMessageTimeout().AsDuration()
 	if c := filter.GetStatusOnError().GetCode(); c >= 100 && c <= 999 {
 		p.statusOnError = int(c)
