@@ -49,24 +49,14 @@ const (
 // check passes exactly when the server would start on it.
 func checkCommand(args []string, stdin io.Reader, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("idempotency-extproc check", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() {} // printed below: on standard output when asked for, else on stderr
-	usage := func(w io.Writer) {
-		fmt.Fprint(w, checkUsage)
-		fs.SetOutput(w)
-		fs.PrintDefaults()
-		fs.SetOutput(stderr)
-	}
 	configPath := fs.String("config", "", "the server's YAML policy file (required)")
 	format := fs.String("format", "text", "text or json")
 	version := fs.String("envoy-version", "", "the Envoy version the deployment runs, e.g. 1.38: adds the warnings of its known ext_proc defects")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			usage(stdout)
-			return nil
+	if done, err := parseCommandFlags(fs, args, checkUsage, stdout); done {
+		if err != nil {
+			return &exitError{checkBadFile, err}
 		}
-		usage(stderr)
-		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
+		return nil
 	}
 	switch {
 	case *configPath == "":
@@ -74,7 +64,7 @@ func checkCommand(args []string, stdin io.Reader, stdout, stderr io.Writer) erro
 	case *format != "text" && *format != "json":
 		return &exitError{checkBadFile, fmt.Errorf("check: --format must be text or json, got %q", *format)}
 	}
-	cfg, err := loadConfig([]string{"--config", *configPath}, func(string) string { return "" }, io.Discard)
+	cfg, err := loadConfig([]string{"--config", *configPath}, func(string) string { return "" })
 	if err != nil {
 		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
 	}

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -151,7 +150,7 @@ func TestCheckPolicyAlone(t *testing.T) {
 			if tc.policy != "" {
 				path = writeNamed(t, "policy.yaml", tc.policy)
 			}
-			_, serverErr := loadConfig([]string{"--config", path}, env(nil), io.Discard)
+			_, serverErr := loadConfig([]string{"--config", path}, env(nil))
 			out, msg, code := runCheck(t, "", "--config", path)
 			if serverErr == nil {
 				require.Zero(t, code, msg)
@@ -192,6 +191,7 @@ func TestCheckBinaryExitStatus(t *testing.T) {
 		{"good", []string{"--config", shipped("policy.yaml"), "-"}, string(text), 0},
 		{"an error", []string{"--config", shipped("policy.yaml"), "-"}, strings.Replace(string(text), "failure_mode_allow: false", "failure_mode_allow: true", 1), 1},
 		{"unreadable", []string{"--config", shipped("policy.yaml"), "-"}, "{{{", 2},
+		{"an unknown flag", []string{"--bogus"}, "", 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cmd := exec.Command(bin, append([]string{"check"}, tc.args...)...)

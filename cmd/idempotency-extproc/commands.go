@@ -141,7 +141,7 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 	if *secretFile != "" {
 		serverArgs = append(serverArgs, "--key-hash-secret-file", *secretFile)
 	}
-	cfg, err := loadConfig(serverArgs, getenv, io.Discard)
+	cfg, err := loadConfig(serverArgs, getenv)
 	if err != nil {
 		return fmt.Errorf("key-hash: %w", err)
 	}

@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/base64"
 	"flag"
-	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -28,7 +27,7 @@ func env(kv map[string]string) func(string) string {
 }
 
 func TestConfigDefaults(t *testing.T) {
-	c, err := loadConfig(nil, env(nil), io.Discard)
+	c, err := loadConfig(nil, env(nil))
 	require.NoError(t, err)
 	require.Equal(t, ":9002", c.grpcAddr)
 	require.Equal(t, ":9003", c.adminAddr)
@@ -106,7 +105,7 @@ store_timeout: 250ms
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			c, err := loadConfig(tc.args, env(tc.env), io.Discard)
+			c, err := loadConfig(tc.args, env(tc.env))
 			require.NoError(t, err)
 			tc.want(t, c)
 		})
@@ -115,7 +114,7 @@ store_timeout: 250ms
 
 // The Redis settings are checked only when the Redis store is chosen.
 func TestConfigIgnoresRedisSettingsForMemory(t *testing.T) {
-	c, err := loadConfig([]string{"--redis-url", "not a url"}, env(nil), io.Discard)
+	c, err := loadConfig([]string{"--redis-url", "not a url"}, env(nil))
 	require.NoError(t, err)
 	require.Equal(t, "memory", c.store)
 }
@@ -162,7 +161,7 @@ func TestConfigInvalid(t *testing.T) {
 			if tc.file != "" {
 				args = append(args, "--config", writeFile(t, tc.file))
 			}
-			_, err := loadConfig(args, env(tc.env), io.Discard)
+			_, err := loadConfig(args, env(tc.env))
 			require.Error(t, err)
 			for _, w := range tc.want {
 				require.ErrorContains(t, err, w)
@@ -186,7 +185,7 @@ func TestConfigSecretFiles(t *testing.T) {
 
 	c, err := loadConfig([]string{"--admin-token-file", token}, env(map[string]string{
 		"IDEMPOTENCY_RECORD_KEYS_FILE": keys, "IDEMPOTENCY_KEY_HASH_SECRET_FILE": secret,
-	}), io.Discard)
+	}))
 	require.NoError(t, err)
 	require.Equal(t, []byte("tok-3f9a"), c.adminToken, "without the trailing newline")
 	require.Equal(t, "k2:"+strings.Repeat("A", 42)+"E=\nk1:"+strings.Repeat("B", 42)+"E=\n", string(c.recordKeys), "as written")
@@ -196,7 +195,7 @@ func TestConfigSecretFiles(t *testing.T) {
 	require.Equal(t, []byte(strings.Repeat("s", 32)), c.keyHashSecret, "without the trailing CRLF")
 
 	other := writeNamed(t, "other-token", "tok-other")
-	c, err = loadConfig([]string{"--config", writeFile(t, "admin_token_file: "+token+"\nkey_hash_secret_file: "+secret+"\n"), "--admin-token-file", other}, env(nil), io.Discard)
+	c, err = loadConfig([]string{"--config", writeFile(t, "admin_token_file: "+token+"\nkey_hash_secret_file: "+secret+"\n"), "--admin-token-file", other}, env(nil))
 	require.NoError(t, err)
 	require.Equal(t, []byte("tok-other"), c.adminToken, "the flag beats the file")
 	require.Equal(t, []byte(strings.Repeat("s", 32)), c.keyHashSecret, "from the file")
@@ -230,7 +229,7 @@ func TestConfigBadSecretFiles(t *testing.T) {
 			if tc.content != nil {
 				path = writeNamed(t, "file", *tc.content)
 			}
-			_, err := loadConfig([]string{"--" + tc.setting, path}, env(nil), io.Discard)
+			_, err := loadConfig([]string{"--" + tc.setting, path}, env(nil))
 			require.ErrorContains(t, err, tc.setting+" (flag --"+tc.setting+"): ")
 			require.ErrorContains(t, err, path)
 			require.ErrorContains(t, err, tc.want)
@@ -239,7 +238,7 @@ func TestConfigBadSecretFiles(t *testing.T) {
 	}
 
 	dir := t.TempDir()
-	_, err := loadConfig(nil, env(map[string]string{"IDEMPOTENCY_ADMIN_TOKEN_FILE": dir}), io.Discard)
+	_, err := loadConfig(nil, env(map[string]string{"IDEMPOTENCY_ADMIN_TOKEN_FILE": dir}))
 	require.ErrorContains(t, err, "admin-token-file (environment variable IDEMPOTENCY_ADMIN_TOKEN_FILE): "+dir+": not a regular file (a directory)")
 }
 
@@ -247,9 +246,10 @@ func ptr(s string) *string { return &s }
 
 // -h lists every setting with its environment variable and default, and is flag.ErrHelp.
 func TestConfigHelp(t *testing.T) {
-	var out strings.Builder
-	_, err := loadConfig([]string{"-h"}, env(nil), &out)
+	_, err := loadConfig([]string{"-h"}, env(nil))
 	require.ErrorIs(t, err, flag.ErrHelp)
+	var out strings.Builder
+	require.NoError(t, writeUsage(&out))
 	for _, s := range settings() {
 		require.Contains(t, out.String(), "-"+s.name+" ", s.name)
 		require.Contains(t, out.String(), "(env "+s.env()+")", s.name)
@@ -281,15 +281,15 @@ routes:
   - {name: refund, match: {path_prefix: /refund}}
   - {name: ledger, match: {path_prefix: /ledger}, durability: {replicas: 2}}
 `)
-	_, err := loadConfig([]string{"--config", file}, env(nil), io.Discard)
+	_, err := loadConfig([]string{"--config", file}, env(nil))
 	require.EqualError(t, err, `durability.replicas (config file `+file+`) is above 0 for route "pay", route "ledger", and the memory store (store, default) has no replicas to wait for: use the Redis store, or durability.replicas: 0`)
 
 	file = writeFile(t, "durability: {replicas: 1}\nroutes: [{name: off, match: {path_prefix: /o}, durability: {replicas: 0}}]\n")
-	_, err = loadConfig([]string{"--config", file, "--store", "memory"}, env(nil), io.Discard)
+	_, err = loadConfig([]string{"--config", file, "--store", "memory"}, env(nil))
 	require.ErrorContains(t, err, "is above 0 for the defaults, and the memory store (store, flag --store)")
 	require.NotContains(t, err.Error(), "off")
 
-	c, err := loadConfig([]string{"--config", file, "--store", "redis"}, env(nil), io.Discard)
+	c, err := loadConfig([]string{"--config", file, "--store", "redis"}, env(nil))
 	require.NoError(t, err)
 	require.Equal(t, 1, c.policy.Default.Durability.Replicas)
 }

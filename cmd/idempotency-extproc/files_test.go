@@ -78,7 +78,7 @@ func TestFilesMustBeBoundedRegularFiles(t *testing.T) {
 		for _, r := range refusals(limit) {
 			t.Run(setting+" "+r[1], func(t *testing.T) {
 				err := within(t, func() error {
-					_, err := loadConfig([]string{"--" + setting, r[0]}, env(nil), io.Discard)
+					_, err := loadConfig([]string{"--" + setting, r[0]}, env(nil))
 					return err
 				})
 				require.ErrorContains(t, err, setting+" (flag --"+setting+"): "+r[0]+": "+r[1])
