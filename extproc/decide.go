@@ -42,7 +42,9 @@ type admission struct {
 }
 
 // admit decides what a request on route r is: not covered, answered at once, or to be claimed.
-func admit(r *policy.Route, req requestInfo) admission {
+// What depends on the route alone (whether its scope reads claims, whether its fingerprint
+// reads the body) was compiled into r at load.
+func admit(r *route, req requestInfo) admission {
 	if !r.Enabled || !r.Covers(string(req.method)) || isGRPC(req.headers) {
 		// A gRPC request is never covered: Envoy turns every ImmediateResponse into a
 		// trailers-only gRPC reply, so a replay could not be faithful.
@@ -68,28 +70,18 @@ func admit(r *policy.Route, req requestInfo) admission {
 		}
 	}
 	a.scope = scope{headers: req.headers, params: req.params, peer: req.peer}
-	if usesClaims(r) {
+	if r.claims {
 		payload, ok := jwtPayload(req.jwtAuthn, r.JWTPayloadKey)
 		if !ok {
 			return admission{covered: true, problem: problemScopeAmbiguous}
 		}
 		a.scope.jwt = payload
 	}
-	if r.RequireScope && scopeEmpty(r, a.scope) {
+	if r.RequireScope && scopeEmpty(r.Route, a.scope) {
 		return admission{covered: true, problem: problemScopeMissing}
 	}
-	a.needsBody = a.bodyHash || fingerprintsBody(r)
+	a.needsBody = a.bodyHash || r.bodyFingerprint
 	return a
-}
-
-// fingerprintsBody reports whether route r's fingerprint includes the request body.
-func fingerprintsBody(r *policy.Route) bool {
-	for _, p := range r.Fingerprint {
-		if p == policy.PartBody {
-			return true
-		}
-	}
-	return false
 }
 
 // judgeRecord answers a claim that found key's record rec: 422 when the record is another

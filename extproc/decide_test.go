@@ -5,6 +5,7 @@ import (
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/structpb"
 
@@ -22,6 +23,16 @@ func routeOf(t *testing.T, yaml string) *policy.Route {
 		return p.Routes[0]
 	}
 	return p.Default
+}
+
+// compiled compiles r as the server does at load.
+func compiled(t *testing.T, r *policy.Route) *route {
+	t.Helper()
+	m, err := NewMetrics(prometheus.NewRegistry())
+	require.NoError(t, err)
+	c, err := compileRoute(r, m, "idempotency")
+	require.NoError(t, err)
+	return c
 }
 
 func info(method string, pairs ...string) requestInfo {
@@ -85,7 +96,7 @@ func TestAdmit(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			got := admit(routeOf(t, c.policy), c.req)
+			got := admit(compiled(t, routeOf(t, c.policy)), c.req)
 			require.Equal(t, c.want.covered, got.covered, "covered")
 			require.Equal(t, c.want.problem, got.problem, "problem")
 			if c.want.problem == nil && c.want.covered {

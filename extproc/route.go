@@ -17,8 +17,9 @@ type route struct {
 	*policy.Route
 
 	// What the route's requests use.
-	claims bool // the scope reads jwt_authn's payload
-	shadow bool // mode: shadow
+	claims          bool // the scope reads jwt_authn's payload
+	bodyFingerprint bool // the fingerprint reads the request body
+	shadow          bool // mode: shadow
 
 	// The metric series.
 	outcomes   map[Outcome]prometheus.Counter
@@ -50,19 +51,20 @@ type freshAnswer struct {
 // compileRoute compiles r, counting in m.
 func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error) {
 	c := &route{
-		Route:      r,
-		claims:     usesClaims(r),
-		shadow:     r.Mode == policy.ModeShadow,
-		outcomes:   map[Outcome]prometheus.Counter{},
-		releases:   map[string]prometheus.Counter{},
-		unknown:    map[policy.UnknownOutcome]prometheus.Counter{},
-		stored:     markResponseHeaders(r, nil, time.Time{}),
-		notStored:  markResponseHeaders(r, noStoreMode, time.Time{}),
-		problems:   map[*problem]*extprocv3.ProcessingResponse{},
-		waitCalls:  m.waitCalls.WithLabelValues(r.Name),
-		unreadable: m.unreadable.WithLabelValues(r.Name),
-		retried:    m.upstreamRetries.WithLabelValues(r.Name),
-		metadata:   metadataTemplates{namespace: namespace, route: r.Name},
+		Route:           r,
+		claims:          usesClaims(r),
+		bodyFingerprint: fingerprintsBody(r),
+		shadow:          r.Mode == policy.ModeShadow,
+		outcomes:        map[Outcome]prometheus.Counter{},
+		releases:        map[string]prometheus.Counter{},
+		unknown:         map[policy.UnknownOutcome]prometheus.Counter{},
+		stored:          markResponseHeaders(r, nil, time.Time{}),
+		notStored:       markResponseHeaders(r, noStoreMode, time.Time{}),
+		problems:        map[*problem]*extprocv3.ProcessingResponse{},
+		waitCalls:       m.waitCalls.WithLabelValues(r.Name),
+		unreadable:      m.unreadable.WithLabelValues(r.Name),
+		retried:         m.upstreamRetries.WithLabelValues(r.Name),
+		metadata:        metadataTemplates{namespace: namespace, route: r.Name},
 	}
 	if c.shadow {
 		c.shadowCounts = map[Outcome]prometheus.Counter{}
@@ -87,6 +89,26 @@ func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error)
 		c.problems[p] = resp
 	}
 	return c, nil
+}
+
+// usesClaims reports whether the route's scope reads the jwt_authn payload.
+func usesClaims(r *policy.Route) bool {
+	for _, src := range r.Scope {
+		if src.Kind == policy.ScopeJWTClaim {
+			return true
+		}
+	}
+	return false
+}
+
+// fingerprintsBody reports whether route r's fingerprint includes the request body.
+func fingerprintsBody(r *policy.Route) bool {
+	for _, p := range r.Fingerprint {
+		if p == policy.PartBody {
+			return true
+		}
+	}
+	return false
 }
 
 // freshHeaders returns the answer to the headers of a response that will be stored until

@@ -359,7 +359,7 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 	if st.route.claims {
 		st.req.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
 	}
-	st.adm = admit(r, st.req)
+	st.adm = admit(st.route, st.req)
 	switch {
 	case !st.adm.covered:
 		st.passThrough()
@@ -410,16 +410,6 @@ func (st *stream) unknownRoute(name string, err error) {
 		p = problemRouteMismatch
 	}
 	st.reject(p)
-}
-
-// usesClaims reports whether the route's scope reads the jwt_authn payload.
-func usesClaims(r *policy.Route) bool {
-	for _, src := range r.Scope {
-		if src.Kind == policy.ScopeJWTClaim {
-			return true
-		}
-	}
-	return false
 }
 
 // jwtPayload returns the payload jwt_authn verified, from its metadata namespace: the one under
