@@ -223,7 +223,7 @@ func kubeDeployments(objs []*object) ([]Deployment, []Finding, error) {
 	}
 	pols, _, err := envoyGateway(objs, false)
 	if err != nil {
-		errs = append(errs, egInputError(objs, err))
+		errs = append(errs, egInputError(err))
 	}
 	for _, p := range pols {
 		out = append(out, p.Deployment)
@@ -243,20 +243,11 @@ func kubeDeployments(objs []*object) ([]Deployment, []Finding, error) {
 	return out, findings, errors.Join(errs...)
 }
 
-// egInputError names, for an error of envoyGateway, the file of the object it names.
-func egInputError(objs []*object, err error) error {
-	msg := err.Error()
-	for _, o := range objs {
-		if o.group() == egGroup || o.group() == gwGroup {
-			if strings.HasPrefix(msg, o.Kind+" "+o.Namespace+"/"+o.Name+":") || strings.HasPrefix(msg, o.Kind+" "+o.Name+":") {
-				return inputError(o.File, err)
-			}
-		}
-	}
-	for _, o := range objs {
-		if o.is(egGroup, "EnvoyExtensionPolicy") {
-			return inputError(o.File, err)
-		}
+// egInputError names, for an error of envoyGateway, the file of the object it is about.
+func egInputError(err error) error {
+	var f *inFile
+	if errors.As(err, &f) {
+		return inputError(f.file, err)
 	}
 	return err
 }

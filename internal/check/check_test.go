@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -395,6 +396,45 @@ func TestRunKubernetesInputs(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []string{"retry.retryOn"}, fieldsOf(rep, Error))
 	require.Equal(t, "btp.yaml", rep.Findings[0].File)
+}
+
+// Objects read from several files together: an error names the file of the object it is about,
+// whichever file holds the EnvoyExtensionPolicy.
+func TestRunNamesTheFileOfTheBadObject(t *testing.T) {
+	docs := strings.Split(readEnvoyFile(t, "envoy-gateway.yaml"), "\n---\n")
+	require.Len(t, docs, 7)
+	copyOf := strings.Replace(docs[1], "name: idempotency-transfers", "name: idempotency-copy", 1)
+	for _, tc := range []struct {
+		name    string
+		doc     int // the document changed
+		changed string
+		file    string // the file the error names
+		want    string
+	}{
+		{"an HTTPRoute that cannot be read", 0, strings.Replace(docs[0], "  rules:\n", "  rules: 7\n  old_rules:\n", 1),
+			"0.yaml", "HTTPRoute payments/payments-api"},
+		{"a bad bufferLimit", 5, strings.Replace(docs[5], "bufferLimit: 1Mi", "bufferLimit: lots", 1),
+			"5.yaml", "BackendTrafficPolicy payments/idempotency-buffers: spec.connection.bufferLimit"},
+		{"a second policy on a rule", 7, copyOf,
+			"7.yaml", "EnvoyExtensionPolicy payments/idempotency-transfers and payments/idempotency-copy both target rule"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var inputs []Input
+			for i, d := range append(slices.Clone(docs), "") {
+				if i == tc.doc {
+					d = tc.changed
+				}
+				if d != "" {
+					inputs = append(inputs, Input{Name: strconv.Itoa(i) + ".yaml", Data: []byte(d)})
+				}
+			}
+			_, err := Run(shippedPolicy(t), inputs, Options{})
+			var ie *InputError
+			require.True(t, errors.As(err, &ie), "%v", err)
+			require.Equal(t, tc.file, ie.File, "%v", err)
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
 }
 
 // The chart's resources come without the application's HTTPRoutes, Gateways or EnvoyProxy: the

@@ -61,6 +61,16 @@ func inputError(file string, err error) *InputError {
 	return &InputError{File: file, Err: err}
 }
 
+// inFile is an error about an object read from file; its message is err's. Code that reads the
+// objects of several files together says with it which file an error belongs to.
+type inFile struct {
+	file string
+	err  error
+}
+
+func (e *inFile) Error() string { return e.err.Error() }
+func (e *inFile) Unwrap() error { return e.err }
+
 // located is an error at a known place of a document.
 type located struct {
 	Line  int    // 0 when unknown

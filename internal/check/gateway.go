@@ -233,22 +233,22 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
 		name := o.Namespace + "/" + o.Name
 		spec, err := decodeSpec[egPolicySpec](o)
 		if err != nil {
-			return nil, EGLimits{}, fmt.Errorf("EnvoyExtensionPolicy %s: %w", name, err)
+			return nil, EGLimits{}, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: %w", name, err)}
 		}
 		if strict && len(spec.ExtProc) != 1 {
-			return nil, EGLimits{}, fmt.Errorf("EnvoyExtensionPolicy %s: want exactly one extProc entry, have %d", name, len(spec.ExtProc))
+			return nil, EGLimits{}, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: want exactly one extProc entry, have %d", name, len(spec.ExtProc))}
 		}
 		refs := spec.TargetRefs
 		if spec.TargetRef != nil {
 			refs = append(refs, *spec.TargetRef)
 		}
 		if strict && len(refs) == 0 {
-			return nil, EGLimits{}, fmt.Errorf("EnvoyExtensionPolicy %s: no targetRefs (targetSelectors are not modelled)", name)
+			return nil, EGLimits{}, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: no targetRefs (targetSelectors are not modelled)", name)}
 		}
 		for i, ep := range spec.ExtProc {
 			f, cb, err := translateEG(ep, o.Namespace, o.Name, i)
 			if err != nil {
-				return nil, EGLimits{}, fmt.Errorf("EnvoyExtensionPolicy %s: extProc[%d]: %w", name, i, err)
+				return nil, EGLimits{}, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: extProc[%d]: %w", name, i, err)}
 			}
 			cbSet := ep.BackendSettings.CircuitBreaker != nil
 			out = append(out, EGPolicy{
@@ -298,12 +298,12 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
 		for i, d := range docs {
 			tp, err := decodeLoose[egTrafficPolicy](d)
 			if err != nil {
-				return nil, EGLimits{}, fmt.Errorf("%s: %w", d.ref(), err)
+				return nil, EGLimits{}, &inFile{d.File, fmt.Errorf("%s: %w", d.ref(), err)}
 			}
 			limit := uint32(egDefaultBufferLimit)
 			if tp.Connection.BufferLimit != "" {
 				if limit, err = parseQuantity(tp.Connection.BufferLimit); err != nil {
-					return nil, EGLimits{}, fmt.Errorf("%s: spec.connection.bufferLimit: %w", d.ref(), err)
+					return nil, EGLimits{}, &inFile{d.File, fmt.Errorf("%s: spec.connection.bufferLimit: %w", d.ref(), err)}
 				}
 			}
 			dst := &limits.ClientBufferLimit
@@ -311,7 +311,7 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
 				dst = &limits.BackendBufferLimit
 				p := egBackendPolicy{obj: d, retry: egRetryPolicy(tp), limit: limit, limitSet: tp.Connection.BufferLimit != ""}
 				if p.targets, err = egPolicyTargets(d, tp.TargetRefs, routes, strict && p.retry != nil); err != nil {
-					return nil, EGLimits{}, fmt.Errorf("%s: %w", d.ref(), err)
+					return nil, EGLimits{}, &inFile{d.File, fmt.Errorf("%s: %w", d.ref(), err)}
 				}
 				btps = append(btps, p)
 			}
@@ -421,7 +421,7 @@ func egHTTPRoutes(objs []*object) (map[string]*egHTTPRoute, error) {
 		}
 		r, err := decodeLoose[egHTTPRoute](o)
 		if err != nil {
-			return nil, fmt.Errorf("HTTPRoute %s/%s: %w", o.Namespace, o.Name, err)
+			return nil, &inFile{o.File, fmt.Errorf("HTTPRoute %s/%s: %w", o.Namespace, o.Name, err)}
 		}
 		r.namespace, r.name = o.Namespace, o.Name
 		out[r.namespace+"/"+r.name] = &r
@@ -476,7 +476,7 @@ func egAttach(pols []EGPolicy, targets [][]egTargetRef, routes map[string]*egHTT
 				}
 				if ref.Kind != "HTTPRoute" || (ref.Group != "" && ref.Group != gwGroup) {
 					if strict {
-						return fmt.Errorf("EnvoyExtensionPolicy %s: target %s %s: only HTTPRoute targets are modelled", pols[p].Name, ref.Kind, ref.Name)
+						return &inFile{pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: target %s %s: only HTTPRoute targets are modelled", pols[p].Name, ref.Kind, ref.Name)}
 					}
 					unresolved(p, "", fmt.Sprintf("%s %s/%s (every route under it)", ref.Kind, ns, ref.Name))
 					continue
@@ -485,14 +485,14 @@ func egAttach(pols []EGPolicy, targets [][]egTargetRef, routes map[string]*egHTT
 				route := routes[key]
 				if route == nil {
 					if strict {
-						return fmt.Errorf("EnvoyExtensionPolicy %s: HTTPRoute %s is not in the file", pols[p].Name, key)
+						return &inFile{pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: HTTPRoute %s is not in the file", pols[p].Name, key)}
 					}
 					unresolved(p, "httproute/"+key+"/", fmt.Sprintf("HTTPRoute %s (not in the inputs: its rules were not read)", key))
 					continue
 				}
 				if ref.SectionName == "" {
 					if q, taken := whole[key]; taken && !same(p, q) {
-						return fmt.Errorf("EnvoyExtensionPolicy %s and %s both target HTTPRoute %s", pols[q].Name, pols[p].Name, key)
+						return &inFile{pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s and %s both target HTTPRoute %s", pols[q].Name, pols[p].Name, key)}
 					}
 					whole[key] = p
 					for i := range route.Rules {
@@ -510,13 +510,13 @@ func egAttach(pols []EGPolicy, targets [][]egTargetRef, routes map[string]*egHTT
 					}
 					found = true
 					if q, taken := owner[ruleKey{key, i}]; taken && !same(p, q) {
-						return fmt.Errorf("EnvoyExtensionPolicy %s and %s both target rule %q of HTTPRoute %s", pols[q].Name, pols[p].Name, rule.Name, key)
+						return &inFile{pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s and %s both target rule %q of HTTPRoute %s", pols[q].Name, pols[p].Name, rule.Name, key)}
 					}
 					owner[ruleKey{key, i}] = p
 					attach(p, route, i, "sectionName "+ref.SectionName)
 				}
 				if !found {
-					return fmt.Errorf("EnvoyExtensionPolicy %s: sectionName %q names no rule of HTTPRoute %s", pols[p].Name, ref.SectionName, key)
+					return &inFile{pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: sectionName %q names no rule of HTTPRoute %s", pols[p].Name, ref.SectionName, key)}
 				}
 			}
 		}
