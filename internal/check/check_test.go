@@ -507,18 +507,58 @@ func TestRunEnvoyVersion(t *testing.T) {
 	require.Equal(t, []Severity{Error, Warning, Warning}, []Severity{rep.Findings[0].Severity, rep.Findings[1].Severity, rep.Findings[2].Severity})
 }
 
+// A bootstrap shows its jwt_authn filter: a policy that scopes by jwt_claim needs one before
+// ext_proc, writing the payload each route reads.
+func TestRunJWTPayloads(t *testing.T) {
+	const (
+		httpFilters = "filter_chains[0].filters[0].typed_config.http_filters"
+		providers   = httpFilters + "[envoy.filters.http.jwt_authn].typed_config.providers"
+		keyed       = "routes:\n  - name: refunds\n    match: { path_prefix: /v1/refunds }\n    scope: [{ jwt_claim: sub }]\n    jwt_payload_key: "
+		noClaims    = "routes:\n  - name: refunds\n    match: { path_prefix: /v1/refunds }\n"
+	)
+	envoyYAML := readEnvoyFile(t, "envoy.yaml")
+	jwtFilter := envoyYAML[strings.Index(envoyYAML, "          - name: envoy.filters.http.jwt_authn\n"):strings.Index(envoyYAML, "          - name: envoy.filters.http.ext_proc\n")]
+	after := mutate(t, mutate(t, envoyYAML, jwtFilter, "", 1), "          - name: envoy.filters.http.router\n", jwtFilter+"          - name: envoy.filters.http.router\n", 1)
+	for _, tc := range []struct {
+		name, policy, text string
+		field, problem     string // the error; "" for none
+	}{
+		{"the shipped files", "", envoyYAML, "", ""},
+		{"jwt_authn after ext_proc", "", after, httpFilters, `has no jwt_authn filter before ext_proc, while route "transfers" scopes by jwt_claim`},
+		{"no jwt_authn at all", "", mutate(t, envoyYAML, jwtFilter, "", 1), httpFilters, "has no jwt_authn filter before ext_proc"},
+		{"no payload_in_metadata", "", mutate(t, envoyYAML, "payload_in_metadata: demo", "forward_payload_header: x-jwt", 1),
+			providers, "writes no verified payload to dynamic metadata"},
+		{"a jwt_payload_key no provider writes", keyed + "other\n", envoyYAML,
+			providers, `has no provider writing payload_in_metadata "other", the jwt_payload_key of route "refunds"`},
+		{"a jwt_payload_key a provider writes", keyed + "demo\n", envoyYAML, "", ""},
+		{"a policy without claims needs no jwt_authn", noClaims, mutate(t, envoyYAML, jwtFilter, "", 1), "", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rep, err := Run(parsePolicy(t, tc.policy), []Input{{Name: "envoy.yaml", Data: []byte(tc.text)}}, Options{})
+			require.NoError(t, err)
+			if tc.field == "" {
+				require.Zero(t, rep.Errors(), "%v", rep.Findings)
+				return
+			}
+			require.Equal(t, []string{tc.field}, fieldsOf(rep, Error), "%v", rep.Findings)
+			require.Contains(t, rep.Findings[0].Problem, tc.problem)
+		})
+	}
+	// Moved after ext_proc, jwt_authn is also a filter replays skip.
+	rep, err := Run(shippedPolicy(t), []Input{{Name: "envoy.yaml", Data: []byte(after)}}, Options{})
+	require.NoError(t, err)
+	require.Equal(t, []string{httpFilters + "[envoy.filters.http.jwt_authn]"}, fieldsOf(rep, Warning))
+	require.Contains(t, rep.Findings[1].Problem, "replays and 409s skip JWT verification")
+}
+
 // Warnings: what works, at a cost.
 func TestRunWarnings(t *testing.T) {
 	envoyYAML := readEnvoyFile(t, "envoy.yaml")
-	jwtFilter := envoyYAML[strings.Index(envoyYAML, "          - name: envoy.filters.http.jwt_authn\n"):strings.Index(envoyYAML, "          - name: envoy.filters.http.ext_proc\n")]
 	for _, tc := range []struct {
 		name, file, text string
 		resource, field  string
 		problem          string
 	}{
-		{"a filter after ext_proc", "envoy.yaml",
-			mutate(t, mutate(t, envoyYAML, jwtFilter, "", 1), "          - name: envoy.filters.http.router\n", jwtFilter+"          - name: envoy.filters.http.router\n", 1),
-			bootstrapListener, "filter_chains[0].filters[0].typed_config.http_filters[envoy.filters.http.jwt_authn]", "replays and 409s skip JWT verification"},
 		{"an RBAC filter after ext_proc, of a type check does not link", "envoy.yaml",
 			mutate(t, envoyYAML, "          - name: envoy.filters.http.router\n",
 				"          - name: envoy.filters.http.rbac\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC\n              rules: { action: ALLOW }\n          - name: envoy.filters.http.router\n", 1),

@@ -10,6 +10,7 @@ import (
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	jwtauthnv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/jwt_authn/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 )
 
@@ -58,6 +59,11 @@ type Deployment struct {
 	RoutesUnknown string
 	// After are the HTTP filters after ext_proc in the connection manager, when it is shown.
 	After []FilterRef
+	// JWTAuthn is the first jwt_authn filter before ext_proc in the connection manager, and
+	// JWTAuthnPath where its config lives; nil when the connection manager has none before
+	// ext_proc or is not shown (Istio and Envoy Gateway generate theirs).
+	JWTAuthn     *jwtauthnv3.JwtAuthentication
+	JWTAuthnPath string
 	// Processor are the circuit breaker thresholds of the processor's cluster, nil when unknown.
 	Processor *ProcessorLimits
 }
@@ -177,12 +183,20 @@ func hcmDeployment(d *Deployment, b *bootstrapv3.Bootstrap, hcm *hcmv3.HttpConne
 	d.HCMPath = hcmPath
 	seen := false
 	for _, other := range hcm.GetHttpFilters() {
-		if other == hf {
+		switch {
+		case other == hf:
 			seen = true
-			continue
-		}
-		if seen {
+		case seen:
 			d.After = append(d.After, FilterRef{Name: other.GetName(), Type: anyType(other.GetTypedConfig())})
+		case d.JWTAuthn == nil && other.GetTypedConfig().MessageIs(&jwtauthnv3.JwtAuthentication{}):
+			d.JWTAuthn = &jwtauthnv3.JwtAuthentication{}
+			d.JWTAuthnPath = "http_filters[" + other.GetName() + "].typed_config"
+			if hcmPath != "http_connection_manager" {
+				d.JWTAuthnPath = hcmPath + "." + d.JWTAuthnPath
+			}
+			if err := other.GetTypedConfig().UnmarshalTo(d.JWTAuthn); err != nil {
+				return fmt.Errorf("%s: %w", d.JWTAuthnPath, err)
+			}
 		}
 	}
 	if name := f.GetGrpcService().GetEnvoyGrpc().GetClusterName(); name != "" {

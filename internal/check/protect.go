@@ -10,6 +10,7 @@ import (
 	mutationrulesv3 "github.com/envoyproxy/go-control-plane/envoy/config/common/mutation_rules/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	jwtauthnv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/jwt_authn/v3"
 	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
 
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
@@ -112,6 +113,9 @@ var storedHeaderSample = []string{
 //     policy reads them, metadata_options without forwarding envoy.filters.http.jwt_authn when
 //     it reads JWT claims, and metadata_options without receiving the outcome namespace
 //     (idempotency), at filter level and in per-route metadata_options (which replace the lists);
+//   - where the connection manager is shown (a bootstrap) and the policy reads JWT claims: no
+//     jwt_authn filter before ext_proc, no provider writing payload_in_metadata, or none writing
+//     a route's jwt_payload_key;
 //   - per route (every typed_per_filter_config of the filter): overrides.failure_mode_allow true;
 //     a processing_mode that skips request headers (use disabled: true to opt a route out), skips
 //     response headers, or uses the GRPC body mode (not implemented by Envoy); request_body_mode
@@ -153,11 +157,17 @@ type policyNeeds struct {
 	// matchers), the mTLS peer's URI SAN (peer_identity scope), the verified JWT payload
 	// (jwt_claim scope).
 	routeNameAttribute, peerIdentity, jwtPayload bool
-	outcomeNamespace                             string
+	// jwtKeys are the routes that scope by jwt_claim, each with its jwt_payload_key.
+	jwtKeys          []routeJWTKey
+	outcomeNamespace string
 	// stored reports whether some enabled route stores a response of this status (a router
 	// retry on it would run a request whose outcome counts).
 	stored func(status int) bool
 }
+
+// routeJWTKey is a route that scopes by jwt_claim and the payload it reads (its jwt_payload_key,
+// "" for the only one there).
+type routeJWTKey struct{ route, key string }
 
 // needsOf derives policyNeeds from p's routes and default, enabled ones only: the scope list's
 // header entries join the request headers, a jwt_claim entry needs the verified payload, a
@@ -187,6 +197,9 @@ func needsOf(p *policy.Policy) policyNeeds {
 		n.anyBody = n.anyBody || body
 		for _, h := range r.KeyHeaders {
 			add(h, "key header", r.Name)
+		}
+		if slices.ContainsFunc(r.Scope, func(src policy.ScopeSource) bool { return src.Kind == policy.ScopeJWTClaim }) {
+			n.jwtKeys = append(n.jwtKeys, routeJWTKey{route: r.Name, key: r.JWTPayloadKey})
 		}
 		for _, src := range r.Scope {
 			switch src.Kind {
@@ -258,6 +271,7 @@ func checkProtection(d Deployment, n policyNeeds) error {
 	}
 	c.requestAttributes(fp+".request_attributes", f.GetRequestAttributes())
 	c.metadataOptions(fp+".metadata_options", f.GetMetadataOptions())
+	c.jwtPayloads()
 
 	for _, e := range d.Routes {
 		c.route(e)
@@ -487,6 +501,47 @@ func (c *checker) metadataOptions(path string, mo *filterextproc.MetadataOptions
 	if ns := c.n.outcomeNamespace; !slices.Contains(mo.GetReceivingNamespaces().GetUntyped(), ns) {
 		c.refuse(path+".receiving_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.receiving_namespaces.untyped", ns), "lacks %q: Envoy drops the outcome the processor writes there, so access logs and traces never show it", ns)
 	}
+}
+
+// jwtPayloads refuses, where the deployment shows its connection manager (a bootstrap), a policy
+// that scopes by jwt_claim with no jwt_authn filter before ext_proc, or with none of its
+// providers writing the payload a route reads (payload_in_metadata): the claims would all be
+// empty, every caller in one scope, or 401 under require_scope.
+func (c *checker) jwtPayloads() {
+	if !c.n.jwtPayload || c.d.Platform != PlatformEnvoy {
+		return
+	}
+	const empty = "the claims would all be empty (every caller in one scope, or 401 under require_scope)"
+	if c.d.JWTAuthn == nil {
+		c.refuse(c.d.HCMPath+".http_filters", "add envoy.filters.http.jwt_authn before the ext_proc filter, its providers setting payload_in_metadata",
+			"has no jwt_authn filter before ext_proc, while route %q scopes by jwt_claim: %s", c.n.jwtKeys[0].route, empty)
+		return
+	}
+	written := jwtPayloadNames(c.d.JWTAuthn)
+	path := c.d.JWTAuthnPath + ".providers"
+	if len(written) == 0 {
+		c.refuse(path, "set payload_in_metadata on the providers (and jwt_payload_key to it when there are several)",
+			"writes no verified payload to dynamic metadata (no provider sets payload_in_metadata), while route %q scopes by jwt_claim: %s", c.n.jwtKeys[0].route, empty)
+		return
+	}
+	for _, k := range c.n.jwtKeys {
+		if k.key != "" && !slices.Contains(written, k.key) {
+			c.refuse(path, fmt.Sprintf("set payload_in_metadata: %s on the provider that verifies the route's callers, or the route's jwt_payload_key to one of %s", k.key, strings.Join(written, ", ")),
+				"has no provider writing payload_in_metadata %q, the jwt_payload_key of route %q: %s", k.key, k.route, empty)
+		}
+	}
+}
+
+// jwtPayloadNames returns the payload_in_metadata names a jwt_authn config writes, sorted, each once.
+func jwtPayloadNames(j *jwtauthnv3.JwtAuthentication) []string {
+	var out []string
+	for _, p := range j.GetProviders() {
+		if name := p.GetPayloadInMetadata(); name != "" && !slices.Contains(out, name) {
+			out = append(out, name)
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // route checks one per-route config of the filter.
