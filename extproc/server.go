@@ -155,6 +155,16 @@ func (s *Server) misconfigured(kind string, log func()) {
 	}
 }
 
+// StreamWorkers is how many goroutines the gRPC server serving a Server should keep to run
+// streams (grpc.NumStreamWorkers). Envoy opens one stream per HTTP request, and without workers
+// grpc-go starts a goroutine for each, whose stack then grows on every request through the
+// store calls and the answers (runtime.morestack copying it). A worker keeps its grown stack
+// from one stream to the next. A stream arriving while every worker is busy gets a goroutine
+// of its own, as without workers, so the number bounds only the memory the idle ones hold.
+// Measured in e2e/bench (docs/performance.md): 5 to 10 µs of CPU per first execution, with the
+// null processor served the same way.
+const StreamWorkers = 256
+
 // maxUnknownRoutes bounds the unknown route names remembered for logging once each: Envoy's
 // callers can send any number of names, and the set must not grow with them. Once full it is
 // emptied, so a name may be logged again.

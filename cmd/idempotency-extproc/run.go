@@ -177,6 +177,7 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 		// source/extensions/filters/http/ext_proc/ext_proc.cc): the limit must exceed the
 		// largest body Envoy may send.
 		grpc.MaxRecvMsgSize(maxRecvMsgSize(cfg)),
+		grpc.NumStreamWorkers(extproc.StreamWorkers),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: opts.keepaliveTime, Timeout: opts.keepaliveTimeout}),
 	)

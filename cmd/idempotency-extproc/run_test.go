@@ -13,6 +13,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -33,6 +34,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/slowlink"
 )
 
@@ -164,6 +166,8 @@ func TestRunServesUntilCancelled(t *testing.T) {
 		}
 		require.NoError(t, s.CloseSend())
 	}
+	// Streams run on the gRPC server's workers, whose grown stacks serve stream after stream.
+	require.GreaterOrEqual(t, streamWorkers(), extproc.StreamWorkers)
 
 	get := func(path string) (int, string) {
 		resp, err := http.Get(admin + path)
@@ -221,6 +225,19 @@ func TestRunServesUntilCancelled(t *testing.T) {
 		t.Fatal("run did not return after its context was cancelled")
 	}
 	logs.wait(t, "stopped", time.Second)
+	require.Eventually(t, func() bool { return streamWorkers() == 0 }, 5*time.Second, 10*time.Millisecond, "the workers end with the server")
+}
+
+// streamWorkers counts the goroutines waiting in, or running, a gRPC server's stream workers.
+func streamWorkers() int {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			return strings.Count(string(buf[:n]), "\ngoogle.golang.org/grpc.(*Server).serverWorker(")
+		}
+		buf = make([]byte, 2*len(buf))
+	}
 }
 
 func TestRunRejectsBadConfigBeforeListening(t *testing.T) {

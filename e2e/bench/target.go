@@ -221,7 +221,10 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	if err != nil {
 		return err
 	}
-	sopts := []grpc.ServerOption{grpc.MaxRecvMsgSize(64 << 20)}
+	// Every target, the null processor too, runs its streams on workers as the binary does
+	// (cmd/idempotency-extproc/run.go): the comparison is of what the processor does, not of
+	// how grpc-go schedules it.
+	sopts := []grpc.ServerOption{grpc.MaxRecvMsgSize(64 << 20), grpc.NumStreamWorkers(extproc.StreamWorkers)}
 	if processor, ok := p.(*extproc.Server); ok {
 		// As the binary serves it (cmd/idempotency-extproc/run.go): a stream's panic ends that
 		// stream.

@@ -187,6 +187,7 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 		// A BUFFERED body arrives in one message, up to envoy.yaml's 16 MiB documents route: the
 		// server's own bound (cmd/idempotency-extproc maxRecvMsgSize).
 		grpc.MaxRecvMsgSize(max(64<<20, 2*max(pol.MaxResponseBytes(), pol.MaxRequestBytes())+1<<20)),
+		grpc.NumStreamWorkers(extproc.StreamWorkers),
 	)
 	extprocv3.RegisterExternalProcessorServer(gs, srv)
 	// envoy.yaml health-checks the processor cluster; the memory store is always reachable.
