@@ -32,14 +32,14 @@ type KeyRequest struct {
 
 // KeyHash returns the route a request would take and the key_hash of its record, as
 // a stream computes them; keyHash is the hash factory of Options.KeyHash (nil for SHA-256).
-func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (route, hashed string, err error) {
+func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (route *policy.Route, hashed string, err error) {
 	r, params, err := p.Select(policy.Selector{Path: string(splitPath([]byte(req.Path))), Named: req.Route})
 	if err != nil {
-		return "", "", err
+		return nil, "", err
 	}
 	key, ok := unquoteKey([]byte(req.Key))
 	if !ok {
-		return "", "", errors.New("the key is not a valid idempotency key: 1 to 255 visible ASCII characters, or an sf-string of them")
+		return nil, "", errors.New("the key is not a valid idempotency key: 1 to 255 visible ASCII characters, or an sf-string of them")
 	}
 	var h headers
 	for _, kv := range req.Headers {
@@ -49,12 +49,12 @@ func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (route,
 	if req.Claims != nil {
 		payload, err := structpb.NewStruct(req.Claims)
 		if err != nil {
-			return "", "", fmt.Errorf("claims: %w", err)
+			return nil, "", fmt.Errorf("claims: %w", err)
 		}
 		sc.jwt = payload
 	}
 	_, hashed = newDigest(keyHash).storeKey(r, sc, key)
-	return r.Name, hashed, nil
+	return r, hashed, nil
 }
 
 // StorePrefixes returns the distinct key prefixes of the policy's routes: a key_hash names a

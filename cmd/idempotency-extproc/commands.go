@@ -170,12 +170,12 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 	if *path == "" {
 		req.Path = "/"
 	}
-	name, hashed, err := extproc.KeyHash(cfg.policy, req, cfg.keyHash)
+	r, hashed, err := extproc.KeyHash(cfg.policy, req, cfg.keyHash)
 	if err != nil {
 		return fmt.Errorf("key-hash: %w", err)
 	}
 	if *verbose {
-		if err := explainKeyHash(stderr, cfg, name, req); err != nil {
+		if err := explainKeyHash(stderr, cfg, r, req); err != nil {
 			return err
 		}
 	}
@@ -186,15 +186,9 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 // explainKeyHash writes the route a request got and, for each of its scope sources in the order
 // they are hashed, its kind and name and whether the request gave it: never its value, which
 // may be a credential.
-func explainKeyHash(w io.Writer, cfg *config, route string, req extproc.KeyRequest) error {
-	r := cfg.policy.Default
-	for _, candidate := range cfg.policy.Routes {
-		if candidate.Name == route {
-			r = candidate
-		}
-	}
+func explainKeyHash(w io.Writer, cfg *config, r *policy.Route, req extproc.KeyRequest) error {
 	var b strings.Builder
-	fmt.Fprintf(&b, "route: %s\n", route)
+	fmt.Fprintf(&b, "route: %s\n", r.Name)
 	if cfg.keyHashSecret != nil {
 		b.WriteString("hash: HMAC-SHA256 under the key-hash secret\n")
 	} else {
