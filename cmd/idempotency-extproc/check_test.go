@@ -44,8 +44,7 @@ func TestCheckShippedFiles(t *testing.T) {
 	}
 	require.Equal(t, "skipped (kinds check does not read): Gateway payments/payments-gateway ("+shipped("istio-envoyfilter.yaml")+
 		"), RequestAuthentication istio-system/payments-jwt ("+shipped("istio-envoyfilter.yaml")+
-		"), Service idempotency/idempotency-extproc ("+shipped("istio-envoyfilter.yaml")+
-		"), SecurityPolicy payments/payments-jwt ("+shipped("envoy-gateway.yaml")+")", lines[2])
+		"), Service idempotency/idempotency-extproc ("+shipped("istio-envoyfilter.yaml")+")", lines[2])
 
 	out, _, code = runCheck(t, "", "--config", shipped("policy.yaml"), shipped("envoy.yaml"))
 	require.Zero(t, code)

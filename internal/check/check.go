@@ -87,7 +87,7 @@ func (r Report) Errors() int {
 // The kinds Run reads, by API group.
 var knownKinds = map[string][]string{
 	istioGroup: {"EnvoyFilter", "VirtualService", "DestinationRule"},
-	egGroup:    {"EnvoyExtensionPolicy", "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyProxy"},
+	egGroup:    {"EnvoyExtensionPolicy", "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyProxy", "SecurityPolicy"},
 	gwGroup:    {"HTTPRoute"},
 }
 
@@ -126,6 +126,8 @@ func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
 	}
 	ds, egOrders, err := kubeDeployments(kube)
 	errs = append(errs, err)
+	egJWT, err := egJWTProviders(kube)
+	errs = append(errs, egInputError(err))
 	deployments = append(deployments, ds...)
 	for _, d := range deployments {
 		if err := Validate(d.Filter); err != nil {
@@ -142,6 +144,7 @@ func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
 		rep.Findings = append(rep.Findings, deploymentFindings(d, p, n)...)
 	}
 	rep.Findings = append(rep.Findings, egOrders...)
+	rep.Findings = append(rep.Findings, egJWT.findings(n)...)
 	if len(deployments) == 0 {
 		var names []string
 		for _, in := range inputs {

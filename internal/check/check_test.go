@@ -83,7 +83,6 @@ func TestRunShippedFilesPass(t *testing.T) {
 		"Gateway payments/payments-gateway (envoy/istio-envoyfilter.yaml)",
 		"RequestAuthentication istio-system/payments-jwt (envoy/istio-envoyfilter.yaml)",
 		"Service idempotency/idempotency-extproc (envoy/istio-envoyfilter.yaml)",
-		"SecurityPolicy payments/payments-jwt (envoy/envoy-gateway.yaml)",
 	}, rep.Skipped)
 }
 
@@ -384,8 +383,7 @@ func TestRunKubernetesInputs(t *testing.T) {
 			require.NoError(t, err)
 			require.Zero(t, rep.Errors(), "%v", rep.Findings)
 			require.Len(t, rep.Findings, 2, "the request trailer warning of each policy")
-			require.Len(t, rep.Skipped, 1)
-			require.Regexp(t, `^SecurityPolicy payments/payments-jwt \(.*\.yaml\)$`, rep.Skipped[0])
+			require.Empty(t, rep.Skipped, "every kind of envoy-gateway.yaml is read")
 		})
 	}
 
@@ -415,6 +413,8 @@ func TestRunNamesTheFileOfTheBadObject(t *testing.T) {
 			"0.yaml", "HTTPRoute payments/payments-api"},
 		{"a bad bufferLimit", 5, strings.Replace(docs[5], "bufferLimit: 1Mi", "bufferLimit: lots", 1),
 			"5.yaml", "BackendTrafficPolicy payments/idempotency-buffers: spec.connection.bufferLimit"},
+		{"a SecurityPolicy that cannot be read", 3, strings.Replace(docs[3], "  jwt:\n", "  jwt: 7\n  old_jwt:\n", 1),
+			"3.yaml", "SecurityPolicy payments/payments-jwt"},
 		{"a second policy on a rule", 7, copyOf,
 			"7.yaml", "EnvoyExtensionPolicy payments/idempotency-transfers and payments/idempotency-copy both target rule"},
 	} {
@@ -544,6 +544,35 @@ func TestRunJWTPayloads(t *testing.T) {
 			require.Contains(t, rep.Findings[0].Problem, tc.problem)
 		})
 	}
+	// Envoy Gateway writes each SecurityPolicy provider's payload under the provider's name,
+	// Istio under "payload".
+	for _, tc := range []struct {
+		name, key, file string
+		severity        Severity // of the finding on field; "" for none
+		resource, field string
+	}{
+		{"Envoy Gateway, a key naming no provider", "other", "envoy-gateway.yaml", Error, "SecurityPolicy payments/payments-jwt", "jwt.providers"},
+		{"Envoy Gateway, the provider's name", "demo", "envoy-gateway.yaml", "", "", ""},
+		{"Istio, another key", "demo", "istio-envoyfilter.yaml", Warning, istioResource, istioFilterPath + ".metadata_options.forwarding_namespaces"},
+		{"Istio, its key", "payload", "istio-envoyfilter.yaml", "", "", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rep, err := Run(parsePolicy(t, keyed+tc.key+"\n"), []Input{{Name: tc.file, Data: []byte(readEnvoyFile(t, tc.file))}}, Options{})
+			require.NoError(t, err)
+			i := slices.IndexFunc(rep.Findings, func(f Finding) bool { return strings.Contains(f.Problem, "jwt_payload_key") })
+			if tc.severity == "" {
+				require.Equal(t, -1, i, "%v", rep.Findings)
+				return
+			}
+			require.GreaterOrEqual(t, i, 0, "%v", rep.Findings)
+			f := rep.Findings[i]
+			require.Equal(t, tc.severity, f.Severity)
+			require.Equal(t, tc.resource, f.Resource)
+			require.Equal(t, tc.field, f.Field)
+			require.Contains(t, f.Problem, `route "refunds"`)
+		})
+	}
+
 	// Moved after ext_proc, jwt_authn is also a filter replays skip.
 	rep, err := Run(shippedPolicy(t), []Input{{Name: "envoy.yaml", Data: []byte(after)}}, Options{})
 	require.NoError(t, err)

@@ -58,6 +58,7 @@ func deploymentFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding
 	out = append(out, timingFindings(d, p)...)
 	out = append(out, bodyFindings(d, p, n)...)
 	out = append(out, warnings(d)...)
+	out = append(out, istioJWTFindings(d, n)...)
 	if d.Platform == PlatformEnvoyGateway {
 		for i := range out {
 			egTerms(&out[i], d.FilterPath)
@@ -208,6 +209,28 @@ func bodyFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding {
 		out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".processing_mode.response_body_mode", Severity: Error,
 			Problem: problem + " (nothing sets " + where + ": the default applies)",
 			Fix:     fmt.Sprintf("set %s to at least %d, or use STREAMED responses", where, storing.MaxResponseBytes)})
+	}
+	return out
+}
+
+// istioPayloadKey is where Istio 1.21 and later write the payload its jwt_authn verified, for
+// every RequestAuthentication (EnvoyJwtFilterPayload in istio/istio
+// pilot/pkg/xds/filters/filters.go); earlier versions wrote it under the issuer.
+const istioPayloadKey = "payload"
+
+// istioJWTFindings warns, on an Istio deployment, of a route whose jwt_payload_key is another
+// name than Istio's: its claims would be empty on Istio 1.21 and later.
+func istioJWTFindings(d Deployment, n policyNeeds) []Finding {
+	if d.Platform != PlatformIstio {
+		return nil
+	}
+	var out []Finding
+	for _, k := range n.jwtKeys {
+		if k.key != "" && k.key != istioPayloadKey {
+			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".metadata_options.forwarding_namespaces", Severity: Warning,
+				Problem: fmt.Sprintf("forwards jwt_authn's payloads, which Istio 1.21 and later write under %q (earlier versions: under the issuer), while route %q reads %q (its jwt_payload_key): its claims would be empty, every caller in one scope, or 401 under require_scope", istioPayloadKey, k.route, k.key),
+				Fix:     fmt.Sprintf("unset the route's jwt_payload_key (Istio writes one payload), or set it to %q", istioPayloadKey)})
+		}
 	}
 	return out
 }

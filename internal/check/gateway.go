@@ -864,6 +864,61 @@ func EnvoyGatewayAccessLogFormats(path string) ([]string, error) {
 	return out, nil
 }
 
+// egJWT is what the SecurityPolicies among the inputs say of verified JWT payloads: the names
+// of their JWT providers, under which Envoy Gateway writes each provider's payload
+// (buildJWTProvider in envoyproxy/gateway internal/xds/translator/jwt.go, since v1.2; the
+// issuer before), and the first SecurityPolicy that has one.
+type egJWT struct {
+	names []string
+	first *object
+}
+
+// egJWTProviders reads the JWT providers of the SecurityPolicies of objs.
+func egJWTProviders(objs []*object) (egJWT, error) {
+	var out egJWT
+	for _, o := range objs {
+		if !o.is(egGroup, "SecurityPolicy") {
+			continue
+		}
+		sp, err := decodeLoose[struct {
+			JWT struct {
+				Providers []struct {
+					Name string `yaml:"name"`
+				} `yaml:"providers"`
+			} `yaml:"jwt"`
+		}](o)
+		if err != nil {
+			return egJWT{}, &inFile{o.File, fmt.Errorf("%s: %w", o.ref(), err)}
+		}
+		for _, p := range sp.JWT.Providers {
+			if out.first == nil {
+				out.first = o
+			}
+			if !slices.Contains(out.names, p.Name) {
+				out.names = append(out.names, p.Name)
+			}
+		}
+	}
+	return out, nil
+}
+
+// findings refuses a route's jwt_payload_key that names none of the providers: its claims would
+// all be empty. Without SecurityPolicies among the inputs there is nothing to compare with.
+func (j egJWT) findings(n policyNeeds) []Finding {
+	if j.first == nil {
+		return nil
+	}
+	var out []Finding
+	for _, k := range n.jwtKeys {
+		if k.key != "" && !slices.Contains(j.names, k.key) {
+			out = append(out, Finding{File: j.first.File, Resource: j.first.ref(), Field: "jwt.providers", Severity: Error,
+				Problem: fmt.Sprintf("has no provider named %q, the jwt_payload_key of route %q: Envoy Gateway writes each provider's verified payload under the provider's name, so the claims would all be empty (every caller in one scope, or 401 under require_scope)", k.key, k.route),
+				Fix:     fmt.Sprintf("set the route's jwt_payload_key to the name of the provider that verifies its callers (%s), or unset it where one provider verifies them", strings.Join(j.names, ", "))})
+		}
+	}
+	return out
+}
+
 // egOrderFinding warns when EnvoyProxy d's filterOrder leaves ext_proc before RBAC or a rate
 // limit, as Envoy Gateway's default order does: a replay is answered by ext_proc, and the
 // filters after it never see the request.
