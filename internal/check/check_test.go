@@ -507,8 +507,9 @@ func TestRunEnvoyVersion(t *testing.T) {
 	require.Equal(t, []Severity{Error, Warning, Warning}, []Severity{rep.Findings[0].Severity, rep.Findings[1].Severity, rep.Findings[2].Severity})
 }
 
-// A bootstrap shows its jwt_authn filter: a policy that scopes by jwt_claim needs one before
-// ext_proc, writing the payload each route reads.
+// A policy that scopes by jwt_claim needs the payload written where its routes read it: in a
+// bootstrap, which shows its jwt_authn filter, by a filter before ext_proc whose providers write
+// it; with Envoy Gateway under a SecurityPolicy provider's name; with Istio under "payload".
 func TestRunJWTPayloads(t *testing.T) {
 	const (
 		httpFilters = "filter_chains[0].filters[0].typed_config.http_filters"
@@ -544,8 +545,6 @@ func TestRunJWTPayloads(t *testing.T) {
 			require.Contains(t, rep.Findings[0].Problem, tc.problem)
 		})
 	}
-	// Envoy Gateway writes each SecurityPolicy provider's payload under the provider's name,
-	// Istio under "payload".
 	for _, tc := range []struct {
 		name, key, file string
 		severity        Severity // of the finding on field; "" for none
@@ -577,7 +576,8 @@ func TestRunJWTPayloads(t *testing.T) {
 	rep, err := Run(shippedPolicy(t), []Input{{Name: "envoy.yaml", Data: []byte(after)}}, Options{})
 	require.NoError(t, err)
 	require.Equal(t, []string{httpFilters + "[envoy.filters.http.jwt_authn]"}, fieldsOf(rep, Warning))
-	require.Contains(t, rep.Findings[1].Problem, "replays and 409s skip JWT verification")
+	i := slices.IndexFunc(rep.Findings, func(f Finding) bool { return f.Severity == Warning })
+	require.Contains(t, rep.Findings[i].Problem, "replays and 409s skip JWT verification")
 }
 
 // Warnings: what works, at a cost.

@@ -154,12 +154,11 @@ type policyNeeds struct {
 	routes        map[string]bool // every route name the policy defines → it needs the request body
 	anyBody       bool            // some enabled route needs the request body
 	// What the policy reads besides headers: the xds.route_name attribute (route_name_*
-	// matchers), the mTLS peer's URI SAN (peer_identity scope), the verified JWT payload
-	// (jwt_claim scope).
-	routeNameAttribute, peerIdentity, jwtPayload bool
-	// jwtKeys are the routes that scope by jwt_claim, each with its jwt_payload_key.
-	jwtKeys          []routeJWTKey
-	outcomeNamespace string
+	// matchers), the mTLS peer's URI SAN (peer_identity scope), and the verified JWT payload
+	// (jwt_claim scope) of the routes in jwtKeys, each with the payload it reads.
+	routeNameAttribute, peerIdentity bool
+	jwtKeys                          []routeJWTKey
+	outcomeNamespace                 string
 	// stored reports whether some enabled route stores a response of this status (a router
 	// retry on it would run a request whose outcome counts).
 	stored func(status int) bool
@@ -205,8 +204,6 @@ func needsOf(p *policy.Policy) policyNeeds {
 			switch src.Kind {
 			case policy.ScopeHeader:
 				add(src.Name, "scope header", r.Name)
-			case policy.ScopeJWTClaim:
-				n.jwtPayload = true
 			case policy.ScopePeerIdentity:
 				n.peerIdentity = true
 			}
@@ -495,7 +492,7 @@ func (c *checker) requestAttributes(path string, attrs []string) {
 }
 
 func (c *checker) metadataOptions(path string, mo *filterextproc.MetadataOptions) {
-	if c.n.jwtPayload && !slices.Contains(mo.GetForwardingNamespaces().GetUntyped(), JWTNamespace) {
+	if len(c.n.jwtKeys) > 0 && !slices.Contains(mo.GetForwardingNamespaces().GetUntyped(), JWTNamespace) {
 		c.refuse(path+".forwarding_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.forwarding_namespaces.untyped", JWTNamespace), "lacks %q: the policy scopes by JWT claims, which would all be empty (every caller in one scope, or 401 under require_scope)", JWTNamespace)
 	}
 	if ns := c.n.outcomeNamespace; !slices.Contains(mo.GetReceivingNamespaces().GetUntyped(), ns) {
@@ -508,7 +505,7 @@ func (c *checker) metadataOptions(path string, mo *filterextproc.MetadataOptions
 // providers writing the payload a route reads (payload_in_metadata): the claims would all be
 // empty, every caller in one scope, or 401 under require_scope.
 func (c *checker) jwtPayloads() {
-	if !c.n.jwtPayload || c.d.Platform != PlatformEnvoy {
+	if len(c.n.jwtKeys) == 0 || c.d.Platform != PlatformEnvoy {
 		return
 	}
 	const empty = "the claims would all be empty (every caller in one scope, or 401 under require_scope)"

@@ -43,7 +43,8 @@ func routeAt(i int) string { return fmt.Sprintf(routePath, i) }
 // mTLS peer, JWT claims): the shipped configurations must satisfy it already.
 func futureNeeds(p *policy.Policy) policyNeeds {
 	n := needsOf(p)
-	n.routeNameAttribute, n.peerIdentity, n.jwtPayload = true, true, true
+	n.routeNameAttribute, n.peerIdentity = true, true
+	n.jwtKeys = append(n.jwtKeys, routeJWTKey{route: "any"})
 	return n
 }
 
@@ -639,7 +640,7 @@ routes:
 	require.True(t, n.anyBody)
 	require.Equal(t, []string{"x-idempotency-replayed", "x-replayed"}, n.replayHeaders)
 	require.Equal(t, OutcomeNamespace, n.outcomeNamespace)
-	require.False(t, n.routeNameAttribute || n.peerIdentity || n.jwtPayload, "today's policy fields read none of them")
+	require.False(t, n.routeNameAttribute || n.peerIdentity || len(n.jwtKeys) > 0, "today's policy fields read none of them")
 
 	p, err = policy.Parse([]byte("defaults:\n  fingerprint: [method, path]\n"))
 	require.NoError(t, err)
