@@ -52,8 +52,8 @@ type freshAnswer struct {
 func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error) {
 	c := &route{
 		Route:           r,
-		claims:          usesClaims(r),
-		bodyFingerprint: fingerprintsBody(r),
+		claims:          r.ReadsClaims(),
+		bodyFingerprint: r.FingerprintsBody(),
 		shadow:          r.Mode == policy.ModeShadow,
 		outcomes:        map[Outcome]prometheus.Counter{},
 		releases:        map[string]prometheus.Counter{},
@@ -89,26 +89,6 @@ func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error)
 		c.problems[p] = resp
 	}
 	return c, nil
-}
-
-// usesClaims reports whether the route's scope reads the jwt_authn payload.
-func usesClaims(r *policy.Route) bool {
-	for _, src := range r.Scope {
-		if src.Kind == policy.ScopeJWTClaim {
-			return true
-		}
-	}
-	return false
-}
-
-// fingerprintsBody reports whether route r's fingerprint includes the request body.
-func fingerprintsBody(r *policy.Route) bool {
-	for _, p := range r.Fingerprint {
-		if p == policy.PartBody {
-			return true
-		}
-	}
-	return false
 }
 
 // freshHeaders returns the answer to the headers of a response that will be stored until

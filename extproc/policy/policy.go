@@ -364,6 +364,15 @@ func (m matcher) holds(s Selector) ([]string, bool) {
 	return nil, false
 }
 
+// ReadsClaims reports whether the route's scope reads the verified JWT payload (a jwt_claim
+// entry), which Envoy sends only when it forwards jwt_authn's metadata namespace.
+func (r *Route) ReadsClaims() bool {
+	return slices.ContainsFunc(r.Scope, func(src ScopeSource) bool { return src.Kind == ScopeJWTClaim })
+}
+
+// FingerprintsBody reports whether the route's fingerprint includes the request body.
+func (r *Route) FingerprintsBody() bool { return slices.Contains(r.Fingerprint, PartBody) }
+
 // MatchesRouteName reports whether the route is matched by Envoy's route name (a route_name_*
 // matcher), which Envoy sends only when xds.route_name is in request_attributes.
 func (r *Route) MatchesRouteName() bool {

@@ -187,7 +187,7 @@ func needsOf(p *policy.Policy) policyNeeds {
 		n.request = append(n.request, neededHeader{name, role, route})
 	}
 	for _, r := range append(slices.Clone(p.Routes), p.Default) {
-		body := r.Enabled && (slices.Contains(r.Fingerprint, policy.PartBody) || r.MissingKey == policy.MissingKeyBodyHash)
+		body := r.Enabled && (r.FingerprintsBody() || r.MissingKey == policy.MissingKeyBodyHash)
 		n.routes[r.Name] = n.routes[r.Name] || body
 		if !r.Enabled {
 			continue
@@ -197,7 +197,7 @@ func needsOf(p *policy.Policy) policyNeeds {
 		for _, h := range r.KeyHeaders {
 			add(h, "key header", r.Name)
 		}
-		if slices.ContainsFunc(r.Scope, func(src policy.ScopeSource) bool { return src.Kind == policy.ScopeJWTClaim }) {
+		if r.ReadsClaims() {
 			n.jwtKeys = append(n.jwtKeys, routeJWTKey{route: r.Name, key: r.JWTPayloadKey})
 		}
 		for _, src := range r.Scope {
