@@ -85,6 +85,7 @@ func TestInFlightWait(t *testing.T) {
 	for range 20 {
 		h.advanceWhenSleeping(t, base, 50*time.Millisecond) // 1 s in all, within the wait
 	}
+	requireAsleep(t, h, base)
 	first.send(responseHeaders(created))
 	first.send(responseBody(created.body, true))
 	h.advanceWhenSleeping(t, 0, 50*time.Millisecond)
@@ -132,6 +133,7 @@ func TestPreferenceAppliedRoundsUp(t *testing.T) {
 	waiting.send(requestHeaders(post("/v1/payments", "k", `{}`, "prefer", "wait=3")))
 	require.NoError(t, waiting.s.Send(requestBody([]byte(`{}`))))
 	h.advanceWhenSleeping(t, base, 50*time.Millisecond)
+	requireAsleep(t, h, base)
 	first.send(responseHeaders(created))
 	first.send(responseBody(created.body, true))
 	h.advanceWhenSleeping(t, 0, 50*time.Millisecond)
@@ -149,8 +151,16 @@ func TestPreferenceAppliedRoundsUp(t *testing.T) {
 // waiting duplicate is asleep until its next poll.
 func (h *harness) advanceWhenSleeping(t *testing.T, base int, d time.Duration) {
 	t.Helper()
-	require.Eventually(t, func() bool { return h.clock.Pending() > base }, 5*time.Second, time.Millisecond)
+	requireAsleep(t, h, base)
 	h.clock.Advance(d)
+}
+
+// requireAsleep waits until a waiting duplicate sleeps on the harness clock: more timers than
+// base. Completing the first request before the duplicate's poll that follows an advance has
+// gone back to sleep would let that poll find the replay at once, one poll early.
+func requireAsleep(t *testing.T, h *harness, base int) {
+	t.Helper()
+	require.Eventually(t, func() bool { return h.clock.Pending() > base }, 5*time.Second, time.Millisecond)
 }
 
 // Without in_flight_wait a duplicate is answered at once, whatever it prefers.

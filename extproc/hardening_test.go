@@ -147,12 +147,22 @@ func runFailingCompletion(t *testing.T, h *harness, store *failingCompletions, k
 	h.waitIdle(t)
 }
 
+// requireRetrying waits until the one retried completion has armed its lease renewal and its
+// first wait on the harness clock. Its goroutine starts after the stream's handler returns: a
+// test that moves the clock before then lets the lease lapse unrenewed on the fake clock.
+func requireRetrying(t *testing.T, h *harness) {
+	t.Helper()
+	require.Eventually(t, func() bool { return h.clock.Pending() == 2 }, 10*time.Second, time.Millisecond,
+		"the retry's renewal and first wait are on the clock")
+}
+
 // A completion the store fails to write (a stall, a timeout, a full Redis) is retried in the
 // background with its lease kept renewed: duplicates get 409 however long it takes, never a
 // second execution, and then the replay.
 func TestCompletionIsRetriedNotRunAgain(t *testing.T) {
 	h, store := newFailingCompletions(t, "defaults: {lock_ttl: 3s}", fmt.Errorf("redis complete: %w", cache.ErrFull))
 	runFailingCompletion(t, h, store, "k")
+	requireRetrying(t, h)
 	require.Equal(t, 1.0, h.counter("idempotency_completions_pending"))
 	require.Equal(t, 1.0, h.counter("idempotency_store_errors_total", "op", "complete", "kind", "oom"), "a store refusing writes is visible in metrics")
 	require.Equal(t, 1.0, h.counter("idempotency_requests_total", "route", "default", "outcome", "store_error"))
@@ -186,6 +196,7 @@ func TestOutcomeUnknownRecordIsRetried(t *testing.T) {
 	s.send(requestBody([]byte(`{}`)))
 	s.end()
 	h.waitIdle(t)
+	requireRetrying(t, h)
 	require.Equal(t, 1.0, h.counter("idempotency_completions_pending"))
 	require.Equal(t, 1.0, h.counter("idempotency_store_errors_total", "op", "complete", "kind", "timeout"))
 	h.advance(5 * time.Second)
