@@ -358,6 +358,7 @@ func TestReplicasPauseAndResume(t *testing.T) {
 	replicas[0].Pause()
 	replicas[0].Pause() // idempotent
 	require.NoError(t, c.Set(ctx, "k", "v2", 0).Err())
+	require.GreaterOrEqual(t, c.Do(ctx, "wait", 1, 5000).Val(), int64(1), "the running replica acknowledges")
 	start := time.Now()
 	require.Equal(t, int64(1), c.Do(ctx, "wait", 2, 300).Val(), "the paused replica acknowledges nothing")
 	require.GreaterOrEqual(t, time.Since(start), 300*time.Millisecond, "WAIT ran out its timeout")
