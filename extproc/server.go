@@ -159,8 +159,9 @@ func (s *Server) misconfigured(kind string, log func()) {
 // streams (grpc.NumStreamWorkers). Envoy opens one stream per HTTP request, and without workers
 // grpc-go starts a goroutine for each, whose stack then grows on every request through the
 // store calls and the answers (runtime.morestack copying it). A worker keeps its grown stack
-// from one stream to the next. A stream arriving while every worker is busy gets a goroutine
-// of its own, as without workers, so the number bounds only the memory the idle ones hold.
+// from one stream to the next, until a garbage collection finds it idle and shrinks it. A
+// stream arriving while every worker is busy gets a goroutine of its own, as without workers,
+// so the number bounds only the memory the idle ones hold.
 // grpc-go marks the option experimental: recheck it when upgrading grpc-go.
 // Measured in e2e/bench (docs/performance.md): 5 to 10 µs of CPU per first execution, with the
 // null processor served the same way.

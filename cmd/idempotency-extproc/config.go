@@ -314,14 +314,14 @@ func serverFlags(all []setting) (*flag.FlagSet, map[string]*string) {
 }
 
 // loadConfig builds the configuration from flags, the environment and the policy file. Its
-// error names every bad setting at once, each with where it came from. After -h it writes the
-// usage to help and returns flag.ErrHelp.
+// error names every bad setting at once, each with where it came from. After -h it returns
+// flag.ErrHelp, for its caller to print the usage (writeUsage).
 func loadConfig(args []string, getenv func(string) string) (*config, error) {
 	all := settings()
 	fs, flags := serverFlags(all)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			return nil, err // the caller prints the usage (writeUsage)
+			return nil, err
 		}
 		return nil, fmt.Errorf("%w (idempotency-extproc help lists the flags)", err)
 	}
