@@ -228,7 +228,7 @@ func istioJWTFindings(d Deployment, n policyNeeds) []Finding {
 	for _, k := range n.jwtKeys {
 		if k.key != "" && k.key != istioPayloadKey {
 			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".metadata_options.forwarding_namespaces", Severity: Warning,
-				Problem: fmt.Sprintf("forwards jwt_authn's payloads, which Istio 1.21 and later write under %q (earlier versions: under the issuer), while route %q reads %q (its jwt_payload_key): its claims would be empty, every caller in one scope, or 401 under require_scope", istioPayloadKey, k.route, k.key),
+				Problem: fmt.Sprintf("forwards jwt_authn's payloads, which Istio 1.21 and later write under %q (earlier versions: under the issuer), while route %q reads %q (its jwt_payload_key): %s", istioPayloadKey, k.route, k.key, claimsEmpty),
 				Fix:     fmt.Sprintf("unset the route's jwt_payload_key (Istio writes one payload), or set it to %q", istioPayloadKey)})
 		}
 	}

@@ -912,7 +912,7 @@ func (j egJWT) findings(n policyNeeds) []Finding {
 	for _, k := range n.jwtKeys {
 		if k.key != "" && !slices.Contains(j.names, k.key) {
 			out = append(out, Finding{File: j.first.File, Resource: j.first.ref(), Field: "jwt.providers", Severity: Error,
-				Problem: fmt.Sprintf("has no provider named %q, the jwt_payload_key of route %q: Envoy Gateway writes each provider's verified payload under the provider's name, so the claims would all be empty (every caller in one scope, or 401 under require_scope)", k.key, k.route),
+				Problem: fmt.Sprintf("has no provider named %q, the jwt_payload_key of route %q: Envoy Gateway writes each provider's verified payload under the provider's name: %s", k.key, k.route, claimsEmpty),
 				Fix:     fmt.Sprintf("set the route's jwt_payload_key to the name of the provider that verifies its callers (%s), or unset it where one provider verifies them", strings.Join(j.names, ", "))})
 		}
 	}

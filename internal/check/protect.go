@@ -493,12 +493,16 @@ func (c *checker) requestAttributes(path string, attrs []string) {
 
 func (c *checker) metadataOptions(path string, mo *filterextproc.MetadataOptions) {
 	if len(c.n.jwtKeys) > 0 && !slices.Contains(mo.GetForwardingNamespaces().GetUntyped(), JWTNamespace) {
-		c.refuse(path+".forwarding_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.forwarding_namespaces.untyped", JWTNamespace), "lacks %q: the policy scopes by JWT claims, which would all be empty (every caller in one scope, or 401 under require_scope)", JWTNamespace)
+		c.refuse(path+".forwarding_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.forwarding_namespaces.untyped", JWTNamespace), "lacks %q, while the policy scopes by JWT claims: %s", JWTNamespace, claimsEmpty)
 	}
 	if ns := c.n.outcomeNamespace; !slices.Contains(mo.GetReceivingNamespaces().GetUntyped(), ns) {
 		c.refuse(path+".receiving_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.receiving_namespaces.untyped", ns), "lacks %q: Envoy drops the outcome the processor writes there, so access logs and traces never show it", ns)
 	}
 }
+
+// claimsEmpty is what a policy that scopes by JWT claims gets where Envoy sends no payload, or
+// not the one a route reads.
+const claimsEmpty = "the claims would all be empty (every caller in one scope, or 401 under require_scope)"
 
 // jwtPayloads refuses, where the deployment shows its connection manager (a bootstrap), a policy
 // that scopes by jwt_claim with no jwt_authn filter before ext_proc, or with none of its
@@ -508,23 +512,22 @@ func (c *checker) jwtPayloads() {
 	if len(c.n.jwtKeys) == 0 || c.d.Platform != PlatformEnvoy {
 		return
 	}
-	const empty = "the claims would all be empty (every caller in one scope, or 401 under require_scope)"
 	if c.d.JWTAuthn == nil {
 		c.refuse(c.d.HCMPath+".http_filters", "add envoy.filters.http.jwt_authn before the ext_proc filter, its providers setting payload_in_metadata",
-			"has no jwt_authn filter before ext_proc, while route %q scopes by jwt_claim: %s", c.n.jwtKeys[0].route, empty)
+			"has no jwt_authn filter before ext_proc, while route %q scopes by jwt_claim: %s", c.n.jwtKeys[0].route, claimsEmpty)
 		return
 	}
 	written := jwtPayloadNames(c.d.JWTAuthn)
 	path := c.d.JWTAuthnPath + ".providers"
 	if len(written) == 0 {
 		c.refuse(path, "set payload_in_metadata on the providers (and jwt_payload_key to it when there are several)",
-			"writes no verified payload to dynamic metadata (no provider sets payload_in_metadata), while route %q scopes by jwt_claim: %s", c.n.jwtKeys[0].route, empty)
+			"writes no verified payload to dynamic metadata (no provider sets payload_in_metadata), while route %q scopes by jwt_claim: %s", c.n.jwtKeys[0].route, claimsEmpty)
 		return
 	}
 	for _, k := range c.n.jwtKeys {
 		if k.key != "" && !slices.Contains(written, k.key) {
 			c.refuse(path, fmt.Sprintf("set payload_in_metadata: %s on the provider that verifies the route's callers, or the route's jwt_payload_key to one of %s", k.key, strings.Join(written, ", ")),
-				"has no provider writing payload_in_metadata %q, the jwt_payload_key of route %q: %s", k.key, k.route, empty)
+				"has no provider writing payload_in_metadata %q, the jwt_payload_key of route %q: %s", k.key, k.route, claimsEmpty)
 		}
 	}
 }
