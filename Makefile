@@ -6,7 +6,7 @@ STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 FUZZTIME ?= 10000x
 PKGS := ./...
 
-.PHONY: help test lint unit allocs bench bench-compare bench-costs fuzz run deploy-test demo
+.PHONY: help test lint unit allocs bench bench-compare bench-inside bench-costs fuzz run deploy-test demo
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -33,7 +33,10 @@ deploy-test: ## deploy/test, a module of its own: the Helm chart, dashboard, ale
 demo: ## try it without Docker: the processor, the Envoy emulator and a demo upstream on loopback (e2e/demo/README.md)
 	$(GO) run ./e2e/demo
 
-bench-compare: ## the comparative benchmark of docs/performance.md (needs redis-server, redis-benchmark)
+bench-compare: ## the shipped binary, as the chart starts it, against a null and a naive Redis processor: docs/performance.md (needs redis-server)
+	$(GO) run ./e2e/bench -mode user -duration 9s -rounds 3
+
+bench-inside: ## where the processor's cost goes: store calls, Redis commands and latency per workload and body mode, served by the benchmark itself (needs redis-server, redis-benchmark)
 	$(GO) run ./e2e/bench -duration 10s -rounds 5
 
 bench-costs: ## what features, body sizes and streams cost over the null processor, docs/performance.md (needs redis-server, redis-benchmark)

@@ -17,6 +17,7 @@ import (
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
@@ -462,4 +463,50 @@ func TestFillRedis(t *testing.T) {
 	n, err := longestValue(ctx, admin, "fill:*")
 	require.NoError(t, err)
 	require.Equal(t, 64<<10, n)
+}
+
+// TestUserBench runs -mode user briefly: the shipped binary built and started with the chart's
+// defaults, the null and naive Redis processors as child processes. It asserts what is counted:
+// every load ran without failures (a replay that ran upstream fails its cell, so the binary and
+// the naive processor both replay), every line of the report is printed, and each process' CPU
+// was read.
+func TestUserBench(t *testing.T) {
+	srv := redistest.Start(t, redistest.Options{})
+	o := userOptions{duration: 300 * time.Millisecond, rounds: 2, streams: 4, sizes: []int{33}, growth: []int{33, 4096},
+		logs: "file", routes: "chart", headers: "envoy", redis: true}
+	var out bytes.Buffer
+	require.NoError(t, userBench(t.Context(), o, srv.Addr(), &out))
+	t.Log("\n" + out.String())
+	for _, want := range []string{
+		"memory, first execution, 33 B: ", "memory, replay, 33 B: ",
+		"redis, first execution, 33 B: ", "redis, replay, 33 B: ",
+		"how cost grows", "4 KiB: ",
+	} {
+		require.Contains(t, out.String(), want)
+	}
+	require.NotContains(t, out.String(), "NaN")
+}
+
+// TestNaiveRedis checks the naive processor does what its comment says: the first request with a
+// key runs and is stored, the same key again gets the stored status and body, and a key taken by
+// a request still running gets 409.
+func TestNaiveRedis(t *testing.T) {
+	srv := redistest.Start(t, redistest.Options{})
+	p, err := startAfternoon(targetNaiveRedis, srv.Addr())
+	require.NoError(t, err)
+	defer p.stop()
+	answered, err := userRequest(t.Context(), p.client, "envoy", "k1", 1, []byte("hello"))
+	require.NoError(t, err)
+	require.False(t, answered, "the first request runs")
+	answered, err = userRequest(t.Context(), p.client, "envoy", "k1", 2, []byte("hello"))
+	require.NoError(t, err)
+	require.True(t, answered, "the second is answered from the store")
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr()})
+	defer rdb.Close()
+	require.NoError(t, rdb.Set(t.Context(), "naive:k2", "", time.Minute).Err())
+	_, err = userRequest(t.Context(), p.client, "envoy", "k2", 3, []byte("hello"))
+	require.ErrorContains(t, err, "unexpected 409")
+	cpu, err := p.cpu()
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, cpu, time.Duration(0))
 }

@@ -1,4 +1,16 @@
-// Command bench compares idempotency-extproc with a null ext_proc processor on loopback: the
+// Command bench measures idempotency-extproc's cost on loopback, two ways.
+//
+// -mode user (make bench-compare) measures it as a user would: the binary built as the
+// Dockerfile builds it, started as a child process with the chart's default settings, against a
+// null processor and a naive Redis processor a user could write in an afternoon (user.go), each
+// a child process, with Envoy's header set, in interleaved rounds. It answers: what does
+// deploying the product cost over not processing at all, and over the plain alternative.
+//
+// The other modes (make bench-inside, make bench-costs) answer where the processor's cost goes:
+// they serve the processor from this executable, as a library, with logs to /dev/null, and count
+// its store calls, Redis commands and round trips per request, its latency at a fixed rate, and
+// what each feature, body mode and body size adds. They compare idempotency-extproc with a null
+// ext_proc processor on loopback: the
 // message sequences Envoy's ext_proc filter sends (source/extensions/filters/http/ext_proc/), 32
 // concurrent streams, three workloads (uncovered GET, first executions, replays) and three
 // targets (a null processor that answers CONTINUE to every phase, the processor with its memory
@@ -12,6 +24,7 @@
 // runs beside Envoy; the benchmark's own process is the client. With -load, each workload also
 // runs at a fixed request rate below saturation, to measure the latency a target adds.
 //
+//	go run ./e2e/bench -mode user -duration 9s -rounds 3
 //	go run ./e2e/bench                    # 3 s per cell
 //	go run ./e2e/bench -duration 10s -streams 64
 //	go run ./e2e/bench -redis-batching=false -only "first execution,redis store"
@@ -48,10 +61,15 @@ func main() {
 	memoryBytes := flag.Int64("memory-bytes", 0, "the memory stores' bound (default the binary's, 256 MiB)")
 	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory, .memory-empty and .redis")
 	traceOut := flag.String("trace", "", "write execution traces (go tool trace) of the whole run, named as -cpuprofile's")
-	mode := flag.String("mode", "compare", "compare: the default tables; costs: CPU per request over the null processor of each feature (tracing, sealing, a waiting duplicate, the Redis batcher on and off, against plain SETs of the records under the same load, durability.replicas: 1 on a Redis master with a replica), of 1 KiB, 64 KiB and 1 MiB bodies and of -streams, 256 and 1,024 streams, in one run")
+	mode := flag.String("mode", "compare", "user: the shipped binary with the chart's defaults against a null and a naive Redis processor, each a child process (docs/performance.md); compare: the processor's own tables; costs: CPU per request over the null processor of each feature (tracing, sealing, a waiting duplicate, the Redis batcher on and off, against plain SETs of the records under the same load, durability.replicas: 1 on a Redis master with a replica), of 1 KiB, 64 KiB and 1 MiB bodies and of -streams, 256 and 1,024 streams, in one run")
 	redisBatching := flag.Bool("redis-batching", true, "let the Redis store share round trips among concurrent calls in pipelined batches (false: a round trip per call)")
 	sizes := flag.String("sizes", "1024,65536,1048576", "-mode costs: the body sizes in bytes, comma-separated; the first is the features' size")
 	streamCounts := flag.String("stream-counts", "", "-mode costs: the stream counts, comma-separated (default -streams, 256, 1024); the first is the other sections'")
+	userSizes := flag.String("user-sizes", "33,4096", "-mode user: the body sizes of the first-execution and replay loads")
+	userGrowth := flag.String("user-growth", "33,4096,65536,1048576", "-mode user: the body sizes of how cost grows (memory store; \"\" skips it)")
+	userLogs := flag.String("user-logs", "file", "-mode user: where the binary's logs go: file (the chart's: the container's output) or discard")
+	userRoutes := flag.String("user-routes", "chart", "-mode user: the binary's policy: chart (the measured path matched by a third route, after a prefix and a path_regex route) or one (a single route)")
+	userHeaders := flag.String("user-headers", "envoy", "-mode user: the request headers: envoy (the set Envoy sends) or short (method, path and key)")
 	flag.Parse()
 	if !*redisBatching {
 		// The target processes read it.
@@ -85,6 +103,22 @@ func main() {
 		fmt.Fprintln(os.Stderr, "bench: no redis-server, Redis rows skipped:", err)
 	} else {
 		defer stop()
+	}
+	if *mode == "user" {
+		o := userOptions{duration: *duration, rounds: max(*rounds, 1), streams: *streams, logs: *userLogs, routes: *userRoutes, headers: *userHeaders, redis: redisAddr != ""}
+		var err error
+		if o.sizes, err = ints(*userSizes); err == nil {
+			o.growth, err = ints(*userGrowth)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench:", err)
+			os.Exit(2)
+		}
+		if err := userBench(ctx, o, redisAddr, os.Stdout); err != nil {
+			fmt.Fprintln(os.Stderr, "bench:", err)
+			os.Exit(1)
+		}
+		return
 	}
 	if *mode == "costs" {
 		o := options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, memoryBytes: *memoryBytes, redisBytes: 1 << 30, only: filter}

@@ -96,6 +96,13 @@ func serveFromEnv() bool {
 	if name == "" {
 		return false
 	}
+	if name == targetPlainNull || name == targetNaiveRedis {
+		if err := serveAfternoon(name, os.Getenv(envRedis), os.Stdin, os.Stdout); err != nil {
+			fmt.Fprintln(os.Stderr, "bench target:", err)
+			os.Exit(1)
+		}
+		return true
+	}
 	for _, rec := range recorders {
 		if prefix := os.Getenv(rec.env); prefix != "" {
 			stop, err := rec.start(prefix + profileSuffix[name])
