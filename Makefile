@@ -55,3 +55,6 @@ fuzz: ## each fuzz target for FUZZTIME (seed corpora in each package's testdata/
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeSealedResponse$$' -fuzztime $(FUZZTIME) ./cache/
 	$(GO) test -run '^$$' -fuzz '^FuzzReadBootstrap$$' -fuzztime $(FUZZTIME) ./internal/check/
 	$(GO) test -run '^$$' -fuzz '^FuzzReadKubernetes$$' -fuzztime $(FUZZTIME) ./internal/check/
+	$(GO) test -run '^$$' -fuzz '^FuzzParsePointer$$' -fuzztime $(FUZZTIME) ./extproc/jsonbody/
+	$(GO) test -run '^$$' -fuzz '^FuzzCanonical$$' -fuzztime $(FUZZTIME) ./extproc/jsonbody/
+	$(GO) test -run '^$$' -fuzz '^FuzzReplaceID$$' -fuzztime $(FUZZTIME) ./extproc/jsonbody/

@@ -1,0 +1,234 @@
+package jsonbody
+
+import (
+	"bytes"
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestParsePointer(t *testing.T) {
+	for _, tc := range []struct {
+		in     string
+		tokens []string
+		err    bool
+	}{
+		{in: "", tokens: nil},
+		{in: "/", tokens: []string{""}},
+		{in: "/params/arguments/_idempotency_key", tokens: []string{"params", "arguments", "_idempotency_key"}},
+		{in: "/a~1b/m~0n", tokens: []string{"a/b", "m~n"}},
+		{in: "/~01", tokens: []string{"~1"}},
+		{in: "/0", tokens: []string{"0"}},
+		{in: "params", err: true},
+		{in: "/a~", err: true},
+		{in: "/a~2", err: true},
+	} {
+		p, err := ParsePointer(tc.in)
+		if tc.err {
+			require.Error(t, err, tc.in)
+			continue
+		}
+		require.NoError(t, err, tc.in)
+		require.Equal(t, tc.tokens, p.tokens, tc.in)
+		require.Equal(t, tc.in, p.String())
+	}
+}
+
+func pointers(t testing.TB, ss ...string) []Pointer {
+	var ps []Pointer
+	for _, s := range ss {
+		p, err := ParsePointer(s)
+		require.NoError(t, err)
+		ps = append(ps, p)
+	}
+	return ps
+}
+
+func TestValues(t *testing.T) {
+	body := []byte(`{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge","arguments":{"_idempotency_key":"k-1","amount":9007199254740993,"list":[1,{"x":"y"}]},"_meta":{"idempotencyKey":"m"}}}`)
+	got, err := Values(body, pointers(t, "/method", "/params/arguments/_idempotency_key", "/params/arguments/amount",
+		"/params/arguments/list/1/x", "/params/missing", "/params/_meta", "/params/_meta/idempotencyKey", "/id", "/method"))
+	require.NoError(t, err)
+	want := []string{`"tools/call"`, `"k-1"`, `9007199254740993`, `"y"`, "", `{"idempotencyKey":"m"}`, `"m"`, `7`, `"tools/call"`}
+	for i, w := range want {
+		if w == "" {
+			require.Nil(t, got[i], i)
+			continue
+		}
+		require.Equal(t, w, string(got[i]), i)
+	}
+	s, ok := String(got[1])
+	require.True(t, ok)
+	require.Equal(t, "k-1", s)
+	_, ok = String(got[2])
+	require.False(t, ok, "a number is not a string")
+
+	// Whitespace around a value is not part of it.
+	got, err = Values([]byte("{ \"a\" :\n [ 1 , 2 ] , \"b\" : { \"c\" : true } }"), pointers(t, "/a", "/a/1", "/b"))
+	require.NoError(t, err)
+	require.Equal(t, "[ 1 , 2 ]", string(got[0]))
+	require.Equal(t, "2", string(got[1]))
+	require.Equal(t, `{ "c" : true }`, string(got[2]))
+}
+
+func TestValuesRefuses(t *testing.T) {
+	for name, tc := range map[string]struct {
+		body string
+		err  error
+	}{
+		"not JSON":          {`{"a":`, ErrNotJSON},
+		"two values":        {`{} {}`, ErrNotJSON},
+		"duplicate names":   {`{"key":"a","key":"b"}`, ErrNotJSON},
+		"empty":             {``, ErrNotJSON},
+		"deep":              {strings.Repeat("[", 65) + strings.Repeat("]", 65), ErrTooDeep},
+		"10,000 deep":       {strings.Repeat("[", 10000), ErrTooDeep},
+		"deep objects":      {strings.Repeat(`{"a":`, 65) + "1" + strings.Repeat("}", 65), ErrTooDeep},
+		"deep, not pointed": {`{"k":"v","x":` + strings.Repeat("[", 100) + strings.Repeat("]", 100) + `}`, ErrTooDeep},
+	} {
+		_, err := Values([]byte(tc.body), pointers(t, "/key", "/k"))
+		require.ErrorIs(t, err, tc.err, name)
+		_, err = Canonical(nil, []byte(tc.body), nil)
+		require.ErrorIs(t, err, tc.err, name)
+	}
+	// 64 levels are allowed.
+	_, err := Values([]byte(strings.Repeat("[", 64)+strings.Repeat("]", 64)), nil)
+	require.NoError(t, err)
+}
+
+func TestCanonical(t *testing.T) {
+	for _, tc := range []struct {
+		in, ignore, want string
+	}{
+		{in: `{"b":1,"a":[true,null,"x"]}`, want: `{"a":[true,null,"x"],"b":1}`},
+		{in: " { \"b\" : 1 ,\n \"a\" : 2 } ", want: `{"a":2,"b":1}`},
+		// RFC 8785's number forms where they keep the value.
+		{in: `[1.0,1e2,-0,1.50,0.000001,1e-7,1e21,123456789012345678]`, want: `[1,100,0,1.5,0.000001,1e-7,1e+21,123456789012345678]`},
+		// The written value where the double would change it.
+		{in: `[9007199254740993,9007199254740992,12345678901234567891,1.2345678901234567891e19,0.1000000000000000000001,1e400]`,
+			want: `[9007199254740993,9007199254740992,12345678901234567891,12345678901234567891,1.000000000000000000001e-1,1e400]`},
+		// Strings in their shortest escaping; member names ordered by UTF-16 code units.
+		{in: `{"\u0061":"\u00e9\/\u001f","\ud83d\ude00":1,"\ufb33":2}`, want: "{\"a\":\"é/\\u001f\",\"\U0001F600\":1,\"\uFB33\":2}"},
+		// Ignored members, at any depth.
+		{in: `{"jsonrpc":"2.0","id":7,"params":{"_meta":{"k":1},"name":"x"}}`, ignore: "/id,/params/_meta", want: `{"jsonrpc":"2.0","params":{"name":"x"}}`},
+		{in: `{"a":[{"b":1,"c":2}]}`, ignore: "/a/0/c", want: `{"a":[{"b":1}]}`},
+	} {
+		var ig []Pointer
+		if tc.ignore != "" {
+			ig = pointers(t, strings.Split(tc.ignore, ",")...)
+		}
+		got, err := Canonical(nil, []byte(tc.in), ig)
+		require.NoError(t, err, tc.in)
+		require.Equal(t, tc.want, string(got), tc.in)
+	}
+}
+
+// TestCanonicalExact: bodies that differ only in an integer beyond 2^53 have different
+// canonical forms (a fingerprint tells them apart), while member order and whitespace do not
+// count.
+func TestCanonicalExact(t *testing.T) {
+	a, err := Canonical(nil, []byte(`{"amount":9007199254740993,"to":"x"}`), nil)
+	require.NoError(t, err)
+	b, err := Canonical(nil, []byte(`{"to":"x", "amount":9007199254740992}`), nil)
+	require.NoError(t, err)
+	require.NotEqual(t, string(a), string(b))
+	c, err := Canonical(nil, []byte("{\"to\" : \"x\",\n\"amount\" : 9007199254740993}"), nil)
+	require.NoError(t, err)
+	require.Equal(t, string(a), string(c))
+}
+
+func TestReplaceID(t *testing.T) {
+	for _, tc := range []struct{ in, id, want string }{
+		{`{"jsonrpc":"2.0","id":1,"result":{"id":5}}`, `"abc"`, `{"jsonrpc":"2.0","id":"abc","result":{"id":5}}`},
+		{`{"result":{"id":5},"jsonrpc":"2.0", "id" : "x-1" }`, `42`, `{"result":{"id":5},"jsonrpc":"2.0", "id" : 42 }`},
+		{`{"jsonrpc":"2.0","id":null,"error":{}}`, `9007199254740993`, `{"jsonrpc":"2.0","id":9007199254740993,"error":{}}`},
+	} {
+		got, ok := ReplaceID([]byte(tc.in), []byte(tc.id))
+		require.True(t, ok, tc.in)
+		require.Equal(t, tc.want, string(got))
+	}
+	for _, in := range []string{`{"jsonrpc":"2.0","result":1}`, `[{"id":1}]`, `not json`, ``} {
+		got, ok := ReplaceID([]byte(in), []byte(`1`))
+		require.False(t, ok, in)
+		require.Equal(t, in, string(got))
+	}
+}
+
+func TestReplaceEventIDs(t *testing.T) {
+	body := "event: message\r\n" +
+		"data: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{\"id\":1}}\r\n\r\n" +
+		"id: 17\n" +
+		"event: message\n" +
+		"data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"content\":[]}}\n\n"
+	want := strings.Replace(body, `"id":1,"result"`, `"id":"second","result"`, 1)
+	require.Equal(t, want, string(ReplaceEventIDs([]byte(body), []byte(`"second"`))))
+	plain := "data: hello\n\n"
+	require.Equal(t, plain, string(ReplaceEventIDs([]byte(plain), []byte(`1`))))
+}
+
+func FuzzParsePointer(f *testing.F) {
+	for _, s := range []string{"", "/", "/a~1b/m~0n", "/a~", "/~01", "x"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		p, err := ParsePointer(s)
+		if err != nil {
+			return
+		}
+		// Writing the tokens back with their escapes gives the text parsed.
+		var b strings.Builder
+		for _, tok := range p.tokens {
+			b.WriteByte('/')
+			b.WriteString(strings.ReplaceAll(strings.ReplaceAll(tok, "~", "~0"), "/", "~1"))
+		}
+		if b.String() != s {
+			t.Fatalf("%q parsed as %q", s, p.tokens)
+		}
+	})
+}
+
+func FuzzCanonical(f *testing.F) {
+	for _, s := range []string{`{"b":1,"a":[true,null,"x"]}`, `[1.0,1e2,-0,9007199254740993]`, `{"id":1,"params":{"_meta":{}}}`, `"\ud83d"`, `[[[[`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		c, err := Canonical(nil, body, pointers(t, "/id", "/params/_meta"))
+		if err != nil {
+			return
+		}
+		// The canonical form is JSON, and its own canonical form.
+		if !json.Valid(c) {
+			t.Fatalf("canonical form of %q is not JSON: %q", body, c)
+		}
+		again, err := Canonical(nil, c, nil)
+		if err != nil || !bytes.Equal(again, c) {
+			t.Fatalf("canonical form of %q is not stable: %q then %q (%v)", body, c, again, err)
+		}
+	})
+}
+
+func FuzzReplaceID(f *testing.F) {
+	for _, s := range []string{`{"jsonrpc":"2.0","id":1,"result":{}}`, `{"id" : "x" }`, `{"a":[{"id":1}]}`, `{`} {
+		f.Add([]byte(s), []byte(`"new"`))
+	}
+	f.Fuzz(func(t *testing.T, msg, id []byte) {
+		if !json.Valid(id) {
+			return
+		}
+		out, ok := ReplaceID(msg, id)
+		if !ok {
+			if !bytes.Equal(out, msg) {
+				t.Fatalf("unchanged message changed: %q -> %q", msg, out)
+			}
+			return
+		}
+		v, err := Values(out, pointers(t, "/id"))
+		if json.Valid(msg) && (err != nil || v[0] == nil) {
+			t.Fatalf("%q with id %q gave %q (%v)", msg, id, out, err)
+		}
+		if err == nil && v[0] != nil && !bytes.Equal(bytes.TrimSpace(v[0]), bytes.TrimSpace(id)) {
+			t.Fatalf("%q with id %q gave id %q", msg, id, v[0])
+		}
+	})
+}
