@@ -70,63 +70,7 @@ func (c *canonicalizer) skip(depth int) error {
 func (c *canonicalizer) value(depth int, track bool) error {
 	switch c.d.PeekKind() {
 	case '{', '[':
-		if depth == MaxDepth {
-			return ErrTooDeep
-		}
-		open, err := c.d.ReadToken()
-		if err != nil {
-			return err
-		}
-		if err := c.e.WriteToken(open); err != nil {
-			return err
-		}
-		isObject := open.Kind() == '{'
-		end := jsontext.Kind(']')
-		if isObject {
-			end = '}'
-		}
-		for i := 0; c.d.PeekKind() != end; i++ {
-			var name jsontext.Token
-			if isObject {
-				if name, err = c.d.ReadToken(); err != nil {
-					return err
-				}
-			}
-			below := false
-			if track {
-				tok := strconv.Itoa(i)
-				if isObject {
-					tok = name.String()
-				}
-				c.path = append(c.path, tok)
-				var here bool
-				here, below = c.ignored()
-				if here {
-					c.path = c.path[:len(c.path)-1]
-					if err := c.skip(depth + 1); err != nil {
-						return err
-					}
-					continue
-				}
-			}
-			if isObject {
-				if err := c.e.WriteToken(name); err != nil {
-					return err
-				}
-			}
-			err := c.value(depth+1, below)
-			if track {
-				c.path = c.path[:len(c.path)-1]
-			}
-			if err != nil {
-				return err
-			}
-		}
-		closing, err := c.d.ReadToken()
-		if err != nil {
-			return err
-		}
-		return c.e.WriteToken(closing)
+		return c.container(depth, track)
 	case '0':
 		tok, err := c.d.ReadToken()
 		if err != nil {
@@ -139,6 +83,70 @@ func (c *canonicalizer) value(depth int, track bool) error {
 		return err
 	}
 	return c.e.WriteToken(tok)
+}
+
+// container copies an object or an array, leaving out the members at ignored pointers.
+func (c *canonicalizer) container(depth int, track bool) error {
+	if depth == MaxDepth {
+		return ErrTooDeep
+	}
+	open, err := c.d.ReadToken()
+	if err != nil {
+		return err
+	}
+	if err := c.e.WriteToken(open); err != nil {
+		return err
+	}
+	object := open.Kind() == '{'
+	end := jsontext.Kind(']')
+	if object {
+		end = '}'
+	}
+	for i := 0; c.d.PeekKind() != end; i++ {
+		var name jsontext.Token
+		if object {
+			if name, err = c.d.ReadToken(); err != nil {
+				return err
+			}
+		}
+		below := false
+		if track {
+			c.path = append(c.path, c.pathToken(object, name, i))
+			var here bool
+			if here, below = c.ignored(); here {
+				c.path = c.path[:len(c.path)-1]
+				if err := c.skip(depth + 1); err != nil {
+					return err
+				}
+				continue
+			}
+		}
+		if object {
+			if err := c.e.WriteToken(name); err != nil {
+				return err
+			}
+		}
+		err := c.value(depth+1, below)
+		if track {
+			c.path = c.path[:len(c.path)-1]
+		}
+		if err != nil {
+			return err
+		}
+	}
+	closing, err := c.d.ReadToken()
+	if err != nil {
+		return err
+	}
+	return c.e.WriteToken(closing)
+}
+
+// pathToken is a member's reference token: its name, or its index in an array.
+func (c *canonicalizer) pathToken(object bool, name jsontext.Token, i int) string {
+	if object {
+		return name.String()
+	}
+	return strconv.Itoa(i)
 }
 
 // exactNumber returns the JSON number text n in RFC 8785's form when that form has n's value,

@@ -167,48 +167,9 @@ func (w *walker) value(depth int, track bool) error {
 		track = prefix
 	}
 	start := w.d.InputOffset()
-	switch w.d.PeekKind() {
-	case '{':
-		if depth == MaxDepth {
-			return ErrTooDeep
-		}
-		if _, err := w.d.ReadToken(); err != nil {
+	if k := w.d.PeekKind(); k == '{' || k == '[' {
+		if err := w.members(depth, track, k == '{'); err != nil {
 			return err
-		}
-		for w.d.PeekKind() != '}' {
-			name, err := w.d.ReadToken()
-			if err != nil {
-				return err
-			}
-			if track {
-				w.path = append(w.path, name.String())
-			}
-			err = w.value(depth+1, track)
-			if track {
-				w.path = w.path[:len(w.path)-1]
-			}
-			if err != nil {
-				return err
-			}
-		}
-	case '[':
-		if depth == MaxDepth {
-			return ErrTooDeep
-		}
-		if _, err := w.d.ReadToken(); err != nil {
-			return err
-		}
-		for i := 0; w.d.PeekKind() != ']'; i++ {
-			if track {
-				w.path = append(w.path, strconv.Itoa(i))
-			}
-			err := w.value(depth+1, track)
-			if track {
-				w.path = w.path[:len(w.path)-1]
-			}
-			if err != nil {
-				return err
-			}
 		}
 	}
 	// The scalar, or the end of the object or array.
@@ -221,6 +182,41 @@ func (w *walker) value(depth int, track bool) error {
 			if equalTokens(p.tokens, w.path) {
 				w.out[i] = bytes.Clone(v)
 			}
+		}
+	}
+	return nil
+}
+
+// members reads an object's or an array's opening and members, up to its end.
+func (w *walker) members(depth int, track, object bool) error {
+	if depth == MaxDepth {
+		return ErrTooDeep
+	}
+	if _, err := w.d.ReadToken(); err != nil {
+		return err
+	}
+	end := jsontext.Kind(']')
+	if object {
+		end = '}'
+	}
+	for i := 0; w.d.PeekKind() != end; i++ {
+		if object {
+			name, err := w.d.ReadToken()
+			if err != nil {
+				return err
+			}
+			if track {
+				w.path = append(w.path, name.String())
+			}
+		} else if track {
+			w.path = append(w.path, strconv.Itoa(i))
+		}
+		err := w.value(depth+1, track)
+		if track {
+			w.path = w.path[:len(w.path)-1]
+		}
+		if err != nil {
+			return err
 		}
 	}
 	return nil
