@@ -76,6 +76,9 @@ func admit(r *route, req requestInfo) admission {
 			return admission{covered: true, problem: problemScopeAmbiguous}
 		}
 		a.scope.jwt = payload
+		if !claimsExact(r.Route, payload) {
+			return admission{covered: true, problem: problemScopeClaimAmbiguous}
+		}
 	}
 	if r.RequireScope && scopeEmpty(r.Route, a.scope) {
 		return admission{covered: true, problem: problemScopeMissing}

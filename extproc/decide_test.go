@@ -93,6 +93,21 @@ func TestAdmit(t *testing.T) {
 		{"a number subject is a scope", "defaults: {scope: [{jwt_claim: sub}], require_scope: true}",
 			withJWT(info("POST", "idempotency-key", "k"), jwt(map[string]any{"a": map[string]any{"sub": 0}})),
 			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true}},
+		{"a whole number below 2^53 is exact", "defaults: {scope: [{jwt_claim: uid}]}",
+			withJWT(info("POST", "idempotency-key", "k"), jwt(map[string]any{"a": map[string]any{"uid": 1<<53 - 1}})),
+			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true}},
+		{"2^53 may stand for 2^53+1", "defaults: {scope: [{jwt_claim: uid}]}",
+			withJWT(info("POST", "idempotency-key", "k"), jwt(map[string]any{"a": map[string]any{"uid": 1 << 53}})),
+			admission{covered: true, problem: problemScopeClaimAmbiguous}},
+		{"a fraction is refused", "defaults: {scope: [{jwt_claim: uid}]}",
+			withJWT(info("POST", "idempotency-key", "k"), jwt(map[string]any{"a": map[string]any{"uid": 0.1}})),
+			admission{covered: true, problem: problemScopeClaimAmbiguous}},
+		{"2^53 in a list claim", "defaults: {scope: [{jwt_claim: groups}]}",
+			withJWT(info("POST", "idempotency-key", "k"), jwt(map[string]any{"a": map[string]any{"groups": []any{"x", -(1 << 53)}}})),
+			admission{covered: true, problem: problemScopeClaimAmbiguous}},
+		{"a claim not scoped by is not read", "defaults: {scope: [{jwt_claim: sub}]}",
+			withJWT(info("POST", "idempotency-key", "k"), jwt(map[string]any{"a": map[string]any{"sub": "x", "uid": 1 << 60}})),
+			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

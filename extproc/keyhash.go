@@ -52,6 +52,9 @@ func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (route 
 			return nil, "", fmt.Errorf("claims: %w", err)
 		}
 		sc.jwt = payload
+		if !claimsExact(r, payload) {
+			return nil, "", errors.New("claims: a claim the route scopes by is a number that is not a whole number below 2^53; the processor answers such a request 400 scope-claim-ambiguous and stores nothing")
+		}
 	}
 	_, hashed = newDigest(keyHash).storeKey(r, sc, key)
 	return r, hashed, nil

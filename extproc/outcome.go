@@ -40,6 +40,9 @@ const (
 	Misconfigured Outcome = "misconfigured"
 	// ScopeMissing: the route requires a scope and the request had none of its values (401).
 	ScopeMissing Outcome = "scope_missing"
+	// ScopeClaimAmbiguous: a JWT claim the route scopes by is a number that Envoy's metadata
+	// cannot carry exactly (400): several callers' values could arrive as one.
+	ScopeClaimAmbiguous Outcome = "scope_claim_ambiguous"
 	// StoreError: the store failed; the request got 503 (fail closed), passed through (fail
 	// open), or ran but its completion could not be recorded.
 	StoreError Outcome = "store_error"
@@ -48,7 +51,7 @@ const (
 // Outcomes lists every outcome, for pre-creating metric series.
 var Outcomes = []Outcome{
 	Passthrough, Executed, Replayed, InProgress, Mismatch, MissingKey, Invalid, NotReplayable,
-	OutcomeUnknown, TooLarge, Misconfigured, ScopeMissing, StoreError,
+	OutcomeUnknown, TooLarge, Misconfigured, ScopeMissing, ScopeClaimAmbiguous, StoreError,
 }
 
 // problem is an error the server answers itself, as RFC 9457 application/problem+json.
@@ -118,13 +121,17 @@ var (
 		"This endpoint requires an authenticated caller for idempotent requests.", false)
 	problemScopeAmbiguous = newProblem(Misconfigured, http.StatusInternalServerError, "scope-ambiguous",
 		"The caller's identity cannot be told apart for idempotency on this route.", false)
+	// 400, not 401: the token is valid, and a new one would carry the same claim, so a client
+	// that refreshes its token on 401 would only send the same request again.
+	problemScopeClaimAmbiguous = newProblem(ScopeClaimAmbiguous, http.StatusBadRequest, "scope-claim-ambiguous",
+		"A claim of the caller's token that scopes idempotency keys on this endpoint is a number that reaches it only approximately (not a whole number below 2^53), so callers could not be told apart; the request was not run.", false)
 )
 
 var problems = []*problem{
 	problemMissingKey, problemInvalidKey, problemInvalidTTL, problemInProgress, problemReused,
 	problemNotReplayable, problemOutcomeUnknown, problemTooLarge, problemBodyNotAvailable,
 	problemStoreUnavailable, problemUnknownRoute, problemRouteMismatch, problemScopeMissing,
-	problemScopeAmbiguous,
+	problemScopeAmbiguous, problemScopeClaimAmbiguous,
 }
 
 // Release reasons, the reason label of idempotency_releases_total.

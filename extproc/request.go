@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"hash"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -419,6 +420,49 @@ func claim(payload *structpb.Struct, name string) (claimType, []byte) {
 		return t, []byte(fmt.Sprint(v.AsInterface()))
 	}
 	return t, b
+}
+
+// maxExactInteger is 2^53: every integer of smaller magnitude is exactly one double, and from
+// 2^53 on a double stands for two integers or more.
+const maxExactInteger = 1 << 53
+
+// claimsExact reports whether every number in the claims r scopes by stands for one value. Envoy
+// hands the verified payload over as a protobuf Struct (jwt_verify_lib's Jwt::parseFromString
+// parses it with JsonStringToMessage; jwt_authn's AuthenticatorImpl::handleGoodJwt writes it to
+// the metadata), whose numbers are doubles: 9007199254740993 arrives as 9007199254740992, and a
+// fraction as the double nearest every decimal within half a unit in its last place. A whole
+// number below 2^53 is exact; anything else would let two callers share a scope, so it is
+// refused (scope-claim-ambiguous) rather than hashed. Numbers inside a list or object claim count
+// too.
+func claimsExact(r *policy.Route, payload *structpb.Struct) bool {
+	for _, src := range r.Scope {
+		if src.Kind == policy.ScopeJWTClaim && !exactValue(payload.GetFields()[src.Name]) {
+			return false
+		}
+	}
+	return true
+}
+
+// exactValue reports whether every number in v is a whole number below 2^53 in magnitude.
+func exactValue(v *structpb.Value) bool {
+	switch k := v.GetKind().(type) {
+	case *structpb.Value_NumberValue:
+		n := k.NumberValue
+		return math.Abs(n) < maxExactInteger && n == math.Trunc(n)
+	case *structpb.Value_ListValue:
+		for _, e := range k.ListValue.GetValues() {
+			if !exactValue(e) {
+				return false
+			}
+		}
+	case *structpb.Value_StructValue:
+		for _, e := range k.StructValue.GetFields() {
+			if !exactValue(e) {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // lookup returns the first value of name and whether the header is present.

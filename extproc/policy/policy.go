@@ -452,6 +452,7 @@ var ProblemCodes = []string{
 	"unknown-idempotency-route",
 	"scope-missing",
 	"scope-ambiguous",
+	"scope-claim-ambiguous",
 }
 
 // Default returns the policy with every built-in default and no routes.
