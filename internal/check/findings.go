@@ -59,6 +59,7 @@ func deploymentFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding
 	out = append(out, bodyFindings(d, p, n)...)
 	out = append(out, warnings(d)...)
 	out = append(out, istioJWTFindings(d, n)...)
+	out = append(out, numericClaimFindings(d, p)...)
 	if d.Platform == PlatformEnvoyGateway {
 		for i := range out {
 			egTerms(&out[i], d.FilterPath)
