@@ -8,6 +8,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"net/http"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -21,6 +22,7 @@ import (
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
 
 // The transfers route scopes keys by the subject jwt_authn verified, not by the token: a client
@@ -121,4 +123,80 @@ func signES256(t *testing.T, key *ecdsa.PrivateKey, claims map[string]any) strin
 	r.FillBytes(out[:32])
 	sig.FillBytes(out[32:])
 	return signing + "." + enc(out)
+}
+
+// A JWT claim the scope reads is exact or refused, through the built binary and jwt_authn, on
+// both stores. jwt_authn passes the verified payload on as a protobuf Struct, so the uids
+// 9007199254740993 and 9007199254740992 arrive as one double: each caller gets 400
+// scope-claim-ambiguous, never the other's response, and the upstream never runs. A uid below
+// 2^53 scopes as before: a new token of the same uid is replayed, another uid runs. jwt_authn
+// itself refuses a token whose sub is a number (401), which is why sub needs no such care.
+func TestJWTNumericClaimsAreExactOrRefused(t *testing.T) {
+	t.Parallel()
+	for _, store := range []string{"memory", "redis"} {
+		t.Run(store, func(t *testing.T) {
+			t.Parallel()
+			var args []string
+			if store == "redis" {
+				args = redisArgs(redistest.Start(t, redistest.Options{}))
+			}
+			key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+			require.NoError(t, err)
+			shipped := string(readRepoFile(t, "envoy/policy.yaml"))
+			policy := strings.Replace(shipped, "scope: [{ jwt_claim: sub }]", "scope: [{ jwt_claim: uid }]", 1)
+			require.NotEqual(t, shipped, policy, "the transfers route scopes by uid")
+			var mu sync.Mutex
+			outcomes := map[string]string{} // x-request-id → outcome
+			s := newStack(t, stackOptions{
+				args:   args,
+				policy: policy,
+				envoy:  func(b *bootstrapv3.Bootstrap) error { return setDemoJWKS(b, jwksOf(t, &key.PublicKey)) },
+				accessLog: func(r proxy.Record) {
+					mu.Lock()
+					defer mu.Unlock()
+					outcomes[r.RequestID] = r.DynamicMetadataValue("idempotency", "outcome")
+				},
+			})
+			transfer := func(id, idemKey string, claims map[string]any) reply {
+				claims["iss"], claims["aud"] = "https://issuer.example.com", "payments"
+				claims["iat"], claims["exp"] = time.Now().Unix(), time.Now().Add(time.Hour).Unix()
+				return s.do(call{path: "/v1/transfers", key: idemKey, body: `{"to":"x"}`, headers: map[string]string{
+					"Authorization": "Bearer " + signES256(t, key, claims), "X-Request-Id": id,
+				}})
+			}
+
+			// json.Number keeps the numbers' text in the signed payload.
+			first := transfer("big-1", "tr-big", map[string]any{"sub": "alice", "uid": json.Number("9007199254740993")})
+			requireProblem(t, first, http.StatusBadRequest, "scope-claim-ambiguous")
+			second := transfer("big-2", "tr-big", map[string]any{"sub": "bob", "uid": json.Number("9007199254740992")})
+			requireProblem(t, second, http.StatusBadRequest, "scope-claim-ambiguous")
+			require.Zero(t, s.up.Count("tr-big"), "neither caller ran, so neither could be replayed the other's response")
+
+			small := transfer("small-1", "tr-small", map[string]any{"sub": "carol", "uid": json.Number("12345")})
+			require.Equal(t, http.StatusOK, small.status, "body: %s", small.body)
+			require.Equal(t, "false", small.header.Get(replayed))
+			again := transfer("small-2", "tr-small", map[string]any{"sub": "carol", "uid": json.Number("12345"), "jti": "refreshed"})
+			require.Equal(t, "true", again.header.Get(replayed), "a new token of the same uid is the same caller")
+			require.Equal(t, small.body, again.body)
+			other := transfer("small-3", "tr-small", map[string]any{"sub": "dave", "uid": json.Number("12346")})
+			require.Equal(t, "false", other.header.Get(replayed), "another uid, its own record")
+			require.Equal(t, 2, s.up.Count("tr-small"))
+
+			numericSub := transfer("sub-1", "tr-sub", map[string]any{"sub": json.Number("12345"), "uid": json.Number("1")})
+			require.Equal(t, http.StatusUnauthorized, numericSub.status, "jwt_authn refuses a token whose sub is not a string")
+			require.Contains(t, string(numericSub.body), "[sub] field is not a string")
+			require.Zero(t, s.up.Count("tr-sub"))
+
+			if s.proxy != nil {
+				want := map[string]string{"big-1": "scope_claim_ambiguous", "big-2": "scope_claim_ambiguous", "small-1": "executed", "small-2": "replayed", "small-3": "executed"}
+				require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(outcomes) >= len(want) }, 5*time.Second, 10*time.Millisecond)
+				mu.Lock()
+				defer mu.Unlock()
+				for id, o := range want {
+					require.Equal(t, o, outcomes[id], id)
+				}
+				require.Contains(t, []string{"", "-"}, outcomes["sub-1"], "jwt_authn answered before ext_proc: no outcome")
+			}
+		})
+	}
 }

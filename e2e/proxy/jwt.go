@@ -40,6 +40,10 @@ const (
 	jwtAudienceDenied  jwtStatus = "Audiences in Jwt are not allowed"
 	jwtKidAlgMismatch  jwtStatus = "Jwks doesn't have key to match kid or alg from Jwt"
 	jwtUnsupportedAlgo jwtStatus = "Jwt algorithm is not supported"
+	jwtIssNotString    jwtStatus = "Jwt payload [iss] field is not a string"
+	jwtSubNotString    jwtStatus = "Jwt payload [sub] field is not a string"
+	jwtJtiNotString    jwtStatus = "Jwt payload [jti] field is not a string"
+	jwtAudNotString    jwtStatus = "Jwt payload [aud] field is not a string or string list"
 )
 
 // jwtFilter emulates Envoy's jwt_authn HTTP filter placed before ext_proc: it verifies the token
@@ -368,6 +372,9 @@ func (p *jwtProvider) verifyToken(tok string, now time.Time) (*structpb.Struct, 
 	if json.Unmarshal(pb, &claims) != nil {
 		return nil, nil, jwtBadPayload
 	}
+	if st := claimTypes(claims); st != jwtOK {
+		return nil, nil, st
+	}
 	if p.issuer != "" {
 		if iss, _ := claims["iss"].(string); iss != p.issuer {
 			return nil, nil, jwtUnknownIssuer
@@ -451,6 +458,44 @@ func leftPad(b []byte, n int) []byte {
 	return append(make([]byte, n-len(b)), b...)
 }
 
+// claimTypes refuses a payload whose iss, sub or jti is not a string, or whose aud is neither a
+// string nor a list of strings, as jwt_verify_lib does while parsing the token
+// (Jwt::parseFromString in google/jwt_verify_lib src/jwt.cc, StructUtils::GetString and
+// GetStringList returning WRONG_TYPE), before any key or issuer is looked at.
+func claimTypes(claims map[string]any) jwtStatus {
+	for name, st := range map[string]jwtStatus{"iss": jwtIssNotString, "sub": jwtSubNotString, "jti": jwtJtiNotString} {
+		if v, ok := claims[name]; ok {
+			if _, isString := v.(string); !isString {
+				return st
+			}
+		}
+	}
+	aud, present := claims["aud"]
+	if !present {
+		return jwtOK
+	}
+	switch a := aud.(type) {
+	case string:
+	case []any:
+		for _, e := range a {
+			if _, isString := e.(string); !isString {
+				return jwtAudNotString
+			}
+		}
+	default:
+		return jwtAudNotString
+	}
+	return jwtOK
+}
+
+// mustStruct parses a token's JSON header or payload into the Struct jwt_authn writes to the
+// dynamic metadata: jwt_verify_lib parses both with JsonStringToMessage into a
+// google.protobuf.Struct (Jwt::parseFromString in google/jwt_verify_lib src/jwt.cc: header_pb_,
+// payload_pb_), and AuthenticatorImpl::handleGoodJwt (source/extensions/filters/http/jwt_authn/
+// authenticator.cc) hands payload_pb_ to the metadata under payload_in_metadata. A Struct's
+// numbers are doubles (google.protobuf.Value's number_value), so a number is rounded to the
+// nearest double: 9007199254740993 arrives as 9007199254740992. protojson's Struct parsing does
+// the same rounding, and nothing here keeps the exact text.
 func mustStruct(js []byte) *structpb.Struct {
 	s := &structpb.Struct{}
 	if err := s.UnmarshalJSON(js); err != nil {
