@@ -24,6 +24,8 @@ type Metrics struct {
 	completionsPending   prometheus.Gauge
 	completionsAbandoned *prometheus.CounterVec
 	unconfirmed          *prometheus.CounterVec
+	// The streams this process holds (limits.go).
+	streams streamMetrics
 }
 
 // The op labels of idempotency_durability_unconfirmed_total.
@@ -104,6 +106,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "idempotency_durability_unconfirmed_total",
 			Help: "Writes of routes with durability that too few Redis replicas acknowledged in time, by op: claim (withdrawn; the request was answered as a store failure and did not run under it) or complete (kept; the response went out, and a failover before the replicas catch up may lose the record).",
 		}, []string{"op"}),
+		streams: newStreamMetrics(),
 	}
 	for _, kind := range misconfigKinds {
 		m.misconfig.WithLabelValues(kind)
@@ -127,6 +130,9 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
+	}
+	if err := m.streams.register(reg); err != nil {
+		return nil, err
 	}
 	return m, nil
 }

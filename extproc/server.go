@@ -51,6 +51,12 @@ type Options struct {
 	// KeyHash makes the hash of stored keys and fingerprints (default SHA-256); an HMAC under a
 	// secret keeps someone who reads the store from testing guesses.
 	KeyHash func() hash.Hash
+	// MaxStreams is how many ext_proc streams are open at once before the next is refused with
+	// RESOURCE_EXHAUSTED (default DefaultMaxStreams).
+	MaxStreams int
+	// FirstMessageTimeout is how long a stream may stay open without its first message, when the
+	// gRPC server has TapHandle (default DefaultFirstMessageTimeout).
+	FirstMessageTimeout time.Duration
 }
 
 // Server implements Envoy's ExternalProcessor service. It is safe for concurrent use: each
@@ -77,6 +83,10 @@ type Server struct {
 	unconfirmedClaims, unconfirmedCompletes prometheus.Counter
 
 	streams sync.WaitGroup
+	// open counts the streams admitted and not yet ended, at most maxStreams (limits.go).
+	open                atomic.Int64
+	maxStreams          int
+	firstMessageTimeout time.Duration
 	// misconfigLogs logs each kind of Envoy misconfiguration once per process.
 	misconfigLogs map[string]*sync.Once
 	// retriedLog logs once that the router retried a covered request; earlyAnswerLog that an
@@ -113,6 +123,15 @@ func NewServer(opts Options) (*Server, error) {
 	if opts.Clock == nil {
 		opts.Clock = clock.Real{}
 	}
+	if opts.MaxStreams < 0 || opts.FirstMessageTimeout < 0 {
+		return nil, errors.New("extproc: MaxStreams and FirstMessageTimeout must not be negative")
+	}
+	if opts.MaxStreams == 0 {
+		opts.MaxStreams = DefaultMaxStreams
+	}
+	if opts.FirstMessageTimeout == 0 {
+		opts.FirstMessageTimeout = DefaultFirstMessageTimeout
+	}
 	s := &Server{
 		store:             opts.Store,
 		policy:            opts.Policy,
@@ -126,6 +145,8 @@ func NewServer(opts Options) (*Server, error) {
 		misconfigLogs:     make(map[string]*sync.Once),
 		unknownRoutes:     make(map[string]struct{}),
 	}
+	s.maxStreams, s.firstMessageTimeout = opts.MaxStreams, opts.FirstMessageTimeout
+	s.metrics.streams.limit.Set(float64(opts.MaxStreams))
 	s.completions = newCompletions(s)
 	for _, kind := range misconfigKinds {
 		s.misconfigLogs[kind] = &sync.Once{}
@@ -201,14 +222,25 @@ func cut(s string, n int) string { return s[:min(len(s), n)] }
 // HTTP request until Envoy ends the stream. Outside FULL_DUPLEX_STREAMED each message has one
 // answer, except the body chunks whose answers the claim withholds and then sends together.
 func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
+	if err := s.enter(srv.Context()); err != nil {
+		return err
+	}
+	defer s.leave()
 	s.streams.Add(1)
 	defer s.streams.Done()
+	first := firstMessageTimer(srv.Context())
 	st := newStream(s, srv.Context())
 	// Runs on a panic too (see StreamInterceptor): the lease is released or kept as for any
 	// stream cut short.
 	defer st.finish()
 	for {
 		req, err := srv.Recv()
+		if first != nil {
+			if err := s.firstMessageDone(srv.Context(), first); err != nil {
+				return err
+			}
+			first = nil
+		}
 		if err != nil {
 			// Envoy ends every stream with a half-close and a reset
 			// (ExternalProcessorStreamImpl::close in

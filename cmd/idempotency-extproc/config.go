@@ -17,6 +17,7 @@ import (
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/cache/seal"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
@@ -32,6 +33,7 @@ type config struct {
 	redisSentinelMaster string
 	redisBatching       bool
 	memoryMaxBytes      int64
+	maxStreams          int
 	logLevel            zerolog.Level
 	logFormat           string
 	// adminToken is the records API's bearer token, without the file's trailing newline; nil
@@ -169,6 +171,15 @@ func settings() []setting {
 					return fmt.Errorf("must be a positive number of bytes, got %q", v)
 				}
 				c.memoryMaxBytes = n
+				return nil
+			}},
+		{name: "max-streams", def: strconv.Itoa(extproc.DefaultMaxStreams), doc: "the most ext_proc streams one replica keeps open at once, a {number}: Envoy holds one per HTTP request it is processing, and a stream beyond the limit is refused at once with `RESOURCE_EXHAUSTED` (docs/operating.md shows the memory a stream takes)",
+			apply: func(c *config, v string) error {
+				n, err := strconv.Atoi(v)
+				if err != nil || n <= 0 {
+					return fmt.Errorf("must be a positive number of streams, got %q", v)
+				}
+				c.maxStreams = n
 				return nil
 			}},
 		{name: "log-level", def: "info", doc: "the least {level} logged: `trace`, `debug`, `info`, `warn` or `error`",

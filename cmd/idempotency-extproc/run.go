@@ -84,6 +84,18 @@ const (
 	adminWriteTimeout      = 30 * time.Second
 )
 
+// What one HTTP/2 connection to the gRPC listener may hold. maxStreamsPerConn is above the 1,024
+// streams Envoy's default circuit breakers let one Envoy open to the whole cluster; an Envoy whose
+// breakers are raised opens another connection when one has this many streams
+// (MultiplexedActiveClientBase::onSettings in Envoy's source/common/http/conn_pool_base.cc takes
+// the server's SETTINGS_MAX_CONCURRENT_STREAMS as the connection's capacity). maxHeaderListSize
+// is above the 60 KiB of headers Envoy accepts by default (max_request_headers_kb), far above the
+// few hundred bytes its ext_proc stream sends, and a 256th of grpc-go's 16 MiB default.
+const (
+	maxStreamsPerConn = 4096
+	maxHeaderListSize = 64 << 10
+)
+
 // readinessInterval is how often the store is pinged for gRPC health; /readyz pings on demand.
 const readinessInterval = 500 * time.Millisecond
 
@@ -154,7 +166,7 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 			log.Warn().Err(err).Msg("tracing: spans not flushed")
 		}
 	}()
-	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: cfg.policy, Logger: &log, Metrics: metrics, KeyHash: cfg.keyHash, Tracer: tracer})
+	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: cfg.policy, Logger: &log, Metrics: metrics, KeyHash: cfg.keyHash, Tracer: tracer, MaxStreams: cfg.maxStreams})
 	if err != nil {
 		return err
 	}
@@ -173,6 +185,8 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	gs := grpc.NewServer(
 		// One stream's panic ends that stream, not the process (unless it came from the store).
 		grpc.ChainStreamInterceptor(srv.StreamInterceptor()),
+		// An ext_proc stream has 10 s to send its first message.
+		grpc.InTapHandle(srv.TapHandle()),
 		// A BUFFERED body arrives in one message (Filter::sendBufferedData in Envoy's
 		// source/extensions/filters/http/ext_proc/ext_proc.cc): the limit must exceed the
 		// largest body Envoy may send.
@@ -180,6 +194,8 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 		grpc.NumStreamWorkers(extproc.StreamWorkers),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: opts.keepaliveTime, Timeout: opts.keepaliveTimeout}),
+		grpc.MaxConcurrentStreams(maxStreamsPerConn),
+		grpc.MaxHeaderListSize(maxHeaderListSize),
 	)
 	extprocv3.RegisterExternalProcessorServer(gs, srv)
 	healthSrv := health.NewServer()

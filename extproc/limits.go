@@ -1,0 +1,157 @@
+package extproc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
+)
+
+// What one replica lets streams hold. Envoy opens a stream for each HTTP request the moment it has
+// the request's first message to send (Filter::openStream, then sendRequest, in
+// source/extensions/filters/http/ext_proc/ext_proc.cc), so its streams carry a message within
+// microseconds and end with their request. A stream that sends nothing is not Envoy's, and a
+// replica does not keep it: its first message has FirstMessageTimeout to arrive, and no more
+// than MaxStreams streams are open at once.
+
+// DefaultFirstMessageTimeout is how long a stream may stay open without its first message.
+const DefaultFirstMessageTimeout = 10 * time.Second
+
+// DefaultMaxStreams is how many ext_proc streams a replica keeps open at once by default. One
+// idle stream costs the process about 9 KiB of resident memory (docs/operating.md has the
+// measurement), so the limit's streams hold under 200 MiB; an Envoy holding this many open
+// requests to one replica is far beyond the load one replica serves (docs/performance.md).
+const DefaultMaxStreams = 20000
+
+// The reasons of idempotency_streams_refused_total.
+const (
+	// refusedLimit: the stream came while MaxStreams were open; it was refused at once with
+	// RESOURCE_EXHAUSTED.
+	refusedLimit = "limit"
+	// refusedFirstMessageTimeout: no first message within FirstMessageTimeout; the stream was
+	// ended with DEADLINE_EXCEEDED.
+	refusedFirstMessageTimeout = "first_message_timeout"
+)
+
+// streamMetrics are the metrics of the streams a replica holds.
+type streamMetrics struct {
+	open    prometheus.Gauge
+	refused *prometheus.CounterVec
+	limit   prometheus.Gauge
+}
+
+func newStreamMetrics() streamMetrics {
+	m := streamMetrics{
+		open: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "idempotency_streams",
+			Help: "ext_proc streams open on this process (one per HTTP request Envoy is processing), at most idempotency_streams_limit.",
+		}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idempotency_streams_refused_total",
+			Help: "ext_proc streams refused, by reason: limit (idempotency_streams_limit were open; refused at once with RESOURCE_EXHAUSTED) or first_message_timeout (no message within 10 s of the stream's start; ended with DEADLINE_EXCEEDED).",
+		}, []string{"reason"}),
+		limit: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "idempotency_streams_limit",
+			Help: "The most ext_proc streams this process keeps open at once (--max-streams).",
+		}),
+	}
+	m.refused.WithLabelValues(refusedLimit)
+	m.refused.WithLabelValues(refusedFirstMessageTimeout)
+	return m
+}
+
+func (m streamMetrics) register(reg prometheus.Registerer) error {
+	for _, c := range []prometheus.Collector{m.open, m.refused, m.limit} {
+		if err := reg.Register(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// processMethod is the full name of the ext_proc method, as a tap sees it.
+var processMethod = "/" + extprocv3.ExternalProcessor_ServiceDesc.ServiceName + "/Process"
+
+// errFirstMessageLate is the cause of a stream's context cancelled for want of a first message.
+var errFirstMessageLate = errors.New("no first message in time")
+
+// firstMessageKey is the context key of a stream's first-message timer (a clock.Timer).
+type firstMessageKey struct{}
+
+// TapHandle returns the handle to install with grpc.InTapHandle on the gRPC server that serves s.
+// It gives every ext_proc stream FirstMessageTimeout to send its first message: when the time
+// passes first, the stream's context ends, which ends its Recv, and grpc-go ends the stream with
+// DEADLINE_EXCEEDED. It costs a stream a timer, not a goroutine. Other services (gRPC health) pass
+// untouched. It runs on the connection's reader goroutine, and does no more than that.
+func (s *Server) TapHandle() tap.ServerInHandle {
+	return func(ctx context.Context, info *tap.Info) (context.Context, error) {
+		if info.FullMethodName != processMethod {
+			return ctx, nil
+		}
+		ctx, cancel := context.WithCancelCause(ctx)
+		t := s.clock.AfterFunc(s.firstMessageTimeout, func() { cancel(errFirstMessageLate) })
+		return firstMessageContext{context.WithValue(ctx, firstMessageKey{}, t)}, nil
+	}
+}
+
+// firstMessageContext is the context of a stream whose first message is due: its Err is
+// context.DeadlineExceeded once the message is late. grpc-go ends a stream whose Recv finds its
+// context done with the status of the context's Err (serverStream.RecvMsg writes it, through
+// ContextErr in its internal/transport), before the handler returns: DEADLINE_EXCEEDED, where a
+// plain cancellation would say CANCELLED, as if the client had given up.
+type firstMessageContext struct{ context.Context }
+
+func (c firstMessageContext) Err() error {
+	err := c.Context.Err()
+	if err != nil && errors.Is(context.Cause(c.Context), errFirstMessageLate) {
+		return context.DeadlineExceeded
+	}
+	return err
+}
+
+// enter admits a stream unless MaxStreams are open: then it stops the stream's first-message
+// timer and returns the RESOURCE_EXHAUSTED error to end the stream with. A stream admitted
+// calls leave when it ends.
+func (s *Server) enter(ctx context.Context) error {
+	if s.open.Add(1) <= int64(s.maxStreams) {
+		s.metrics.streams.open.Inc()
+		return nil
+	}
+	s.open.Add(-1)
+	if t, ok := ctx.Value(firstMessageKey{}).(clock.Timer); ok {
+		t.Stop()
+	}
+	s.metrics.streams.refused.WithLabelValues(refusedLimit).Inc()
+	return status.Errorf(codes.ResourceExhausted, "idempotency-extproc: %d streams are open, the most this replica takes", s.maxStreams)
+}
+
+func (s *Server) leave() {
+	s.open.Add(-1)
+	s.metrics.streams.open.Dec()
+}
+
+// firstMessageTimer returns the timer TapHandle armed for the stream of ctx, or nil when the
+// server runs without the tap.
+func firstMessageTimer(ctx context.Context) clock.Timer {
+	t, _ := ctx.Value(firstMessageKey{}).(clock.Timer)
+	return t
+}
+
+// firstMessageDone stops the first-message timer t once the stream's first Recv has returned. It
+// returns nil, or, when the timer fired first, the DEADLINE_EXCEEDED error to end the stream
+// with, which it counts.
+func (s *Server) firstMessageDone(ctx context.Context, t clock.Timer) error {
+	if t.Stop() || !errors.Is(context.Cause(ctx), errFirstMessageLate) {
+		return nil
+	}
+	s.metrics.streams.refused.WithLabelValues(refusedFirstMessageTimeout).Inc()
+	return status.Error(codes.DeadlineExceeded, fmt.Sprintf("idempotency-extproc: no message within %s of the stream's start", s.firstMessageTimeout))
+}
