@@ -25,11 +25,13 @@ import (
 // DefaultFirstMessageTimeout is how long a stream may stay open without its first message.
 const DefaultFirstMessageTimeout = 10 * time.Second
 
-// DefaultMaxStreams is how many ext_proc streams a replica keeps open at once by default. One
-// idle stream costs the process about 9 KiB of resident memory (docs/operating.md has the
-// measurement), so the limit's streams hold under 200 MiB; an Envoy holding this many open
-// requests to one replica is far beyond the load one replica serves (docs/performance.md).
-const DefaultMaxStreams = 20000
+// DefaultMaxStreams is how many ext_proc streams a replica keeps open at once by default: ten
+// times what one Envoy with default circuit breakers opens to a whole cluster (max_requests
+// 1,024), and at the 10,000 requests/s one replica serves on two cores (docs/performance.md),
+// a second of every request's life. An idle stream costs the process 13 KiB of resident memory
+// (docs/operating.md has the measurement), so the limit's streams hold about 130 MiB, which fits
+// beside a full 256 MiB memory store in the chart's 512 MiB.
+const DefaultMaxStreams = 10000
 
 // The reasons of idempotency_streams_refused_total.
 const (

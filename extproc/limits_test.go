@@ -1,0 +1,198 @@
+package extproc_test
+
+import (
+	"context"
+	"io"
+	"net"
+	"testing"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/test/bufconn"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
+)
+
+// limitsHarness is a server with the first-message tap and gRPC health, as the binary serves it,
+// on a fake clock.
+type limitsHarness struct {
+	t        *testing.T
+	server   *extproc.Server
+	registry *prometheus.Registry
+	clock    *clock.Fake
+	client   extprocv3.ExternalProcessorClient
+	health   healthpb.HealthClient
+	ctx      context.Context
+}
+
+const testFirstMessageTimeout = 10 * time.Second
+
+func newLimitsHarness(t *testing.T, maxStreams int) *limitsHarness {
+	t.Helper()
+	clk := clock.NewFake(time.Unix(1_700_000_000, 0))
+	store, err := cache.NewMemory(cache.MemoryOptions{Clock: clk})
+	require.NoError(t, err)
+	reg := prometheus.NewRegistry()
+	metrics, err := extproc.NewMetrics(reg)
+	require.NoError(t, err)
+	srv, err := extproc.NewServer(extproc.Options{Store: store, Metrics: metrics, Clock: clk, MaxStreams: maxStreams, FirstMessageTimeout: testFirstMessageTimeout})
+	require.NoError(t, err)
+	lis := bufconn.Listen(1 << 20)
+	gs := grpc.NewServer(grpc.InTapHandle(srv.TapHandle()), grpc.ChainStreamInterceptor(srv.StreamInterceptor()))
+	extprocv3.RegisterExternalProcessorServer(gs, srv)
+	healthpb.RegisterHealthServer(gs, health.NewServer())
+	go func() { _ = gs.Serve(lis) }()
+	conn, err := grpc.NewClient("passthrough:///bufconn",
+		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
+		grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() {
+		cancel()
+		_ = conn.Close()
+		gs.Stop()
+		wctx, stop := context.WithTimeout(context.Background(), 5*time.Second)
+		defer stop()
+		require.NoError(t, srv.Shutdown(wctx))
+		_ = store.Close()
+	})
+	return &limitsHarness{t: t, server: srv, registry: reg, clock: clk, ctx: ctx,
+		client: extprocv3.NewExternalProcessorClient(conn), health: healthpb.NewHealthClient(conn)}
+}
+
+func (h *limitsHarness) metric(name string, labels ...string) float64 {
+	h.t.Helper()
+	return metricValue(h.t, h.registry, name, labels...)
+}
+
+// waitTimers waits until n first-message timers are armed: the server has taken the streams.
+func (h *limitsHarness) waitTimers(n int) {
+	h.t.Helper()
+	require.Eventually(h.t, func() bool { return h.clock.Pending() == n }, 5*time.Second, time.Millisecond, "%d first-message timers armed", n)
+}
+
+// served opens a stream whose first message (a GET's headers) is answered.
+func (h *limitsHarness) served() (extprocv3.ExternalProcessor_ProcessClient, error) {
+	stream, err := h.client.Process(h.ctx)
+	require.NoError(h.t, err)
+	if err := stream.Send(requestHeaders(request{method: "GET", path: "/v1/things"})); err != nil {
+		return stream, err
+	}
+	_, err = stream.Recv()
+	return stream, err
+}
+
+// A stream gets DEADLINE_EXCEEDED, counted, when its first message has not come when the
+// first-message timeout is up, and not a moment before; a stream that sent one in time is never
+// ended for it, however long it then stays open.
+func TestFirstMessageTimeout(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		first bool // whether the stream sends its first message
+	}{
+		{"silent stream", false},
+		{"first message in time", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newLimitsHarness(t, 0)
+			stream, err := h.client.Process(h.ctx)
+			require.NoError(t, err)
+			h.waitTimers(1)
+			ended := make(chan error, 1)
+			if tc.first {
+				require.NoError(t, stream.Send(requestHeaders(request{method: "GET", path: "/v1/things"})))
+				_, err := stream.Recv()
+				require.NoError(t, err)
+				require.Zero(t, h.clock.Pending(), "the first message stops its timer")
+			} else {
+				go func() {
+					_, err := stream.Recv()
+					ended <- err
+				}()
+			}
+
+			h.clock.Advance(testFirstMessageTimeout - time.Millisecond)
+			require.Zero(t, h.metric("idempotency_streams_refused_total", "reason", "first_message_timeout"))
+			require.Equal(t, 1.0, h.metric("idempotency_streams"))
+			h.clock.Advance(time.Millisecond)
+
+			if tc.first {
+				h.clock.Advance(time.Hour)
+				require.NoError(t, stream.CloseSend())
+				_, err := stream.Recv()
+				require.ErrorIs(t, err, io.EOF, "the stream ends as Envoy ends it")
+				require.NoError(t, h.server.Wait(h.ctx))
+				require.Zero(t, h.metric("idempotency_streams_refused_total", "reason", "first_message_timeout"))
+				return
+			}
+			select {
+			case err := <-ended:
+				require.Equal(t, codes.DeadlineExceeded, status.Code(err), "%v", err)
+			case <-time.After(5 * time.Second):
+				t.Fatal("the silent stream is still open after its first message was due")
+			}
+			require.NoError(t, h.server.Wait(h.ctx))
+			require.Equal(t, 1.0, h.metric("idempotency_streams_refused_total", "reason", "first_message_timeout"))
+			require.Zero(t, h.metric("idempotency_streams"))
+		})
+	}
+}
+
+// With MaxStreams open, the next stream is refused at once with RESOURCE_EXHAUSTED, counted, and
+// its first-message timer stopped; gRPC health is neither limited nor timed; once a stream ends,
+// a new one is served.
+func TestMaxStreams(t *testing.T) {
+	const limit = 3
+	h := newLimitsHarness(t, limit)
+	require.Equal(t, float64(limit), h.metric("idempotency_streams_limit"))
+	var held []extprocv3.ExternalProcessor_ProcessClient
+	for range limit {
+		stream, err := h.served()
+		require.NoError(t, err)
+		held = append(held, stream)
+	}
+	require.Equal(t, float64(limit), h.metric("idempotency_streams"))
+
+	_, err := h.served()
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	require.Equal(t, 1.0, h.metric("idempotency_streams_refused_total", "reason", "limit"))
+	require.Zero(t, h.clock.Pending(), "the refused stream's first-message timer is stopped")
+
+	resp, err := h.health.Check(h.ctx, &healthpb.HealthCheckRequest{})
+	require.NoError(t, err, "gRPC health is not limited")
+	require.Equal(t, healthpb.HealthCheckResponse_SERVING, resp.GetStatus())
+	watch, err := h.health.Watch(h.ctx, &healthpb.HealthCheckRequest{})
+	require.NoError(t, err)
+	_, err = watch.Recv()
+	require.NoError(t, err)
+	require.Zero(t, h.clock.Pending(), "gRPC health streams have no first-message timer")
+
+	require.NoError(t, held[0].CloseSend())
+	_, err = held[0].Recv()
+	require.ErrorIs(t, err, io.EOF)
+	_, err = h.served()
+	require.NoError(t, err, "a stream after one ended is served")
+	require.Equal(t, 1.0, h.metric("idempotency_streams_refused_total", "reason", "limit"))
+	require.Equal(t, float64(limit), h.metric("idempotency_streams"))
+}
+
+// NewServer refuses a negative limit or timeout.
+func TestStreamLimitsMustNotBeNegative(t *testing.T) {
+	store, err := cache.NewMemory(cache.MemoryOptions{})
+	require.NoError(t, err)
+	defer store.Close()
+	for _, o := range []extproc.Options{{Store: store, MaxStreams: -1}, {Store: store, FirstMessageTimeout: -time.Second}} {
+		_, err := extproc.NewServer(o)
+		require.Error(t, err)
+	}
+}
