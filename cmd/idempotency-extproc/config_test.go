@@ -37,6 +37,7 @@ func TestConfigDefaults(t *testing.T) {
 	require.Empty(t, c.redisSentinelAddrs)
 	require.Equal(t, "mymaster", c.redisSentinelMaster)
 	require.Equal(t, int64(268435456), c.memoryMaxBytes)
+	require.Equal(t, 10000, c.maxStreams)
 	require.Equal(t, zerolog.InfoLevel, c.logLevel)
 	require.Equal(t, "json", c.logFormat)
 	require.Equal(t, policy.Default().Default, c.policy.Default)
@@ -98,6 +99,9 @@ store_timeout: 250ms
 			require.Equal(t, "unix:///tmp/x.sock", c.grpcAddr)
 			require.Equal(t, int64(1024), c.memoryMaxBytes)
 		}},
+		{"max streams from env", nil, map[string]string{"IDEMPOTENCY_MAX_STREAMS": "250"}, func(t *testing.T, c *config) {
+			require.Equal(t, 250, c.maxStreams)
+		}},
 		{"an empty variable counts as unset", []string{"--config", file}, map[string]string{"IDEMPOTENCY_STORE": "", "IDEMPOTENCY_LOG_LEVEL": ""}, func(t *testing.T, c *config) {
 			require.Equal(t, "redis", c.store, "from the file")
 			require.Equal(t, zerolog.WarnLevel, c.logLevel)
@@ -129,6 +133,10 @@ func TestConfigInvalid(t *testing.T) {
 	}{
 		{"bad flag values", []string{"--store", "mongo", "--log-level", "loud", "--memory-max-bytes", "0"}, nil, "",
 			[]string{`store (flag --store): must be memory or redis, got "mongo"`, "log-level (flag --log-level)", "memory-max-bytes (flag --memory-max-bytes)"}},
+		{"bad stream limits", []string{"--max-streams", "0"}, map[string]string{"IDEMPOTENCY_MAX_STREAMS": "many"}, "",
+			[]string{`max-streams (flag --max-streams): must be a positive number of streams, got "0"`}},
+		{"a negative stream limit", nil, map[string]string{"IDEMPOTENCY_MAX_STREAMS": "-5"}, "",
+			[]string{`max-streams (environment variable IDEMPOTENCY_MAX_STREAMS): must be a positive number of streams, got "-5"`}},
 		{"bad env value", nil, map[string]string{"IDEMPOTENCY_LOG_FORMAT": "xml"}, "",
 			[]string{`log-format (environment variable IDEMPOTENCY_LOG_FORMAT): must be json or console, got "xml"`}},
 		{"bad file setting and policy together", nil, nil, "store: disk\ndefaults: {ttl: soon}\nroutes: [{name: a, match: {path_regex: '('}}]\n",
