@@ -134,3 +134,20 @@ Checks that fail the render, each naming the value to change. Included by the De
 {{- fail (printf "extProc.responseTrailerMode must be SKIP or SEND, got %q" .Values.extProc.responseTrailerMode) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The peers of a NetworkPolicy ingress rule, as YAML, from (list selectors extra): one peer of
+selectors' podSelector and namespaceSelector when either is set (a podSelector alone selects pods
+of the release's namespace), then the extra peers. Empty when there are none, and the rule then
+admits every source. */}}
+{{- define "idem.networkPolicyPeers" -}}
+{{- $sel := index . 0 | default dict -}}
+{{- $peers := list -}}
+{{- if or $sel.podSelector $sel.namespaceSelector -}}
+{{- $peer := dict -}}
+{{- with $sel.podSelector }}{{ $_ := set $peer "podSelector" . }}{{ end -}}
+{{- with $sel.namespaceSelector }}{{ $_ := set $peer "namespaceSelector" . }}{{ end -}}
+{{- $peers = append $peers $peer -}}
+{{- end -}}
+{{- $peers = concat $peers (index . 1 | default list) -}}
+{{- with $peers }}{{ toYaml . }}{{ end -}}
+{{- end -}}
