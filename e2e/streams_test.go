@@ -90,7 +90,7 @@ func TestIdleStreamsAreEnded(t *testing.T) {
 			results[i] = ended{status.Code(err), time.Since(opened)}
 		}()
 	}
-	within(t, first, firstMessageTimeout/2, "every stream open on the processor", func() bool {
+	within(t, first, firstMessageTimeout*9/10, "every stream open on the processor", func() bool {
 		return processorMetric(t, p, "idempotency_streams") == streams
 	})
 	held := processorMetric(t, p, "process_resident_memory_bytes") - baseRSS
