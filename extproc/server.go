@@ -220,7 +220,8 @@ func cut(s string, n int) string { return s[:min(len(s), n)] }
 
 // Process implements [extprocv3.ExternalProcessorServer.Process]: it answers the messages of one
 // HTTP request until Envoy ends the stream. Outside FULL_DUPLEX_STREAMED each message has one
-// answer, except the body chunks whose answers the claim withholds and then sends together.
+// answer, except the body chunks whose answers the claim withholds and then sends together. A
+// stream beyond MaxStreams is refused at once with RESOURCE_EXHAUSTED (limits.go).
 func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	if err := s.enter(srv.Context()); err != nil {
 		return err
