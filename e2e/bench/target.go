@@ -234,8 +234,8 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	sopts := []grpc.ServerOption{grpc.MaxRecvMsgSize(64 << 20), grpc.NumStreamWorkers(extproc.StreamWorkers)}
 	if processor, ok := p.(*extproc.Server); ok {
 		// As the binary serves it (cmd/idempotency-extproc/run.go): a stream's panic ends that
-		// stream.
-		sopts = append(sopts, grpc.ChainStreamInterceptor(processor.StreamInterceptor()))
+		// stream, and its first message has a deadline.
+		sopts = append(sopts, grpc.ChainStreamInterceptor(processor.StreamInterceptor()), grpc.InTapHandle(processor.TapHandle()))
 	}
 	gs := grpc.NewServer(sopts...)
 	extprocv3.RegisterExternalProcessorServer(gs, p)
