@@ -111,9 +111,13 @@ func TestIdleStreamsAreEnded(t *testing.T) {
 		require.Equal(t, codes.DeadlineExceeded, r.code, "stream %d", i)
 		require.GreaterOrEqual(t, r.after, firstMessageTimeout, "stream %d ended before its first message was due", i)
 	}
-	require.Equal(t, float64(streams), processorMetric(t, p, `idempotency_streams_refused_total{reason="first_message_timeout"}`))
+	// grpc-go writes a stream's status as its Recv fails, before the handler returns and counts
+	// it: the counts may trail the clients by a moment.
+	within(t, time.Now(), 10*time.Second, "every stream counted and none open", func() bool {
+		return processorMetric(t, p, `idempotency_streams_refused_total{reason="first_message_timeout"}`) == streams &&
+			processorMetric(t, p, "idempotency_streams") == 0
+	})
 	require.Zero(t, processorMetric(t, p, `idempotency_streams_refused_total{reason="limit"}`))
-	require.Zero(t, processorMetric(t, p, "idempotency_streams"))
 
 	for _, c := range connections {
 		require.NoError(t, c.Close())
