@@ -123,11 +123,14 @@ func (c firstMessageContext) Err() error {
 // timer and returns the RESOURCE_EXHAUSTED error to end the stream with. A stream admitted
 // calls leave when it ends.
 func (s *Server) enter(ctx context.Context) error {
-	if s.open.Add(1) <= int64(s.maxStreams) {
-		s.metrics.streams.open.Inc()
-		return nil
+	// A compare-and-swap, so that a stream refused never holds a slot, even for a moment, that
+	// one entering beside it could have had.
+	for n := s.open.Load(); n < int64(s.maxStreams); n = s.open.Load() {
+		if s.open.CompareAndSwap(n, n+1) {
+			s.metrics.streams.open.Inc()
+			return nil
+		}
 	}
-	s.open.Add(-1)
 	if t, ok := ctx.Value(firstMessageKey{}).(clock.Timer); ok {
 		t.Stop()
 	}

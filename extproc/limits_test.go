@@ -122,6 +122,11 @@ func TestFirstMessageTimeout(t *testing.T) {
 			}
 
 			h.clock.Advance(testFirstMessageTimeout - time.Millisecond)
+			if !tc.first {
+				// The timer has not fired: it is still on the clock (the refusal itself is
+				// counted on the server's goroutine, so the counter alone could not tell).
+				require.Equal(t, 1, h.clock.Pending(), "the timer fired before its time")
+			}
 			require.Zero(t, h.metric("idempotency_streams_refused_total", "reason", "first_message_timeout"))
 			require.Equal(t, 1.0, h.metric("idempotency_streams"))
 			h.clock.Advance(time.Millisecond)

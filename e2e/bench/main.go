@@ -105,6 +105,10 @@ func main() {
 		defer stop()
 	}
 	if *mode == "user" {
+		if *rounds < 3 {
+			fmt.Fprintln(os.Stderr, "bench: -mode user takes medians of at least 3 interleaved rounds; -rounds", *rounds)
+			os.Exit(2)
+		}
 		o := userOptions{duration: *duration, rounds: max(*rounds, 1), streams: *streams, logs: *userLogs, routes: *userRoutes, headers: *userHeaders, redis: redisAddr != ""}
 		var err error
 		if o.sizes, err = ints(*userSizes); err == nil {

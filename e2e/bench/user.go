@@ -213,7 +213,9 @@ func startAfternoon(name, redisAddr string) (*userProcess, error) {
 		return nil, err
 	}
 	cmd := exec.Command(exe)
-	cmd.Env = append(os.Environ(), envServe+"="+name, envRedis+"="+redisAddr)
+	// The same environment as the shipped binary's: no GOGC, GOMAXPROCS or GODEBUG of the
+	// caller's moves one process and not another.
+	cmd.Env = []string{"PATH=" + os.Getenv("PATH"), envServe + "=" + name, envRedis + "=" + redisAddr}
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
@@ -446,7 +448,10 @@ func userRequest(ctx context.Context, client extprocv3.ExternalProcessorClient, 
 	if err != nil {
 		return false, err
 	}
-	if resp.GetImmediateResponse() != nil {
+	if ir := resp.GetImmediateResponse(); ir != nil {
+		if ir.GetStatus().GetCode() >= 400 {
+			return true, fmt.Errorf("unexpected %d at the request headers: %.200s", ir.GetStatus().GetCode(), ir.GetBody())
+		}
 		return true, nil
 	}
 	if resp, err = exchange(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
@@ -543,8 +548,12 @@ func driveUser(ctx context.Context, p *userProcess, admin *redis.Client, load, h
 					key = "first-" + strconv.FormatInt(n, 10)
 				}
 				answered, err := userRequest(ctx, p.client, headers, key, n, body)
-				if err == nil && load == loadReplay && !answered && p.name != targetPlainNull {
+				switch {
+				case err != nil:
+				case load == loadReplay && !answered && p.name != targetPlainNull:
 					err = errors.New("a replay ran upstream")
+				case load == loadFirst && answered:
+					err = errors.New("a first execution was answered without running upstream")
 				}
 				if err != nil {
 					failures.Add(1)
@@ -557,8 +566,9 @@ func driveUser(ctx context.Context, p *userProcess, admin *redis.Client, load, h
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
-	// A stream's last work (the shipped binary's log line) follows its last answer.
-	time.Sleep(20 * time.Millisecond)
+	// A stream's last work (the shipped binary's log line) follows its last answer, and the
+	// binary writes its log lines in batches every 50 ms: the cell's last batch is its own.
+	time.Sleep(150 * time.Millisecond)
 	cpuAfter, err := p.cpu()
 	if err != nil {
 		return userCell{}, err
@@ -729,10 +739,11 @@ func (r userResult) print(w io.Writer) {
 			km, klo, khi := paired(red, naive, ratio)
 			kc, kclo, kchi := paired(red, naive, cpuOver)
 			rr, rrlo, rrhi := paired(red, naive, redisRatio)
+			rc, rclo, rchi := paired(red, null, cpuOver)
 			rs, _, _ := paired(red, red, func(a, _ userCell) float64 { return a.redisPer() })
 			ns, _, _ := paired(naive, naive, func(a, _ userCell) float64 { return a.redisPer() })
-			fmt.Fprintf(w, "redis, %s, %s: %.2f× null (naive %.2f×); %.2f× naive [%.2f, %.2f], %+.1f µs process CPU over naive [%+.1f, %+.1f]; redis-server %.1f µs/request, naive's %.1f µs: %.2f× [%.2f, %.2f]\n",
-				load, fmtBytes(size), rm, nm, km, klo, khi, kc, kclo, kchi, rs, ns, rr, rrlo, rrhi)
+			fmt.Fprintf(w, "redis, %s, %s: %.2f× null (naive %.2f×), %+.1f µs CPU over null [%+.1f, %+.1f]; %.2f× naive [%.2f, %.2f], %+.1f µs process CPU over naive [%+.1f, %+.1f]; redis-server %.1f µs/request, naive's %.1f µs: %.2f× [%.2f, %.2f]\n",
+				load, fmtBytes(size), rm, nm, rc, rclo, rchi, km, klo, khi, kc, kclo, kchi, rs, ns, rr, rrlo, rrhi)
 		}
 	}
 	if len(o.growth) == 0 {

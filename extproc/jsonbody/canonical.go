@@ -2,6 +2,7 @@ package jsonbody
 
 import (
 	"bytes"
+	"io"
 	"strconv"
 	"strings"
 
@@ -23,7 +24,7 @@ func Canonical(dst, body []byte, ignore []Pointer) ([]byte, error) {
 	if err := c.value(0, len(ignore) > 0); err != nil {
 		return dst, readErr(err)
 	}
-	if _, err := d.d.ReadToken(); err == nil {
+	if _, err := d.d.ReadToken(); err != io.EOF {
 		return dst, ErrNotJSON
 	}
 	// The members are ordered and the strings written by jsontext's own RFC 8785 form; the
@@ -195,6 +196,9 @@ func decimal(n string) (neg bool, digits string, exp int, ok bool) {
 		neg, n = true, n[1:]
 	}
 	mant, e, hasExp := strings.Cut(strings.ToLower(n), "e")
+	if strings.Trim(mant, "0.") == "" {
+		return false, "0", 0, true // zero, whatever its exponent
+	}
 	if hasExp {
 		if len(strings.TrimLeft(strings.TrimLeft(e, "+-"), "0")) > 9 {
 			return false, "", 0, false

@@ -106,8 +106,9 @@ func readErr(err error) error {
 	return ErrNotJSON
 }
 
-// Values returns the JSON text of the value at each of ptrs in body (compact where body was
-// compact; as written otherwise), or nil where body has no such member. It reads body once,
+// Values returns the JSON text of the value at each of ptrs in body, in its canonical form (as
+// Canonical writes it, so that equal values read alike however they were written), or nil where
+// body has no such member. It reads body once,
 // whole, so that a body that is not JSON or nests too deep is refused whatever the pointers.
 func Values(body []byte, ptrs []Pointer) ([][]byte, error) {
 	out := make([][]byte, len(ptrs))
@@ -177,10 +178,14 @@ func (w *walker) value(depth int, track bool) error {
 		return err
 	}
 	if at >= 0 {
-		v := bytes.TrimLeft(w.body[start:w.d.InputOffset()], " \t\r\n:,")
+		// Equal values read alike however they were written ("\u0061" and "a", 1.0 and 1).
+		v, err := Canonical(nil, bytes.TrimLeft(w.body[start:w.d.InputOffset()], " \t\r\n:,"), nil)
+		if err != nil {
+			return err
+		}
 		for i, p := range w.ptrs {
 			if equalTokens(p.tokens, w.path) {
-				w.out[i] = bytes.Clone(v)
+				w.out[i] = v
 			}
 		}
 	}

@@ -68,9 +68,15 @@ func TestValues(t *testing.T) {
 	// Whitespace around a value is not part of it.
 	got, err = Values([]byte("{ \"a\" :\n [ 1 , 2 ] , \"b\" : { \"c\" : true } }"), pointers(t, "/a", "/a/1", "/b"))
 	require.NoError(t, err)
-	require.Equal(t, "[ 1 , 2 ]", string(got[0]))
+	require.Equal(t, "[1,2]", string(got[0]))
 	require.Equal(t, "2", string(got[1]))
-	require.Equal(t, `{ "c" : true }`, string(got[2]))
+	require.Equal(t, `{"c":true}`, string(got[2]))
+
+	// Equal values read alike however they were written; a string and a number never do.
+	got, err = Values([]byte(`{"a":"\u0061","b":1.0,"c":{"y" : 1, "x":2},"d":"1","e":9007199254740993}`), pointers(t, "/a", "/b", "/c", "/d", "/e"))
+	require.NoError(t, err)
+	require.Equal(t, []string{`"a"`, `1`, `{"x":2,"y":1}`, `"1"`, `9007199254740993`},
+		[]string{string(got[0]), string(got[1]), string(got[2]), string(got[3]), string(got[4])})
 }
 
 func TestValuesRefuses(t *testing.T) {
@@ -80,6 +86,9 @@ func TestValuesRefuses(t *testing.T) {
 	}{
 		"not JSON":          {`{"a":`, ErrNotJSON},
 		"two values":        {`{} {}`, ErrNotJSON},
+		"trailing bracket":  {`{"a":1}]`, ErrNotJSON},
+		"trailing word":     {`{"a":1} x`, ErrNotJSON},
+		"trailing brace":    {`{"a":1}}`, ErrNotJSON},
 		"duplicate names":   {`{"key":"a","key":"b"}`, ErrNotJSON},
 		"empty":             {``, ErrNotJSON},
 		"deep":              {strings.Repeat("[", 65) + strings.Repeat("]", 65), ErrTooDeep},
@@ -108,6 +117,8 @@ func TestCanonical(t *testing.T) {
 		// The written value where the double would change it.
 		{in: `[9007199254740993,9007199254740992,12345678901234567891,1.2345678901234567891e19,0.1000000000000000000001,1e400]`,
 			want: `[9007199254740993,9007199254740992,12345678901234567891,12345678901234567891,1.000000000000000000001e-1,1e400]`},
+		// Zero is zero whatever its exponent.
+		{in: `[0e9999999999,-0.0e-5,0]`, want: `[0,0,0]`},
 		// Strings in their shortest escaping; member names ordered by UTF-16 code units.
 		{in: `{"\u0061":"\u00e9\/\u001f","\ud83d\ude00":1,"\ufb33":2}`, want: "{\"a\":\"é/\\u001f\",\"\U0001F600\":1,\"\uFB33\":2}"},
 		// Ignored members, at any depth.
@@ -153,6 +164,11 @@ func TestReplaceID(t *testing.T) {
 		require.False(t, ok, in)
 		require.Equal(t, in, string(got))
 	}
+	// A request without an id has none to give: the message is left as it is.
+	in := `{"jsonrpc":"2.0","id":1,"result":{}}`
+	got, ok := ReplaceID([]byte(in), nil)
+	require.False(t, ok)
+	require.Equal(t, in, string(got))
 }
 
 func TestReplaceEventIDs(t *testing.T) {
@@ -165,6 +181,11 @@ func TestReplaceEventIDs(t *testing.T) {
 	require.Equal(t, want, string(ReplaceEventIDs([]byte(body), []byte(`"second"`))))
 	plain := "data: hello\n\n"
 	require.Equal(t, plain, string(ReplaceEventIDs([]byte(plain), []byte(`1`))))
+
+	// One message over several data lines, lines ending in CR alone.
+	multi := "event: message\rdata: {\"jsonrpc\":\"2.0\",\rdata: \"id\":1,\rdata:\"result\":{}}\r\rdata: {\"jsonrpc\":\"2.0\",\"id\":2,\"error\":{}}"
+	want = strings.Replace(strings.Replace(multi, `"id":1`, `"id":"x"`, 1), `"id":2`, `"id":"x"`, 1)
+	require.Equal(t, want, string(ReplaceEventIDs([]byte(multi), []byte(`"x"`))))
 }
 
 func FuzzParsePointer(f *testing.F) {
@@ -212,8 +233,12 @@ func FuzzReplaceID(f *testing.F) {
 	for _, s := range []string{`{"jsonrpc":"2.0","id":1,"result":{}}`, `{"id" : "x" }`, `{"a":[{"id":1}]}`, `{`} {
 		f.Add([]byte(s), []byte(`"new"`))
 	}
+	f.Add([]byte(`{"id":1}`), []byte(nil))
 	f.Fuzz(func(t *testing.T, msg, id []byte) {
 		if !json.Valid(id) {
+			if _, ok := ReplaceID(msg, id); ok && len(bytes.TrimSpace(id)) == 0 {
+				t.Fatalf("an empty id replaced %q's", msg)
+			}
 			return
 		}
 		out, ok := ReplaceID(msg, id)
