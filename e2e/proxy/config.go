@@ -37,7 +37,7 @@ const (
 	DefaultReadSize = 16 << 10
 )
 
-// Config describes one proxy: an HTTP/1 listener whose connection manager runs an optional
+// Config describes one proxy: an HTTP/1 (and optionally HTTP/2) listener whose connection manager runs an optional
 // jwt_authn filter, one ext_proc filter and the router, with one upstream cluster and a route
 // table. The package doc lists what is modelled and what is not.
 type Config struct {
@@ -68,6 +68,18 @@ type Config struct {
 	// DownstreamTrailers the client's request trailers are dropped and response trailers do not
 	// go downstream.
 	UpstreamTrailers, DownstreamTrailers bool
+	// DownstreamHTTP2 serves HTTP/2 without TLS (prior knowledge, h2c) on the listener beside
+	// HTTP/1.1, as a connection manager with codec_type AUTO does on a plaintext listener (it
+	// picks HTTP/2 when the connection starts with the HTTP/2 preface:
+	// ConnectionManagerUtility::determineNextProtocol in source/common/http/conn_manager_utility.cc)
+	// or HTTP2. Over TLS the listener stays HTTP/1.1. On HTTP/2 streams trailers always pass
+	// (enable_trailers is an HTTP/1 option), the codec adds no content-length, and a reset is an
+	// RST_STREAM rather than a closed connection.
+	DownstreamHTTP2 bool
+	// UpstreamHTTP2 makes the router speak HTTP/2 without TLS (prior knowledge) to the upstream,
+	// as a cluster whose typed_extension_protocol_options set explicit_http_config
+	// http2_protocol_options does; trailers then always pass both ways.
+	UpstreamHTTP2 bool
 	// RouteTimeout is the timeout of routes that set none; 0 means DefaultRouteTimeout. It starts
 	// once the whole request has gone to the router and ends with the upstream response.
 	RouteTimeout time.Duration
@@ -302,6 +314,9 @@ type Stats struct {
 	FailureModeAllowed int64
 	// ImmediateResponses counts ImmediateResponses received and acted on.
 	ImmediateResponses int64
+	// StreamedImmediateResponses counts streamed immediate responses whose headers started a
+	// local response.
+	StreamedImmediateResponses int64
 	// RejectedMutations counts header mutations refused by the mutation rules or invalid
 	// (rejected_header_mutations).
 	RejectedMutations int64

@@ -64,8 +64,14 @@ type exchange struct {
 	protocolSent       bool
 	// localComplete is set once a local reply started: the request direction is over.
 	localComplete bool
-	sentImmediate bool
-	lastReply     localReply
+	// localStreaming is set once a streamed immediate response's headers went downstream
+	// (ProcessorState::localResponseStarted); localEnded once it ended.
+	localStreaming bool
+	localEnded     bool
+	sentImmediate  bool
+	h2             bool // the downstream stream is HTTP/2
+	resetH2        bool // reset the HTTP/2 stream when ServeHTTP returns
+	lastReply      localReply
 
 	reqBody  *bodyReader
 	up       *upstreamCall
@@ -210,7 +216,7 @@ func (x *exchange) stashReady1(s *dirState, b *bodyReader) bool {
 // wantRequestData reports whether the proxy reads more of the request body now: not once a
 // local reply went out, not above the watermarks, and as the request's Shape says.
 func (x *exchange) wantRequestData() bool {
-	if x.localComplete {
+	if x.localComplete && !x.localDuplexBody() {
 		return false
 	}
 	return x.wantData(x.dec, x.shape.Request)
@@ -343,6 +349,11 @@ func (x *exchange) onReceiveMessage(resp *extprocv3.ProcessingResponse) {
 		x.setDynamicMetadata(resp)
 		err = x.enc.handleHeadersResponse(r.ResponseHeaders)
 	case *extprocv3.ProcessingResponse_RequestBody:
+		if x.localStreaming {
+			// The decoding state waits for no answer once a local response started.
+			err = errSpurious
+			break
+		}
 		lastBody = x.dec.isLastBodyResponse(r.RequestBody)
 		x.setDynamicMetadata(resp)
 		err = x.dec.handleBodyResponse(r.RequestBody)
@@ -351,6 +362,10 @@ func (x *exchange) onReceiveMessage(resp *extprocv3.ProcessingResponse) {
 		x.setDynamicMetadata(resp)
 		err = x.enc.handleBodyResponse(r.ResponseBody)
 	case *extprocv3.ProcessingResponse_RequestTrailers:
+		if x.localStreaming {
+			err = errSpurious
+			break
+		}
 		x.setDynamicMetadata(resp)
 		err = x.dec.handleTrailersResponse(r.RequestTrailers.GetHeaderMutation())
 	case *extprocv3.ProcessingResponse_ResponseTrailers:
@@ -368,8 +383,11 @@ func (x *exchange) onReceiveMessage(resp *extprocv3.ProcessingResponse) {
 		x.closeStream()
 		x.sendImmediateResponse(r.ImmediateResponse)
 		return
+	case *extprocv3.ProcessingResponse_StreamedImmediateResponse:
+		x.setDynamicMetadata(resp)
+		err = x.handleStreamingImmediateResponse(r.StreamedImmediateResponse)
 	default:
-		// streamed_immediate_response and unknown kinds are not implemented: spurious.
+		// Unknown kinds: spurious.
 		err = &spuriousError{msg: "unhandled message"}
 	}
 	switch {
@@ -377,8 +395,9 @@ func (x *exchange) onReceiveMessage(resp *extprocv3.ProcessingResponse) {
 	case errors.Is(err, errSpurious):
 		x.p.stats.spurious.Add(1)
 		// ext_proc_fail_close_spurious_resp (default true): fail with status_on_error unless
-		// failure_mode_allow.
-		if x.failureModeAllow() {
+		// failure_mode_allow; once a local response started, always (Filter::onReceiveMessage:
+		// decoding_state_.localResponseStarted()).
+		if x.failureModeAllow() && !x.localStreaming {
 			x.p.stats.failureModeAllowed.Add(1)
 			x.closeStream()
 			x.clearAsyncState()
@@ -686,6 +705,10 @@ func (x *exchange) abandon(details, flags string) {
 
 func (x *exchange) abandonConn() {
 	x.finished = true
+	if x.h2 {
+		x.resetH2 = true
+		return
+	}
 	if conn, _, err := x.rc.Hijack(); err == nil {
 		_ = conn.Close()
 	}

@@ -65,7 +65,7 @@ import (
 
 type counters struct {
 	streamsStarted, streamErrors, streamsClosedEarly, messagesSent, messagesReceived, spurious,
-	messageTimeouts, failureModeAllowed, immediateResponses, immediateMutationErrors,
+	messageTimeouts, failureModeAllowed, immediateResponses, streamedImmediate, immediateMutationErrors,
 	rejectedMutations, modeOverrides, modeOverridesIgnored, timeoutOverrides,
 	timeoutOverridesIgnored, localReplies, resets atomic.Int64
 }
@@ -183,6 +183,13 @@ func New(cfg Config) (*Proxy, error) {
 		MaxIdleConnsPerHost: 64,
 		IdleConnTimeout:     30 * time.Second,
 	}
+	if cfg.UpstreamHTTP2 {
+		// http2_protocol_options on the upstream cluster: HTTP/2 with prior knowledge over
+		// plaintext, HTTP/2 through TLS.
+		p.transport.Protocols = new(http.Protocols)
+		p.transport.Protocols.SetUnencryptedHTTP2(true)
+		p.transport.Protocols.SetHTTP2(true)
+	}
 	for _, addr := range cfg.Processors {
 		conn, err := grpc.NewClient(addr,
 			grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -282,6 +289,11 @@ func Start(t testing.TB, cfg Config) *Proxy {
 	}
 	p.ln = ln
 	p.srv = &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
+	if cfg.DownstreamHTTP2 && cfg.TLS == nil {
+		p.srv.Protocols = new(http.Protocols)
+		p.srv.Protocols.SetHTTP1(true)
+		p.srv.Protocols.SetUnencryptedHTTP2(true)
+	}
 	p.serveDone = make(chan struct{})
 	go func() {
 		defer close(p.serveDone)
@@ -306,23 +318,24 @@ func (p *Proxy) URL() string {
 func (p *Proxy) Stats() Stats {
 	c := &p.stats
 	return Stats{
-		StreamsStarted:          c.streamsStarted.Load(),
-		StreamErrors:            c.streamErrors.Load(),
-		StreamsClosedEarly:      c.streamsClosedEarly.Load(),
-		MessagesSent:            c.messagesSent.Load(),
-		MessagesReceived:        c.messagesReceived.Load(),
-		Spurious:                c.spurious.Load(),
-		MessageTimeouts:         c.messageTimeouts.Load(),
-		FailureModeAllowed:      c.failureModeAllowed.Load(),
-		ImmediateResponses:      c.immediateResponses.Load(),
-		RejectedMutations:       c.rejectedMutations.Load(),
-		ImmediateMutationErrors: c.immediateMutationErrors.Load(),
-		ModeOverrides:           c.modeOverrides.Load(),
-		ModeOverridesIgnored:    c.modeOverridesIgnored.Load(),
-		TimeoutOverrides:        c.timeoutOverrides.Load(),
-		TimeoutOverridesIgnored: c.timeoutOverridesIgnored.Load(),
-		LocalReplies:            c.localReplies.Load(),
-		Resets:                  c.resets.Load(),
+		StreamsStarted:             c.streamsStarted.Load(),
+		StreamErrors:               c.streamErrors.Load(),
+		StreamsClosedEarly:         c.streamsClosedEarly.Load(),
+		MessagesSent:               c.messagesSent.Load(),
+		MessagesReceived:           c.messagesReceived.Load(),
+		Spurious:                   c.spurious.Load(),
+		MessageTimeouts:            c.messageTimeouts.Load(),
+		FailureModeAllowed:         c.failureModeAllowed.Load(),
+		ImmediateResponses:         c.immediateResponses.Load(),
+		StreamedImmediateResponses: c.streamedImmediate.Load(),
+		RejectedMutations:          c.rejectedMutations.Load(),
+		ImmediateMutationErrors:    c.immediateMutationErrors.Load(),
+		ModeOverrides:              c.modeOverrides.Load(),
+		ModeOverridesIgnored:       c.modeOverridesIgnored.Load(),
+		TimeoutOverrides:           c.timeoutOverrides.Load(),
+		TimeoutOverridesIgnored:    c.timeoutOverridesIgnored.Load(),
+		LocalReplies:               c.localReplies.Load(),
+		Resets:                     c.resets.Load(),
 	}
 }
 
@@ -380,4 +393,8 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		x.shape = p.cfg.Shapes(r)
 	}
 	x.run()
+	if x.resetH2 {
+		// An HTTP/2 stream is reset on its own (RST_STREAM), the connection stays.
+		panic(http.ErrAbortHandler)
+	}
 }

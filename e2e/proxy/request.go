@@ -40,6 +40,7 @@ var errRouteTimeout = errors.New("proxy: route timeout")
 // route and its per-filter configuration, then runs the decoder filters on the headers.
 func (x *exchange) begin() {
 	r := x.r
+	x.h2 = r.ProtoMajor == 2
 	h := x.requestHeaders()
 	x.grpc = isGrpc(h)
 	x.head = x.method == http.MethodHead
@@ -68,7 +69,7 @@ func (x *exchange) begin() {
 	hasBody := r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0
 	if hasBody {
 		var trailers func() headerList
-		if x.p.cfg.DownstreamTrailers {
+		if x.downstreamTrailers() {
 			trailers = func() headerList { return trailerList(r.Trailer) }
 		}
 		x.reqBody = x.startBodyReader(r.Body, r.ContentLength, trailers, x.shape.Request.Chunks)
@@ -420,7 +421,7 @@ func (k requestSink) trailers(t headerList) {
 		return
 	}
 	var tr http.Header
-	if x.p.cfg.UpstreamTrailers {
+	if x.upstreamTrailers() {
 		tr = http.Header{}
 		t.writeTo(tr)
 	}
@@ -514,7 +515,7 @@ func (x *exchange) routerHeaders(h headerList, eos bool) {
 				req.ContentLength = n
 			}
 		}
-		if req.ContentLength < 0 && x.p.cfg.UpstreamTrailers {
+		if req.ContentLength < 0 && x.upstreamTrailers() {
 			req.Trailer = http.Header{}
 			uc.body.reqTrailer = req.Trailer
 		}
@@ -576,7 +577,7 @@ func (x *exchange) onUpstream(res upstreamResult) {
 		x.routeDL = time.Time{}
 	} else {
 		var trailers func() headerList
-		if x.p.cfg.UpstreamTrailers {
+		if x.upstreamTrailers() {
 			trailers = func() headerList { return trailerList(resp.Trailer) }
 		}
 		x.respBody = x.startBodyReader(resp.Body, resp.ContentLength, trailers, x.shape.Response.Chunks)

@@ -88,7 +88,7 @@ func (k responseSink) headers(h headerList, eos bool) {
 	x := k.x
 	x.writeHeaders(h, eos)
 	if eos || x.head {
-		x.flush()
+		x.flushEnd()
 		x.finished = true
 	}
 }
@@ -115,7 +115,7 @@ func (k responseSink) trailers(t headerList) {
 	if x.finished {
 		return
 	}
-	if x.p.cfg.DownstreamTrailers {
+	if x.downstreamTrailers() {
 		for _, f := range t {
 			x.w.Header().Add(http.TrailerPrefix+f.name, f.value)
 		}
@@ -142,7 +142,7 @@ func (x *exchange) writeDirect(prep preparedReply, lr localReply) {
 	if !prep.headersOnly && len(prep.body) > 0 {
 		_, _ = x.w.Write(prep.body)
 	}
-	x.flush()
+	x.flushEnd()
 	x.finished = true
 }
 
@@ -150,6 +150,8 @@ func (x *exchange) writeDirect(prep preparedReply, lr localReply) {
 // server_header_transformation (OVERWRITE: server: envoy). When the headers end the stream the
 // HTTP/1 codec adds content-length: 0 unless the status forbids a body
 // (Http1::StreamEncoderImpl::encodeHeadersBase): after the filters, so the processor never sees it.
+// The HTTP/2 codec adds nothing (Http2::ConnectionImpl::StreamImpl::encodeHeaders) and has no
+// connection to close.
 func (x *exchange) writeHeaders(h headerList, eos bool) {
 	if x.wroteHeader {
 		return
@@ -161,14 +163,14 @@ func (x *exchange) writeHeaders(h headerList, eos bool) {
 	}
 	dst := x.w.Header()
 	h.writeTo(dst)
-	if eos && !h.has("content-length") && !x.head && code != http.StatusNoContent && code != http.StatusNotModified {
+	if eos && !x.h2 && !h.has("content-length") && !x.head && code != http.StatusNoContent && code != http.StatusNotModified {
 		dst.Set("Content-Length", "0")
 	}
 	if _, ok := dst["Content-Type"]; !ok {
 		dst["Content-Type"] = nil // no content sniffing: Envoy adds no content-type
 	}
 	dst.Set("Server", "envoy")
-	if x.reqBody != nil && !x.reqBody.done {
+	if x.reqBody != nil && !x.reqBody.done && !x.h2 {
 		// A response that starts before the request ended closes the HTTP/1 connection
 		// (ConnectionManagerImpl::ActiveStream::encodeHeaders). What the codec already read
 		// counts as read.
@@ -183,3 +185,21 @@ func (x *exchange) writeHeaders(h headerList, eos bool) {
 }
 
 func (x *exchange) flush() { _ = x.rc.Flush() }
+
+// flushEnd flushes what ends the response. On HTTP/2 nothing is flushed: ServeHTTP returning
+// ends the stream, so headers that end it go out as one HEADERS frame with END_STREAM (a
+// trailers-only gRPC response), as Envoy's HTTP/2 codec sends them, not as HEADERS then an
+// empty DATA frame.
+func (x *exchange) flushEnd() {
+	if !x.h2 {
+		x.flush()
+	}
+}
+
+// downstreamTrailers reports whether trailers pass on the downstream stream: on HTTP/2 always,
+// on HTTP/1 with the connection manager's enable_trailers (Http1Settings::enable_trailers_,
+// read by the HTTP/1 codec only).
+func (x *exchange) downstreamTrailers() bool { return x.h2 || x.p.cfg.DownstreamTrailers }
+
+// upstreamTrailers is the same for the upstream cluster's codec.
+func (x *exchange) upstreamTrailers() bool { return x.p.cfg.UpstreamHTTP2 || x.p.cfg.UpstreamTrailers }
