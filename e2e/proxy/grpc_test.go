@@ -245,18 +245,49 @@ func streamedReply(st extprocv3.ExternalProcessor_ProcessServer, msg []byte) err
 // (Filter::handleDataStreamedModeBase keeps it while body chunks go out).
 func TestGrpcStreamedImmediateResponse(t *testing.T) {
 	stored := &testgrpc.SimpleResponse{Payload: &testgrpc.Payload{Body: []byte("stored")}}
-	for _, reqBody := range []filterextproc.ProcessingMode_BodySendMode{bodyNONE, filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED} {
-		t.Run(reqBody.String(), func(t *testing.T) {
-			duplex := reqBody == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+	duplexMode := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+	for _, tc := range []struct {
+		name    string
+		reqBody filterextproc.ProcessingMode_BodySendMode
+		// headersFirst sends the response's headers as the answer to the request headers and
+		// the rest once the request's message arrived (the request body still goes to the
+		// processor under FULL_DUPLEX_STREAMED: RequestWithBodyDuplexAndLocalResponseWithBody).
+		headersFirst bool
+	}{
+		{"NONE", bodyNONE, false},
+		{"FULL_DUPLEX_STREAMED/held", duplexMode, false},
+		{"FULL_DUPLEX_STREAMED/headers first", duplexMode, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reqBody := tc.reqBody
+			duplex := reqBody == duplexMode
 			var seen []byte
+			parts := func(st extprocv3.ExternalProcessor_ProcessServer, from int) error {
+				all := []*extprocv3.ProcessingResponse{
+					sirHeaders(false, ":status", "200", "content-type", "application/grpc", "x-replayed", "1"),
+					sirBody(string(grpcFrame(t, stored)), false),
+					sirTrailers("grpc-status", "0", "x-replayed-trailer", "2"),
+				}
+				for _, r := range all[from:] {
+					if err := st.Send(r); err != nil {
+						return err
+					}
+				}
+				return nil
+			}
 			h := func(st extprocv3.ExternalProcessor_ProcessServer, req *extprocv3.ProcessingRequest) error {
 				switch {
 				case kind(req) == "request_headers" && !duplex:
-					return streamedReply(st, grpcFrame(t, stored))
+					return parts(st, 0)
+				case kind(req) == "request_headers" && tc.headersFirst:
+					return st.Send(sirHeaders(false, ":status", "200", "content-type", "application/grpc", "x-replayed", "1"))
 				case kind(req) == "request_body":
 					seen = append(seen, req.GetRequestBody().GetBody()...)
 					if req.GetRequestBody().GetEndOfStream() {
-						return streamedReply(st, grpcFrame(t, stored))
+						if tc.headersFirst {
+							return parts(st, 1)
+						}
+						return parts(st, 0)
 					}
 				}
 				return nil
