@@ -292,7 +292,15 @@ func TestGrpcStreamedImmediateResponse(t *testing.T) {
 				}
 				return nil
 			}
-			e := newGrpcEnv(t, grpcMode(reqBody, bodyNONE, modeSEND), h)
+			e := newGrpcEnv(t, grpcMode(reqBody, bodyNONE, modeSEND), h, func(c *proxy.Config) {
+				if tc.headersFirst {
+					// The message reaches the filter only after the headers' answer: it must
+					// still go to the processor once the local response started.
+					c.Shapes = func(*http.Request) proxy.Shapes {
+						return proxy.Shapes{Request: proxy.BodyShape{DuringHeaders: proxy.Held}}
+					}
+				}
+			})
 			resp, hdr, trl, st := e.call(t, "hi")
 			require.Equal(t, codes.OK, st.Code(), st.Message())
 			require.Equal(t, "stored", string(resp.GetPayload().GetBody()))

@@ -285,16 +285,6 @@ func (s *dirState) streamData(data []byte, eos bool) {
 		return
 	}
 	req := x.bodyRequest(s, data, eos)
-	if x.localStreaming {
-		// A streamed local response is under way: FULL_DUPLEX_STREAMED keeps sending the body
-		// to the processor, which answers with the response's body (the unit test
-		// RequestWithBodyDuplexAndLocalResponseWithBody in
-		// test/extensions/filters/http/ext_proc/filter_local_reply_streaming_test.cc); no call
-		// is waited for and nothing goes on.
-		x.sendRequest(req)
-		s.stopNoBuffer(eos)
-		return
-	}
 	if s.bodyMode != modeDuplex {
 		s.enqueue(data, eos)
 	}
@@ -402,10 +392,6 @@ func (s *dirState) sendTrailersMsg() {
 	}
 	s.trailersToServer = true
 	req := s.x.trailersRequest(s, s.trailers, false)
-	if s.x.localStreaming {
-		s.x.sendRequest(req)
-		return
-	}
 	cb := s.cb
 	if cb == cbIdle {
 		cb = cbTrailers

@@ -172,8 +172,10 @@ func (x *exchange) finishLocalResponse() {
 }
 
 // localDuplexBody reports whether the request body still goes to the processor after a local
-// response started: FULL_DUPLEX_STREAMED until the processing ends. In the other modes the
-// rest of the request is dropped.
+// response started: FULL_DUPLEX_STREAMED until the processing ends (the unit test
+// RequestWithBodyDuplexAndLocalResponseWithBody sends it, and the processor answers with the
+// response's body; answers of the request's own kinds are spurious then). In the other modes
+// the rest of the request is dropped (RequestWithBodySkipAndLocalResponseWithBody).
 func (x *exchange) localDuplexBody() bool {
 	return x.localStreaming && x.dec.bodyMode == modeDuplex && !x.processingComplete
 }
