@@ -80,6 +80,7 @@ func TestEnvoyYAMLProxySettings(t *testing.T) {
 		ProcessorThresholds: Thresholds{MaxConnections: 100000, MaxPendingRequests: 100000, MaxRequests: 100000, MaxRetries: 100000},
 		UpstreamCluster:     "upstream_app",
 		StreamRetries:       2,
+		DownstreamHTTP2:     true, // codec_type AUTO
 	}, s)
 
 	// The processor cluster speaks HTTP/2 with keepalive pings.
@@ -122,6 +123,7 @@ func TestProxySettingsDefaults(t *testing.T) {
 		ProcessorCluster:    "proc",
 		ProcessorThresholds: Thresholds{MaxConnections: 1024, MaxPendingRequests: 1024, MaxRequests: 1024, MaxRetries: 3},
 		UpstreamCluster:     "app",
+		DownstreamHTTP2:     true, // codec_type AUTO
 	}, s)
 	// TestEnvoyDefaultsFailTheContract (internal/check) holds this bootstrap to the contract.
 }

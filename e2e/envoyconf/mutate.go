@@ -65,3 +65,33 @@ func EnableHTTP1Trailers(b *bootstrapv3.Bootstrap) error {
 	c.TypedExtensionProtocolOptions[upstreamHTTPOptions] = a
 	return nil
 }
+
+// EnableUpstreamHTTP2 makes the "/" route's cluster speak HTTP/2 (explicit_http_config
+// http2_protocol_options), as a cluster of gRPC services must. The cluster must not have HTTP
+// protocol options already.
+func EnableUpstreamHTTP2(b *bootstrapv3.Bootstrap) error {
+	name, err := catchAllCluster(b)
+	if err != nil {
+		return err
+	}
+	c := cluster(b, name)
+	if c == nil {
+		return fmt.Errorf("cluster %q is not a static cluster", name)
+	}
+	if _, ok := c.GetTypedExtensionProtocolOptions()[upstreamHTTPOptions]; ok {
+		return fmt.Errorf("cluster %q already has HTTP protocol options", c.GetName())
+	}
+	a, err := anypb.New(&httpv3.HttpProtocolOptions{
+		UpstreamProtocolOptions: &httpv3.HttpProtocolOptions_ExplicitHttpConfig_{ExplicitHttpConfig: &httpv3.HttpProtocolOptions_ExplicitHttpConfig{
+			ProtocolConfig: &httpv3.HttpProtocolOptions_ExplicitHttpConfig_Http2ProtocolOptions{Http2ProtocolOptions: &corev3.Http2ProtocolOptions{}},
+		}},
+	})
+	if err != nil {
+		return err
+	}
+	if c.TypedExtensionProtocolOptions == nil {
+		c.TypedExtensionProtocolOptions = map[string]*anypb.Any{}
+	}
+	c.TypedExtensionProtocolOptions[upstreamHTTPOptions] = a
+	return nil
+}

@@ -75,6 +75,10 @@ type Settings struct {
 	// UpstreamTrailers and DownstreamTrailers are enable_trailers of the upstream cluster's and
 	// of the connection manager's HTTP/1 options: off by default, Envoy drops HTTP/1 trailers.
 	UpstreamTrailers, DownstreamTrailers bool
+	// DownstreamHTTP2 is set when the connection manager's codec_type is AUTO (the default) or
+	// HTTP2; UpstreamHTTP2 when the upstream cluster's explicit_http_config sets
+	// http2_protocol_options.
+	DownstreamHTTP2, UpstreamHTTP2 bool
 }
 
 // ProxySettings extracts Settings from b. It fails when the first listener's HTTP connection
@@ -184,12 +188,15 @@ func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
 	}
 	s.UpstreamBufferLimit = bufferLimit(uc)
 	s.DownstreamTrailers = hcm.GetHttpProtocolOptions().GetEnableTrailers()
+	ct := hcm.GetCodecType()
+	s.DownstreamHTTP2 = ct == hcmv3.HttpConnectionManager_AUTO || ct == hcmv3.HttpConnectionManager_HTTP2
 	if a, ok := uc.GetTypedExtensionProtocolOptions()[upstreamHTTPOptions]; ok {
 		po := &httpv3.HttpProtocolOptions{}
 		if err := a.UnmarshalTo(po); err != nil {
 			return Settings{}, fmt.Errorf("upstream cluster %q: %w", s.UpstreamCluster, err)
 		}
 		s.UpstreamTrailers = po.GetExplicitHttpConfig().GetHttpProtocolOptions().GetEnableTrailers()
+		s.UpstreamHTTP2 = po.GetExplicitHttpConfig().GetHttp2ProtocolOptions() != nil
 	}
 	return s, nil
 }
@@ -318,6 +325,8 @@ func (s Settings) ProxyConfig(processors []string, upstream string) proxy.Config
 		UpstreamBufferLimit: s.UpstreamBufferLimit,
 		UpstreamTrailers:    s.UpstreamTrailers,
 		DownstreamTrailers:  s.DownstreamTrailers,
+		DownstreamHTTP2:     s.DownstreamHTTP2,
+		UpstreamHTTP2:       s.UpstreamHTTP2,
 		RouteTimeout:        s.RouteTimeout,
 		Routes:              s.Routes,
 		VirtualHostExtProc:  s.VirtualHostExtProc,
