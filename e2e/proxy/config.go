@@ -73,8 +73,9 @@ type Config struct {
 	// picks HTTP/2 when the connection starts with the HTTP/2 preface:
 	// ConnectionManagerUtility::determineNextProtocol in source/common/http/conn_manager_utility.cc)
 	// or HTTP2. Over TLS the listener stays HTTP/1.1. On HTTP/2 streams trailers always pass
-	// (enable_trailers is an HTTP/1 option), the codec adds no content-length, and a reset is an
-	// RST_STREAM rather than a closed connection.
+	// (enable_trailers is an HTTP/1 option, Http1Settings::enable_trailers_), the HTTP/1 codec's
+	// content-length: 0 is not added, and a reset is an RST_STREAM rather than a closed
+	// connection.
 	DownstreamHTTP2 bool
 	// UpstreamHTTP2 makes the router speak HTTP/2 without TLS (prior knowledge) to the upstream,
 	// as a cluster whose typed_extension_protocol_options set explicit_http_config

@@ -340,3 +340,30 @@ func TestGrpcStreamedImmediateResponseNeedsNoneOrDuplex(t *testing.T) {
 	require.EqualValues(t, 1, e.proxy.Stats().Spurious)
 	require.Zero(t, e.proxy.Stats().StreamedImmediateResponses)
 }
+
+// A reset on HTTP/2 is an RST_STREAM of the one stream: here a spurious answer after a streamed
+// local response started (always fail-closed then, and with the headers downstream the local
+// reply becomes a reset).
+func TestGrpcResetIsAnRSTStream(t *testing.T) {
+	var streams atomic.Int64
+	e := newGrpcEnv(t, grpcMode(bodyNONE, bodyNONE, modeSEND), on("request_headers", func(st extprocv3.ExternalProcessor_ProcessServer, req *extprocv3.ProcessingRequest) error {
+		if streams.Add(1) > 1 {
+			return st.Send(cont(req))
+		}
+		if err := st.Send(sirHeaders(false, ":status", "200", "content-type", "application/grpc")); err != nil {
+			return err
+		}
+		return st.Send(cont(req)) // spurious: the request headers were answered
+	}))
+	resp, _, _, st := e.call(t, "hi")
+	require.Nil(t, resp)
+	require.Equal(t, codes.Internal, st.Code())
+	require.Contains(t, st.Message(), "RST_STREAM", "the stream is reset, not ended without trailers")
+	require.EqualValues(t, 1, e.proxy.Stats().Resets)
+	require.EqualValues(t, 0, e.up.calls.Load())
+
+	// The connection survives the reset: the next call on it works.
+	resp, _, _, st = e.call(t, "again")
+	require.Equal(t, codes.OK, st.Code(), st.Message())
+	require.Equal(t, "echo:again", string(resp.GetPayload().GetBody()))
+}

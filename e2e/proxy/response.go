@@ -150,8 +150,8 @@ func (x *exchange) writeDirect(prep preparedReply, lr localReply) {
 // server_header_transformation (OVERWRITE: server: envoy). When the headers end the stream the
 // HTTP/1 codec adds content-length: 0 unless the status forbids a body
 // (Http1::StreamEncoderImpl::encodeHeadersBase): after the filters, so the processor never sees it.
-// The HTTP/2 codec adds nothing (Http2::ConnectionImpl::StreamImpl::encodeHeaders) and has no
-// connection to close.
+// That content-length is the HTTP/1 codec's alone, as is closing the connection: an HTTP/2
+// stream gets neither.
 func (x *exchange) writeHeaders(h headerList, eos bool) {
 	if x.wroteHeader {
 		return

@@ -79,6 +79,8 @@ func (x *exchange) startLocalResponse(r *extprocv3.HttpHeaders) error {
 	if x.up != nil {
 		x.up.cancel()
 	}
+	// ext_proc_local_response: the response code details startLocalResponse passes to
+	// encodeHeaders.
 	x.res = &response{status: mustStatus(h), headers: h, local: true, details: "ext_proc_local_response", flagStr: "-"}
 	x.rec.CodeDetails, x.rec.ResponseFlags = "ext_proc_local_response", "-"
 	if eos {
