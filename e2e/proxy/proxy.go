@@ -45,8 +45,9 @@
 //     unit tests of filter_local_reply_streaming_test.cc, the source of those functions not
 //     having been read; a headers answer without a valid :status gets the proxy's own details.
 //
-// Not modelled: HTTP/2 over TLS (ALPN), HTTP/2 flow control, settings and header limits, the
-// GRPC body mode, clear_route_cache and route re-selection, graceful gRPC close, grpc_service
+// Not modelled: HTTP/2 over TLS (ALPN), HTTP/2 flow control, settings and header limits, request
+// trailers a client did not declare in a trailer header on HTTP/2 (Go's server drops them), te:
+// trailers (Envoy keeps it, the proxy drops every te), the GRPC body mode, clear_route_cache and route re-selection, graceful gRPC close, grpc_service
 // overrides per route, typed metadata, connection-level metadata, header count and size limits,
 // the upstream side's own flow control, retries, and CEL expressions other than attribute paths.
 // Body data arrives in reads of up to DefaultReadSize unless a Shape says otherwise; real chunk

@@ -72,7 +72,7 @@ func (x *exchange) begin() {
 		if x.downstreamTrailers() {
 			trailers = func() headerList { return trailerList(r.Trailer) }
 		}
-		x.reqBody = x.startBodyReader(r.Body, r.ContentLength, trailers, x.shape.Request.Chunks)
+		x.reqBody = x.startBodyReader(r.Body, bodyLength(r.ProtoMajor, r.ContentLength), trailers, x.shape.Request.Chunks)
 	}
 	// jwt_authn runs before ext_proc (http_filters order).
 	if x.p.jwt != nil && !x.p.jwt.decodeHeaders(x) {
@@ -383,6 +383,16 @@ func (x *exchange) startBodyReader(src io.ReadCloser, length int64, trailers fun
 	return b
 }
 
+// bodyLength is the length a body reader may count on to end the stream. On HTTP/2 the stream
+// ends with END_STREAM, not with content-length: trailers may follow a body of announced length,
+// so the reader reads to the end.
+func bodyLength(protoMajor int, contentLength int64) int64 {
+	if protoMajor == 2 {
+		return -1
+	}
+	return contentLength
+}
+
 // trailerList converts the trailers net/http filled in once the body was read to its end; those
 // announced but never sent have no value.
 func trailerList(t http.Header) headerList {
@@ -580,7 +590,7 @@ func (x *exchange) onUpstream(res upstreamResult) {
 		if x.upstreamTrailers() {
 			trailers = func() headerList { return trailerList(resp.Trailer) }
 		}
-		x.respBody = x.startBodyReader(resp.Body, resp.ContentLength, trailers, x.shape.Response.Chunks)
+		x.respBody = x.startBodyReader(resp.Body, bodyLength(resp.ProtoMajor, resp.ContentLength), trailers, x.shape.Response.Chunks)
 	}
 	r.noBody = noBody
 	x.rec.CodeDetails, x.rec.ResponseFlags = "via_upstream", "-"
