@@ -367,3 +367,19 @@ func TestGrpcResetIsAnRSTStream(t *testing.T) {
 	require.Equal(t, codes.OK, st.Code(), st.Message())
 	require.Equal(t, "echo:again", string(resp.GetPayload().GetBody()))
 }
+
+// An upstream's trailers-only answer (here UNIMPLEMENTED) reaches the processor as response
+// headers with end_of_stream and grpc-status among them (Filter::encodeHeaders), and the client
+// as its status.
+func TestGrpcUpstreamTrailersOnly(t *testing.T) {
+	e := newGrpcEnv(t, grpcMode(bodyNONE, bodySTR, modeSEND), nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err := e.client.EmptyCall(ctx, &testgrpc.Empty{})
+	require.Equal(t, codes.Unimplemented, status.Code(err))
+	msgs := e.proc.next(t).msgs
+	require.Equal(t, []string{"request_headers", "response_headers"}, kinds(msgs))
+	rh := msgs[1].GetResponseHeaders()
+	require.True(t, rh.GetEndOfStream(), "a trailers-only response ends at its headers")
+	require.Equal(t, []string{"12"}, values(t, rh.GetHeaders(), "grpc-status"))
+}
