@@ -254,7 +254,8 @@ type Record struct {
 	// Status is the status sent downstream, 0 when none was sent.
 	Status int
 	// CodeDetails is %RESPONSE_CODE_DETAILS%: via_upstream, an ImmediateResponse's details,
-	// ext_proc_error_…, upstream_response_timeout, request_payload_too_large, ….
+	// ext_proc_local_response (a streamed immediate response), ext_proc_error_…,
+	// upstream_response_timeout, request_payload_too_large, ….
 	CodeDetails string
 	// ResponseFlags is %RESPONSE_FLAGS%: "-", UF, UT, UC, UR, NR, DC.
 	ResponseFlags string
