@@ -32,10 +32,12 @@
 //   - jwt_authn before ext_proc (local JWKS, HS256/RS256), forward_rules, the early stream close
 //     of 1.37, the trace context on the side stream, mTLS peer identity;
 //   - HTTP/2 without TLS (prior knowledge) toward clients and toward the upstream, beside
-//     HTTP/1.1 (Config.DownstreamHTTP2, Config.UpstreamHTTP2): trailers always pass on HTTP/2,
-//     the codec adds no content-length, a trailers-only reply is one HEADERS frame, a reset is an
-//     RST_STREAM; gRPC requests (Grpc::Common::hasGrpcContentType) get trailers-only local
-//     replies (Utility::prepareLocalReply);
+//     HTTP/1.1 (Config.DownstreamHTTP2, Config.UpstreamHTTP2): trailers always pass on HTTP/2
+//     (enable_trailers is an HTTP/1 option), a body of announced length may still end with
+//     trailers, the HTTP/1 codec's content-length: 0 and connection close do not apply, a
+//     trailers-only reply is one HEADERS frame, a reset is an RST_STREAM; gRPC requests
+//     (Grpc::Common::hasGrpcContentType) get trailers-only local replies
+//     (Utility::prepareLocalReply);
 //   - streamed_immediate_response (Filter::handleStreamingImmediateResponse, Envoy 1.37+): headers
 //     only as the answer to request_headers (held under FULL_DUPLEX_STREAMED while the body goes
 //     to the processor), a body only in request body modes NONE and FULL_DUPLEX_STREAMED, parts
@@ -46,12 +48,13 @@
 //     having been read; a headers answer without a valid :status gets the proxy's own details.
 //
 // Not modelled: HTTP/2 over TLS (ALPN), HTTP/2 flow control, settings and header limits, request
-// trailers a client did not declare in a trailer header on HTTP/2 (Go's server drops them), te:
-// trailers (Envoy keeps it, the proxy drops every te), the GRPC body mode, clear_route_cache and route re-selection, graceful gRPC close, grpc_service
-// overrides per route, typed metadata, connection-level metadata, header count and size limits,
-// the upstream side's own flow control, retries, and CEL expressions other than attribute paths.
-// Body data arrives in reads of up to DefaultReadSize unless a Shape says otherwise; real chunk
-// sizes follow socket reads (on HTTP/2, DATA frames: grpc-go ends a request with an empty one).
+// trailers a client did not declare in a trailer header on HTTP/2 (Go's server drops them), the
+// te header (dropped whatever its value), the GRPC body mode, clear_route_cache and route
+// re-selection, graceful gRPC close, grpc_service overrides per route, typed metadata,
+// connection-level metadata, header count and size limits, the upstream side's own flow control,
+// retries, and CEL expressions other than attribute paths. Body data arrives in reads of up to
+// DefaultReadSize unless a Shape says otherwise; real chunk sizes follow socket reads (on HTTP/2,
+// DATA frames: grpc-go ends a request with an empty one).
 package proxy
 
 import (
