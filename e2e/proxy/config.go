@@ -37,9 +37,9 @@ const (
 	DefaultReadSize = 16 << 10
 )
 
-// Config describes one proxy: an HTTP/1 (and optionally HTTP/2) listener whose connection manager runs an optional
-// jwt_authn filter, one ext_proc filter and the router, with one upstream cluster and a route
-// table. The package doc lists what is modelled and what is not.
+// Config describes one proxy: an HTTP/1 (and optionally HTTP/2) listener whose connection
+// manager runs an optional jwt_authn filter, one ext_proc filter and the router, with one
+// upstream cluster and a route table. The package doc lists what is modelled and what is not.
 type Config struct {
 	// Filter is the ext_proc filter configuration. The proxy honours processing_mode,
 	// allow_mode_override, allowed_override_modes, message_timeout, max_message_timeout,
