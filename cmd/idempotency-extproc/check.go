@@ -7,18 +7,23 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
 
 	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
 )
 
-const checkUsage = `usage: idempotency-extproc check --config POLICY [--format text|json] [--envoy-version 1.38] [FILE…]
+const checkUsage = `usage: idempotency-extproc check --config POLICY [--format text|json] [--envoy-version 1.38] [serve's flags] [FILE…]
 
 Checks the Envoy, Istio or Envoy Gateway configuration in each FILE against the policy the
 server runs, and reports every setting that silently breaks protection (an error) or costs
 something you should know (a warning). A FILE is an Envoy bootstrap (YAML or JSON) or Kubernetes
-YAML: helm template output, kubectl get -o yaml, List kinds. "-" reads standard input. Without a
-FILE, check validates the policy file as the server does at start-up.
+YAML: helm template output, kubectl get -o yaml, List kinds. "-" reads standard input.
+
+First it validates the whole configuration as the server does at start-up: the policy file and
+every flag and environment variable of serve (--store, the Redis settings, durability, ...),
+so give it the server's flags and environment. It connects to nothing and reads no secret: a
+secret file that is not there yet is noted on stderr. Without a FILE, that is all it does.
 
 Text output: one line per finding, errors first:
   FILE: RESOURCE: FIELD: severity: what breaks; the fix
@@ -44,30 +49,51 @@ const (
 	checkBadFile = 2 // the policy or a FILE cannot be read or parsed
 )
 
-// checkCommand checks deployment files against a policy (check.Run). The policy is loaded as
-// the server loads it at start-up (loadConfig with --config and no environment), so a policy
-// check passes exactly when the server would start on it.
-func checkCommand(args []string, stdin io.Reader, stdout, stderr io.Writer) error {
+// checkCommand checks deployment files against the configuration the server would run with
+// (check.Run). It takes every setting of serve, from its flags and the environment (getenv) as
+// serve does, and validates them with the server's own start-up validation (startupConfig),
+// which reads no secret and connects to nothing: a check passes exactly when the server would
+// start with the same flags and environment. A secret file that is not there yet is noted on
+// stderr, not refused.
+func checkCommand(args []string, getenv func(string) string, stdin io.Reader, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("idempotency-extproc check", flag.ContinueOnError)
-	configPath := fs.String("config", "", "the server's YAML policy file (required)")
 	format := fs.String("format", "text", "text or json")
 	version := fs.String("envoy-version", "", "the Envoy version the deployment runs, e.g. 1.38: adds the warnings of its known ext_proc defects")
+	// The server's settings, as serve takes them; --config is required here.
+	all := settings()
+	for _, s := range all {
+		fs.String(s.name, s.def, s.flagUsage())
+	}
 	if done, err := parseCommandFlags(fs, args, checkUsage, stdout); done {
 		if err != nil {
 			return &exitError{checkBadFile, err}
 		}
 		return nil
 	}
+	var serverArgs []string
+	fs.Visit(func(f *flag.Flag) {
+		if slices.ContainsFunc(all, func(s setting) bool { return s.name == f.Name }) {
+			serverArgs = append(serverArgs, "--"+f.Name+"="+f.Value.String())
+		}
+	})
+	configGiven := getenv("IDEMPOTENCY_CONFIG") != ""
+	fs.Visit(func(f *flag.Flag) { configGiven = configGiven || f.Name == "config" })
 	switch {
-	case *configPath == "":
+	case !configGiven:
 		return &exitError{checkBadFile, errors.New("check: --config is required (the server's policy file)")}
 	case *format != "text" && *format != "json":
 		return &exitError{checkBadFile, fmt.Errorf("check: --format must be text or json, got %q", *format)}
 	}
-	cfg, err := loadConfig([]string{"--config", *configPath}, func(string) string { return "" })
+	cfg, err := startupConfig(serverArgs, getenv, true)
 	if err != nil {
 		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
 	}
+	for _, n := range cfg.notes {
+		if _, err := fmt.Fprintln(stderr, "note: "+n); err != nil {
+			return err
+		}
+	}
+	configPath := cfg.configPath
 	files := fs.Args()
 	if len(files) == 0 {
 		if *version != "" {
@@ -77,7 +103,7 @@ func checkCommand(args []string, stdin io.Reader, stdout, stderr io.Writer) erro
 			_, err := fmt.Fprintln(stdout, "[]")
 			return err
 		}
-		_, err := fmt.Fprintf(stdout, "%s: the policy is valid\n", *configPath)
+		_, err := fmt.Fprintf(stdout, "%s: the policy is valid\n", configPath)
 		return err
 	}
 	var inputs []check.Input

@@ -16,12 +16,18 @@ import (
 // shipped returns the path of a file of envoy/.
 func shipped(name string) string { return filepath.Join("..", "..", "envoy", name) }
 
-// runCheck runs the check subcommand as dispatch does, with stdin, and returns its output and
-// exit status (0 on success).
+// runCheck runs the check subcommand as dispatch does, with stdin and an empty environment, and
+// returns its output and exit status (0 on success).
 func runCheck(t *testing.T, stdin string, args ...string) (stdout, stderr string, code int) {
 	t.Helper()
+	return runCheckEnv(t, nil, stdin, args...)
+}
+
+// runCheckEnv is runCheck with the environment variables of environ.
+func runCheckEnv(t *testing.T, environ map[string]string, stdin string, args ...string) (stdout, stderr string, code int) {
+	t.Helper()
 	var out, errOut bytes.Buffer
-	err := checkCommand(args, strings.NewReader(stdin), &out, &errOut)
+	err := checkCommand(args, env(environ), strings.NewReader(stdin), &out, &errOut)
 	if err != nil {
 		var ee *exitError
 		require.ErrorAs(t, err, &ee, "check ends with an exit status: %v", err)
@@ -135,7 +141,7 @@ func TestCheckUnreadable(t *testing.T) {
 }
 
 // Without a FILE, check validates the policy exactly as the server does at start-up: it fails
-// when loadConfig fails, with the same message, and the environment plays no part.
+// when start-up fails, with the same message.
 func TestCheckPolicyAlone(t *testing.T) {
 	for _, tc := range []struct{ name, policy string }{
 		{"shipped", ""},
@@ -149,7 +155,7 @@ func TestCheckPolicyAlone(t *testing.T) {
 			if tc.policy != "" {
 				path = writeNamed(t, "policy.yaml", tc.policy)
 			}
-			_, serverErr := loadConfig([]string{"--config", path}, env(nil))
+			_, serverErr := startupConfig([]string{"--config", path}, env(nil), false)
 			out, msg, code := runCheck(t, "", "--config", path)
 			if serverErr == nil {
 				require.Zero(t, code, msg)
@@ -160,10 +166,102 @@ func TestCheckPolicyAlone(t *testing.T) {
 			require.Equal(t, "check: "+serverErr.Error(), msg)
 		})
 	}
-	// The server's environment does not leak into the check.
-	t.Setenv("IDEMPOTENCY_STORE", "nonsense")
-	_, _, code := runCheck(t, "", "--config", shipped("policy.yaml"))
-	require.Zero(t, code)
+}
+
+// check takes every flag and environment variable of serve, with serve's precedence, and
+// passes exactly when start-up's validation does, with start-up's message when it does not:
+// the store, the Redis modes and durability are checked together, as the server checks them.
+func TestCheckTakesTheServerSettings(t *testing.T) {
+	durable := writeNamed(t, "policy.yaml", "durability: { replicas: 1, timeout: 50ms }\n")
+	durableRedis := writeNamed(t, "redis.yaml", "store: redis\ndurability: { replicas: 1, timeout: 50ms }\n")
+	plain := shipped("policy.yaml")
+	for _, tc := range []struct {
+		name string
+		args []string
+		env  map[string]string
+		ok   bool
+	}{
+		{"durability on the memory store", []string{"--config", durable}, nil, false},
+		{"durability on the memory store by flag", []string{"--config", durable, "--store", "memory"}, map[string]string{"IDEMPOTENCY_STORE": "redis"}, false},
+		{"durability on redis by flag", []string{"--config", durable, "--store=redis"}, nil, true},
+		{"durability on redis by environment", []string{"--config", durable}, map[string]string{"IDEMPOTENCY_STORE": "redis"}, true},
+		{"durability on redis by the file", []string{"--config", durableRedis}, nil, true},
+		{"the file's redis overridden by the environment", []string{"--config", durableRedis}, map[string]string{"IDEMPOTENCY_STORE": "memory"}, false},
+		{"durability on sentinel", []string{"--config", durable, "--store", "redis", "--redis-sentinel-addrs", "s0:26379,s1:26379", "--redis-sentinel-master", "payments"}, nil, true},
+		{"durability on cluster", []string{"--config", durable}, map[string]string{"IDEMPOTENCY_STORE": "redis", "IDEMPOTENCY_REDIS_CLUSTER_ADDRS": "r0:6379,r1:6379"}, true},
+		{"the config from the environment", nil, map[string]string{"IDEMPOTENCY_CONFIG": plain}, true},
+		{"a store that does not exist", []string{"--config", plain}, map[string]string{"IDEMPOTENCY_STORE": "nonsense"}, false},
+		{"cluster and sentinel", []string{"--config", plain, "--store", "redis", "--redis-cluster-addrs", "a:1", "--redis-sentinel-addrs", "b:2"}, nil, false},
+		{"a redis URL redis refuses", []string{"--config", plain, "--store", "redis"}, map[string]string{"IDEMPOTENCY_REDIS_URL": "http://redis:6379"}, false},
+		{"a unix socket", []string{"--config", plain, "--grpc-addr", "unix:///var/run/idempotency/extproc.sock"}, nil, true},
+		{"a bad listener", []string{"--config", plain, "--admin-addr", "nowhere"}, nil, false},
+		{"a bad log level", []string{"--config", plain}, map[string]string{"IDEMPOTENCY_LOG_LEVEL": "loud"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, serverErr := startupConfig(tc.args, env(tc.env), false)
+			require.Equal(t, tc.ok, serverErr == nil, "start-up: %v", serverErr)
+			out, msg, code := runCheckEnv(t, tc.env, "", tc.args...)
+			if tc.ok {
+				require.Zero(t, code, msg)
+				require.Contains(t, out, "the policy is valid")
+				return
+			}
+			require.Equal(t, checkBadFile, code)
+			require.Equal(t, "check: "+serverErr.Error(), msg)
+		})
+	}
+	// The start-up message names the setting, the routes and the store's source.
+	_, msg, _ := runCheck(t, "", "--config", durable)
+	require.Contains(t, msg, "durability.replicas")
+	require.Contains(t, msg, "memory store (store, default)")
+}
+
+// check looks at the secret files serve would read without reading them: a file that is not
+// there yet (the Secret of a release not installed yet) is a note on stderr, not a failure; one
+// that is there is refused only for what start-up refuses without reading it (not a regular
+// file, empty, too large), never for its content.
+func TestCheckSecretFilesUnread(t *testing.T) {
+	dir := t.TempDir()
+	absent := filepath.Join(dir, "absent")
+	plain := shipped("policy.yaml")
+	badToken := writeNamed(t, "token", "a token with spaces\n") // start-up refuses its content
+	empty := writeNamed(t, "empty", "")
+	for _, tc := range []struct {
+		name  string
+		args  []string
+		env   map[string]string
+		code  int
+		notes []string
+		err   string
+	}{
+		{"absent files", []string{"--config", plain, "--admin-token-file", absent + "/token", "--record-keys-file", absent + "/keys"},
+			map[string]string{"IDEMPOTENCY_KEY_HASH_SECRET_FILE": absent + "/hmac", "SSL_CERT_FILE": absent + "/ca.crt"}, 0,
+			[]string{"note: admin-token-file: " + absent + "/token is not there", "note: record-keys-file: " + absent + "/keys is not there",
+				"note: key-hash-secret-file: " + absent + "/hmac is not there", "note: environment variable SSL_CERT_FILE: " + absent + "/ca.crt is not there"}, ""},
+		{"content never read", []string{"--config", plain, "--admin-token-file", badToken}, nil, 0, nil, ""},
+		{"a directory", []string{"--config", plain, "--record-keys-file", dir}, nil, checkBadFile, nil, "record-keys-file (flag --record-keys-file): " + dir + ": not a regular file (a directory)"},
+		{"an empty file", []string{"--config", plain}, map[string]string{"IDEMPOTENCY_ADMIN_TOKEN_FILE": empty}, checkBadFile, nil, empty + " is empty"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out, msg, code := runCheckEnv(t, tc.env, "", tc.args...)
+			require.Equal(t, tc.code, code, msg)
+			if tc.code != 0 {
+				require.Contains(t, msg, tc.err)
+				_, serverErr := startupConfig(tc.args, env(tc.env), false)
+				require.ErrorContains(t, serverErr, tc.err, "start-up refuses it too")
+				return
+			}
+			require.Equal(t, plain+": the policy is valid\n", out)
+			for _, n := range tc.notes {
+				require.Contains(t, msg, n)
+			}
+			if tc.notes == nil {
+				require.Empty(t, msg)
+			}
+		})
+	}
+	_, err := startupConfig([]string{"--config", plain, "--admin-token-file", badToken}, env(nil), false)
+	require.ErrorContains(t, err, "spaces", "start-up reads the token the check leaves unread")
 }
 
 func TestCheckHelp(t *testing.T) {

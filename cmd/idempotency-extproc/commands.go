@@ -29,7 +29,7 @@ func dispatch(ctx context.Context, args []string, getenv func(string) string, st
 		case "records":
 			return recordsCommand(ctx, args[1:], stdout, stderr)
 		case "check":
-			return checkCommand(args[1:], os.Stdin, stdout, stderr)
+			return checkCommand(args[1:], getenv, os.Stdin, stdout, stderr)
 		case "version", "-version", "--version":
 			_, err := fmt.Fprintln(stdout, currentBuild().version)
 			return err

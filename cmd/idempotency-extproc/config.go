@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash"
 	"io"
+	"io/fs"
 	"net"
 	"slices"
 	"strconv"
@@ -49,6 +50,14 @@ type config struct {
 	keyring *seal.Keyring
 	// keyHash makes the HMAC of stored keys (from keyHashSecret); nil for SHA-256.
 	keyHash func() hash.Hash
+
+	// checkOnly is set for check, which validates the configuration without reading a secret:
+	// the files of the secret settings are looked at, never read, and one that is not there yet
+	// (a Kubernetes Secret not made yet) is a note instead of an error. adminToken, recordKeys,
+	// keyHashSecret, keyring and keyHash then stay nil.
+	checkOnly bool
+	// notes are what check says about the configuration without failing it.
+	notes []string
 
 	policy *policy.Policy
 }
@@ -201,7 +210,7 @@ func settings() []setting {
 			}},
 		{name: "admin-token-file", doc: "a {file} holding the bearer token of the records API on the admin listener (one line, no spaces); without it `/v1/records/` answers 404",
 			apply: func(c *config, v string) error {
-				b, err := readSecretFile(v)
+				b, err := c.secretFile("admin-token-file", v, readSecretFile)
 				if err != nil || b == nil {
 					return err
 				}
@@ -213,7 +222,7 @@ func settings() []setting {
 			}},
 		{name: "record-keys-file", doc: "a {file} of lines `<id>:<base64 of 32 bytes>`, the first the active key: stored responses are sealed with AES-256-GCM; records sealed with any listed key are read",
 			apply: func(c *config, v string) error {
-				b, err := readFile(v)
+				b, err := c.secretFile("record-keys-file", v, readFile)
 				if err != nil || b == nil {
 					return err
 				}
@@ -226,7 +235,7 @@ func settings() []setting {
 			}},
 		{name: "key-hash-secret-file", doc: "a {file} of at least 32 bytes: stored keys are HMAC-SHA256 with it instead of SHA-256; changing it re-keys every record",
 			apply: func(c *config, v string) error {
-				b, err := readSecretFile(v)
+				b, err := c.secretFile("key-hash-secret-file", v, readSecretFile)
 				if err != nil || b == nil {
 					return err
 				}
@@ -259,6 +268,22 @@ func readFile(path string) ([]byte, error) {
 		return nil, fmt.Errorf("%s is empty", path)
 	}
 	return b, nil
+}
+
+// secretFile returns the content of the file at path, which the secret setting name names, read
+// with read as start-up reads it. Under check (c.checkOnly) the file is only looked at, as
+// lookAtFile does, and nil is returned: a file that is not there is noted, since a Secret is
+// mounted only where the server runs.
+func (c *config) secretFile(name, path string, read func(string) ([]byte, error)) ([]byte, error) {
+	if path == "" || !c.checkOnly {
+		return read(path)
+	}
+	err := lookAtFile(path, maxSecretFileBytes)
+	if errors.Is(err, fs.ErrNotExist) {
+		c.notes = append(c.notes, fmt.Sprintf("%s: %s is not there to look at; the server reads it at start-up", name, path))
+		return nil, nil
+	}
+	return nil, err
 }
 
 // readSecretFile is readFile without the one trailing newline that editors and echo write, so
@@ -324,10 +349,33 @@ func serverFlags(all []setting) (*flag.FlagSet, map[string]*string) {
 	return fs, flags
 }
 
+// startupConfig is the configuration the server starts with, validated as start-up validates it:
+// the settings and the policy (loadConfig) and the files environment variables name for the
+// libraries (checkLibraryFiles). run calls it with checkOnly false; check calls it with
+// checkOnly true, which reads no secret and connects to nothing, and gets what it notes
+// (config.notes) instead of an error for a file that is not there.
+func startupConfig(args []string, getenv func(string) string, checkOnly bool) (*config, error) {
+	c, err := loadConfigFor(args, getenv, checkOnly)
+	if err != nil {
+		return nil, err
+	}
+	notes, err := checkLibraryFiles(getenv, checkOnly)
+	if err != nil {
+		return nil, err
+	}
+	c.notes = append(c.notes, notes...)
+	return c, nil
+}
+
 // loadConfig builds the configuration from flags, the environment and the policy file. Its
 // error names every bad setting at once, each with where it came from. After -h it returns
 // flag.ErrHelp, for its caller to print the usage (writeUsage).
 func loadConfig(args []string, getenv func(string) string) (*config, error) {
+	return loadConfigFor(args, getenv, false)
+}
+
+// loadConfigFor is loadConfig, for check when checkOnly is set (config.checkOnly).
+func loadConfigFor(args []string, getenv func(string) string, checkOnly bool) (*config, error) {
 	all := settings()
 	fs, flags := serverFlags(all)
 	if err := fs.Parse(args); err != nil {
@@ -357,7 +405,7 @@ func loadConfig(args []string, getenv func(string) string) (*config, error) {
 		return v, source
 	}
 
-	c := &config{policy: policy.Default()}
+	c := &config{policy: policy.Default(), checkOnly: checkOnly}
 	var errs []error
 	var file map[string]string
 	path, pathSource := value(all[slices.IndexFunc(all, func(s setting) bool { return s.notInFile })], nil)

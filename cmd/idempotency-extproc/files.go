@@ -23,8 +23,9 @@ const (
 // for the libraries to read without a bound, or to block on: Go's crypto/x509 reads the CA
 // bundle of SSL_CERT_FILE at the first TLS connection (to Redis or to an OTLP collector), the
 // OTLP exporters read their certificates and key when tracing starts. Its error holds every bad
-// one, each with its variable.
-func checkLibraryFiles(getenv func(string) string) error {
+// one, each with its variable. With look (check) the files are only looked at (lookAtFile), and
+// one that is not there is one of notes instead of an error.
+func checkLibraryFiles(getenv func(string) string, look bool) (notes []string, err error) {
 	var errs []error
 	for _, name := range []string{
 		"SSL_CERT_FILE",
@@ -32,13 +33,42 @@ func checkLibraryFiles(getenv func(string) string) error {
 		"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
 		"OTEL_EXPORTER_OTLP_CLIENT_KEY", "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY",
 	} {
-		if path := getenv(name); path != "" {
-			if _, err := readBoundedFile(path, maxPEMFileBytes); err != nil {
-				errs = append(errs, fmt.Errorf("environment variable %s: %w", name, err))
+		path := getenv(name)
+		if path == "" {
+			continue
+		}
+		var err error
+		if look {
+			err = lookAtFile(path, maxPEMFileBytes)
+			if errors.Is(err, fs.ErrNotExist) {
+				notes = append(notes, fmt.Sprintf("environment variable %s: %s is not there to look at; the server reads it at start-up", name, path))
+				continue
 			}
+		} else {
+			_, err = readBoundedFile(path, maxPEMFileBytes)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("environment variable %s: %w", name, err))
 		}
 	}
-	return errors.Join(errs...)
+	return notes, errors.Join(errs...)
+}
+
+// lookAtFile refuses, as readBoundedFile does, what is not a regular file of at most limit bytes,
+// or is empty, without reading it. Its error for a path that is not there is fs.ErrNotExist.
+func lookAtFile(path string, limit int64) error {
+	fi, err := os.Stat(path) // follows a symbolic link, as opening the file does
+	switch {
+	case err != nil:
+		return err // an *fs.PathError: it names the path
+	case !fi.Mode().IsRegular():
+		return fmt.Errorf("%s: not a regular file (%s)", path, fileKind(fi.Mode()))
+	case fi.Size() > limit:
+		return fmt.Errorf("%s: %d bytes, more than the %s this file may hold", path, fi.Size(), byteSize(limit))
+	case fi.Size() == 0:
+		return fmt.Errorf("%s is empty", path)
+	}
+	return nil
 }
 
 // readBoundedFile reads the regular file at path, which may hold at most limit bytes. Anything

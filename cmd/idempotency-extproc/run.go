@@ -120,10 +120,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 // runWith is run with the options tests change.
 func runWith(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer, opts runOptions) error {
 	opts = opts.withDefaults()
-	cfg, err := loadConfig(args, getenv)
-	if err == nil {
-		err = checkLibraryFiles(getenv)
-	}
+	cfg, err := startupConfig(args, getenv, false)
 	if err != nil {
 		return err
 	}
