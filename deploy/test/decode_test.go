@@ -66,8 +66,9 @@ var kinds = map[string]func() any{
 	"gateway.envoyproxy.io/v1alpha1/ClientTrafficPolicy":  func() any { return &egv1a1.ClientTrafficPolicy{} },
 	"gateway.envoyproxy.io/v1alpha1/BackendTrafficPolicy": func() any { return &egv1a1.BackendTrafficPolicy{} },
 	"gateway.networking.k8s.io/v1beta1/ReferenceGrant":    func() any { return &gwapiv1b1.ReferenceGrant{} },
-	// envoy/envoy-gateway.yaml's (the chart renders none): TestShippedMeshResourcesDecode.
+	// envoy/envoy-gateway.yaml's, and the chart's in sidecar mode.
 	"gateway.envoyproxy.io/v1alpha1/EnvoyProxy": func() any { return &egv1a1.EnvoyProxy{} },
+	"gateway.envoyproxy.io/v1alpha1/Backend":    func() any { return &egv1a1.Backend{} },
 	"networking.istio.io/v1alpha3/EnvoyFilter": func() any {
 		return &istioObject{Spec: &istionet.EnvoyFilter{}}
 	},

@@ -127,6 +127,25 @@ Checks that fail the render, each naming the value to change. Included by the De
 {{- fail "envoyGateway.clientTrafficPolicy.enabled needs envoyGateway.clientTrafficPolicy.gatewayName" -}}
 {{- end -}}
 {{- end -}}
+{{- if .Values.sidecar.enabled -}}
+{{- if eq .Values.istio.enabled .Values.envoyGateway.enabled -}}
+{{- fail "sidecar.enabled runs the processor in one gateway's pods: enable one of envoyGateway.enabled and istio.enabled" -}}
+{{- end -}}
+{{- if and (eq $s.type "memory") (gt (int .Values.sidecar.gatewayReplicas) 1) -}}
+{{- fail (printf "sidecar.gatewayReplicas is %d with store.type memory: each gateway pod would keep its own records, and a retry that reaches another pod runs again; use store.type redis, or one gateway pod" (int .Values.sidecar.gatewayReplicas)) -}}
+{{- end -}}
+{{- if and .Values.istio.enabled (ne .Values.istio.context "GATEWAY") -}}
+{{- fail "sidecar.enabled with istio.enabled runs the processor in a gateway's pods: istio.context must be GATEWAY" -}}
+{{- end -}}
+{{- if and .Values.istio.enabled (not .Values.istio.workloadSelector) -}}
+{{- fail "sidecar.enabled with istio.enabled needs istio.workloadSelector: the labels of the gateway pods the chart renders" -}}
+{{- end -}}
+{{- range $name := list "autoscaling" "networkPolicy" "serviceMonitor" -}}
+{{- if (index $.Values $name).enabled -}}
+{{- fail (printf "%s.enabled applies to the chart's own Deployment and Service, which sidecar mode does not render" $name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if not (has .Values.extProc.responseBodyMode (list "BUFFERED" "STREAMED")) -}}
 {{- fail (printf "extProc.responseBodyMode must be BUFFERED or STREAMED, got %q" .Values.extProc.responseBodyMode) -}}
 {{- end -}}
@@ -150,4 +169,187 @@ admits every source. */}}
 {{- end -}}
 {{- $peers = concat $peers (index . 1 | default list) -}}
 {{- with $peers }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* Where the processor's Secrets are mounted, and the unix socket Envoy reaches it at in sidecar mode. */}}
+{{- define "idem.secretsDir" -}}/var/run/secrets/idempotency-extproc{{- end -}}
+{{- define "idem.socketDir" -}}/var/run/idempotency{{- end -}}
+{{- define "idem.socketPath" -}}{{ include "idem.socketDir" . }}/extproc.sock{{- end -}}
+
+{{/*
+The processor's arguments and environment: (dict "root" $ "hook" false) for the pods that serve,
+(dict "root" $ "hook" true) for the policy check hook. Both come from here, so that the hook
+checks the configuration the pods start with. The hook runs `check` with the same arguments and
+the same environment but what comes from a Secret: on a first install the release's Secrets do
+not exist yet when the hook runs, and check reads no secret (it notes the files it does not
+find).
+*/}}
+{{- define "idem.processorArgsEnv" -}}
+{{- $v := .root.Values -}}
+{{- $secretsDir := include "idem.secretsDir" .root -}}
+args:
+  {{- if .hook }}
+  - check
+  {{- end }}
+  - --config=/etc/idempotency-extproc/policy.yaml
+  {{- if $v.sidecar.enabled }}
+  - --grpc-addr=unix://{{ include "idem.socketPath" .root }}
+  {{- else }}
+  - --grpc-addr=:{{ $v.ports.grpc }}
+  {{- end }}
+  - --admin-addr=:{{ $v.ports.admin }}
+  - --store={{ $v.store.type }}
+  {{- if eq $v.store.type "memory" }}
+  - --memory-max-bytes={{ int64 $v.store.memory.maxBytes }}
+  {{- else }}
+  {{- with $v.store.redis.clusterAddrs }}
+  - --redis-cluster-addrs={{ join "," . }}
+  {{- end }}
+  {{- with $v.store.redis.sentinelAddrs }}
+  - --redis-sentinel-addrs={{ join "," . }}
+  - --redis-sentinel-master={{ $v.store.redis.sentinelMaster }}
+  {{- end }}
+  {{- end }}
+  {{- if $v.adminToken.enabled }}
+  - --admin-token-file={{ $secretsDir }}/admin-token/token
+  {{- end }}
+  {{- if $v.recordKeys.enabled }}
+  - --record-keys-file={{ $secretsDir }}/record-keys/keys
+  {{- end }}
+  {{- if $v.keyHashSecret.enabled }}
+  - --key-hash-secret-file={{ $secretsDir }}/key-hash-secret/secret
+  {{- end }}
+  - --log-level={{ $v.log.level }}
+  - --log-format={{ $v.log.format }}
+  {{- with $v.extraArgs }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- $env := list -}}
+{{- if eq $v.store.type "redis" -}}
+{{- if not .hook -}}
+{{- $env = append $env (dict "name" "IDEMPOTENCY_REDIS_URL" "valueFrom" (dict "secretKeyRef" (dict "name" (include "idem.redisSecretName" .root) "key" (ternary $v.store.redis.existingSecretKey "url" (ne $v.store.redis.existingSecret ""))))) -}}
+{{- end -}}
+{{- if $v.store.redis.caSecret -}}
+{{- $env = append $env (dict "name" "SSL_CERT_FILE" "value" (printf "%s/redis-ca/ca.crt" $secretsDir)) -}}
+{{- end -}}
+{{- end -}}
+{{- range $v.extraEnv -}}
+{{- if not (and $.hook (hasKey . "valueFrom") (hasKey .valueFrom "secretKeyRef")) -}}
+{{- $env = append $env . -}}
+{{- end -}}
+{{- end -}}
+{{- with $env }}
+env:
+  {{- if and (eq $v.store.type "redis") (not $.hook) }}
+  # The Redis URL from a Secret, never in the arguments: the pod spec does not show the password.
+  {{- end }}
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The processor's container, in the chart's Deployment or, in sidecar mode, in the gateway's pods. */}}
+{{- define "idem.processorContainer" -}}
+{{- $v := .Values -}}
+{{- $secretsDir := include "idem.secretsDir" . -}}
+name: idempotency-extproc
+image: {{ include "idem.image" . }}
+imagePullPolicy: {{ $v.image.pullPolicy }}
+{{ include "idem.processorArgsEnv" (dict "root" . "hook" false) }}
+ports:
+  {{- if not $v.sidecar.enabled }}
+  - name: grpc
+    containerPort: {{ $v.ports.grpc }}
+    protocol: TCP
+  {{- end }}
+  - name: http-admin
+    containerPort: {{ $v.ports.admin }}
+    protocol: TCP
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: http-admin
+  {{- toYaml $v.livenessProbe | nindent 2 }}
+readinessProbe:
+  httpGet:
+    path: /readyz
+    port: http-admin
+  {{- toYaml $v.readinessProbe | nindent 2 }}
+{{- if gt (int $v.preStopSleepSeconds) 0 }}
+lifecycle:
+  preStop:
+    sleep:
+      seconds: {{ int $v.preStopSleepSeconds }}
+{{- end }}
+resources:
+  {{- toYaml $v.resources | nindent 2 }}
+securityContext:
+  {{- toYaml $v.securityContext | nindent 2 }}
+volumeMounts:
+  - name: policy
+    mountPath: /etc/idempotency-extproc
+    readOnly: true
+  {{- if $v.sidecar.enabled }}
+  - name: idempotency-socket
+    mountPath: {{ include "idem.socketDir" . }}
+  {{- end }}
+  {{- if $v.adminToken.enabled }}
+  - name: admin-token
+    mountPath: {{ $secretsDir }}/admin-token
+    readOnly: true
+  {{- end }}
+  {{- if $v.recordKeys.enabled }}
+  - name: record-keys
+    mountPath: {{ $secretsDir }}/record-keys
+    readOnly: true
+  {{- end }}
+  {{- if $v.keyHashSecret.enabled }}
+  - name: key-hash-secret
+    mountPath: {{ $secretsDir }}/key-hash-secret
+    readOnly: true
+  {{- end }}
+  {{- if and (eq $v.store.type "redis") $v.store.redis.caSecret }}
+  - name: redis-ca
+    mountPath: {{ $secretsDir }}/redis-ca
+    readOnly: true
+  {{- end }}
+  {{- with $v.extraVolumeMounts }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end -}}
+
+{{/* The volumes of the processor's container. */}}
+{{- define "idem.processorVolumes" -}}
+{{- $v := .Values -}}
+- name: policy
+  configMap:
+    name: {{ include "idem.fullname" . }}-policy
+{{- if $v.sidecar.enabled }}
+# The unix socket the processor listens on and Envoy connects to.
+- name: idempotency-socket
+  emptyDir: {}
+{{- end }}
+{{- range $x := list (list "admin-token" $v.adminToken "token") (list "record-keys" $v.recordKeys "keys") (list "key-hash-secret" $v.keyHashSecret "secret") }}
+{{- $name := index $x 0 }}{{- $val := index $x 1 }}{{- $file := index $x 2 }}
+{{- if $val.enabled }}
+- name: {{ $name }}
+  secret:
+    secretName: {{ include "idem.fileSecretName" (list $ $val $name) }}
+    defaultMode: 0440
+    items:
+      - key: {{ ternary $val.existingSecretKey $file (ne $val.existingSecret "") }}
+        path: {{ $file }}
+{{- end }}
+{{- end }}
+{{- if and (eq $v.store.type "redis") $v.store.redis.caSecret }}
+- name: redis-ca
+  secret:
+    secretName: {{ $v.store.redis.caSecret }}
+    defaultMode: 0444
+    items:
+      - key: {{ $v.store.redis.caSecretKey }}
+        path: ca.crt
+{{- end }}
+{{- with $v.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
