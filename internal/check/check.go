@@ -220,7 +220,9 @@ func kubeDeployments(objs []*object) ([]Deployment, []Finding, error) {
 			continue
 		}
 		if found {
-			d.Processor = istioProcessorLimits(d.Filter, objs)
+			if d.Processor == nil { // not a cluster the EnvoyFilter adds
+				d.Processor = istioProcessorLimits(d.Filter, objs)
+			}
 			out = append(out, d)
 		}
 	}

@@ -557,8 +557,13 @@ func translateEG(ep egExtProc, namespace, name string, index int) (*filterextpro
 	if len(ep.BackendRefs) != 1 {
 		return nil, Thresholds{}, fmt.Errorf("want exactly one backendRef, have %d", len(ep.BackendRefs))
 	}
-	if br := ep.BackendRefs[0]; br.Name == "" || br.Port == 0 {
-		return nil, Thresholds{}, errors.New("backendRefs[0] needs a name and a port")
+	// A Backend (gateway.envoyproxy.io) needs no port: its endpoints may be a unix socket, the
+	// processor next to Envoy (Envoy Gateway's validateBackendPort in internal/gatewayapi).
+	switch br := ep.BackendRefs[0]; {
+	case br.Kind == "Backend" && br.Group != egGroup:
+		return nil, Thresholds{}, fmt.Errorf("backendRefs[0]: a Backend is in group %s, have %q", egGroup, br.Group)
+	case br.Name == "" || (br.Port == 0 && br.Kind != "Backend"):
+		return nil, Thresholds{}, errors.New("backendRefs[0] needs a name and a port (a Backend needs no port)")
 	}
 	f := &filterextproc.ExternalProcessor{
 		GrpcService: &corev3.GrpcService{

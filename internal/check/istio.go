@@ -195,6 +195,22 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 	if d.Filter == nil {
 		return Deployment{}, false, nil
 	}
+	// A processor next to Envoy (in the gateway pod, on a unix socket) is a cluster the
+	// EnvoyFilter adds itself, with a pipe address: its circuit breakers are the processor's.
+	for i := range spec.ConfigPatches {
+		cp := &spec.ConfigPatches[i]
+		if cp.ApplyTo != "CLUSTER" || cp.Patch.Operation != "ADD" {
+			continue
+		}
+		c := &clusterv3.Cluster{}
+		if err := decodePatch(cp, c); err != nil {
+			return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
+		}
+		if c.GetName() == d.Filter.GetGrpcService().GetEnvoyGrpc().GetClusterName() {
+			d.Processor = &ProcessorLimits{Thresholds: ClusterThresholds(c), File: ef.File, Resource: ef.ref(),
+				Field: fmt.Sprintf("configPatches[%d].patch.value.circuit_breakers.thresholds", i), Default: c.GetCircuitBreakers() == nil}
+		}
+	}
 	buffer := istioBufferLimit(objs)
 
 	for _, vs := range objs {

@@ -1,0 +1,148 @@
+package deploytest
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	egv1a1 "github.com/envoyproxy/gateway/api/v1alpha1"
+	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+)
+
+// sidecarSets are the value sets of sidecar mode, by name.
+var sidecarSets = []string{"sidecar-envoy-gateway", "sidecar-istio"}
+
+// socketURL is where the processor listens in sidecar mode and Envoy connects.
+const socketURL = "unix:///var/run/idempotency/extproc.sock"
+
+// sidecarPod returns the processor's container, the Envoy container (envoy, or istio-proxy
+// before injection) and the volumes of the gateway pod sidecar mode renders: the patch of the
+// EnvoyProxy for Envoy Gateway, decoded as a Deployment, or the Istio gateway Deployment.
+func sidecarPod(t *testing.T, r rendered) (processor, envoy corev1.Container, volumes []corev1.Volume, replicas int32) {
+	t.Helper()
+	var spec corev1.PodSpec
+	if eps := find[*egv1a1.EnvoyProxy](r.objs, "gateway.envoyproxy.io/v1alpha1/EnvoyProxy"); len(eps) > 0 {
+		require.Len(t, eps, 1)
+		k := eps[0].Spec.Provider.Kubernetes
+		require.NotNil(t, k.EnvoyDeployment.Patch)
+		require.Equal(t, egv1a1.StrategicMerge, *k.EnvoyDeployment.Patch.Type)
+		var d appsv1.Deployment
+		require.NoError(t, strict(k.EnvoyDeployment.Patch.Value.Raw, &d), "the patch is a Deployment")
+		spec, replicas = d.Spec.Template.Spec, *k.EnvoyDeployment.Replicas
+	} else {
+		d := the[*appsv1.Deployment](t, r, "apps/v1/Deployment")
+		require.Equal(t, "gateway", d.Spec.Template.Annotations["inject.istio.io/templates"])
+		require.Equal(t, "true", d.Spec.Template.Labels["sidecar.istio.io/inject"])
+		spec, replicas = d.Spec.Template.Spec, *d.Spec.Replicas
+	}
+	for _, c := range spec.Containers {
+		switch c.Name {
+		case "idempotency-extproc":
+			processor = c
+		case "envoy", "istio-proxy":
+			envoy = c
+		}
+	}
+	require.NotEmpty(t, processor.Name, "no processor container")
+	require.NotEmpty(t, envoy.Name, "no Envoy container")
+	return processor, envoy, spec.Volumes, replicas
+}
+
+// In sidecar mode the processor listens on the unix socket, on an emptyDir the Envoy container
+// mounts at the same place, and nothing of the chart's own Deployment is rendered.
+func TestChartSidecar(t *testing.T) {
+	for _, name := range sidecarSets {
+		t.Run(name, func(t *testing.T) {
+			vals := readValues(t, name)
+			require.Empty(t, lintChart(vals), "helm lint --strict")
+			r := renderSet(t, name)
+			p, envoy, volumes, replicas := sidecarPod(t, r)
+			v, _ := arg(p.Args, "grpc-addr")
+			require.Equal(t, socketURL, v)
+			var mount string
+			for _, m := range p.VolumeMounts {
+				for _, vol := range volumes {
+					if vol.Name == m.Name && vol.EmptyDir != nil {
+						mount = m.MountPath
+						for _, em := range envoy.VolumeMounts {
+							if em.Name == m.Name {
+								require.Equal(t, m.MountPath, em.MountPath, "Envoy's container mounts the socket's volume elsewhere")
+							}
+						}
+						require.True(t, strings.HasPrefix(strings.TrimPrefix(socketURL, "unix://"), mount+"/"))
+					}
+				}
+			}
+			require.NotEmpty(t, mount, "the socket is on no emptyDir")
+			require.Contains(t, envoy.VolumeMounts, corev1.VolumeMount{Name: "idempotency-socket", MountPath: mount})
+			require.EqualValues(t, r.value("sidecar.gatewayReplicas"), replicas)
+			for _, o := range r.objs {
+				require.NotContains(t, []string{"v1/Service", "policy/v1/PodDisruptionBudget", "v1/ServiceAccount", "networking.istio.io/v1/DestinationRule"}, o.gvk,
+					"sidecar mode renders no %s", o.gvk)
+			}
+		})
+	}
+}
+
+// The memory store in more than one gateway pod protects nothing across pods: the chart refuses
+// it, and sidecar mode needs exactly one gateway to run in.
+func TestChartSidecarRefuses(t *testing.T) {
+	eg := "envoyGateway: { enabled: true, namespace: p, targetRefs: [{group: gateway.networking.k8s.io, kind: HTTPRoute, name: r}], clientTrafficPolicy: { gatewayName: eg } }\n"
+	for _, tc := range []struct{ name, values, want string }{
+		{"memory with two gateway pods", "sidecar: { enabled: true, gatewayReplicas: 2 }\n" + eg, "use store.type redis"},
+		{"no gateway", "sidecar: { enabled: true }\n", "enable one of envoyGateway.enabled and istio.enabled"},
+		{"istio sidecars", "sidecar: { enabled: true }\nistio: { enabled: true, namespace: p, workloadSelector: { a: b } }\n", "istio.context must be GATEWAY"},
+		{"the HPA", "sidecar: { enabled: true }\nstore: { type: redis, redis: { existingSecret: s } }\nautoscaling: { enabled: true }\n" + eg, "autoscaling.enabled"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := render(loadChart(t), parseValues(t, tc.values))
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+	vals := readValues(t, "sidecar-envoy-gateway")
+	vals["store"] = map[string]any{"type": "redis", "redis": map[string]any{"existingSecret": "s"}}
+	_, err := render(loadChart(t), vals)
+	require.NoError(t, err, "two gateway pods share the Redis store")
+}
+
+// The rendered sidecar manifests pass check, as users run it on helm template output, with the
+// hook's arguments: Envoy Gateway's Backend on the unix socket and Istio's cluster on the pipe
+// address are the processor.
+func TestChartSidecarPassesTheCheck(t *testing.T) {
+	for _, name := range sidecarSets {
+		t.Run(name, func(t *testing.T) {
+			r := renderSet(t, name)
+			hc, hv := hookPod(t, r)
+			hook := materialize(t, r.objs, hc, hv)
+			v, _ := arg(hook.args, "grpc-addr")
+			require.Equal(t, socketURL, v, "the hook checks the socket the sidecar listens on")
+			var all strings.Builder
+			for _, o := range r.objs {
+				all.WriteString("---\n# Source: " + o.template + "\n" + o.yaml + "\n")
+			}
+			file := filepath.Join(t.TempDir(), "rendered.yaml")
+			require.NoError(t, os.WriteFile(file, []byte(all.String()), 0o600))
+			p := hook
+			p.args = append(append(append([]string{}, hook.args...), "--format=json"), file)
+			code, out := runHook(t, mustBinary(t), p)
+			require.Zero(t, code, out)
+			jsonOut := out[strings.Index(out, "["):]
+			var findings []struct{ File, Resource, Field, Severity, Problem, Fix string }
+			require.NoError(t, json.Unmarshal([]byte(jsonOut), &findings), out)
+			for _, f := range findings {
+				require.Equal(t, "warning", f.Severity, "%+v", f)
+			}
+		})
+	}
+}
+
+func mustBinary(t *testing.T) string {
+	t.Helper()
+	bin, err := checkBinary()
+	require.NoError(t, err)
+	return bin
+}
