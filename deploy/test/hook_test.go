@@ -282,3 +282,40 @@ func strip(args []string, root string) []string {
 	}
 	return out
 }
+
+// In sidecar mode too, the hook passes exactly when the processor's container in the gateway
+// pod starts, on its unix socket; the memory store with durability fails both.
+func TestChartSidecarHookPassesExactlyWhenTheProcessorStarts(t *testing.T) {
+	bin := mustBinary(t)
+	for _, name := range sidecarSets {
+		for _, durable := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/durability=%t", name, durable), func(t *testing.T) {
+				vals := readValues(t, name)
+				pol := map[string]any{"store_timeout": "100ms"}
+				if durable {
+					pol["durability"] = map[string]any{"replicas": 1, "timeout": "50ms"}
+				}
+				vals["policy"] = pol
+				objs, err := decodeAll(mustRender(t, vals))
+				require.NoError(t, err)
+				r := rendered{vals: vals, objs: objs}
+				c, _, volumes, _ := sidecarPod(t, r)
+				server := materialize(t, withoutHooks(objs), c, volumes)
+				hc, hv := hookPod(t, r)
+				hook := materialize(t, objs, hc, hv)
+				require.Equal(t, strip(server.args, server.root), strip(hook.args[1:], hook.root), "the hook's arguments are the sidecar's")
+
+				memory := r.value("store.type") == nil || r.value("store.type") == "memory"
+				ok, serverOut := started(t, bin, server)
+				code, hookOut := runHook(t, bin, hook)
+				require.Equal(t, !(durable && memory), ok, serverOut)
+				if ok {
+					require.Zero(t, code, hookOut)
+					return
+				}
+				require.Equal(t, 2, code, hookOut)
+				require.Contains(t, hookOut, "durability.replicas")
+			})
+		}
+	}
+}
