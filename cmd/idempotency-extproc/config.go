@@ -123,7 +123,7 @@ func settings() []setting {
 				c.configPath = v
 				return nil
 			}},
-		{name: "grpc-addr", def: ":9002", doc: "the ext_proc gRPC listener's {address}: host:port, or `unix:///path.sock` for a Unix socket (a stale socket there is replaced; any other file is left alone and refused)",
+		{name: "grpc-addr", def: ":9002", doc: "the ext_proc gRPC listener's {address}: host:port, or `unix:///path.sock` for a Unix socket, which its owner and group may connect to (a stale socket there is replaced; any other file is left alone and refused)",
 			apply: func(c *config, v string) error {
 				c.grpcAddr = v
 				return checkAddr(v)

@@ -410,7 +410,10 @@ func maxRecvMsgSize(cfg *config) int {
 }
 
 // listen opens host:port, or a Unix socket for unix:///path (replacing a stale socket file,
-// never another kind of file).
+// never another kind of file). The socket is readable and writable by its owner and its group,
+// and by no one else: connecting needs write permission, and Envoy in another container of the
+// pod may run as another user in the pod's group (Istio's proxy runs as 1337, and the pod's
+// fsGroup is the group of every container and of the socket).
 func listen(addr string) (net.Listener, error) {
 	if path, ok := strings.CutPrefix(addr, "unix://"); ok {
 		if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() != os.ModeSocket {
@@ -419,7 +422,15 @@ func listen(addr string) (net.Listener, error) {
 		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return nil, err
 		}
-		return net.Listen("unix", path)
+		l, err := net.Listen("unix", path)
+		if err != nil {
+			return nil, err
+		}
+		if err := os.Chmod(path, 0o660); err != nil {
+			_ = l.Close()
+			return nil, err
+		}
+		return l, nil
 	}
 	return net.Listen("tcp", addr)
 }

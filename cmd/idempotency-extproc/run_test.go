@@ -429,6 +429,19 @@ func TestRunNeverRemovesAFileThatIsNotASocket(t *testing.T) {
 	require.NoError(t, l.Close())
 }
 
+// Envoy in another container of the pod, as another user in the pod's group, can connect to the
+// Unix socket (connecting needs write permission); other users cannot.
+func TestRunUnixSocketIsTheGroups(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "extproc.sock")
+	l, err := listen("unix://" + sock)
+	require.NoError(t, err)
+	defer l.Close()
+	fi, err := os.Stat(sock)
+	require.NoError(t, err)
+	require.Equal(t, os.ModeSocket, fi.Mode().Type())
+	require.Equal(t, os.FileMode(0o660), fi.Mode().Perm())
+}
+
 // binaryVersion and binaryRevision are linked into binary, as the Dockerfile links its own.
 const binaryVersion, binaryRevision = "v0.0.0-linked", "f00d"
 

@@ -47,6 +47,10 @@ func sidecarPod(t *testing.T, r rendered) (processor, envoy corev1.Container, vo
 			envoy = c
 		}
 	}
+	// The processor makes the socket writable by its group only: Envoy, as another user (Istio's
+	// proxy is 1337), connects through the pod's fsGroup.
+	require.NotNil(t, spec.SecurityContext, "no pod security context")
+	require.NotNil(t, spec.SecurityContext.FSGroup, "no fsGroup: Envoy cannot connect to the socket as another user")
 	require.NotEmpty(t, processor.Name, "no processor container")
 	require.NotEmpty(t, envoy.Name, "no Envoy container")
 	return processor, envoy, spec.Volumes, replicas
