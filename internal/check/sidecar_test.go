@@ -85,7 +85,7 @@ func TestRunProcessorOnAUnixSocket(t *testing.T) {
 
 	// A Service still needs its port; a Backend is in Envoy Gateway's group.
 	for ref, want := range map[string]string{
-		"    - name: idempotency-extproc\n": "needs a name and a port",
+		"    - name: idempotency-extproc\n":                      "needs a name and a port",
 		"    - kind: Backend\n      name: idempotency-sidecar\n": "a Backend is in group gateway.envoyproxy.io",
 	} {
 		_, err := Run(shippedPolicy(t), []Input{{Name: "envoy/envoy-gateway.yaml", Data: []byte(gateway(t, ref))}}, Options{})
