@@ -228,6 +228,9 @@ func TestChartHookPassesExactlyWhenThePodsStart(t *testing.T) {
 adminToken: { enabled: true, value: admin-token-value }
 recordKeys: { enabled: true, existingSecret: record-keys }
 keyHashSecret: { enabled: true, value: "` + strings.Repeat("s", 32) + `" }
+extraEnv:
+  - { name: APP_PLAIN, value: plain }
+  - { name: APP_SECRET, valueFrom: { secretKeyRef: { name: app-secret, key: token } } }
 `
 	for _, store := range []string{"memory", "standalone", "sentinel", "cluster"} {
 		for _, durable := range []bool{false, true} {
@@ -252,6 +255,11 @@ keyHashSecret: { enabled: true, value: "` + strings.Repeat("s", 32) + `" }
 					hook := materialize(t, objs, hc, hv)
 					require.Equal(t, "check", hook.args[0])
 					require.Equal(t, strip(server.args, server.root), strip(hook.args[1:], hook.root), "the hook's arguments are the Deployment's")
+					if withSecrets {
+						require.Contains(t, server.env, "APP_SECRET=admin-token\n")
+						require.Contains(t, hook.env, "APP_PLAIN=plain", "the hook has the pods' environment")
+						require.Contains(t, server.env, "APP_PLAIN=plain")
+					}
 
 					ok, serverOut := started(t, bin, server)
 					code, hookOut := runHook(t, bin, hook)
