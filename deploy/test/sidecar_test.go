@@ -33,11 +33,17 @@ func sidecarPod(t *testing.T, r rendered) (processor, envoy corev1.Container, vo
 		var d appsv1.Deployment
 		require.NoError(t, strict(k.EnvoyDeployment.Patch.Value.Raw, &d), "the patch is a Deployment")
 		spec, replicas = d.Spec.Template.Spec, *k.EnvoyDeployment.Replicas
+		if r.value("store.type") == "memory" {
+			require.Zero(t, k.EnvoyDeployment.Strategy.RollingUpdate.MaxSurge.IntValue(), "two memory stores at once split the records")
+		}
 	} else {
 		d := the[*appsv1.Deployment](t, r, "apps/v1/Deployment")
 		require.Equal(t, "gateway", d.Spec.Template.Annotations["inject.istio.io/templates"])
 		require.Equal(t, "true", d.Spec.Template.Labels["sidecar.istio.io/inject"])
 		spec, replicas = d.Spec.Template.Spec, *d.Spec.Replicas
+		if r.value("store.type") == "memory" {
+			require.Zero(t, d.Spec.Strategy.RollingUpdate.MaxSurge.IntValue(), "two memory stores at once split the records")
+		}
 	}
 	for _, c := range spec.Containers {
 		switch c.Name {
