@@ -5,11 +5,21 @@ STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 # exceeded" when a worker is slow to stop on a loaded machine.
 FUZZTIME ?= 10000x
 PKGS := ./...
+# What `version`, the ready log line and idempotency_build_info report, linked into the binary so
+# that a build reports them also where the Go toolchain records no VCS information
+# (GOFLAGS=-buildvcs=false). Without a tag, VERSION is empty and the binary says devel+REVISION.
+REVISION ?= $(shell git rev-parse HEAD 2>/dev/null)
+VERSION ?= $(shell git describe --tags --dirty 2>/dev/null)
+LDFLAGS := -X main.version=$(VERSION) -X main.revision=$(REVISION)
+BIN ?= bin/idempotency-extproc
 
-.PHONY: help test lint unit allocs bench bench-compare bench-inside bench-costs fuzz run deploy-test demo
+.PHONY: help build test lint unit allocs bench bench-compare bench-inside bench-costs fuzz run deploy-test demo
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+build: ## the binary at BIN (bin/idempotency-extproc), with its version and revision from git
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/idempotency-extproc
 
 test: lint unit allocs bench fuzz deploy-test ## the whole suite, as CI runs it: lint, race tests, allocation tests, benchmarks once, short fuzzing, deploy/
 
@@ -43,7 +53,7 @@ bench-costs: ## what features, body sizes and streams cost over the null process
 	$(GO) run ./e2e/bench -mode costs -duration 10s -rounds 5
 
 run: ## the server on the embedded memory store with envoy/policy.yaml: ext_proc gRPC on :9002, admin HTTP on :9003
-	$(GO) run ./cmd/idempotency-extproc --store memory --config envoy/policy.yaml --log-format console
+	$(GO) run -ldflags "$(LDFLAGS)" ./cmd/idempotency-extproc --store memory --config envoy/policy.yaml --log-format console
 
 fuzz: ## each fuzz target for FUZZTIME (seed corpora in each package's testdata/fuzz)
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeResponse$$' -fuzztime $(FUZZTIME) ./cache/

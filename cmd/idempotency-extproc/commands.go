@@ -31,8 +31,7 @@ func dispatch(ctx context.Context, args []string, getenv func(string) string, st
 		case "check":
 			return checkCommand(args[1:], getenv, os.Stdin, stdout, stderr)
 		case "version", "-version", "--version":
-			_, err := fmt.Fprintln(stdout, currentBuild().version)
-			return err
+			return versionCommand(args[1:], stdout)
 		case "help", "-h", "-help", "--help":
 			if len(args) > 1 && args[1] != "help" && !strings.HasPrefix(args[1], "-") {
 				return dispatch(ctx, []string{args[1], "--help"}, getenv, stdout, stderr)
@@ -88,6 +87,26 @@ the file:
 	fs.SetOutput(&b)
 	fs.PrintDefaults()
 	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+const versionUsage = `usage: idempotency-extproc version
+
+Prints the version: the one linked at build time (make build and the image link it), else the
+module version go install recorded, else devel+ the VCS revision. The ready log line and
+idempotency_build_info carry it too, with the revision.
+`
+
+// versionCommand prints the version, or its usage after -h.
+func versionCommand(args []string, stdout io.Writer) error {
+	fs := flag.NewFlagSet("idempotency-extproc version", flag.ContinueOnError)
+	if done, err := parseCommandFlags(fs, args, versionUsage, stdout); done || err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("version: unexpected arguments %q", fs.Args())
+	}
+	_, err := fmt.Fprintln(stdout, currentBuild().version)
 	return err
 }
 

@@ -131,6 +131,7 @@ func TestHelp(t *testing.T) {
 	}
 	keyHash := []string{"usage: idempotency-extproc key-hash", "\n  -verbose\n", "\n  -route name\n"}
 	records := []string{"usage: idempotency-extproc records get|purge", "\n  -token-file file\n"}
+	version := []string{"usage: idempotency-extproc version\n", "Prints the version"}
 	for _, tc := range []struct {
 		args []string
 		want []string
@@ -147,6 +148,9 @@ func TestHelp(t *testing.T) {
 		{[]string{"help", "records"}, records},
 		{[]string{"records", "--help"}, records},
 		{[]string{"records", "get", "--help"}, records},
+		{[]string{"version", "--help"}, version},
+		{[]string{"version", "-h"}, version},
+		{[]string{"help", "version"}, version},
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
 			var stdout, stderr bytes.Buffer
@@ -167,6 +171,8 @@ func TestHelp(t *testing.T) {
 		{[]string{"recods", "get"}, `unknown command "recods" (idempotency-extproc help lists the commands)`},
 		{[]string{"key-hash", "--colour"}, "key-hash: flag provided but not defined: -colour (idempotency-extproc key-hash --help lists the flags)"},
 		{[]string{"records", "get", "--colour"}, "records: flag provided but not defined: -colour (idempotency-extproc records --help lists the flags)"},
+		{[]string{"version", "--colour"}, "version: flag provided but not defined: -colour (idempotency-extproc version --help lists the flags)"},
+		{[]string{"version", "now"}, `version: unexpected arguments ["now"]`},
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
 			var stdout bytes.Buffer

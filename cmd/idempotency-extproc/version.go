@@ -3,13 +3,16 @@ package main
 import (
 	"runtime"
 	"runtime/debug"
+	"strings"
 )
 
-// version and revision are set when the binary is linked, as the Dockerfile does:
+// version and revision are set when the binary is linked, as the Makefile's build and the
+// Dockerfile do:
 //
 //	go build -ldflags "-X main.version=v1.2.0 -X main.revision=$(git rev-parse HEAD)" ./cmd/idempotency-extproc
 //
-// Without them, the build's own record says what it can (buildOf).
+// Without them, the build's own record says what it can (buildOf): nothing of the VCS where
+// GOFLAGS=-buildvcs=false is set.
 var version, revision string
 
 // build is what the binary knows of how it was built: what --version prints, the ready log
@@ -29,7 +32,9 @@ func currentBuild() build {
 // buildOf decides the version: the one set at link time; else the module version that
 // `go install …@v1.2.0` records (or that go build derives from the VCS tag and commit); else
 // "devel", with the VCS commit when the build recorded one (and ".dirty" when the work tree
-// had changes). info may be nil.
+// had changes). The revision is the one set at link time, else the VCS commit the build
+// recorded, else the commit prefix of a pseudo-version (`go install …@main` records one). info
+// may be nil.
 func buildOf(linkedVersion, linkedRevision string, info *debug.BuildInfo) build {
 	b := build{version: linkedVersion, revision: linkedRevision, goVersion: runtime.Version()}
 	modified := false
@@ -50,6 +55,9 @@ func buildOf(linkedVersion, linkedRevision string, info *debug.BuildInfo) build 
 		if b.version == "" && info.Main.Version != "(devel)" {
 			b.version = info.Main.Version
 		}
+		if b.revision == "" {
+			b.revision = pseudoVersionRevision(info.Main.Version)
+		}
 	}
 	if b.version == "" {
 		b.version = "devel"
@@ -64,4 +72,26 @@ func buildOf(linkedVersion, linkedRevision string, info *debug.BuildInfo) build 
 		b.revision = "unknown"
 	}
 	return b
+}
+
+// pseudoVersionRevision returns the commit prefix of a Go pseudo-version such as
+// v0.0.0-20261207045700-f25308f47955 (or v1.2.1-0.20261207045700-f25308f47955, with
+// +incompatible or not), or "" for any other version.
+func pseudoVersionRevision(v string) string {
+	v = strings.TrimSuffix(v, "+incompatible")
+	i := strings.LastIndexByte(v, '-')
+	if i < 0 {
+		return ""
+	}
+	rev, rest := v[i+1:], v[:i]
+	if len(rev) != 12 || strings.Trim(rev, "0123456789abcdef") != "" || len(rest) < 14 {
+		return ""
+	}
+	if strings.Trim(rest[len(rest)-14:], "0123456789") != "" {
+		return ""
+	}
+	if sep := rest[:len(rest)-14]; !strings.HasSuffix(sep, "-") && !strings.HasSuffix(sep, ".0.") && !strings.HasSuffix(sep, "-0.") {
+		return ""
+	}
+	return rev
 }

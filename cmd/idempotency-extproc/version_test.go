@@ -1,7 +1,9 @@
 package main
 
 import (
+	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"runtime/debug"
 	"strings"
@@ -29,6 +31,12 @@ func TestBuildOf(t *testing.T) {
 			build{version: "v1.2.0", revision: rev, goVersion: "go1.26.8"}},
 		{"go install @v1.3.0", "", "", &debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Path: "github.com/idempotency-extproc/idempotency-extproc", Version: "v1.3.0"}},
 			build{version: "v1.3.0", revision: "unknown", goVersion: "go1.26.8"}},
+		{"go install @main", "", "", &debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Path: "github.com/idempotency-extproc/idempotency-extproc", Version: "v0.0.0-20261207045700-f25308f47955"}},
+			build{version: "v0.0.0-20261207045700-f25308f47955", revision: "f25308f47955", goVersion: "go1.26.8"}},
+		{"go install @commit after a tag", "", "", &debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Version: "v1.2.1-0.20261207045700-f25308f47955+incompatible"}},
+			build{version: "v1.2.1-0.20261207045700-f25308f47955+incompatible", revision: "f25308f47955", goVersion: "go1.26.8"}},
+		{"a version that only looks like one", "", "", &debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Version: "v1.2.0-rc.1-f25308f47955"}},
+			build{version: "v1.2.0-rc.1-f25308f47955", revision: "unknown", goVersion: "go1.26.8"}},
 		{"a build in a clean checkout", "", "", &debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Version: "(devel)"}, Settings: vcs(rev, "false")},
 			build{version: "devel+0e5d0b74eb02", revision: rev, goVersion: "go1.26.8"}},
 		{"a build with changes", "", "", &debug.BuildInfo{GoVersion: "go1.26.8", Main: debug.Module{Version: "(devel)"}, Settings: vcs(rev, "true")},
@@ -55,4 +63,24 @@ func TestBinaryVersionFromLinkerFlags(t *testing.T) {
 	out, err := exec.Command(bin, "help").Output()
 	require.NoError(t, err, "help exits 0")
 	require.True(t, strings.HasPrefix(string(out), "usage: idempotency-extproc"), "help on stdout")
+}
+
+// The Makefile's build links the git revision, so that `version` reports it also where the Go
+// toolchain records no VCS information (GOFLAGS=-buildvcs=false).
+func TestMakeBuildReportsTheRevision(t *testing.T) {
+	rev, err := exec.Command("git", "rev-parse", "HEAD").Output()
+	require.NoError(t, err, "the tests run in a git checkout")
+	tag, _ := exec.Command("git", "describe", "--tags", "--dirty").Output()
+	bin := filepath.Join(t.TempDir(), "idempotency-extproc")
+	cmd := exec.Command("make", "-s", "-C", "../..", "build", "BIN="+bin)
+	cmd.Env = append(os.Environ(), "GOFLAGS=-buildvcs=false")
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	want := "devel+" + string(rev[:12])
+	if t := strings.TrimSpace(string(tag)); t != "" {
+		want = t
+	}
+	out, err = exec.Command(bin, "version").Output()
+	require.NoError(t, err)
+	require.Equal(t, want+"\n", string(out))
 }
