@@ -75,6 +75,7 @@ func newProblem(o Outcome, status int, code, detail string, retryAfter bool) *pr
 	if err != nil {
 		panic(err) // a constant struct of strings always marshals
 	}
+	body = append(body, '\n') // as every body the service writes ends, for a terminal's sake
 	return &problem{outcome: o, status: status, code: code, detail: detail, retryAfter: retryAfter, body: body}
 }
 
