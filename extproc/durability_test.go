@@ -1,14 +1,18 @@
 package extproc_test
 
 import (
+	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
 
@@ -79,4 +83,77 @@ func TestDurabilityOnTheMemoryStore(t *testing.T) {
 	requireProblem(t, res, 503, "store-unavailable")
 	require.Equal(t, 1.0, h.counter("idempotency_durability_unconfirmed_total", "op", "claim"))
 	require.Zero(t, h.counter("idempotency_durability_unconfirmed_total", "op", "complete"))
+}
+
+// countingStore counts Acquire calls.
+type countingStore struct {
+	cache.Store
+	acquires atomic.Int64
+}
+
+func (c *countingStore) Acquire(ctx context.Context, key string, cl cache.Claim) (cache.Lease, *cache.Record, error) {
+	c.acquires.Add(1)
+	return c.Store.Acquire(ctx, key, cl)
+}
+
+// Once the server knows the store has fewer replicas than a route's durability.replicas, that
+// route's covered requests get 503 durability-unmet without a store call (or pass unprotected
+// under fail_mode: open), and the cause is logged at most once per interval; other routes go on.
+// With enough replicas they reach the store again.
+func TestDurabilityUnmet(t *testing.T) {
+	const routes = `
+routes:
+  - name: durable
+    match: {path_prefix: /v1/payments}
+    durability: {replicas: 2}
+  - name: plain
+    match: {path_prefix: /v1/orders}
+`
+	for _, mode := range []string{"closed", "open"} {
+		t.Run(mode, func(t *testing.T) {
+			clk := clock.NewFake(time.Unix(1_700_000_000, 0))
+			m, err := cache.NewMemory(cache.MemoryOptions{Clock: clk})
+			require.NoError(t, err)
+			store := &countingStore{Store: m}
+			h := newHarness(t, harnessOptions{store: store, clock: clk, policy: "fail_mode: " + mode + "\n" + routes})
+			h.server.SetReplicas(1)
+			for i := range 3 {
+				res := h.do(post("/v1/payments", fmt.Sprintf("a%d", i), `{}`), created)
+				if mode == "closed" {
+					require.False(t, res.executed)
+					requireProblem(t, res, 503, "durability-unmet")
+					require.Equal(t, []string{"1"}, res.header("retry-after"))
+				} else {
+					require.True(t, res.executed, "unprotected under fail_mode: open")
+				}
+			}
+			require.Zero(t, store.acquires.Load(), "no store call: a claim could only be withdrawn")
+			require.True(t, h.do(post("/v1/orders", "o", `{}`), created).executed, "a route without durability runs")
+			h.waitIdle(t)
+			require.Equal(t, 3.0, h.counter("idempotency_requests_total", "route", "durable", "outcome", "durability_unmet"))
+			require.Equal(t, 1, strings.Count(h.logs.String(), "durability.replicas asks for more replicas than the store has"), "logged once per interval:\n%s", h.logs.String())
+			h.clock.Advance(10 * time.Second)
+			h.do(post("/v1/payments", "later", `{}`), created)
+			require.Equal(t, 2, strings.Count(h.logs.String(), "durability.replicas asks for more replicas than the store has"), "and again after it")
+			var line map[string]any
+			for l := range strings.Lines(h.logs.String()) {
+				if strings.Contains(l, "durability.replicas asks") {
+					require.NoError(t, json.Unmarshal([]byte(l), &line))
+				}
+			}
+			require.Equal(t, 2.0, line["durability_replicas"])
+			require.Equal(t, 1.0, line["replicas_seen"])
+			require.Equal(t, "warn", line["level"])
+
+			// The memory store has no replicas and refuses every durable claim itself: the claim
+			// reached it.
+			h.server.SetReplicas(2)
+			before := store.acquires.Load()
+			res := h.do(post("/v1/payments", "b", `{}`), created)
+			require.Equal(t, before+1, store.acquires.Load(), "with enough replicas the claim goes to the store")
+			if mode == "closed" {
+				requireProblem(t, res, 503, "store-unavailable")
+			}
+		})
+	}
 }

@@ -46,12 +46,16 @@ const (
 	// StoreError: the store failed; the request got 503 (fail closed), passed through (fail
 	// open), or ran but its completion could not be recorded.
 	StoreError Outcome = "store_error"
+	// DurabilityUnmet: the route's durability.replicas is above the replicas the store has, so
+	// no claim of it could be confirmed; the request got 503 (fail closed) or passed through
+	// (fail open) without a store call.
+	DurabilityUnmet Outcome = "durability_unmet"
 )
 
 // Outcomes lists every outcome, for pre-creating metric series.
 var Outcomes = []Outcome{
 	Passthrough, Executed, Replayed, InProgress, Mismatch, MissingKey, Invalid, NotReplayable,
-	OutcomeUnknown, TooLarge, Misconfigured, ScopeMissing, ScopeClaimAmbiguous, StoreError,
+	OutcomeUnknown, TooLarge, Misconfigured, ScopeMissing, ScopeClaimAmbiguous, StoreError, DurabilityUnmet,
 }
 
 // problem is an error the server answers itself, as RFC 9457 application/problem+json.
@@ -114,6 +118,8 @@ var (
 		"The request body cannot be checked for idempotency on this route.", false)
 	problemStoreUnavailable = newProblem(StoreError, http.StatusServiceUnavailable, "store-unavailable",
 		"The idempotency store is unavailable; retry later.", true)
+	problemDurabilityUnmet = newProblem(DurabilityUnmet, http.StatusServiceUnavailable, "durability-unmet",
+		"The idempotency store has fewer replicas than this endpoint requires to record the request durably; retry later.", true)
 	problemUnknownRoute = newProblem(Misconfigured, http.StatusInternalServerError, "unknown-idempotency-route",
 		"The gateway names an idempotency policy that does not exist.", false)
 	problemRouteMismatch = newProblem(Misconfigured, http.StatusInternalServerError, "unknown-idempotency-route",
@@ -131,7 +137,7 @@ var (
 var problems = []*problem{
 	problemMissingKey, problemInvalidKey, problemInvalidTTL, problemInProgress, problemReused,
 	problemNotReplayable, problemOutcomeUnknown, problemTooLarge, problemBodyNotAvailable,
-	problemStoreUnavailable, problemUnknownRoute, problemRouteMismatch, problemScopeMissing,
+	problemStoreUnavailable, problemDurabilityUnmet, problemUnknownRoute, problemRouteMismatch, problemScopeMissing,
 	problemScopeAmbiguous, problemScopeClaimAmbiguous,
 }
 

@@ -81,6 +81,9 @@ type Server struct {
 
 	// The claims and completions too few replicas confirmed (route durability).
 	unconfirmedClaims, unconfirmedCompletes prometheus.Counter
+	// replicasSeen is the store's replicas as SetReplicas last gave them, plus one; 0 until then.
+	// durabilityLogged is when refuseUndurable last logged (Unix ns).
+	replicasSeen, durabilityLogged atomic.Int64
 
 	streams sync.WaitGroup
 	// open counts the streams admitted and not yet ended, at most maxStreams (limits.go).

@@ -581,6 +581,10 @@ func (st *stream) claim(body []byte) {
 	if !st.fullDuplex(kindRequestBody) {
 		st.w.body = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
 	}
+	if r.Durability.Replicas > 0 && st.s.durabilityUnmet(r.Durability.Replicas) {
+		st.refuseUndurable()
+		return
+	}
 
 	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.adm.ttl, Route: r.Name,
 		Replicas: r.Durability.Replicas, ReplicaTimeout: r.Durability.Timeout}

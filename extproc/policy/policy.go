@@ -447,6 +447,7 @@ var ProblemCodes = []string{
 	"response-not-replayable",
 	"outcome-unknown",
 	"store-unavailable",
+	"durability-unmet",
 	"request-too-large",
 	"body-not-available",
 	"unknown-idempotency-route",

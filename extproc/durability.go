@@ -1,0 +1,49 @@
+package extproc
+
+import (
+	"time"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+)
+
+// durabilityLogInterval is the least time between two log lines saying why covered requests get
+// durability-unmet: one per request would flood the log for as long as the replicas are missing.
+const durabilityLogInterval = 10 * time.Second
+
+// SetReplicas tells s how many replicas its store has now (cache.Replicated), as a readiness
+// check measured it. From then on, a covered request of a route whose durability.replicas is above
+// n is answered 503 durability-unmet (or passes unprotected under fail_mode: open) without a store
+// call: its claim could only be withdrawn unconfirmed. Until the first call, no request is refused
+// for it. Safe for concurrent use.
+func (s *Server) SetReplicas(n int) {
+	s.replicasSeen.Store(int64(max(n, 0)) + 1)
+}
+
+// durabilityUnmet reports whether the store is known to have fewer replicas than need.
+func (s *Server) durabilityUnmet(need int) bool {
+	seen := s.replicasSeen.Load()
+	return seen > 0 && seen-1 < int64(need)
+}
+
+// refuseUndurable settles a covered request whose route asks for more replicas than the store
+// has: as a failed claim does, with its own outcome, and logs the cause at most once per
+// durabilityLogInterval.
+func (st *stream) refuseUndurable() {
+	s, need := st.s, st.route.Durability.Replicas
+	now := s.clock.Now().UnixNano()
+	if last := s.durabilityLogged.Load(); (last == 0 || now-last >= int64(durabilityLogInterval)) && s.durabilityLogged.CompareAndSwap(last, now) {
+		st.event(s.log.Warn()).Int("durability_replicas", need).Int64("replicas_seen", s.replicasSeen.Load()-1).
+			Msg("durability.replicas asks for more replicas than the store has: covered requests of this route get durability-unmet until a replica is attached (logged at most every 10s)")
+	}
+	st.outcome = DurabilityUnmet
+	switch {
+	case st.route.shadow:
+		st.shadowed(DurabilityUnmet)
+	case s.policy.FailMode == policy.FailOpen:
+		// Its response headers still come, for the replay header.
+		st.fire(evUnprotected)
+		st.flush()
+	default:
+		st.reject(problemDurabilityUnmet)
+	}
+}
