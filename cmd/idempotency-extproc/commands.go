@@ -11,7 +11,9 @@ import (
 	"net/url"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
+	"text/tabwriter"
 	"time"
 
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
@@ -267,10 +269,14 @@ func writeCommandUsage(fs *flag.FlagSet, usage string, w io.Writer) error {
 }
 
 const recordsUsage = `usage: idempotency-extproc records get|purge KEY_HASH --admin-url URL --token-file FILE
+       idempotency-extproc records list [--route NAME] [--limit N] --admin-url URL --token-file FILE
 
 Calls the records API of a running server (started with --admin-token-file):
   get     prints the record: its route, state, times, status and body size
   purge   deletes the record, whatever its state: the next request with its key runs
+  list    prints up to --limit records, one a line: key_hash, route, state, status, body
+          bytes, created and expires (the server walks the store a page at a time: SCAN on
+          Redis, never KEYS)
 
 KEY_HASH is the 64 hex digits of the logs' key_hash (or of idempotency-extproc key-hash).
 
@@ -282,33 +288,39 @@ func recordsCommand(ctx context.Context, args []string, stdout, stderr io.Writer
 	fs := flag.NewFlagSet("idempotency-extproc records", flag.ContinueOnError)
 	adminURL := fs.String("admin-url", "http://localhost:9003", "the `url` of the server's admin listener")
 	tokenFile := fs.String("token-file", "", "the `file` holding the server's admin token (its --admin-token-file)")
+	route := fs.String("route", "", "list: only the records of the policy route of this `name`")
+	limit := fs.Int("limit", defaultListLimit, "list: print at most this many records (a `count`)")
 	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
 		if done, err := parseCommandFlags(fs, args, recordsUsage, stdout); done || err != nil {
 			return err
 		}
 		_ = writeCommandUsage(fs, recordsUsage, stderr)
-		return errors.New("records: say get or purge, then the key_hash")
+		return errors.New("records: say get, purge or list")
 	}
 	op := args[0]
-	if op != "get" && op != "purge" {
+	if op != "get" && op != "purge" && op != "list" {
 		_ = writeCommandUsage(fs, recordsUsage, stderr)
-		return fmt.Errorf("records: %q is neither get nor purge", op)
+		return fmt.Errorf("records: %q is neither get, purge nor list", op)
 	}
 	// The key_hash may come before or after the flags.
 	var keyHash string
 	rest := args[1:]
-	if len(rest) > 0 && !strings.HasPrefix(rest[0], "-") {
+	if len(rest) > 0 && !strings.HasPrefix(rest[0], "-") && op != "list" {
 		keyHash, rest = rest[0], rest[1:]
 	}
 	if done, err := parseCommandFlags(fs, rest, recordsUsage, stdout); done || err != nil {
 		return err
 	}
-	if keyHash == "" && fs.NArg() == 1 {
+	if keyHash == "" && fs.NArg() == 1 && op != "list" {
 		keyHash = fs.Arg(0)
 	} else if fs.NArg() > 0 {
 		return fmt.Errorf("records: unexpected arguments %q", fs.Args())
 	}
-	if !validKeyHash(keyHash) {
+	if op == "list" {
+		if *limit < 1 {
+			return fmt.Errorf("records list: --limit %d: give a count of 1 or more", *limit)
+		}
+	} else if !validKeyHash(keyHash) {
 		return fmt.Errorf("records %s: %q is not a key_hash: 64 hex digits, as the logs print it", op, keyHash)
 	}
 	if *tokenFile == "" {
@@ -322,24 +334,21 @@ func recordsCommand(ctx context.Context, args []string, stdout, stderr io.Writer
 	if err != nil || (base.Scheme != "http" && base.Scheme != "https") || base.Host == "" {
 		return fmt.Errorf("records %s: --admin-url %q is not an http(s) URL such as http://localhost:9003", op, *adminURL)
 	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	c := recordsClient{base: base, token: token, op: op, tokenFile: *tokenFile}
+	if op == "list" {
+		return c.list(ctx, *route, *limit, stdout)
+	}
 	method := http.MethodGet
 	if op == "purge" {
 		method = http.MethodDelete
 	}
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, method, base.JoinPath("/v1/records", keyHash).String(), nil)
+	status, body, err := c.call(ctx, method, base.JoinPath("/v1/records", keyHash).String())
 	if err != nil {
-		return fmt.Errorf("records %s: %w", op, err)
+		return err
 	}
-	req.Header.Set("Authorization", "Bearer "+string(token))
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return fmt.Errorf("records %s: cannot reach the admin listener at %s: %w", op, base.Redacted(), err)
-	}
-	defer func() { _ = resp.Body.Close() }()
-	body, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	switch resp.StatusCode {
+	switch status {
 	case http.StatusOK:
 		var v any
 		if json.Unmarshal(body, &v) == nil {
@@ -350,16 +359,107 @@ func recordsCommand(ctx context.Context, args []string, stdout, stderr io.Writer
 	case http.StatusNoContent:
 		_, err = fmt.Fprintf(stdout, "purged %s\n", keyHash)
 		return err
-	case http.StatusUnauthorized:
-		return fmt.Errorf("records %s: the server refused the token (401): %s must hold the token of the server's --admin-token-file", op, *tokenFile)
 	case http.StatusNotFound:
-		if resp.Header.Get("Content-Type") == "application/problem+json" {
-			return fmt.Errorf("records %s: no record %s (it expired, was purged, or never existed under this policy's key prefixes)", op, keyHash)
-		}
-		return fmt.Errorf("records %s: %s has no records API (404): start the server with --admin-token-file", op, base.Redacted())
-	default:
-		return fmt.Errorf("records %s: the server answered %s: %s", op, resp.Status, strings.TrimSpace(string(body)))
+		return fmt.Errorf("records %s: no record %s (it expired, was purged, or never existed under this policy's key prefixes)", op, keyHash)
 	}
+	return c.unexpected(status, body)
+}
+
+// recordsClient calls the records API at base with token.
+type recordsClient struct {
+	base      *url.URL
+	token     []byte
+	op        string
+	tokenFile string
+}
+
+// call makes one request and returns the status and body of a 200, 204 or a problem+json 404; a
+// 401, or a 404 of a server without the records API, is an error that says what to do.
+func (c recordsClient) call(ctx context.Context, method, url string) (int, []byte, error) {
+	req, err := http.NewRequestWithContext(ctx, method, url, nil)
+	if err != nil {
+		return 0, nil, fmt.Errorf("records %s: %w", c.op, err)
+	}
+	req.Header.Set("Authorization", "Bearer "+string(c.token))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, nil, fmt.Errorf("records %s: cannot reach the admin listener at %s: %w", c.op, c.base.Redacted(), err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	switch {
+	case resp.StatusCode == http.StatusUnauthorized:
+		return 0, nil, fmt.Errorf("records %s: the server refused the token (401): %s must hold the token of the server's --admin-token-file", c.op, c.tokenFile)
+	case resp.StatusCode == http.StatusNotFound && resp.Header.Get("Content-Type") != "application/problem+json":
+		return 0, nil, fmt.Errorf("records %s: %s has no records API (404): start the server with --admin-token-file", c.op, c.base.Redacted())
+	}
+	return resp.StatusCode, body, nil
+}
+
+func (c recordsClient) unexpected(status int, body []byte) error {
+	return fmt.Errorf("records %s: the server answered %d %s: %s", c.op, status, http.StatusText(status), strings.TrimSpace(string(body)))
+}
+
+// list prints up to limit records of route (every route when empty), one a line, following the
+// API's cursor from page to page.
+func (c recordsClient) list(ctx context.Context, route string, limit int, stdout io.Writer) error {
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "KEY_HASH\tROUTE\tSTATE\tSTATUS\tBODY_BYTES\tCREATED_AT\tEXPIRES_AT")
+	printed, cursor := 0, ""
+	for {
+		q := url.Values{"limit": {strconv.Itoa(min(limit-printed, maxListLimit))}}
+		if route != "" {
+			q.Set("route", route)
+		}
+		if cursor != "" {
+			q.Set("cursor", cursor)
+		}
+		u := c.base.JoinPath("/v1/records")
+		u.RawQuery = q.Encode()
+		status, body, err := c.call(ctx, http.MethodGet, u.String())
+		if err != nil {
+			return err
+		}
+		if status != http.StatusOK {
+			return c.unexpected(status, body)
+		}
+		var page recordsPage
+		if err := json.Unmarshal(body, &page); err != nil {
+			return fmt.Errorf("records list: the server's answer is not a page of records: %w", err)
+		}
+		for _, r := range page.Records {
+			if printed == limit {
+				break
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\t%s\n", r.KeyHash, orDash(r.Route), r.State, statusOrDash(r.Status), r.BodyBytes, orDash(deref(r.CreatedAt)), orDash(deref(r.ExpiresAt)))
+			printed++
+		}
+		if page.Cursor == "" || printed == limit {
+			return tw.Flush()
+		}
+		cursor = page.Cursor
+	}
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func statusOrDash(n int) string {
+	if n == 0 {
+		return "-"
+	}
+	return strconv.Itoa(n)
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
 }
 
 // validKeyHash reports whether s is 64 lower-case hex digits.

@@ -104,8 +104,11 @@ func TestCommandErrors(t *testing.T) {
 		{[]string{"key-hash", "--config", policyFile, "--route", "nope", "--key", "k"}, "nope"},
 		{[]string{"key-hash", "--config", policyFile, "--path", "/pay", "--key", "bad key"}, "not a valid idempotency key"},
 		{[]string{"key-hash", "--config", policyFile, "--path", "/pay", "--key", "k", "--header", "novalue"}, "'name: value'"},
-		{[]string{"records"}, "say get or purge"},
-		{[]string{"records", "list"}, `"list" is neither get nor purge`},
+		{[]string{"records"}, "say get, purge or list"},
+		{[]string{"records", "lsit"}, `"lsit" is neither get, purge nor list`},
+		{[]string{"records", "list"}, "--token-file is required"},
+		{[]string{"records", "list", "--limit", "0"}, "--limit 0: give a count of 1 or more"},
+		{[]string{"records", "list", "extra"}, `unexpected arguments ["extra"]`},
 		{[]string{"records", "get", "abc"}, "not a key_hash"},
 		{[]string{"records", "get", strings.Repeat("a", 64)}, "--token-file is required"},
 		{[]string{"records", "get", strings.Repeat("a", 64), "--token-file", writeNamed(t, "tok", "t"), "--admin-url", "ftp://x"}, "not an http(s) URL"},
@@ -188,7 +191,7 @@ func TestHelp(t *testing.T) {
 // placeholder, and a description that quotes code (`/metrics`, `memory`) showed that instead.
 func TestFlagPlaceholders(t *testing.T) {
 	allowed := []string{"", "file", "address", "addresses", "url", "kind", "name", "bool", "bytes", "level", "format",
-		"path", "key", "uri", "header", "claim", "number"}
+		"path", "key", "uri", "header", "claim", "number", "count"}
 	flagLine := regexp.MustCompile(`(?m)^  -([a-z-]+)(?: (.*))?$`)
 	for _, args := range [][]string{{"help"}, {"key-hash", "--help"}, {"records", "--help"}} {
 		var out bytes.Buffer

@@ -5,7 +5,9 @@ import (
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -15,9 +17,10 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 )
 
-// The records API on the admin listener: GET and DELETE /v1/records/{key_hash},
-// behind a bearer token read from --admin-token-file. Without the token file these paths answer
-// 404, as any unknown path does.
+// The records API on the admin listener: GET and DELETE /v1/records/{key_hash}, and GET
+// /v1/records?route=&limit=&cursor= to list them a page at a time, behind a bearer token read
+// from --admin-token-file. Without the token file these paths answer 404, as any unknown path
+// does.
 
 // recordView is a record as the API shows it.
 type recordView struct {
@@ -42,14 +45,14 @@ type recordsAPI struct {
 
 // The op and result labels of idempotency_admin_requests_total.
 var (
-	recordOps     = []string{"get", "purge"}
+	recordOps     = []string{"get", "purge", "list"}
 	recordResults = []string{"ok", "unreadable", "not_found", "unauthorized", "bad_request", "store_error"}
 )
 
 func newRecordsAPI(store cache.Store, token []byte, prefixes []string, timeout time.Duration, log zerolog.Logger, reg prometheus.Registerer) (*recordsAPI, error) {
 	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "idempotency_admin_requests_total",
-		Help: "Calls of the records API on the admin listener, by operation (get, purge) and result.",
+		Help: "Calls of the records API on the admin listener, by operation (get, purge, list) and result.",
 	}, []string{"op", "result"})
 	for _, op := range recordOps {
 		for _, r := range recordResults {
@@ -66,6 +69,7 @@ func newRecordsAPI(store cache.Store, token []byte, prefixes []string, timeout t
 func (a *recordsAPI) register(mux *http.ServeMux) {
 	mux.HandleFunc("GET /v1/records/{key_hash}", func(w http.ResponseWriter, r *http.Request) { a.serve(w, r, "get") })
 	mux.HandleFunc("DELETE /v1/records/{key_hash}", func(w http.ResponseWriter, r *http.Request) { a.serve(w, r, "purge") })
+	mux.HandleFunc("GET /v1/records", func(w http.ResponseWriter, r *http.Request) { a.serve(w, r, "list") })
 }
 
 func (a *recordsAPI) serve(w http.ResponseWriter, r *http.Request, op string) {
@@ -93,6 +97,9 @@ func (a *recordsAPI) handle(w http.ResponseWriter, r *http.Request, op, keyHash 
 		writeProblem(w, http.StatusUnauthorized, "unauthorized", "This call needs Authorization: Bearer with the admin token.")
 		return "unauthorized"
 	}
+	if op == "list" {
+		return a.list(w, r)
+	}
 	if !validKeyHash(keyHash) {
 		writeProblem(w, http.StatusBadRequest, "invalid-key-hash", "A key_hash is the 64 lower-case hex digits the logs print.")
 		return "bad_request"
@@ -118,25 +125,130 @@ func (a *recordsAPI) handle(w http.ResponseWriter, r *http.Request, op, keyHash 
 			w.WriteHeader(http.StatusNoContent)
 			return "ok"
 		}
-		if rec == nil { // ErrCorrupt: it exists, but this replica cannot open it
-			w.Header().Set("Content-Type", "application/json")
-			_ = json.NewEncoder(w).Encode(recordView{KeyHash: keyHash, State: "unreadable"})
-			return "unreadable"
-		}
-		view := recordView{KeyHash: keyHash, Route: rec.Route, State: "pending"}
-		if rec.State == cache.Completed {
-			view.State, view.Status, view.BodyBytes = "completed", rec.Response.Status, len(rec.Response.Body)
-			if rec.Response.OutcomeUnknown {
-				view.State = "outcome_unknown"
-			}
-		}
-		view.CreatedAt, view.ExpiresAt = rfc3339(rec.CreatedAt), rfc3339(rec.ExpiresAt)
+		view := viewOf(keyHash, rec)
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(view)
+		if rec == nil {
+			return "unreadable"
+		}
 		return "ok"
 	}
 	writeProblem(w, http.StatusNotFound, "record-not-found", "No live record has this key_hash.")
 	return "not_found"
+}
+
+// viewOf is the API's view of rec, the record stored under keyHash; a nil rec is one that exists
+// but this replica cannot open (cache.ErrCorrupt).
+func viewOf(keyHash string, rec *cache.Record) recordView {
+	if rec == nil {
+		return recordView{KeyHash: keyHash, State: "unreadable"}
+	}
+	view := recordView{KeyHash: keyHash, Route: rec.Route, State: "pending"}
+	if rec.State == cache.Completed {
+		view.State, view.Status, view.BodyBytes = "completed", rec.Response.Status, len(rec.Response.Body)
+		if rec.Response.OutcomeUnknown {
+			view.State = "outcome_unknown"
+		}
+	}
+	view.CreatedAt, view.ExpiresAt = rfc3339(rec.CreatedAt), rfc3339(rec.ExpiresAt)
+	return view
+}
+
+// recordsPage is a page of GET /v1/records: its records and the cursor of the next page, empty
+// after the last.
+type recordsPage struct {
+	Records []recordView `json:"records"`
+	Cursor  string       `json:"cursor"`
+}
+
+// fromStart stands in a list cursor for a store cursor that starts its prefix's listing.
+const fromStart = "-"
+
+// The records a list page holds: limit's default and bound.
+const (
+	defaultListLimit = 100
+	maxListLimit     = 1000
+)
+
+// list answers GET /v1/records?route=&limit=&cursor=: about limit records (the store's pages are
+// approximate; a route filter may leave a page with fewer, even none, before the last), walking
+// each key prefix of the policy in turn with the store's cursor-paged listing (SCAN on Redis).
+// The cursor is the prefix's index, '.', the store's cursor (fromStart for none).
+func (a *recordsAPI) list(w http.ResponseWriter, r *http.Request) string {
+	lister, ok := a.store.(cache.Lister)
+	if !ok {
+		writeProblem(w, http.StatusNotImplemented, "list-unsupported", "This store cannot list its records.")
+		return "bad_request"
+	}
+	q := r.URL.Query()
+	route := q.Get("route")
+	limit := defaultListLimit
+	if v := q.Get("limit"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > maxListLimit {
+			writeProblem(w, http.StatusBadRequest, "invalid-limit", fmt.Sprintf("limit is a whole number from 1 to %d.", maxListLimit))
+			return "bad_request"
+		}
+		limit = n
+	}
+	at, cursor := 0, ""
+	if v := q.Get("cursor"); v != "" {
+		i, c, ok := strings.Cut(v, ".")
+		n, err := strconv.Atoi(i)
+		if !ok || err != nil || n < 0 || n >= len(a.prefixes) || c == "" {
+			writeProblem(w, http.StatusBadRequest, "invalid-cursor", "The cursor is not one a page of this listing gave.")
+			return "bad_request"
+		}
+		at, cursor = n, c
+		if c == fromStart {
+			cursor = ""
+		}
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), a.timeout)
+	defer cancel()
+	page := recordsPage{Records: []recordView{}}
+	for at < len(a.prefixes) && len(page.Records) < limit {
+		prefix := a.prefixes[at]
+		keys, next, err := lister.Keys(ctx, prefix, cursor, limit-len(page.Records))
+		if errors.Is(err, cache.ErrBadCursor) {
+			writeProblem(w, http.StatusBadRequest, "invalid-cursor", "The cursor is not one a page of this listing gave.")
+			return "bad_request"
+		}
+		if err != nil {
+			writeProblem(w, http.StatusServiceUnavailable, "store-unavailable", "The idempotency store did not answer; retry later.")
+			return "store_error"
+		}
+		for _, key := range keys {
+			keyHash, ok := strings.CutPrefix(key, prefix)
+			if !ok || !validKeyHash(keyHash) {
+				continue // a key of another prefix that begins with this one, or a staged completion
+			}
+			rec, err := a.store.Lookup(ctx, key)
+			switch {
+			case errors.Is(err, cache.ErrNotFound):
+				continue // it expired or was purged since the listing saw it
+			case err != nil && !errors.Is(err, cache.ErrCorrupt):
+				writeProblem(w, http.StatusServiceUnavailable, "store-unavailable", "The idempotency store did not answer; retry later.")
+				return "store_error"
+			case route != "" && (rec == nil || rec.Route != route):
+				continue
+			}
+			page.Records = append(page.Records, viewOf(keyHash, rec))
+		}
+		cursor = next
+		if next == "" {
+			at++
+		}
+	}
+	if at < len(a.prefixes) {
+		if cursor == "" {
+			cursor = fromStart
+		}
+		page.Cursor = strconv.Itoa(at) + "." + cursor
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(page)
+	return "ok"
 }
 
 // authorized compares the bearer token in constant time. The scheme is matched in any case, as

@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -29,6 +31,7 @@ defaults: {lock_ttl: 30s}
 routes:
   - {name: pay, match: {path_prefix: /v1/payments}}
   - {name: unknown, match: {path_prefix: /v1/unknown}, unknown_outcome: record}
+  - {name: other, match: {path_prefix: /v1/other}, key_prefix: "other:"}
 `
 
 // claimOn opens a stream that claims key with a bodiless POST to path; the request runs
@@ -100,9 +103,9 @@ func TestRecordsAPI(t *testing.T) {
 			require.Len(t, stuck, 64)
 
 			// Authorization: missing, wrong, right.
-			url := adminURL + "/v1/records/" + stuck
+			recordURL := adminURL + "/v1/records/" + stuck
 			for _, auth := range []string{"", "Bearer wrong", "Basic " + token, "Bearer " + token + "x"} {
-				req, _ := http.NewRequest(http.MethodGet, url, nil)
+				req, _ := http.NewRequest(http.MethodGet, recordURL, nil)
 				if auth != "" {
 					req.Header.Set("Authorization", auth)
 				}
@@ -169,6 +172,53 @@ func TestRecordsAPI(t *testing.T) {
 				out, err := recordsCall(t, adminURL, tokenFile, "get", ambHash)
 				return err == nil && strings.Contains(out, `"outcome_unknown"`) && strings.Contains(out, `"unknown"`)
 			}, 10*time.Second, 20*time.Millisecond)
+
+			// The list: every record, under each key prefix, a page at a time.
+			claimOn(t, grpcAddr, "/v1/other", "elsewhere")
+			doneHash, otherHash := keyHashOf(t, policyFile, "/v1/payments", "done"), keyHashOf(t, policyFile, "/v1/other", "elsewhere")
+			states := map[string]string{stuck: "pending pay", doneHash: "completed pay", ambHash: "outcome_unknown unknown", otherHash: "pending other"}
+			for _, limit := range []int{1, 2, 100} {
+				seen := map[string]string{}
+				cursor, pages := "", 0
+				for {
+					page := listPage(t, adminURL, token, fmt.Sprintf("limit=%d&cursor=%s", limit, url.QueryEscape(cursor)))
+					require.LessOrEqual(t, len(page.Records), limit+10, "about limit records a page")
+					for _, r := range page.Records {
+						require.NotContains(t, seen, r.KeyHash, "listed once")
+						seen[r.KeyHash] = r.State + " " + r.Route
+					}
+					pages++
+					require.Less(t, pages, 100, "the cursor moves on")
+					if cursor = page.Cursor; cursor == "" {
+						break
+					}
+				}
+				require.Equal(t, states, seen, "limit %d", limit)
+			}
+			out, err = recordsCall(t, adminURL, tokenFile, "list")
+			require.NoError(t, err)
+			lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
+			require.Len(t, lines, 5, "a header and four records:\n%s", out)
+			require.Regexp(t, `^KEY_HASH +ROUTE +STATE +STATUS +BODY_BYTES +CREATED_AT +EXPIRES_AT$`, lines[0])
+			require.Regexp(t, `(?m)^`+doneHash+` +pay +completed +201 +10 +\S+Z +\S+Z$`, out)
+			require.Regexp(t, `(?m)^`+stuck+` +pay +pending +- +0 +\S+Z +\S+Z$`, out)
+			out, err = recordsCall(t, adminURL, tokenFile, "list", "--route", "pay")
+			require.NoError(t, err)
+			require.Equal(t, 3, strings.Count(out, "\n"), "the header and pay's two records:\n%s", out)
+			require.Contains(t, out, stuck)
+			require.Contains(t, out, doneHash)
+			out, err = recordsCall(t, adminURL, tokenFile, "list", "--limit", "3")
+			require.NoError(t, err)
+			require.Equal(t, 4, strings.Count(out, "\n"), "the header and three records:\n%s", out)
+			for _, bad := range []string{"limit=0", "limit=1001", "limit=x", "cursor=9.-", "cursor=zz", "cursor=0.notacursor"} {
+				req, _ := http.NewRequest(http.MethodGet, adminURL+"/v1/records?"+bad, nil)
+				req.Header.Set("Authorization", "Bearer "+token)
+				resp, err := http.DefaultClient.Do(req)
+				require.NoError(t, err)
+				_ = resp.Body.Close()
+				require.Equal(t, http.StatusBadRequest, resp.StatusCode, bad)
+			}
+
 			_, err = recordsCall(t, adminURL, tokenFile, "purge", ambHash)
 			require.NoError(t, err)
 
@@ -210,6 +260,24 @@ func TestRecordsAPIOffWithoutAToken(t *testing.T) {
 	require.Contains(t, m, "\nidempotency_fail_open 0\n", "fail_mode closed by default")
 	cancel()
 	require.NoError(t, <-done)
+}
+
+// listPage GETs a page of /v1/records with query.
+func listPage(t *testing.T, adminURL, token, query string) recordsPage {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, adminURL+"/v1/records?"+query, nil)
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+token)
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer func() { _ = resp.Body.Close() }()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode, "%s", body)
+	require.Equal(t, "application/json", resp.Header.Get("Content-Type"))
+	var page recordsPage
+	require.NoError(t, json.Unmarshal(body, &page))
+	return page
 }
 
 func scrape(t *testing.T, url string) string {
