@@ -1,21 +1,18 @@
 package main
 
 import (
-	"context"
 	"net/http"
 	"sync/atomic"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-
-	"github.com/idempotency-extproc/idempotency-extproc/cache"
 )
 
 // adminHandler serves /metrics, /healthz (the process runs), /readyz (the process is not
-// shutting down, and the store answers a ping within pingTimeout) and, when records is not nil,
-// the records API.
-func adminHandler(reg *prometheus.Registry, store cache.Store, pingTimeout time.Duration, draining *atomic.Bool, records *recordsAPI) http.Handler {
+// shutting down, and the readiness check passes: the store answers, with the replicas durability
+// asks for; the body says why not) and, when records is not nil, the records API. Every body
+// ends with a newline.
+func adminHandler(reg *prometheus.Registry, rd *readiness, draining *atomic.Bool, records *recordsAPI) http.Handler {
 	mux := http.NewServeMux()
 	if records != nil {
 		records.register(mux)
@@ -30,10 +27,8 @@ func adminHandler(reg *prometheus.Registry, store cache.Store, pingTimeout time.
 			http.Error(w, "shutting down", http.StatusServiceUnavailable)
 			return
 		}
-		ctx, cancel := context.WithTimeout(r.Context(), pingTimeout)
-		defer cancel()
-		if err := store.Ping(ctx); err != nil {
-			http.Error(w, "store unavailable", http.StatusServiceUnavailable)
+		if _, err := rd.check(r.Context()); err != nil {
+			http.Error(w, "not ready: "+err.Error(), http.StatusServiceUnavailable)
 			return
 		}
 		_, _ = w.Write([]byte("ok\n"))

@@ -199,6 +199,10 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	healthpb.RegisterHealthServer(gs, healthSrv)
 	setHealth(healthSrv, healthpb.HealthCheckResponse_NOT_SERVING)
 
+	rd, err := newReadiness(store, pingTimeout(cfg.policy.StoreTimeout), cfg.policy)
+	if err != nil {
+		return err
+	}
 	var records *recordsAPI
 	if cfg.adminToken != nil {
 		if records, err = newRecordsAPI(store, cfg.adminToken, extproc.StorePrefixes(cfg.policy), recordsTimeout, log, reg); err != nil {
@@ -207,7 +211,7 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	}
 	var draining atomic.Bool
 	admin := &http.Server{
-		Handler:           adminHandler(reg, store, pingTimeout(cfg.policy.StoreTimeout), &draining, records),
+		Handler:           adminHandler(reg, rd, &draining, records),
 		ReadHeaderTimeout: adminReadHeaderTimeout,
 		ReadTimeout:       adminReadTimeout,
 		WriteTimeout:      adminWriteTimeout,
@@ -221,7 +225,7 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	defer stopWatch()
 	readyGauge := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "idempotency_ready",
-		Help: "1 while the store answers and the process serves new streams (as /readyz and gRPC health say), else 0.",
+		Help: "1 while the store answers (with the replicas durability asks for) and the process serves new streams (as /readyz and gRPC health say), else 0.",
 	})
 	reg.MustRegister(readyGauge)
 	failOpen := prometheus.NewGauge(prometheus.GaugeOpts{
@@ -234,15 +238,37 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	reg.MustRegister(failOpen)
 	build := currentBuild()
 	reg.MustRegister(buildInfo(build))
-	go watchStore(watchCtx, store, pingTimeout(cfg.policy.StoreTimeout), healthSrv, readyGauge, log)
+	var replicas prometheus.Gauge
+	if rd.need > 0 {
+		replicas = prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "idempotency_store_replicas",
+			Help: "Replicas in sync with the Redis master, as the readiness check last counted them (under Cluster, the fewest any master has); only when a route's durability.replicas is above 0, whose requests get 503 durability-unmet while this is below it.",
+		})
+		reg.MustRegister(replicas)
+		rd.observe = func(seen int) {
+			replicas.Set(float64(seen))
+			srv.SetReplicas(seen)
+		}
+	}
 
 	configPath := cfg.configPath
 	if configPath == "" {
 		configPath = "(built-in defaults)"
 	}
-	log.Info().Str("grpc_addr", addrString(grpcLis)).Str("admin_addr", adminLis.Addr().String()).
-		Str("store", cfg.store).Str("version", build.version).Str("config", configPath).
-		Strs("routes", routeNames(cfg.policy)).Msg("ready")
+	listening := func(e *zerolog.Event) *zerolog.Event {
+		return e.Str("grpc_addr", addrString(grpcLis)).Str("admin_addr", adminLis.Addr().String())
+	}
+	// The listeners are up; the process is ready once its store has answered, which may take
+	// a while (Redis down, a wrong password): until then it serves NOT_SERVING and /readyz 503,
+	// and logs ready when the store first answers.
+	listening(log.Info()).Str("store", cfg.store).Msg("listening: waiting for the store to answer")
+	go watchStore(watchCtx, rd, storeWatch{
+		health: healthSrv, ready: readyGauge, log: log,
+		answered: func() {
+			listening(log.Info()).Str("store", cfg.store).Str("version", build.version).Str("config", configPath).
+				Strs("routes", routeNames(cfg.policy)).Msg("ready")
+		},
+	})
 
 	// A listener that fails for good ends the process as SIGTERM does, through the drain, so
 	// that the streams still open finish or release what they hold; run then returns its error.
@@ -445,36 +471,4 @@ func addrString(l net.Listener) string {
 func setHealth(h *health.Server, s healthpb.HealthCheckResponse_ServingStatus) {
 	h.SetServingStatus("", s)
 	h.SetServingStatus(extprocv3.ExternalProcessor_ServiceDesc.ServiceName, s)
-}
-
-// watchStore keeps gRPC health and the ready gauge in step with the store: SERVING (1) while it
-// answers a ping within timeout, NOT_SERVING (0) otherwise.
-func watchStore(ctx context.Context, store cache.Store, timeout time.Duration, h *health.Server, ready prometheus.Gauge, log zerolog.Logger) {
-	up, known := false, false
-	t := time.NewTicker(readinessInterval)
-	defer t.Stop()
-	for {
-		pctx, cancel := context.WithTimeout(ctx, timeout)
-		err := store.Ping(pctx)
-		cancel()
-		if ctx.Err() != nil {
-			return
-		}
-		switch {
-		case err == nil && (!up || !known):
-			setHealth(h, healthpb.HealthCheckResponse_SERVING)
-			ready.Set(1)
-			log.Info().Msg("store is reachable: serving")
-		case err != nil && (up || !known):
-			setHealth(h, healthpb.HealthCheckResponse_NOT_SERVING)
-			ready.Set(0)
-			log.Error().Err(err).Str("op", "ping").Msg("store is unreachable: not serving")
-		}
-		up, known = err == nil, true
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
 }

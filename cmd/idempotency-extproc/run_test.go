@@ -275,10 +275,11 @@ func TestHangingStoreTurnsUnreadyQuickly(t *testing.T) {
 		done <- run(ctx, []string{"--config", writeFile(t, "store_timeout: 1m\n"), "--store", "redis", "--redis-url", "redis://" + hole.Addr().String() + "/0",
 			"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, env(nil), logs)
 	}()
-	ready := logs.wait(t, "ready", 10*time.Second)
+	ready := logs.wait(t, "listening: waiting for the store to answer", 10*time.Second)
 	start := time.Now()
 	logs.wait(t, "store is unreachable: not serving", 10*time.Second)
 	require.Less(t, time.Since(start), 3*time.Second, "a ping is bounded by 1 s, not by the 1 m store_timeout (within 2 s)")
+	require.NotContains(t, logs.String(), `"message":"ready"`, "not ready before the store answers")
 
 	client := http.Client{Timeout: 10 * time.Second}
 	resp, err := client.Get("http://" + ready["admin_addr"].(string) + "/readyz")
