@@ -63,11 +63,14 @@ type figureResult struct {
 	failover, restored time.Duration
 	first, second      map[int]int // statuses of the traffic, and of the keys sent again
 	unconfirmed        [2]float64  // idempotency_durability_unconfirmed_total, claim and complete
+	// unmet counts the requests refused without a store call because the readiness check had
+	// counted fewer replicas than durability.replicas (outcome durability_unmet).
+	unmet float64
 }
 
 func (r figureResult) String() string {
-	return fmt.Sprintf("%d keys, %d of them first sent while the replicas lagged; %d ran twice; failover took %v, service restored %v after the kill; statuses %v, sent again %v; unconfirmed claims %v, completions %v",
-		r.keys, r.lagged, r.doubles, r.failover.Round(time.Millisecond), r.restored.Round(time.Millisecond), r.first, r.second, r.unconfirmed[0], r.unconfirmed[1])
+	return fmt.Sprintf("%d keys, %d of them first sent while the replicas lagged; %d ran twice; failover took %v, service restored %v after the kill; statuses %v, sent again %v; unconfirmed claims %v, completions %v; refused for missing replicas %v",
+		r.keys, r.lagged, r.doubles, r.failover.Round(time.Millisecond), r.restored.Round(time.Millisecond), r.first, r.second, r.unconfirmed[0], r.unconfirmed[1], r.unmet)
 }
 
 // cut returns a figure's lag for the replicas of master: it cuts their links and keeps them from
@@ -189,7 +192,7 @@ func (f figure) run(t *testing.T) figureResult {
 				var err error
 				for try := 0; try < 50; try++ {
 					r, err = s.try(call{key: key(i), headers: headers, body: `{"amount":1}`})
-					if err == nil && !(r.status == 503 && r.problemCode() == "store-unavailable") {
+					if err == nil && !(r.status == 503 && (r.problemCode() == "store-unavailable" || r.problemCode() == "durability-unmet")) {
 						break
 					}
 					time.Sleep(100 * time.Millisecond)
@@ -221,6 +224,7 @@ func (f figure) run(t *testing.T) figureResult {
 		metric(m, `idempotency_durability_unconfirmed_total{op="claim"}`),
 		metric(m, `idempotency_durability_unconfirmed_total{op="complete"}`),
 	}
+	res.unmet = metric(m, `idempotency_requests_total{outcome="durability_unmet",route="default"}`)
 	return res
 }
 
@@ -233,7 +237,9 @@ func (f figure) check(t *testing.T, res figureResult) {
 		return
 	}
 	require.Zero(t, res.doubles, "with durability.replicas: %d no key runs twice", f.replicas)
-	require.Positive(t, res.unconfirmed[0], "the lag was seen: claims were refused")
+	// Claims are refused for the lag: by WAIT, or, once the readiness check has counted the
+	// replicas gone, before any store call (durability-unmet).
+	require.Positive(t, res.unconfirmed[0]+res.unmet, "the lag was seen: claims were refused")
 }
 
 // TestDurabilityFailoverSentinel runs the figure on a Sentinel-managed master with two replicas:

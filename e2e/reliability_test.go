@@ -357,9 +357,12 @@ func TestRedisTLSAndACLThroughTheBinary(t *testing.T) {
 		{"wrong password", []string{"SSL_CERT_FILE=" + srv.CAFile()}, strings.Replace(srv.URL(), "tls-acl-pass", "wrong", 1)},
 	}
 	for _, c := range cases {
-		p := startProcessor(t, c.env, "--store", "redis", "--redis-url", c.url)
-		code, _ := p.admin("/readyz")
+		p := startListening(t, c.env, "--store", "redis", "--redis-url", c.url)
+		p.waitLog("store is unreachable: not serving", 30*time.Second)
+		code, body := p.admin("/readyz")
 		require.Equal(t, 503, code, c.name)
+		require.Contains(t, body, "not ready: store unavailable", c.name)
+		require.NotContains(t, p.logs.String(), `"message":"ready"`, "%s: no ready line before the store answers", c.name)
 	}
 }
 

@@ -75,8 +75,17 @@ type processor struct {
 }
 
 // startProcessor runs the binary with args (listeners on free loopback ports unless args set
-// them) and extra environment variables, and waits for its ready line.
+// them) and extra environment variables, and waits for its ready line: its store answered.
 func startProcessor(t *testing.T, env []string, args ...string) *processor {
+	t.Helper()
+	p := startListening(t, env, args...)
+	p.waitLog("ready", 30*time.Second)
+	return p
+}
+
+// startListening is startProcessor without waiting for the store: it returns once the
+// listeners are up, which they are whether the store answers or not.
+func startListening(t *testing.T, env []string, args ...string) *processor {
 	t.Helper()
 	full := append([]string{"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, args...)
 	logs := &logBuffer{}
@@ -98,9 +107,9 @@ func startProcessor(t *testing.T, env []string, args ...string) *processor {
 			t.Logf("processor %s log:\n%s", p.grpcAddr, logs.String())
 		}
 	})
-	ready := p.waitLog("ready", 30*time.Second)
-	p.grpcAddr = ready["grpc_addr"].(string)
-	p.adminAddr = ready["admin_addr"].(string)
+	listening := p.waitLog("listening: waiting for the store to answer", 30*time.Second)
+	p.grpcAddr = listening["grpc_addr"].(string)
+	p.adminAddr = listening["admin_addr"].(string)
 	return p
 }
 
