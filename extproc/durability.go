@@ -11,12 +11,13 @@ import (
 const durabilityLogInterval = 10 * time.Second
 
 // SetReplicas tells s how many replicas its store has now (cache.Replicated), as a readiness
-// check measured it. From then on, a covered request of a route whose durability.replicas is above
-// n is answered 503 durability-unmet (or passes unprotected under fail_mode: open) without a store
-// call: its claim could only be withdrawn unconfirmed. Until the first call, no request is refused
-// for it. Safe for concurrent use.
+// check counted them, or, with n below 0, that it does not know (the store did not answer). While
+// it knows, a covered request of a route whose durability.replicas is above n is answered 503
+// durability-unmet (or passes unprotected under fail_mode: open) without a store call: its claim
+// could only be withdrawn unconfirmed. While it does not (as before the first call), requests go
+// to the store, which judges each claim itself. Safe for concurrent use.
 func (s *Server) SetReplicas(n int) {
-	s.replicasSeen.Store(int64(max(n, 0)) + 1)
+	s.replicasSeen.Store(int64(max(n, -1)) + 1)
 }
 
 // durabilityUnmet reports whether the store is known to have fewer replicas than need.

@@ -154,6 +154,11 @@ routes:
 			if mode == "closed" {
 				requireProblem(t, res, 503, "store-unavailable")
 			}
+			// Replicas unknown (the store did not answer the count): the store judges the claim.
+			h.server.SetReplicas(0)
+			h.server.SetReplicas(-1)
+			h.do(post("/v1/payments", "c", `{}`), created)
+			require.Equal(t, before+2, store.acquires.Load(), "with the replicas unknown the claim goes to the store")
 		})
 	}
 }

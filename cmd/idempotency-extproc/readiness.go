@@ -26,7 +26,8 @@ type readiness struct {
 	need     int
 	replicas cache.Replicated
 	// observe, when set, is given every count of the replicas, by /readyz's checks as by
-	// watchStore's: requests are refused for durability exactly while /readyz says so.
+	// watchStore's, or -1 when the store did not answer: requests are refused for durability
+	// exactly while /readyz says so.
 	observe func(seen int)
 }
 
@@ -57,6 +58,7 @@ func (r *readiness) check(ctx context.Context) (seen int, err error) {
 	ctx, cancel := context.WithTimeout(ctx, r.timeout)
 	defer cancel()
 	if err := r.store.Ping(ctx); err != nil {
+		r.seen(-1)
 		return -1, fmt.Errorf("store unavailable: %w", err)
 	}
 	if r.need == 0 {
@@ -64,15 +66,20 @@ func (r *readiness) check(ctx context.Context) (seen int, err error) {
 	}
 	n, err := r.replicas.Replicas(ctx)
 	if err != nil {
+		r.seen(-1)
 		return -1, fmt.Errorf("store unavailable: counting its replicas: %w", err)
 	}
-	if r.observe != nil {
-		r.observe(n)
-	}
+	r.seen(n)
 	if n < r.need {
 		return n, errUndurable{need: r.need, seen: n}
 	}
 	return n, nil
+}
+
+func (r *readiness) seen(n int) {
+	if r.observe != nil {
+		r.observe(n)
+	}
 }
 
 // The states watchStore reports.

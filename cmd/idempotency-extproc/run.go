@@ -246,7 +246,9 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 		})
 		reg.MustRegister(replicas)
 		rd.observe = func(seen int) {
-			replicas.Set(float64(seen))
+			if seen >= 0 {
+				replicas.Set(float64(seen))
+			}
 			srv.SetReplicas(seen)
 		}
 	}
