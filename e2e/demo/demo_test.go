@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -23,6 +24,7 @@ import (
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
 
 // Every goroutine the demo starts has ended once run returns.
@@ -88,6 +90,37 @@ var (
 // the access log.
 func TestRecipe(t *testing.T) {
 	d := startDemo(t, shippedArgs...)
+	require.Contains(t, d.out.String(), "idempotency-extproc over gRPC, memory store, ")
+	checkRecipe(t, d)
+	d.stop(t)
+}
+
+// TestRecipeOnRedis runs the recipe with -redis-url (as IDEMPOTENCY_REDIS_URL=… make demo does):
+// the records are in Redis, under a prefix of the run's own, and a second run starts afresh.
+func TestRecipeOnRedis(t *testing.T) {
+	srv := redistest.Start(t, redistest.Options{Password: "demo-pass"})
+	for run := range 2 {
+		d := startDemo(t, append(slices.Clone(shippedArgs), "-redis-url", srv.URL())...)
+		banner := d.out.String()
+		require.Contains(t, banner, "idempotency-extproc over gRPC, Redis (keys under "+demoPrefix)
+		require.NotContains(t, banner, "demo-pass")
+		checkRecipe(t, d)
+		d.stop(t)
+		keys, err := srv.Client(t).Keys(t.Context(), "*").Result() // a test's own Redis
+		require.NoError(t, err)
+		require.NotEmpty(t, keys)
+		prefixes := map[string]bool{}
+		for _, k := range keys {
+			require.True(t, strings.HasPrefix(k, demoPrefix), "%q under the demo's prefix", k)
+			prefixes[strings.Join(strings.SplitN(k, ":", 3)[:2], ":")] = true
+		}
+		require.Len(t, prefixes, run+1, "one prefix per run: %v", keys)
+	}
+}
+
+// checkRecipe runs the recipe against d and checks every request's outcome.
+func checkRecipe(t *testing.T, d *demo) {
+	t.Helper()
 	banner := d.out.String()
 	require.Contains(t, banner, "an emulator of Envoy's ext_proc filter")
 	require.Contains(t, banner, "In production the processor runs behind Envoy, Istio or Envoy Gateway")
@@ -198,8 +231,6 @@ func TestRecipe(t *testing.T) {
 		}
 	}
 	require.Equal(t, outcomes, counted, "idempotency_requests_total of route default")
-
-	d.stop(t)
 }
 
 // TestStopsWithRequestsInFlight cancels the demo (as Ctrl-C and SIGTERM do through main) while
@@ -255,6 +286,8 @@ func TestRunRejects(t *testing.T) {
 		{"missing policy file", []string{"-envoy", "../../envoy/envoy.yaml"}, []string{"envoy/policy.yaml", "no such file", "-policy"}},
 		{"bad policy", []string{"-envoy", "../../envoy/envoy.yaml", "-policy", badPolicy}, []string{"policy file " + badPolicy, "defaults.ttl", "line 2"}},
 		{"port taken", append([]string{"-listen", taken.Addr().String()}, shippedArgs...), []string{"-listen " + taken.Addr().String(), "address already in use"}},
+		{"redis not answering", append([]string{"-redis-url", "redis://:secret-pass@" + taken.Addr().String() + "/0"}, shippedArgs...), []string{"-redis-url: Redis does not answer"}},
+		{"redis url", append([]string{"-redis-url", "http://localhost/"}, shippedArgs...), []string{"-redis-url", "invalid URL scheme"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var out strings.Builder
@@ -263,6 +296,7 @@ func TestRunRejects(t *testing.T) {
 			for _, w := range tc.want {
 				require.Contains(t, err.Error(), w)
 			}
+			require.NotContains(t, err.Error(), "secret-pass")
 		})
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -44,6 +45,8 @@ type options struct {
 	envoy, policy string
 	// messageTimeout, when positive, replaces envoy.yaml's ext_proc message_timeout.
 	messageTimeout time.Duration
+	// redisURL, when set, puts the processor's records in that Redis instead of the memory store.
+	redisURL string
 }
 
 func parseFlags(args []string, stdout io.Writer) (options, error) {
@@ -57,6 +60,7 @@ func parseFlags(args []string, stdout io.Writer) (options, error) {
 	fs.StringVar(&o.envoy, "envoy", "envoy/envoy.yaml", "the Envoy bootstrap the emulator follows: routes, ext_proc filter, jwt_authn, access-log format")
 	fs.StringVar(&o.policy, "policy", "envoy/policy.yaml", "the processor's policy file; the demo takes no program settings (grpc_addr, store, …) from it and refuses a file that gives some")
 	fs.DurationVar(&o.messageTimeout, "message-timeout", 0, "replaces envoy.yaml's ext_proc message_timeout (0 keeps it), for a machine too busy to answer within it")
+	fs.StringVar(&o.redisURL, "redis-url", os.Getenv("IDEMPOTENCY_REDIS_URL"), "a redis:// or rediss:// URL (default $IDEMPOTENCY_REDIS_URL): the processor keeps its records there, under a key prefix of this run's own, instead of in the memory store")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "Usage: go run ./e2e/demo [flags]  (from the repository root)")
 		fmt.Fprintln(fs.Output(), "Runs the processor, an emulator of Envoy's ext_proc filter and a demo upstream on loopback. Flags:")
@@ -167,8 +171,9 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 	log := zerolog.New(zerolog.ConsoleWriter{Out: prefixed{out, "processor "}, NoColor: !isTerminal(stdout), TimeFormat: time.TimeOnly}).
 		Level(zerolog.InfoLevel).With().Timestamp().Logger()
 
-	// The processor: the server's own wiring (cmd/idempotency-extproc run.go) on the memory store.
-	store, err := cache.NewMemory(cache.MemoryOptions{})
+	// The processor: the server's own wiring (cmd/idempotency-extproc run.go) on the memory store,
+	// or on Redis.
+	store, storeName, err := openStore(ctx, o.redisURL, pol)
 	if err != nil {
 		return err
 	}
@@ -190,7 +195,7 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 		grpc.NumStreamWorkers(extproc.StreamWorkers),
 	)
 	extprocv3.RegisterExternalProcessorServer(gs, srv)
-	// envoy.yaml health-checks the processor cluster; the memory store is always reachable.
+	// envoy.yaml health-checks the processor cluster; the store answered above.
 	hs := health.NewServer()
 	hs.SetServingStatus(extprocv3.ExternalProcessor_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(gs, hs)
@@ -235,7 +240,7 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 	printBanner(out, banner{
 		front: "http://" + frontLn.Addr().String(), processor: procLn.Addr().String(),
 		upstream: upstreamURL, metrics: "http://" + metricsLn.Addr().String() + "/metrics",
-		envoy: o.envoy, policy: o.policy, bootstrap: b, settings: settings, steps: steps,
+		envoy: o.envoy, policy: o.policy, bootstrap: b, settings: settings, steps: steps, store: storeName,
 	})
 
 	var failed error
@@ -269,6 +274,35 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 	fmt.Fprintln(out, "stopped")
 	return failed
 }
+
+// openStore opens the demo's store: the memory store, or, with redisURL, Redis, once it answers.
+// On Redis every route's key_prefix gets a prefix of this run's own, idempotency-demo:RUN:, so
+// that the recipe starts afresh on every run whatever earlier runs left there (for their TTL).
+// It returns the store and how the banner names it.
+func openStore(ctx context.Context, redisURL string, pol *policy.Policy) (cache.Store, string, error) {
+	if redisURL == "" {
+		s, err := cache.NewMemory(cache.MemoryOptions{})
+		return s, "memory store", err
+	}
+	s, err := cache.OpenRedis(cache.RedisOptions{URL: redisURL, Timeout: pol.StoreTimeout})
+	if err != nil {
+		return nil, "", fmt.Errorf("-redis-url: %w", err)
+	}
+	pingCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := s.Ping(pingCtx); err != nil {
+		_ = s.Close()
+		return nil, "", fmt.Errorf("-redis-url: Redis does not answer: %w", err)
+	}
+	run := demoPrefix + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
+	for _, r := range append([]*policy.Route{pol.Default}, pol.Routes...) {
+		r.KeyPrefix = run + r.KeyPrefix
+	}
+	return s, "Redis (keys under " + run + ")", nil
+}
+
+// demoPrefix begins the key prefix of a demo run on Redis.
+const demoPrefix = "idempotency-demo:"
 
 // fromRoot adds to a missing file's error where the demo looks for it.
 func fromRoot(err error, flagName string) error {
@@ -325,6 +359,7 @@ type banner struct {
 	bootstrap                           *bootstrapv3.Bootstrap
 	settings                            envoyconf.Settings
 	steps                               []step
+	store                               string // where the records are, as the banner says it
 }
 
 func printBanner(out io.Writer, b banner) {
@@ -338,7 +373,7 @@ func printBanner(out io.Writer, b banner) {
 	p("")
 	p("  emulator   %-24s from %s (listener %s there):", b.front, b.envoy, listenerOf(b.bootstrap))
 	p("  %-35s its routes, ext_proc filter, jwt_authn and access-log format", "")
-	p("  processor  %-24s idempotency-extproc over gRPC, memory store, %s", b.processor, b.policy)
+	p("  processor  %-24s idempotency-extproc over gRPC, %s, %s", b.processor, b.store, b.policy)
 	p("  %-35s (cluster %s there)", "", clusterOf(b.bootstrap, b.settings.ProcessorCluster))
 	p("  upstream   %-24s counts executions per Idempotency-Key; x-test-delay: 3s slows it", b.upstream)
 	p("  %-35s (cluster %s there)", "", clusterOf(b.bootstrap, b.settings.UpstreamCluster))
