@@ -143,6 +143,7 @@ func TestBinaryWrongRedisPasswordIsNotReady(t *testing.T) {
 	require.Equal(t, http.StatusServiceUnavailable, code)
 	require.Contains(t, body, "not ready: store unavailable")
 	require.Contains(t, body, "WRONGPASS")
+	require.True(t, strings.HasSuffix(body, "\n"), "%q", body)
 	require.NotContains(t, body, "later-pass", "never the password")
 	require.NotContains(t, logs.String(), `"message":"ready"`, "no ready line before the store answers")
 	require.NotContains(t, logs.String(), "later-pass")

@@ -354,3 +354,54 @@ func TestRecordsAPIAuthorization(t *testing.T) {
 	require.Equal(t, 4.0, counts["idempotency_admin_requests_total op=get result=not_found"])
 	require.Equal(t, 7.0, counts["idempotency_admin_requests_total op=get result=unauthorized"], "refused calls are counted")
 }
+
+// Every body the admin listener writes ends with a newline: the health and readiness answers,
+// the metrics, the records API's records, pages and problems, and net/http's own 404 and 405.
+func TestAdminBodiesEndWithANewline(t *testing.T) {
+	const token = "adm-nl-token"
+	tokenFile := writeNamed(t, "token", token)
+	logs := newLogLines()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	done := make(chan error, 1)
+	go func() {
+		done <- runWith(ctx, []string{"--admin-token-file", tokenFile, "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, env(nil), logs, runOptions{drainTimeout: 200 * time.Millisecond})
+	}()
+	ready := logs.wait(t, "ready", 10*time.Second)
+	admin := "http://" + ready["admin_addr"].(string)
+	claimOn(t, ready["grpc_addr"].(string), "/v1/payments", "nl")
+	hash := keyHashOf(t, writeFile(t, "{}"), "/v1/payments", "nl")
+	for _, tc := range []struct {
+		method, path, auth string
+		status             int
+	}{
+		{"GET", "/healthz", "", 200},
+		{"GET", "/readyz", "", 200},
+		{"GET", "/metrics", "", 200},
+		{"GET", "/nothing", "", 404},
+		{"POST", "/healthz", "", 405},
+		{"GET", "/v1/records/" + hash, token, 200},
+		{"GET", "/v1/records", token, 200},
+		{"GET", "/v1/records?limit=0", token, 400},
+		{"GET", "/v1/records/" + strings.Repeat("0", 64), token, 404},
+		{"GET", "/v1/records/nothex", token, 400},
+		{"GET", "/v1/records/" + hash, "wrong", 401},
+		{"DELETE", "/v1/records/" + strings.Repeat("0", 64), token, 404},
+	} {
+		req, err := http.NewRequest(tc.method, admin+tc.path, nil)
+		require.NoError(t, err)
+		if tc.auth != "" {
+			req.Header.Set("Authorization", "Bearer "+tc.auth)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		_ = resp.Body.Close()
+		require.Equal(t, tc.status, resp.StatusCode, "%s %s: %s", tc.method, tc.path, body)
+		require.NotEmpty(t, body, "%s %s", tc.method, tc.path)
+		require.Equal(t, byte('\n'), body[len(body)-1], "%s %s: %q", tc.method, tc.path, body)
+	}
+	cancel()
+	require.NoError(t, <-done)
+}
