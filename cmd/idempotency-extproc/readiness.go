@@ -21,8 +21,10 @@ import (
 type readiness struct {
 	store   cache.Store
 	timeout time.Duration
-	// need is the most replicas a route's durability asks for; 0 for none. replicas counts them
-	// (the store, when need is above 0: start-up refuses durability with the memory store).
+	// need is the most replicas a route's durability asks for; 0 for none. replicas counts them:
+	// the store, when it has replicas (Redis), else nil (start-up refuses durability with the
+	// memory store). They are counted whatever need is, for idempotency_store_replicas; only
+	// with need above 0 does a failed count make the process unready.
 	need     int
 	replicas cache.Replicated
 	// observe, when set, is given every count of the replicas, by /readyz's checks as by
@@ -36,11 +38,9 @@ func newReadiness(store cache.Store, timeout time.Duration, p *policy.Policy) (*
 	for _, route := range append([]*policy.Route{p.Default}, p.Routes...) {
 		r.need = max(r.need, route.Durability.Replicas)
 	}
-	if r.need > 0 {
-		var ok bool
-		if r.replicas, ok = store.(cache.Replicated); !ok {
-			return nil, errors.New("durability.replicas above 0 needs a store with replicas: --store redis")
-		}
+	r.replicas, _ = store.(cache.Replicated)
+	if r.need > 0 && r.replicas == nil {
+		return nil, errors.New("durability.replicas above 0 needs a store with replicas: --store redis")
 	}
 	return r, nil
 }
@@ -61,12 +61,15 @@ func (r *readiness) check(ctx context.Context) (seen int, err error) {
 		r.seen(-1)
 		return -1, fmt.Errorf("store unavailable: %w", err)
 	}
-	if r.need == 0 {
+	if r.replicas == nil {
 		return -1, nil
 	}
 	n, err := r.replicas.Replicas(ctx)
 	if err != nil {
 		r.seen(-1)
+		if r.need == 0 {
+			return -1, nil // the count is for the gauge only
+		}
 		return -1, fmt.Errorf("store unavailable: counting its replicas: %w", err)
 	}
 	r.seen(n)

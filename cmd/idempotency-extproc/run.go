@@ -238,19 +238,16 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	reg.MustRegister(failOpen)
 	build := currentBuild()
 	reg.MustRegister(buildInfo(build))
-	var replicas prometheus.Gauge
-	if rd.need > 0 {
-		replicas = prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "idempotency_store_replicas",
-			Help: "Replicas in sync with the Redis master, as the readiness check last counted them (under Cluster, the fewest any master has); only when a route's durability.replicas is above 0, whose requests get 503 durability-unmet while this is below it.",
-		})
-		reg.MustRegister(replicas)
-		rd.observe = func(seen int) {
-			if seen >= 0 {
-				replicas.Set(float64(seen))
-			}
-			srv.SetReplicas(seen)
+	replicas := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "idempotency_store_replicas",
+		Help: "Replicas in sync with the Redis master, as the readiness check last counted them (under Cluster, the fewest any master has); 0 for the memory store, which has none. A route whose durability.replicas is above it gets 503 durability-unmet.",
+	})
+	reg.MustRegister(replicas)
+	rd.observe = func(seen int) {
+		if seen >= 0 {
+			replicas.Set(float64(seen))
 		}
+		srv.SetReplicas(seen)
 	}
 
 	configPath := cfg.configPath
