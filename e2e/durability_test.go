@@ -3,8 +3,10 @@ package e2e_test
 import (
 	"fmt"
 	"math/rand/v2"
+	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -31,8 +33,9 @@ const (
 	figureMaxKeys = 3000
 	// figureBodyBytes: completions large enough to take the staged path of the Redis store.
 	figureBodyBytes = 8 << 10
-	figureLead      = time.Second // traffic before the lag
-	lagFor          = time.Second // the replicas' lag when the master dies
+	figureLead      = time.Second           // traffic before the lag
+	figureBackoff   = 50 * time.Millisecond // a worker's pause after a 503
+	lagFor          = time.Second           // the replicas' lag when the master dies
 	// figurePolicy: the wait for replicas is short, so that claims refused during the lag do not
 	// hold the batcher for long; lock_ttl outlasts the test, so that a lease whose completion was
 	// lost is not taken for a free key.
@@ -131,6 +134,7 @@ func (f figure) run(t *testing.T) figureResult {
 					return
 				}
 				var each sync.WaitGroup
+				var refused atomic.Bool
 				for range dups[i] {
 					each.Go(func() {
 						sent := time.Now()
@@ -142,12 +146,21 @@ func (f figure) run(t *testing.T) figureResult {
 							return
 						}
 						res.first[r.status]++
+						if r.status == http.StatusServiceUnavailable {
+							refused.Store(true)
+						}
 						if !killedAt.IsZero() && sent.After(killedAt) && r.status == 200 && r.header.Get(replayed) == "false" && res.restored == 0 {
 							res.restored = time.Since(killedAt)
 						}
 					})
 				}
 				each.Wait()
+				if refused.Load() {
+					// As a client told to retry later: a 503 comes at once (durability-unmet
+					// needs no store call), and without a pause the workers would spend every
+					// key of the figure before the failover.
+					time.Sleep(figureBackoff)
+				}
 			}
 		})
 	}
