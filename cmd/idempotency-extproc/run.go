@@ -203,6 +203,18 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	if err != nil {
 		return err
 	}
+	replicas := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "idempotency_store_replicas",
+		Help: "Replicas in sync with the Redis master, as the readiness check last counted them (under Cluster, the fewest any master has); 0 for the memory store, which has none. A route whose durability.replicas is above it gets 503 durability-unmet.",
+	})
+	reg.MustRegister(replicas)
+	// Set before the admin listener serves: /readyz counts the replicas too.
+	rd.observe = func(seen int) {
+		if seen >= 0 {
+			replicas.Set(float64(seen))
+		}
+		srv.SetReplicas(seen)
+	}
 	var records *recordsAPI
 	if cfg.adminToken != nil {
 		if records, err = newRecordsAPI(store, cfg.adminToken, extproc.StorePrefixes(cfg.policy), recordsTimeout, log, reg); err != nil {
@@ -238,17 +250,6 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	reg.MustRegister(failOpen)
 	build := currentBuild()
 	reg.MustRegister(buildInfo(build))
-	replicas := prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: "idempotency_store_replicas",
-		Help: "Replicas in sync with the Redis master, as the readiness check last counted them (under Cluster, the fewest any master has); 0 for the memory store, which has none. A route whose durability.replicas is above it gets 503 durability-unmet.",
-	})
-	reg.MustRegister(replicas)
-	rd.observe = func(seen int) {
-		if seen >= 0 {
-			replicas.Set(float64(seen))
-		}
-		srv.SetReplicas(seen)
-	}
 
 	configPath := cfg.configPath
 	if configPath == "" {
