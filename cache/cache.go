@@ -88,6 +88,21 @@ type Store interface {
 	// was taken by another owner, was purged or was already completed or released.
 	Renew(ctx context.Context, l Lease, d time.Duration) error
 
+	// Reassert restores the caller's claim after the store may have let its lease expire: a
+	// holder whose renewals could not reach the store for a whole lease calls it once the store
+	// answers again. Where key holds no record, it writes back l's pending record as Acquire
+	// wrote it (l's token, fingerprint, route, TTL and CreatedAt) with a lease of c.LockTTL from
+	// now, and reports restored; where key holds l's own pending record, it renews it to
+	// c.LockTTL, as Renew does, and reports restored false. The check and the write are one atomic
+	// step on the one key (one slot under Redis Cluster): it returns ErrLeaseLost, and changes
+	// nothing, when key holds any other record (another owner's, or l's own completed one), so it
+	// never overwrites a record. c must be the Claim l was acquired with. Like Renew, it never
+	// waits for replicas.
+	//
+	// It cannot tell a record that expired from one that was purged: whether to call it is the
+	// holder's decision (docs/guarantees.md#a-store-outage-longer-than-lock_ttl).
+	Reassert(ctx context.Context, l Lease, c Claim) (restored bool, err error)
+
 	// Complete turns the caller's pending record into a completed one holding resp, which lives
 	// for the TTL given to Acquire from now on. The owner check and the write are one atomic step:
 	// it returns ErrLeaseLost, and writes nothing, if the caller no longer owns a pending record

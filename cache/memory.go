@@ -229,11 +229,20 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	}
 	// Tokens only need to be unique within this store, which a counter guarantees.
 	m.tokens++
-	i = m.slot()
+	token := m.tokens
+	m.insertPending(key, h, token, c, now, now)
+	m.mu.Unlock()
+	return Lease{key: key, token: strconv.FormatUint(token, 36), created: m.at(now)}, nil, nil
+}
+
+// insertPending creates the pending record of claim c for key (whose hash is h), owned by token,
+// claimed at created, at now. The lock must be held and key must hold no live record.
+func (m *Memory) insertPending(key string, h, token uint64, c Claim, created, now int64) {
+	i := m.slot()
 	*m.entry(i) = memEntry{
-		token:    m.tokens,
+		token:    token,
 		ttl:      c.TTL,
-		created:  now,
+		created:  created,
 		deadline: now + int64(c.LockTTL),
 		prev:     unlinked,
 		next:     unlinked,
@@ -246,9 +255,6 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	m.pending.push(i)
 	m.bytes += e.cost()
 	m.evict(unlinked, now)
-	token := m.tokens
-	m.mu.Unlock()
-	return Lease{key: key, token: strconv.FormatUint(token, 36)}, nil, nil
 }
 
 // record returns a copy of the record in slot i and unlocks the store; touch counts the call as a
@@ -358,6 +364,41 @@ func (m *Memory) Renew(ctx context.Context, l Lease, d time.Duration) error {
 		m.entry(i).deadline = now + int64(d)
 		m.pending.fix(int(m.entry(i).heapIdx))
 	})
+}
+
+// Reassert implements [Store.Reassert].
+func (m *Memory) Reassert(ctx context.Context, l Lease, c Claim) (bool, error) {
+	if err := checkClaim(c); err != nil {
+		return false, err
+	}
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	token, err := strconv.ParseUint(l.token, 36, 64)
+	if err != nil || l.key == "" {
+		return false, ErrLeaseLost
+	}
+	if len(l.key)+len(c.Fingerprint) > m.maxRecord-128 {
+		return false, fmt.Errorf("cache: reassert: key and fingerprint of %d bytes, more than a record holds", len(l.key)+len(c.Fingerprint))
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return false, ErrClosed
+	}
+	now := m.now()
+	m.expire(now)
+	i, h, ok := m.live(l.key, now)
+	switch {
+	case !ok:
+		m.insertPending(l.key, h, token, c, int64(l.created.Sub(m.epoch)), now)
+		return true, nil
+	case m.entry(i).token == token && m.entry(i).state == Pending:
+		m.entry(i).deadline = now + int64(c.LockTTL)
+		m.pending.fix(int(m.entry(i).heapIdx))
+		return false, nil
+	}
+	return false, ErrLeaseLost
 }
 
 // Complete implements [Store.Complete].

@@ -74,6 +74,22 @@ if owned and st == 'p' then
 end
 return 0
 `, recordLayout, expiresOffset))
+	// reassertScript: KEYS[1] key; ARGV token, lock ms, the lease's new end (Unix ms, padded),
+	// the pending record to write back. Renews the caller's own pending record, as renewScript,
+	// and returns 1; writes the record where the key holds none and returns 3; returns 0, and
+	// changes nothing, when the key holds any other record.
+	reassertScript = redis.NewScript(luaOwned + fmt.Sprintf(`
+if owned and st == 'p' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if layout == '%c' then redis.call('SETRANGE', KEYS[1], %d, ARGV[3]) end
+  return 1
+end
+if head == '' and redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[2])
+  return 3
+end
+return 0
+`, recordLayout, expiresOffset))
 	// completeScript: KEYS[1] key; ARGV token, the completed record, TTL ms. Returns 1 when
 	// completed; a completed record stays completed, so a retried Complete succeeds, with 2 (see
 	// luaCompletedAgain).
@@ -441,6 +457,32 @@ func (r *Redis) Renew(ctx context.Context, l Lease, d time.Duration) error {
 	}
 	end := appendMillis(nil, r.clock.Now().Add(d))
 	return r.owned(ctx, "renew", &call{script: renewScript, keys: []string{l.key}, args: []any{l.token, d.Milliseconds(), end}}, l)
+}
+
+// Reassert implements [Store.Reassert]: one script on the lease's key, which renews the caller's
+// pending record or, where the key holds none, writes back the one Acquire wrote (the lease
+// carries its token, fingerprint, route, TTL and CreatedAt), with a fresh lease.
+func (r *Redis) Reassert(ctx context.Context, l Lease, c Claim) (bool, error) {
+	if err := checkClaim(c); err != nil {
+		return false, err
+	}
+	if l.token == "" {
+		return false, ErrLeaseLost
+	}
+	end := r.clock.Now().Add(c.LockTTL)
+	pending := appendRecord(make([]byte, 0, headerLen+len(l.fingerprint)+routeLenDigits+len(l.route)),
+		'p', l.token, l.ttl, l.created, end, []byte(l.fingerprint), l.route)
+	n, err := r.run(ctx, &call{script: reassertScript, keys: []string{l.key},
+		args: []any{l.token, c.LockTTL.Milliseconds(), appendMillis(nil, end), pending}}).Int64()
+	switch {
+	case err != nil:
+		return false, redisError("reassert", err)
+	case n == 3:
+		return true, nil
+	case n == 1:
+		return false, nil
+	}
+	return false, ErrLeaseLost
 }
 
 // Complete implements [Store.Complete]. The record is built whole here, from the lease, so that

@@ -88,6 +88,10 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"PurgeThenOldOwner", testPurgeThenOldOwner},
 		{"LargeCompleteIsFinal", testLargeCompleteIsFinal},
 		{"CancelledLookupAndPurge", testCancelledLookupAndPurge},
+		{"ReassertAfterExpiry", testReassertAfterExpiry},
+		{"ReassertRenewsOwn", testReassertRenewsOwn},
+		{"ReassertNeverOverwrites", testReassertNeverOverwrites},
+		{"ReassertConcurrentAcquire", testReassertConcurrentAcquire},
 	}
 	run(t, newHarness, append(cases, durabilityCases...))
 }
@@ -741,4 +745,137 @@ func requireResponse(t *testing.T, want, got cache.Response) {
 		require.Equal(t, want.Headers[i].Name, got.Headers[i].Name, "header %d", i)
 		require.True(t, bytes.Equal(want.Headers[i].Value, got.Headers[i].Value), "header %d %s: want %q, got %q", i, want.Headers[i].Name, want.Headers[i].Value, got.Headers[i].Value)
 	}
+}
+
+// testReassertAfterExpiry: a lease that expired while nobody took the key is written back whole,
+// as Acquire wrote it (token, fingerprint, route, TTL, creation), with a fresh lease; the lease
+// then completes as if it had never lapsed.
+func testReassertAfterExpiry(t *testing.T, h Harness) {
+	s := h.Store
+	c := h.claim("fp")
+	c.Route = "payments"
+	l := mustOwn(t, s, "k", c)
+	first := lookup(t, s, "k").CreatedAt
+	h.Advance(h.lockTTL * 3 / 2)
+	requireAbsent(t, s, "k")
+	var restored bool
+	w := h.around(func() {
+		var err error
+		restored, err = s.Reassert(t.Context(), l, c)
+		require.NoError(t, err)
+	})
+	require.True(t, restored, "the key held no record: the claim is written back")
+	rec := lookup(t, s, "k")
+	require.Equal(t, cache.Pending, rec.State)
+	require.Equal(t, []byte("fp"), rec.Fingerprint)
+	require.Equal(t, "payments", rec.Route)
+	require.True(t, first.Equal(rec.CreatedAt), "the creation is the first claim's: %v and %v", first, rec.CreatedAt)
+	requireWithin(t, w, h.lockTTL, rec.ExpiresAt, "the restored lease's end")
+	_, found := acquire(t, s, "k", h.claim("fp"))
+	require.NotNil(t, found, "a duplicate finds the restored claim")
+	require.Equal(t, cache.Pending, found.State)
+
+	resp := cache.Response{Status: 201, Body: []byte("ok")}
+	require.NoError(t, s.Complete(t.Context(), l, resp), "the restored lease is the caller's own")
+	restored, err := s.Reassert(t.Context(), l, c)
+	require.ErrorIs(t, err, cache.ErrLeaseLost, "a completed record is never made pending again")
+	require.False(t, restored)
+	got := lookup(t, s, "k")
+	require.Equal(t, cache.Completed, got.State)
+	requireResponse(t, resp, got.Response)
+}
+
+// testReassertRenewsOwn: on the caller's own live pending record, Reassert is a renewal.
+func testReassertRenewsOwn(t *testing.T, h Harness) {
+	s := h.Store
+	c := h.claim("a")
+	l := mustOwn(t, s, "k", c)
+	for range 3 {
+		h.Advance(h.lockTTL * 2 / 3)
+		restored, err := s.Reassert(t.Context(), l, c)
+		require.NoError(t, err)
+		require.False(t, restored, "the record was there: renewed, not written back")
+	}
+	// 2×h.lockTTL has passed since Acquire: without the renewals the key would be free.
+	require.Equal(t, cache.Pending, mustFind(t, s, "k").State)
+	require.NoError(t, s.Complete(t.Context(), l, cache.Response{Status: 201}))
+}
+
+// testReassertNeverOverwrites: a key another owner took, pending or completed, is left alone.
+func testReassertNeverOverwrites(t *testing.T, h Harness) {
+	s := h.Store
+	stale := mustOwn(t, s, "k", h.claim("a"))
+	h.Advance(h.lockTTL * 3 / 2)
+	owner := mustOwn(t, s, "k", h.claim("b"))
+	restored, err := s.Reassert(t.Context(), stale, h.claim("a"))
+	require.ErrorIs(t, err, cache.ErrLeaseLost)
+	require.False(t, restored)
+	require.Equal(t, []byte("b"), mustFind(t, s, "k").Fingerprint)
+	require.ErrorIs(t, s.Complete(t.Context(), stale, cache.Response{Status: 200, Body: []byte("stale")}), cache.ErrLeaseLost)
+
+	require.NoError(t, s.Complete(t.Context(), owner, cache.Response{Status: 200, Body: []byte("owner")}))
+	_, err = s.Reassert(t.Context(), stale, h.claim("a"))
+	require.ErrorIs(t, err, cache.ErrLeaseLost)
+	rec := mustFind(t, s, "k")
+	require.Equal(t, cache.Completed, rec.State)
+	require.Equal(t, []byte("owner"), rec.Response.Body)
+
+	var zero cache.Lease
+	_, err = s.Reassert(t.Context(), zero, h.claim("a"))
+	require.ErrorIs(t, err, cache.ErrLeaseLost)
+	_, err = s.Reassert(t.Context(), owner, cache.Claim{LockTTL: 0, TTL: h.ttl})
+	require.Error(t, err)
+	require.NotErrorIs(t, err, cache.ErrLeaseLost, "an invalid lease duration is refused as such")
+}
+
+// testReassertConcurrentAcquire: an expired holder reasserting while duplicates race to claim the
+// key: exactly one of them holds it afterwards, and the record is that one's.
+func testReassertConcurrentAcquire(t *testing.T, h Harness) {
+	s := h.Store
+	c := h.claim("holder")
+	l := mustOwn(t, s, "k", c)
+	h.Advance(h.lockTTL * 3 / 2)
+	const racers = 16
+	var wg sync.WaitGroup
+	errs := make(chan error, racers+1)
+	held := make(chan bool, racers)
+	var restored bool
+	start := make(chan struct{})
+	for range racers {
+		wg.Go(func() {
+			<-start
+			got, _, err := s.Acquire(t.Context(), "k", h.claim("racer"))
+			errs <- err
+			held <- got.Held()
+		})
+	}
+	wg.Go(func() {
+		<-start
+		var err error
+		restored, err = s.Reassert(t.Context(), l, c)
+		if errors.Is(err, cache.ErrLeaseLost) {
+			err = nil
+		}
+		errs <- err
+	})
+	close(start)
+	wg.Wait()
+	close(errs)
+	close(held)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	winners := 0
+	for ok := range held {
+		if ok {
+			winners++
+		}
+	}
+	if restored {
+		require.Zero(t, winners, "the restored claim was first: no duplicate may hold the key")
+		require.Equal(t, []byte("holder"), mustFind(t, s, "k").Fingerprint)
+		return
+	}
+	require.Equal(t, 1, winners, "a racer took the key first: it alone holds it")
+	require.Equal(t, []byte("racer"), mustFind(t, s, "k").Fingerprint)
 }
