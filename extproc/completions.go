@@ -38,6 +38,9 @@ const (
 	abandonedCapacity = "capacity" // maxPendingCompletions were pending already
 	abandonedExpired  = "expired"  // the record's TTL passed: written now, it would be gone
 	abandonedShutdown = "shutdown" // the process ended first (Server.Shutdown)
+	// abandonedLeaseLost: the lease was lost while the request ran or its completion was
+	// pending (hold.go), whether or not the completion had failed before.
+	abandonedLeaseLost = "lease_lost"
 )
 
 // completions holds the records whose write is being retried. It is safe for concurrent use.
@@ -61,9 +64,8 @@ func newCompletions(s *Server) *completions {
 
 // pendingCompletion is one record still to be written.
 type pendingCompletion struct {
-	lease   cache.Lease
-	resp    cache.Response
-	lockTTL time.Duration
+	hold *hold
+	resp cache.Response
 	// until is when a record written now would have expired: retrying past it is pointless.
 	until time.Time
 	// The identity its log lines carry, as the stream's did.
@@ -116,10 +118,11 @@ func (c *completions) run(p pendingCompletion) {
 		c.bodyBytes -= len(p.resp.Body)
 		c.mu.Unlock()
 		c.s.metrics.completionsPending.Dec()
+		c.s.unhold(p.hold)
 		c.wg.Done()
 	}()
 	s, m := c.s, c.s.metrics
-	ren := s.renewEvery(renewalOwner{ctx: c.ctx, log: p.event}, p.lease, p.lockTTL)
+	ren := s.renewEvery(&renewal{}, renewalOwner{ctx: c.ctx, log: p.event}, p.hold)
 	defer ren.stop()
 	wait := retryFirst
 	for attempt := 1; ; attempt++ {
@@ -137,7 +140,7 @@ func (c *completions) run(p pendingCompletion) {
 		}
 		// Not under c.ctx: a write under way when Shutdown gives up still gets its answer, within
 		// the store's own timeout.
-		err := s.completeCall(context.Background(), nil, p.event, p.lease, p.resp)
+		err := s.completeHeld(context.Background(), nil, p.event, p.hold, p.resp)
 		switch {
 		case err == nil:
 			m.completionRetries.WithLabelValues("landed").Inc()
@@ -145,7 +148,7 @@ func (c *completions) run(p pendingCompletion) {
 			return
 		case errors.Is(err, cache.ErrLeaseLost):
 			m.completionRetries.WithLabelValues("lease_lost").Inc()
-			p.event(s.log.Warn()).Int("attempts", attempt).Msg("lease lost while its completion was retried (purged, or the store was down longer than lock_ttl): not written")
+			p.event(s.log.Warn()).Int("attempts", attempt).Msg("lease lost while its completion was retried: not written")
 			return
 		}
 		m.completionRetries.WithLabelValues("failed").Inc()

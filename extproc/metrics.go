@@ -120,7 +120,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	for _, r := range []string{"landed", "failed", "lease_lost"} {
 		m.completionRetries.WithLabelValues(r)
 	}
-	for _, r := range []string{abandonedCapacity, abandonedExpired, abandonedShutdown} {
+	for _, r := range []string{abandonedCapacity, abandonedExpired, abandonedShutdown, abandonedLeaseLost} {
 		m.completionsAbandoned.WithLabelValues(r)
 	}
 	for _, op := range []string{unconfirmedClaim, unconfirmedComplete} {

@@ -13,11 +13,12 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
-// renewal extends a lease every lock_ttl/3 for as long as its owner needs it: the stream of a
+// renewal extends a lease every lockTTL/3 for as long as its owner needs it: the stream of a
 // running request, so that a long request never loses its lock and a crashed replica blocks a
 // key for at most lock_ttl; then, when the completion could not be written, the background
-// write that retries it (completions.go). It runs on the clock's timer goroutines and shares
-// only the lease with its owner.
+// write that retries it (completions.go). While the store cannot be reached it tries again every
+// awayRetry, and once the lease may have expired it re-asserts it instead (hold.go). It runs on
+// the clock's timer goroutines and shares only the hold with its owner.
 type renewal struct {
 	mu      sync.Mutex
 	stopped bool
@@ -33,11 +34,21 @@ type renewalOwner struct {
 	log  func(*zerolog.Event) *zerolog.Event
 }
 
-// renewEvery starts renewing lease every lockTTL/3 until stop is called or the owner's context
-// ends.
-func (s *Server) renewEvery(o renewalOwner, lease cache.Lease, lockTTL time.Duration) *renewal {
-	r := &renewal{}
-	interval := lockTTL / 3
+// maxAwayRetry bounds the wait between two tries to reach the store with a lease while it does
+// not answer: the time from the store's return to a lapsed claim's re-assertion is at most this
+// plus one store call.
+const maxAwayRetry = 50 * time.Millisecond
+
+// awayRetry is the wait before the next renewal after one that could not reach the store:
+// lockTTL/6, at most maxAwayRetry, and at least a millisecond.
+func awayRetry(lockTTL time.Duration) time.Duration {
+	return max(min(lockTTL/6, maxAwayRetry), time.Millisecond)
+}
+
+// renewEvery starts r renewing h's lease every lock_ttl/3 until stop is called or the owner's
+// context ends, and returns r.
+func (s *Server) renewEvery(r *renewal, o renewalOwner, h *hold) *renewal {
+	interval := h.claim.LockTTL / 3
 	var tick func()
 	tick = func() {
 		// The context exists only while a renewal runs: most requests end before their first.
@@ -57,21 +68,23 @@ func (s *Server) renewEvery(o renewalOwner, lease cache.Lease, lockTTL time.Dura
 		if o.span != nil {
 			sp = o.span("renew")
 		}
-		err := s.renew(ctx, sp, lease, lockTTL)
+		err := s.keep(ctx, sp, h, o.log)
+		next := interval
 		switch {
 		case ctx.Err() != nil:
 			return
 		case errors.Is(err, cache.ErrLeaseLost):
-			o.log(s.log.Warn()).Msg("lease lost while the request was running or its completion was pending; its completion will not be recorded")
+			s.leaseLost(h, o.log, "renewal")
 			return
 		case err != nil:
 			o.log(s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
+			next = awayRetry(h.claim.LockTTL)
 		}
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		r.cancel = nil
 		if !r.stopped {
-			r.timer = s.clock.AfterFunc(interval, tick)
+			r.timer = s.clock.AfterFunc(next, tick)
 		}
 	}
 	r.mu.Lock()
@@ -82,7 +95,7 @@ func (s *Server) renewEvery(o renewalOwner, lease cache.Lease, lockTTL time.Dura
 
 // startRenewal starts renewing the stream's lease.
 func (st *stream) startRenewal() {
-	st.renewal = st.s.renewEvery(renewalOwner{ctx: st.ctx, span: st.storeSpan, log: st.event}, st.lease, st.route.LockTTL)
+	st.renewal = st.s.renewEvery(&st.hold.renewal, renewalOwner{ctx: st.ctx, span: st.storeSpan, log: st.event}, st.hold)
 }
 
 // stop prevents further renewals and cuts short one in flight, without waiting for it: the

@@ -219,6 +219,8 @@ type stream struct {
 	keyHash   string
 	lease     cache.Lease
 	renewal   *renewal
+	// hold is this replica's hold on the key while the lease is the stream's (hold.go).
+	hold *hold
 
 	// The response: what is recorded of it, and what became of the lease.
 	resp          cache.Response
@@ -591,40 +593,18 @@ func (st *stream) claim(body []byte) {
 	wait, preferred := st.waitBudget()
 	var deadline time.Time
 	for {
-		lease, rec, err := st.s.acquire(st, c)
-		switch {
-		case err != nil && st.ctx.Err() != nil:
-			// Envoy ended the stream during the call (the client went away): not the store's
-			// failure, and nobody waits for an answer. The request never went upstream.
-			st.event(st.s.log.Debug()).Err(err).Msg("stream ended during the store call")
-			st.fire(evAnswer)
-			return
-		case errors.Is(err, cache.ErrCorrupt):
-			// The record is there but cannot be read (a tampered or unknown-key sealed record, a
-			// layout this build does not know): the request ran once, so it must not run again,
-			// whatever fail_mode says.
-			r.unreadable.Inc()
-			st.event(st.s.log.Error()).Err(err).Msg("stored record cannot be read; answering response-not-replayable")
-			st.reject(problemNotReplayable)
-			return
-		case err != nil:
-			st.storeFailed("acquire", err)
-			switch {
-			case r.shadow:
-				st.shadowed(StoreError)
-			case st.s.policy.FailMode == policy.FailOpen:
-				// Its response headers still come, for the replay header.
-				st.fire(evUnprotected)
-				st.flush()
-			default:
-				st.reject(problemStoreUnavailable)
+		// A key this replica is itself running or completing is answered without the store:
+		// whatever the store says (a record it lost in an outage, a purge), the request is not
+		// started twice here.
+		p, inFlight, local := st.s.heldLocally(r.Route, st.storeKey, fp)
+		var rec *cache.Record
+		if !local {
+			var done bool
+			if rec, done = st.acquire(c); done {
+				return
 			}
-			return
-		case rec == nil:
-			st.run(lease)
-			return
+			p, inFlight = judgeRecord(r.Route, fp, rec)
 		}
-		p, inFlight := judgeRecord(r.Route, fp, rec)
 		if inFlight && wait > 0 && !r.shadow {
 			// In flight: wait for the first request to complete rather than answer 409 at once,
 			// polling no faster than every waitPoll.
@@ -660,6 +640,48 @@ func (st *stream) claim(body []byte) {
 	}
 }
 
+// acquire makes the claim's store call and carries out what needs no judging of a record: a
+// store failure, or running the request under its new lease (done is then true). Otherwise it
+// returns the record found.
+func (st *stream) acquire(c cache.Claim) (rec *cache.Record, done bool) {
+	r := st.route
+	sent := st.s.clock.Now()
+	lease, rec, err := st.s.acquire(st, c)
+	switch {
+	case err != nil && st.ctx.Err() != nil:
+		// Envoy ended the stream during the call (the client went away): not the store's
+		// failure, and nobody waits for an answer. The request never went upstream.
+		st.event(st.s.log.Debug()).Err(err).Msg("stream ended during the store call")
+		st.fire(evAnswer)
+		return nil, true
+	case errors.Is(err, cache.ErrCorrupt):
+		// The record is there but cannot be read (a tampered or unknown-key sealed record, a
+		// layout this build does not know): the request ran once, so it must not run again,
+		// whatever fail_mode says.
+		r.unreadable.Inc()
+		st.event(st.s.log.Error()).Err(err).Msg("stored record cannot be read; answering response-not-replayable")
+		st.reject(problemNotReplayable)
+		return nil, true
+	case err != nil:
+		st.storeFailed("acquire", err)
+		switch {
+		case r.shadow:
+			st.shadowed(StoreError)
+		case st.s.policy.FailMode == policy.FailOpen:
+			// Its response headers still come, for the replay header.
+			st.fire(evUnprotected)
+			st.flush()
+		default:
+			st.reject(problemStoreUnavailable)
+		}
+		return nil, true
+	case rec == nil:
+		st.run(lease, c, sent)
+		return nil, true
+	}
+	return rec, false
+}
+
 // waitPoll is the least time between two store calls of a waiting duplicate.
 const waitPoll = 50 * time.Millisecond
 
@@ -680,9 +702,11 @@ func (st *stream) waitBudget() (wait time.Duration, preferred bool) {
 // sleep waits d on the server's clock, and reports false when the stream ended first.
 func (st *stream) sleep(d time.Duration) bool { return sleep(st.s.clock, st.ctx, d) }
 
-// run lets the claimed request go upstream under its lease.
-func (st *stream) run(lease cache.Lease) {
+// run lets the claimed request go upstream under its lease, claimed with c by a call sent at
+// sent.
+func (st *stream) run(lease cache.Lease, c cache.Claim, sent time.Time) {
 	st.lease = lease
+	st.hold = st.s.hold(lease, c, sent)
 	st.outcome = Executed
 	st.s.metrics.inflight.Inc()
 	st.startRenewal()
@@ -882,11 +906,14 @@ func (st *stream) complete() {
 func (st *stream) record(resp cache.Response) bool {
 	st.renewal.stop()
 	// The client may already be gone; the record must still be written.
-	err := st.s.completeCall(context.WithoutCancel(st.ctx), st, st.event, st.lease, resp)
+	err := st.s.completeHeld(context.WithoutCancel(st.ctx), st, st.event, st.hold, resp)
 	retried := err != nil && retryable(err) && st.s.completions.retry(pendingCompletion{
-		lease: st.lease, resp: resp, lockTTL: st.route.LockTTL, until: st.s.clock.Now().Add(st.adm.ttl),
+		hold: st.hold, resp: resp, until: st.s.clock.Now().Add(st.adm.ttl),
 		requestID: st.requestID, route: st.route.Name, keyHash: st.keyHash,
 	})
+	if retried {
+		st.hold = nil // the retries hold the key now
+	}
 	st.dropLease()
 	if err != nil {
 		st.storeFailed("complete", err)
@@ -933,6 +960,8 @@ func (st *stream) unknownOutcome(status int) {
 }
 
 func (st *stream) dropLease() {
+	st.s.unhold(st.hold)
+	st.hold = nil
 	if st.lease.Held() {
 		st.lease = cache.Lease{}
 		st.s.metrics.inflight.Dec()

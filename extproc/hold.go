@@ -1,0 +1,177 @@
+package extproc
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+)
+
+// A lease this replica holds is a hold, from the claim until its completion is written (or given
+// up) or the lease is released. While it lives:
+//
+//   - the server's holds map its stored key to it, so that a duplicate on this replica is
+//     answered (409, or a wait) without asking the store: whatever the store says, this replica
+//     never starts a request for a key it is itself running or completing;
+//   - it remembers when a call last reached the store with the lease held, so that it can tell a
+//     lease the store may have let expire (its renewals could not reach the store for a whole
+//     lock_ttl) from one that was removed while the store answered (a purge, a flush, a failover
+//     to a replica without it). The first is re-asserted once the store answers again
+//     (cache.Store.Reassert: written back where the key is absent, never over another record);
+//     the second stays removed, and is counted and logged as a lost lease.
+type hold struct {
+	lease cache.Lease
+	// claim is what Acquire was given: Reassert writes the same record back.
+	claim cache.Claim
+	// renewal is the stream's renewal of the lease (the completion's retries start their own).
+	renewal renewal
+
+	mu sync.Mutex
+	// reached is when the last call that found the lease held (the claim, a renewal, a
+	// re-assertion) was sent: the lease lasts at least until reached plus lock_ttl.
+	reached time.Time
+	// lost: the lease was found lost and not re-asserted; counted and logged once.
+	lost bool
+}
+
+// holdRecord is how a duplicate on this replica sees a hold: a pending record of its
+// fingerprint and route, judged as the store's would be (judgeRecord).
+func (h *hold) record() *cache.Record {
+	return &cache.Record{State: cache.Pending, Fingerprint: h.claim.Fingerprint, Route: h.claim.Route[:min(len(h.claim.Route), cache.MaxRouteBytes)]}
+}
+
+// mayHaveLapsed reports whether the store may have let the lease expire by now: no call has
+// reached the store with it for a whole lock_ttl. A lease found lost before that was removed,
+// not expired. A lost lease never lapses again: it is not re-asserted.
+func (h *hold) mayHaveLapsed(now time.Time) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return !h.lost && now.Sub(h.reached) >= h.claim.LockTTL
+}
+
+// reachedAt records that a call sent at t found the lease held.
+func (h *hold) reachedAt(t time.Time) {
+	h.mu.Lock()
+	if t.After(h.reached) {
+		h.reached = t
+	}
+	h.mu.Unlock()
+}
+
+// hold registers the lease st's claim acquired, sent at sent, as held by this replica.
+func (s *Server) hold(lease cache.Lease, c cache.Claim, sent time.Time) *hold {
+	h := &hold{lease: lease, claim: c, reached: sent}
+	s.holds.Store(lease.Key(), h)
+	return h
+}
+
+// unhold forgets h: its key is this replica's no longer. Safe on nil.
+func (s *Server) unhold(h *hold) {
+	if h != nil {
+		s.holds.CompareAndDelete(h.lease.Key(), h)
+	}
+}
+
+// held returns this replica's hold on key, if any.
+func (s *Server) held(key string) *hold {
+	v, ok := s.holds.Load(key)
+	if !ok {
+		return nil
+	}
+	return v.(*hold)
+}
+
+// heldLocally judges a covered request against this replica's own hold on its key, without the
+// store: ok is false when there is none. Otherwise p is 409 or 422, as judgeRecord says for a
+// pending record, and inFlight whether a wait may follow.
+func (s *Server) heldLocally(r *policy.Route, key string, fp []byte) (p *problem, inFlight, ok bool) {
+	h := s.held(key)
+	if h == nil {
+		return nil, false, false
+	}
+	p, inFlight = judgeRecord(r, fp, h.record())
+	return p, inFlight, true
+}
+
+// leaseLost counts and logs, once per hold, a lease lost while its request ran or its completion
+// was pending: the record was removed while the store answered, or another request claimed the
+// key before the holder could re-assert it. Its response will not be recorded, and a retry of the
+// request may run again.
+func (s *Server) leaseLost(h *hold, id func(*zerolog.Event) *zerolog.Event, during string) {
+	h.mu.Lock()
+	first := !h.lost
+	h.lost = true
+	h.mu.Unlock()
+	if !first {
+		return
+	}
+	s.metrics.completionsAbandoned.WithLabelValues(abandonedLeaseLost).Inc()
+	id(s.log.Error()).Str("reason", abandonedLeaseLost).Str("during", during).
+		Msg("lease lost while the request ran or its completion was pending (the record was removed, or another request took the key after the store let it expire): its response will not be recorded, and a retry of the request may run again")
+}
+
+// keep renews h's lease, or re-asserts it when the store may have let it expire (see hold), and
+// reports whether the lease is still held: false with ErrLeaseLost when it is lost. sent is when
+// the call went out.
+func (s *Server) keep(ctx context.Context, sp trace.Span, h *hold, id func(*zerolog.Event) *zerolog.Event) error {
+	sent := s.clock.Now()
+	var err error
+	if h.mayHaveLapsed(sent) {
+		err = s.reassert(ctx, sp, h, id)
+	} else {
+		err = s.renew(ctx, sp, h.lease, h.claim.LockTTL)
+		if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(s.clock.Now()) {
+			// The renewal was answered after the lease could have expired: that may be all
+			// that happened to it.
+			err = s.reassert(ctx, nil, h, id)
+		}
+	}
+	if err == nil {
+		h.reachedAt(sent)
+	}
+	return err
+}
+
+// reassert writes h's claim back where its key is absent, or renews it (cache.Store.Reassert).
+// It is counted as a renewal in the store metrics.
+func (s *Server) reassert(ctx context.Context, sp trace.Span, h *hold, id func(*zerolog.Event) *zerolog.Event) error {
+	start := time.Now()
+	restored, err := s.store.Reassert(ctx, h.lease, h.claim)
+	s.renewObs.Observe(time.Since(start).Seconds())
+	s.storeError("renew", err)
+	endStoreSpan(sp, err)
+	if restored {
+		id(s.log.Warn()).Msg("claim re-asserted: the store was unreachable for longer than lock_ttl and had let the lease expire; no other request had taken the key")
+	}
+	return err
+}
+
+// completeHeld writes h's completed record. A lease the store let expire while it was away is
+// re-asserted first; one that was removed, or that another request took, is counted as lost.
+func (s *Server) completeHeld(ctx context.Context, st *stream, id func(*zerolog.Event) *zerolog.Event, h *hold, resp cache.Response) error {
+	err := s.completeCall(ctx, st, id, h.lease, resp)
+	if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(s.clock.Now()) {
+		if st != nil {
+			st.inStore = true
+		}
+		sent := s.clock.Now()
+		err = s.reassert(ctx, nil, h, id)
+		if st != nil {
+			st.inStore = false
+		}
+		if err == nil {
+			h.reachedAt(sent)
+			err = s.completeCall(ctx, st, id, h.lease, resp)
+		}
+	}
+	if errors.Is(err, cache.ErrLeaseLost) {
+		s.leaseLost(h, id, "completion")
+	}
+	return err
+}
