@@ -101,3 +101,10 @@ func ProblemAnswers() (answers map[string]ProblemAnswer, disagreeing []string) {
 	}
 	return answers, disagreeing
 }
+
+// HeldKeys returns how many keys s holds (hold.go).
+func HeldKeys(s *Server) int {
+	n := 0
+	s.holds.Range(func(any, any) bool { n++; return true })
+	return n
+}

@@ -1,0 +1,223 @@
+package extproc_test
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
+)
+
+// These tests hold the processor to what a store outage longer than lock_ttl must not do: run a
+// request a second time while its first stream lives. A replica answers a key it holds without
+// the store; a holder whose renewals could not reach the store re-asserts its claim once the
+// store answers again; a record removed while the store answered stays removed, and every lost
+// lease is counted.
+
+// unreachable is a store that cannot be reached while down is set: its claims, renewals,
+// re-assertions and completions time out. Lookup and Purge, the operator's calls, still work.
+type unreachable struct {
+	cache.Store
+	down     atomic.Bool
+	acquires atomic.Int32
+}
+
+func (u *unreachable) err(op string) error {
+	return fmt.Errorf("cache: redis %s: %w", op, context.DeadlineExceeded)
+}
+
+func (u *unreachable) Acquire(ctx context.Context, key string, c cache.Claim) (cache.Lease, *cache.Record, error) {
+	u.acquires.Add(1)
+	if u.down.Load() {
+		return cache.Lease{}, nil, u.err("acquire")
+	}
+	return u.Store.Acquire(ctx, key, c)
+}
+
+func (u *unreachable) Renew(ctx context.Context, l cache.Lease, d time.Duration) error {
+	if u.down.Load() {
+		return u.err("renew")
+	}
+	return u.Store.Renew(ctx, l, d)
+}
+
+func (u *unreachable) Reassert(ctx context.Context, l cache.Lease, c cache.Claim) (bool, error) {
+	if u.down.Load() {
+		return false, u.err("reassert")
+	}
+	return u.Store.Reassert(ctx, l, c)
+}
+
+func (u *unreachable) Complete(ctx context.Context, l cache.Lease, r cache.Response) error {
+	if u.down.Load() {
+		return u.err("complete")
+	}
+	return u.Store.Complete(ctx, l, r)
+}
+
+// twoReplicas returns two harnesses, two replicas of the processor, on one memory store that runs
+// on their shared fake clock; the first reaches it through an unreachable wrapper.
+func twoReplicas(t *testing.T, policy string) (first, other *harness, store *unreachable) {
+	clk := clock.NewFake(time.Unix(1_700_000_000, 0))
+	m, err := cache.NewMemory(cache.MemoryOptions{Clock: clk})
+	require.NoError(t, err)
+	store = &unreachable{Store: m}
+	first = newHarness(t, harnessOptions{store: store, clock: clk, policy: policy})
+	other = newHarness(t, harnessOptions{store: m, clock: clk, policy: policy})
+	return first, other, store
+}
+
+// claimRunning opens a stream on h whose request for key is claimed and running upstream.
+func claimRunning(t *testing.T, h *harness, key string) *stream {
+	t.Helper()
+	s := h.open()
+	s.send(requestHeaders(post("/v1/payments", key, `{}`)))
+	require.NotNil(t, s.send(requestBody([]byte(`{}`))).GetRequestBody(), "claimed: the request goes upstream")
+	h.mu.Lock()
+	h.executed[key]++
+	h.mu.Unlock()
+	return s
+}
+
+// finishRunning sends the upstream's response on a running stream and ends it.
+func finishRunning(t *testing.T, h *harness, s *stream) {
+	t.Helper()
+	s.send(responseHeaders(created))
+	require.NotNil(t, s.send(responseBody(created.body, true)).GetResponseBody(), "the client gets the upstream's response")
+	s.end()
+	h.waitIdle(t)
+}
+
+// A replica never starts a request for a key it is itself running: a duplicate gets 409 (or 422
+// with another payload) without a store call, whether the store is unreachable or has lost the
+// record (a purge), for as long as the first stream lives.
+func TestHeldKeyIsAnsweredWithoutTheStore(t *testing.T) {
+	h, _, store := twoReplicas(t, "defaults: {lock_ttl: 3s}")
+	const key = "held"
+	first := claimRunning(t, h, key)
+	calls := store.acquires.Load()
+
+	store.down.Store(true)
+	requireProblem(t, h.do(post("/v1/payments", key, `{}`), created), 409, "request-in-progress")
+	requireProblem(t, h.do(post("/v1/payments", key, `{"other":1}`), created), 422, "idempotency-key-reused")
+	require.Equal(t, calls, store.acquires.Load(), "the duplicates were answered without the store")
+	store.down.Store(false)
+
+	// However long the outage, and even with the record gone, this replica does not run it again.
+	stored := extproc.StoredKey(h.policy, "/v1/payments", key)
+	h.advance(10 * time.Second)
+	require.NoError(t, store.Purge(t.Context(), stored))
+	requireProblem(t, h.do(post("/v1/payments", key, `{}`), created), 409, "request-in-progress")
+	require.Equal(t, calls, store.acquires.Load())
+	require.Equal(t, 1, h.executions(key))
+
+	// The hold ends with the stream: the key is the store's to judge again.
+	finishRunning(t, h, first)
+	require.Equal(t, 0, extproc.HeldKeys(h.server))
+	require.Equal(t, 1.0, h.counter("idempotency_completions_abandoned_total", "reason", "lease_lost"), "the purge lost the first's lease")
+	require.True(t, h.do(post("/v1/payments", key, `{}`), created).executed, "the purge freed the key")
+	require.Greater(t, store.acquires.Load(), calls)
+}
+
+// A holder whose renewals could not reach the store for longer than lock_ttl writes its claim
+// back as soon as the store answers again: a duplicate on another replica then gets 409, not a
+// second execution, and the first request's completion lands and replays everywhere.
+func TestClaimReassertedAfterAnOutage(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		// completeDuring: the response ends while the store is still away, so the completion is
+		// retried and re-asserts the claim itself.
+		completeDuring bool
+	}{
+		{name: "while the request runs"},
+		{name: "while its completion is retried", completeDuring: true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h, other, store := twoReplicas(t, "defaults: {lock_ttl: 3s}")
+			const key = "outage"
+			stored := extproc.StoredKey(h.policy, "/v1/payments", key)
+			first := claimRunning(t, h, key)
+
+			store.down.Store(true)
+			if c.completeDuring {
+				finishRunning(t, h, first)
+				requireRetrying(t, h)
+			}
+			h.advance(4 * time.Second) // past lock_ttl: the store lets the lease expire
+			_, err := store.Lookup(t.Context(), stored)
+			require.ErrorIs(t, err, cache.ErrNotFound, "the store let the lease expire during the outage")
+			require.Greater(t, h.counter("idempotency_store_errors_total", "op", "renew", "kind", "timeout"), 1.0,
+				"renewals were retried while the store was away")
+
+			store.down.Store(false)
+			h.advance(50 * time.Millisecond) // the next try to reach the store
+			rec, err := store.Lookup(t.Context(), stored)
+			require.NoError(t, err, "the claim is written back within 50 ms of the store's return")
+			if rec.State == cache.Pending {
+				requireProblem(t, other.do(post("/v1/payments", key, `{}`), created), 409, "request-in-progress")
+			}
+			if !c.completeDuring {
+				finishRunning(t, h, first)
+			}
+			require.Eventually(t, func() bool {
+				h.advance(time.Second)
+				r, err := store.Lookup(t.Context(), stored)
+				return err == nil && r.State == cache.Completed
+			}, 10*time.Second, 10*time.Millisecond)
+
+			for _, r := range []*harness{h, other} {
+				res := r.do(post("/v1/payments", key, `{}`), created)
+				require.Equal(t, []string{"true"}, res.header(replayed))
+				require.Equal(t, created.body, res.body)
+			}
+			require.Equal(t, 1, h.executions(key))
+			require.Zero(t, other.executions(key), "the other replica never ran it")
+			require.Zero(t, h.counter("idempotency_completions_abandoned_total", "reason", "lease_lost"))
+			require.Contains(t, h.logs.String(), "claim re-asserted")
+		})
+	}
+}
+
+// A record removed while the holder's renewals reached the store (a purge, a flush, a failover
+// to a replica without it), or while the store was away for less than lock_ttl, was not let
+// expire: it is never written back. A duplicate elsewhere may run it again; the lost lease is
+// counted once and logged at error.
+func TestRemovedRecordIsNotReasserted(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		away time.Duration // how long the store is away before the purge
+	}{
+		{name: "renewals reached the store"},
+		{name: "the store was away for less than lock_ttl", away: 1500 * time.Millisecond},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h, other, store := twoReplicas(t, "defaults: {lock_ttl: 3s}")
+			const key = "purged"
+			stored := extproc.StoredKey(h.policy, "/v1/payments", key)
+			first := claimRunning(t, h, key)
+			h.advance(time.Second) // one renewal that reaches the store
+			if c.away > 0 {
+				store.down.Store(true)
+				h.advance(c.away)
+			}
+			require.NoError(t, store.Purge(t.Context(), stored))
+			store.down.Store(false)
+			h.advance(time.Second) // the next renewal finds the record gone
+			require.Equal(t, 1.0, h.counter("idempotency_completions_abandoned_total", "reason", "lease_lost"))
+			_, err := store.Lookup(t.Context(), stored)
+			require.ErrorIs(t, err, cache.ErrNotFound, "a purge stays a purge")
+
+			require.True(t, other.do(post("/v1/payments", key, `{}`), created).executed, "the record was removed: another replica runs it")
+			finishRunning(t, h, first)
+			require.Equal(t, 1.0, h.counter("idempotency_completions_abandoned_total", "reason", "lease_lost"), "counted once")
+			require.Contains(t, h.logs.String(), `"level":"error"`)
+			require.Contains(t, h.logs.String(), `"reason":"lease_lost"`)
+		})
+	}
+}
