@@ -25,6 +25,8 @@ const (
 type orphan struct {
 	lease Lease
 	until time.Time
+	// lockTTL is the lease's: the life of the record if the call is applied late.
+	lockTTL time.Duration
 }
 
 // orphans frees such leases in the background, retrying while Redis fails, so that a slow or
@@ -45,7 +47,7 @@ func newOrphans(clk clock.Clock) *orphans {
 // add queues l, which expires by itself after lockTTL; it drops it if the queue is full.
 func (o *orphans) add(l Lease, lockTTL time.Duration) {
 	select {
-	case o.queue <- orphan{lease: l, until: o.clock.Now().Add(lockTTL)}:
+	case o.queue <- orphan{lease: l, until: o.clock.Now().Add(lockTTL), lockTTL: lockTTL}:
 	default:
 	}
 }
@@ -120,6 +122,11 @@ func (o *orphans) drain(waiting []orphan) []orphan {
 // freeOnce tries each lease unexpired at now once, in batches, and returns those to try again.
 // Once a batch finds Redis unreachable, the pass stops: the rest would fail alike, and an outage
 // should not cost a connection attempt per batch every pass.
+//
+// A lease tried again is worth freeing for a lock TTL past now (and the longest pause before the
+// next try): an Acquire sent while Redis did not answer may still wait in a connection's buffers
+// (a stopped or partitioned server), and a SET applied when Redis answers again holds its key
+// for a whole lock TTL from then.
 func freeOnce(waiting []orphan, release releaseFunc, now time.Time) []orphan {
 	var kept, batch []orphan
 	leases := make([]Lease, 0, orphanBatch)
@@ -129,7 +136,10 @@ func freeOnce(waiting []orphan, release releaseFunc, now time.Time) []orphan {
 			return
 		}
 		if down {
-			kept = append(kept, batch...)
+			for _, l := range batch {
+				l.until = later(l.until, now.Add(l.lockTTL+orphanMaxWait))
+				kept = append(kept, l)
+			}
 			batch = batch[:0]
 			return
 		}
@@ -142,7 +152,9 @@ func freeOnce(waiting []orphan, release releaseFunc, now time.Time) []orphan {
 			// error, a reply such as LOADING, READONLY or TRYAGAIN included, means it did not
 			// run; retrying is safe, as the release checks the owner.
 			if err != nil && !errors.Is(err, ErrLeaseLost) && !errors.Is(err, ErrClosed) {
-				kept = append(kept, batch[i])
+				l := batch[i]
+				l.until = later(l.until, now.Add(l.lockTTL+orphanMaxWait))
+				kept = append(kept, l)
 			}
 			down = down || unreachable(err)
 		}
@@ -158,4 +170,12 @@ func freeOnce(waiting []orphan, release releaseFunc, now time.Time) []orphan {
 	}
 	flush()
 	return kept
+}
+
+// later returns the later of a and b.
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }

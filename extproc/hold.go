@@ -38,6 +38,32 @@ type hold struct {
 	reached time.Time
 	// lost: the lease was found lost and not re-asserted; counted and logged once.
 	lost bool
+	// contested is when a re-assertion first found another owner's record (see errContested);
+	// zero otherwise.
+	contested time.Time
+}
+
+// errContested means a re-assertion found the key held by another owner, and the holder goes on
+// trying for up to lock_ttl before it counts its lease as lost. The other record may be a claim
+// whose caller gave up on it: a duplicate whose Acquire timed out while the store was away, and
+// which the store applied when it came back. Its replica removes such a claim as soon as the
+// store answers (cache.Store.Acquire), and its lease ends within lock_ttl otherwise; a claim
+// that is not one of those is still there after lock_ttl, or completed.
+var errContested = errors.New("the key is held by another owner: trying again")
+
+// contend notes that a re-assertion at now found another owner's record, and returns the error
+// that says what follows: errContested within lock_ttl of the first such finding, else
+// cache.ErrLeaseLost.
+func (h *hold) contend(now time.Time) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.contested.IsZero() {
+		h.contested = now
+	}
+	if now.Sub(h.contested) < h.claim.LockTTL {
+		return errContested
+	}
+	return cache.ErrLeaseLost
 }
 
 // holdRecord is how a duplicate on this replica sees a hold: a pending record of its
@@ -61,6 +87,7 @@ func (h *hold) reachedAt(t time.Time) {
 	if t.After(h.reached) {
 		h.reached = t
 	}
+	h.contested = time.Time{}
 	h.mu.Unlock()
 }
 
@@ -116,9 +143,9 @@ func (s *Server) leaseLost(h *hold, id func(*zerolog.Event) *zerolog.Event, duri
 		Msg("lease lost while the request ran or its completion was pending (the record was removed, or another request took the key after the store let it expire): its response will not be recorded, and a retry of the request may run again")
 }
 
-// keep renews h's lease, or re-asserts it when the store may have let it expire (see hold), and
-// reports whether the lease is still held: false with ErrLeaseLost when it is lost. sent is when
-// the call went out.
+// keep renews h's lease, or re-asserts it when the store may have let it expire (see hold). It
+// returns cache.ErrLeaseLost when the lease is lost, errContested while another owner's record
+// may yet go away, and the store's error when it could not be reached.
 func (s *Server) keep(ctx context.Context, sp trace.Span, h *hold, id func(*zerolog.Event) *zerolog.Event) error {
 	sent := s.clock.Now()
 	var err error
@@ -139,13 +166,17 @@ func (s *Server) keep(ctx context.Context, sp trace.Span, h *hold, id func(*zero
 }
 
 // reassert writes h's claim back where its key is absent, or renews it (cache.Store.Reassert).
-// It is counted as a renewal in the store metrics.
+// Another owner's record is contended (hold.contend). It is counted as a renewal in the store
+// metrics.
 func (s *Server) reassert(ctx context.Context, sp trace.Span, h *hold, id func(*zerolog.Event) *zerolog.Event) error {
 	start := time.Now()
 	restored, err := s.store.Reassert(ctx, h.lease, h.claim)
 	s.renewObs.Observe(time.Since(start).Seconds())
 	s.storeError("renew", err)
 	endStoreSpan(sp, err)
+	if errors.Is(err, cache.ErrLeaseLost) {
+		err = h.contend(s.clock.Now())
+	}
 	if restored {
 		id(s.log.Warn()).Msg("claim re-asserted: the store was unreachable for longer than lock_ttl and had let the lease expire; no other request had taken the key")
 	}

@@ -221,3 +221,50 @@ func TestRemovedRecordIsNotReasserted(t *testing.T) {
 		})
 	}
 }
+
+// A re-assertion that finds another owner's pending record tries again for up to lock_ttl: the
+// record may be a claim whose caller gave up on it (a duplicate's Acquire that timed out while
+// the store was away, applied when it came back), which its replica removes. One that is still
+// there after lock_ttl is another request's: the lease is lost, and counted.
+func TestReassertWaitsOutAnAbandonedClaim(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		removed bool // the other claim is removed by its replica
+	}{
+		{name: "the other claim is removed", removed: true},
+		{name: "the other claim stays"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h, _, store := twoReplicas(t, "defaults: {lock_ttl: 3s}")
+			const key = "contested"
+			stored := extproc.StoredKey(h.policy, "/v1/payments", key)
+			first := claimRunning(t, h, key)
+			store.down.Store(true)
+			h.advance(4 * time.Second)
+			// A claim applied as the store comes back, by no request of this replica.
+			orphan, rec, err := store.Store.Acquire(t.Context(), stored, cache.Claim{Fingerprint: []byte("x"), LockTTL: 10 * time.Second, TTL: time.Hour})
+			require.NoError(t, err)
+			require.Nil(t, rec)
+			store.down.Store(false)
+			h.advance(time.Second) // re-assertions meet the other claim
+			require.Zero(t, h.counter("idempotency_completions_abandoned_total", "reason", "lease_lost"), "not lost yet")
+			if c.removed {
+				require.NoError(t, store.Store.Release(t.Context(), orphan))
+				h.advance(50 * time.Millisecond)
+				got, err := store.Lookup(t.Context(), stored)
+				require.NoError(t, err)
+				require.Equal(t, cache.Pending, got.State)
+				require.NotEqual(t, []byte("x"), got.Fingerprint, "the holder's claim is back")
+				finishRunning(t, h, first)
+				require.Zero(t, h.counter("idempotency_completions_abandoned_total", "reason", "lease_lost"))
+				return
+			}
+			h.advance(3 * time.Second)
+			require.Equal(t, 1.0, h.counter("idempotency_completions_abandoned_total", "reason", "lease_lost"))
+			got, err := store.Lookup(t.Context(), stored)
+			require.NoError(t, err)
+			require.Equal(t, []byte("x"), got.Fingerprint, "the other claim is never overwritten")
+			finishRunning(t, h, first)
+		})
+	}
+}

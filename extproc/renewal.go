@@ -76,6 +76,9 @@ func (s *Server) renewEvery(r *renewal, o renewalOwner, h *hold) *renewal {
 		case errors.Is(err, cache.ErrLeaseLost):
 			s.leaseLost(h, o.log, "renewal")
 			return
+		case errors.Is(err, errContested):
+			o.log(s.log.Warn()).Msg("re-asserting the claim found another owner's record; trying again until lock_ttl has passed")
+			next = awayRetry(h.claim.LockTTL)
 		case err != nil:
 			o.log(s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
 			next = awayRetry(h.claim.LockTTL)
