@@ -100,7 +100,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}),
 		completionsAbandoned: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idempotency_completions_abandoned_total",
-			Help: "Completed records never written, by reason: capacity (too many pending), expired (the record's TTL passed) or shutdown (the process ended first). Each lease expires after lock_ttl, after which a retry of its request may run again.",
+			Help: "Completed records never written, by reason: capacity (too many pending), expired (the record's TTL passed), shutdown (the process ended first) or lease_lost (the lease was lost while the request ran or its completion was pending: the record was removed, or another request took the key). A retry of its request may run again.",
 		}, []string{"reason"}),
 		unconfirmed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idempotency_durability_unconfirmed_total",

@@ -1,0 +1,111 @@
+package deploytest
+
+import (
+	"testing"
+	"time"
+
+	"github.com/prometheus/prometheus/model/histogram"
+	"github.com/prometheus/prometheus/model/labels"
+	"github.com/prometheus/prometheus/promql"
+	"github.com/prometheus/prometheus/storage"
+	"github.com/prometheus/prometheus/tsdb/chunkenc"
+	"github.com/prometheus/prometheus/tsdb/chunks"
+	"github.com/prometheus/prometheus/util/annotations"
+	"github.com/stretchr/testify/require"
+)
+
+// alertExpr returns the expression of the chart's alert named name.
+func alertExpr(t *testing.T, name string) string {
+	t.Helper()
+	for _, g := range readAlerts(t).Groups {
+		for _, r := range g.Rules {
+			if r.Alert == name {
+				return r.Expr.String()
+			}
+		}
+	}
+	t.Fatalf("the chart has no alert %s", name)
+	return ""
+}
+
+// IdempotencyCompletionsAbandoned fires on every reason a completion is given up, lease_lost
+// included: its expression, evaluated by Prometheus' engine over the counter a replica exposes
+// (at 0 from its start, as every reason is, then 1 after a lease lost while its request ran,
+// as e2e's TestFlushWhileARequestRuns scrapes from the binary), has a sample for that reason,
+// and none for a reason that did not move.
+func TestAbandonedAlertFiresOnEveryReason(t *testing.T) {
+	expr := alertExpr(t, "IdempotencyCompletionsAbandoned")
+	engine := promql.NewEngine(promql.EngineOpts{MaxSamples: 10_000, Timeout: time.Minute})
+	for _, reason := range []string{"lease_lost", "capacity", "expired", "shutdown"} {
+		t.Run(reason, func(t *testing.T) {
+			series := func(reason string, values ...float64) storage.Series {
+				lset := labels.FromStrings("__name__", "idempotency_completions_abandoned_total",
+					"namespace", "shop", "job", "idempotency-extproc", "instance", "a", "reason", reason)
+				var ss []chunks.Sample
+				for i, v := range values {
+					ss = append(ss, fsample{t: int64(i) * time.Minute.Milliseconds(), f: v})
+				}
+				return storage.NewListSeries(lset, ss)
+			}
+			db := queryable{series(reason, 0, 0, 1, 1), series("other", 0, 0, 0, 0)}
+			q, err := engine.NewInstantQuery(t.Context(), db, nil, expr, time.UnixMilli(3*time.Minute.Milliseconds()))
+			require.NoError(t, err)
+			res := q.Exec(t.Context())
+			require.NoError(t, res.Err)
+			v, err := res.Vector()
+			require.NoError(t, err)
+			require.Len(t, v, 1, "%s: %v", expr, v)
+			require.Equal(t, reason, v[0].Metric.Get("reason"))
+			require.Positive(t, v[0].F)
+		})
+	}
+}
+
+// queryable holds a few series in memory, for the engine.
+type queryable []storage.Series
+
+func (q queryable) Querier(int64, int64) (storage.Querier, error) {
+	return &storage.MockQuerier{SelectMockFunction: func(_ bool, _ *storage.SelectHints, ms ...*labels.Matcher) storage.SeriesSet {
+		out := &seriesSet{}
+		for _, s := range q {
+			if matchesAll(s.Labels(), ms) {
+				out.series = append(out.series, s)
+			}
+		}
+		return out
+	}}, nil
+}
+
+func matchesAll(l labels.Labels, ms []*labels.Matcher) bool {
+	for _, m := range ms {
+		if !m.Matches(l.Get(m.Name)) {
+			return false
+		}
+	}
+	return true
+}
+
+// seriesSet yields its series in order.
+type seriesSet struct {
+	series []storage.Series
+	at     int
+}
+
+func (s *seriesSet) Next() bool                        { s.at++; return s.at <= len(s.series) }
+func (s *seriesSet) At() storage.Series                { return s.series[s.at-1] }
+func (s *seriesSet) Err() error                        { return nil }
+func (s *seriesSet) Warnings() annotations.Annotations { return nil }
+
+// fsample is one float sample.
+type fsample struct {
+	t int64
+	f float64
+}
+
+func (s fsample) T() int64                      { return s.t }
+func (s fsample) ST() int64                     { return 0 }
+func (s fsample) F() float64                    { return s.f }
+func (s fsample) H() *histogram.Histogram       { return nil }
+func (s fsample) FH() *histogram.FloatHistogram { return nil }
+func (s fsample) Type() chunkenc.ValueType      { return chunkenc.ValFloat }
+func (s fsample) Copy() chunks.Sample           { return s }
