@@ -91,28 +91,86 @@ func (h *hold) reachedAt(t time.Time) {
 	h.mu.Unlock()
 }
 
-// hold registers the lease st's claim acquired, sent at sent, as held by this replica.
+// holdSet maps the stored keys this replica holds to their holds. It is sharded by key, so that
+// concurrent streams seldom share a lock, and its maps reuse their space: a claim adds no
+// allocation to the hold itself. Its zero value is empty and ready.
+type holdSet struct {
+	shards [64]holdShard
+}
+
+type holdShard struct {
+	mu sync.Mutex
+	m  map[string]*hold
+	_  [48]byte // a cache line each
+}
+
+// shard returns key's shard: FNV-1a over the key's last 16 bytes, the end of a hex digest for
+// every stored key.
+func (hs *holdSet) shard(key string) *holdShard {
+	h := uint32(2166136261)
+	for i := max(0, len(key)-16); i < len(key); i++ {
+		h = (h ^ uint32(key[i])) * 16777619
+	}
+	return &hs.shards[h%uint32(len(hs.shards))]
+}
+
+func (hs *holdSet) add(h *hold) {
+	sh := hs.shard(h.lease.Key())
+	sh.mu.Lock()
+	if sh.m == nil {
+		sh.m = make(map[string]*hold)
+	}
+	sh.m[h.lease.Key()] = h
+	sh.mu.Unlock()
+}
+
+// remove forgets h, unless its key is held by another hold since.
+func (hs *holdSet) remove(h *hold) {
+	key := h.lease.Key()
+	sh := hs.shard(key)
+	sh.mu.Lock()
+	if sh.m[key] == h {
+		delete(sh.m, key)
+	}
+	sh.mu.Unlock()
+}
+
+func (hs *holdSet) get(key string) *hold {
+	sh := hs.shard(key)
+	sh.mu.Lock()
+	h := sh.m[key]
+	sh.mu.Unlock()
+	return h
+}
+
+// len returns how many keys are held.
+func (hs *holdSet) len() int {
+	n := 0
+	for i := range hs.shards {
+		sh := &hs.shards[i]
+		sh.mu.Lock()
+		n += len(sh.m)
+		sh.mu.Unlock()
+	}
+	return n
+}
+
+// hold registers the lease a claim acquired with c, sent at sent, as held by this replica.
 func (s *Server) hold(lease cache.Lease, c cache.Claim, sent time.Time) *hold {
 	h := &hold{lease: lease, claim: c, reached: sent}
-	s.holds.Store(lease.Key(), h)
+	s.holds.add(h)
 	return h
 }
 
 // unhold forgets h: its key is this replica's no longer. Safe on nil.
 func (s *Server) unhold(h *hold) {
 	if h != nil {
-		s.holds.CompareAndDelete(h.lease.Key(), h)
+		s.holds.remove(h)
 	}
 }
 
 // held returns this replica's hold on key, if any.
-func (s *Server) held(key string) *hold {
-	v, ok := s.holds.Load(key)
-	if !ok {
-		return nil
-	}
-	return v.(*hold)
-}
+func (s *Server) held(key string) *hold { return s.holds.get(key) }
 
 // heldLocally judges a covered request against this replica's own hold on its key, without the
 // store: ok is false when there is none. Otherwise p is 409 or 422, as judgeRecord says for a

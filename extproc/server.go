@@ -97,8 +97,8 @@ type Server struct {
 	retriedLog, earlyAnswerLog sync.Once
 	// completions retries the records the store failed to write.
 	completions *completions
-	// holds maps each stored key whose lease this replica holds to its *hold (hold.go).
-	holds sync.Map
+	// holds are the stored keys whose leases this replica holds (hold.go).
+	holds holdSet
 	// storeBroken is set once a store call panicked: the store may be locked or half changed.
 	storeBroken atomic.Bool
 	// unknownRoutes are the x-idempotency-route names already logged as unknown.
