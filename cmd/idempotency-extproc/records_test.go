@@ -29,7 +29,7 @@ const recordsPolicy = `
 store_timeout: 5s
 defaults: {lock_ttl: 30s}
 routes:
-  - {name: pay, match: {path_prefix: /v1/payments}}
+  - {name: pay, match: {path_prefix: /v1/payments}, unknown_outcome: keep}
   - {name: unknown, match: {path_prefix: /v1/unknown}, unknown_outcome: record}
   - {name: other, match: {path_prefix: /v1/other}, key_prefix: "other:"}
 `
@@ -97,8 +97,13 @@ func TestRecordsAPI(t *testing.T) {
 			ready := logs.wait(t, "ready", 20*time.Second)
 			grpcAddr, adminURL := ready["grpc_addr"].(string), "http://"+ready["admin_addr"].(string)
 
-			// A stuck pending key.
-			claimOn(t, grpcAddr, "/v1/payments", "stuck")
+			// A stuck pending key: its stream ended before any response, and unknown_outcome: keep
+			// leaves the lease to expire. (While the stream lived, its own replica would answer a
+			// duplicate 409 without the store, purged or not.)
+			require.NoError(t, claimOn(t, grpcAddr, "/v1/payments", "stuck").CloseSend())
+			require.Eventually(t, func() bool {
+				return strings.Contains(scrape(t, adminURL+"/metrics"), "\nidempotency_inflight 0\n")
+			}, 10*time.Second, 10*time.Millisecond, "the stream has ended")
 			stuck := keyHashOf(t, policyFile, "/v1/payments", "stuck")
 			require.Len(t, stuck, 64)
 
