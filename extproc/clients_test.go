@@ -70,15 +70,18 @@ routes: [{name: pay, match: {path_prefix: /v1/payments}, mode: shadow, missing_k
 
 // A duplicate that finds the key in flight waits up to in_flight_wait for the first to complete
 // and then gets its replay; a client may ask for less with Prefer: wait=N, and gets
-// Preference-Applied. Time out: 409. Waiting polls the store no faster than every 50 ms.
+// Preference-Applied. Time out: 409. Waiting on another replica polls the store no faster than
+// every 50 ms; on the replica that runs the first, it polls that replica's hold, not the store.
 func TestInFlightWait(t *testing.T) {
-	h := newHarness(t, harnessOptions{policy: "defaults: {in_flight_wait: 2s, lock_ttl: 30s}"})
+	const pol = "defaults: {in_flight_wait: 2s, lock_ttl: 30s}"
+	h := newHarness(t, harnessOptions{policy: pol})
+	other := newHarness(t, harnessOptions{policy: pol, store: h.store, clock: h.clock})
 	first := h.open()
 	first.send(requestHeaders(post("/v1/payments", "k", `{}`)))
 	first.send(requestBody([]byte(`{}`)))
 
 	base := h.clock.Pending() // the first request's renewal
-	waiting := h.open()
+	waiting := other.open()
 	waiting.send(requestHeaders(post("/v1/payments", "k", `{}`, "prefer", "respond-async, wait=5")))
 	require.NoError(t, waiting.s.Send(requestBody([]byte(`{}`))))
 	// The duplicate polls on the harness clock: advance it in steps, each once it sleeps.
@@ -96,8 +99,9 @@ func TestInFlightWait(t *testing.T) {
 	require.Equal(t, created.body, res.body, "the replay, once the first completed")
 	require.Equal(t, []string{"true"}, res.header(replayed))
 	require.Equal(t, []string{"wait=2"}, res.header("preference-applied"), "capped by in_flight_wait")
-	calls := h.counter("idempotency_wait_store_calls_total", "route", "default")
+	calls := other.counter("idempotency_wait_store_calls_total", "route", "default")
 	require.Equal(t, 21.0, calls, "one store call per 50 ms: 1.05 s of waiting")
+	require.Zero(t, h.counter("idempotency_wait_store_calls_total", "route", "default"))
 	first.end()
 	waiting.end()
 

@@ -592,6 +592,7 @@ func (st *stream) claim(body []byte) {
 		Replicas: r.Durability.Replicas, ReplicaTimeout: r.Durability.Timeout}
 	wait, preferred := st.waitBudget()
 	var deadline time.Time
+	calls := 0
 	for {
 		// A key this replica is itself running or completing is answered without the store:
 		// whatever the store says (a record it lost in an outage, a purge), the request is not
@@ -599,6 +600,9 @@ func (st *stream) claim(body []byte) {
 		p, inFlight, local := st.s.heldLocally(r.Route, st.storeKey, fp)
 		var rec *cache.Record
 		if !local {
+			if calls++; calls > 1 {
+				r.waitCalls.Inc()
+			}
 			var done bool
 			if rec, done = st.acquire(c); done {
 				return
@@ -617,7 +621,6 @@ func (st *stream) claim(body []byte) {
 					st.fire(evAnswer) // Envoy gave up on the request: nobody waits for an answer
 					return
 				}
-				r.waitCalls.Inc()
 				continue
 			}
 		}
