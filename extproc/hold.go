@@ -66,7 +66,7 @@ func (h *hold) contend(now time.Time) error {
 	return cache.ErrLeaseLost
 }
 
-// holdRecord is how a duplicate on this replica sees a hold: a pending record of its
+// record is how a duplicate on this replica sees a hold: a pending record of its
 // fingerprint and route, judged as the store's would be (judgeRecord).
 func (h *hold) record() *cache.Record {
 	return &cache.Record{State: cache.Pending, Fingerprint: h.claim.Fingerprint, Route: h.claim.Route[:min(len(h.claim.Route), cache.MaxRouteBytes)]}
