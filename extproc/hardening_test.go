@@ -348,7 +348,9 @@ func TestFullDuplexBodyReleasedOnceStreamedBack(t *testing.T) {
 	}
 	grown := int64(heap()) - int64(before)
 	t.Logf("%d streams running after a %d-byte body each: heap grew %d bytes", streams, size, grown)
-	require.Less(t, grown, int64(streams*size/4), "the streamed-back bodies are not kept")
+	// The bodies kept would add streams*size on top of what gRPC's own buffers hold here (up to
+	// about 16 MiB on a loaded machine): the bound sits between the two.
+	require.Less(t, grown, int64(streams*size*3/4), "the streamed-back bodies are not kept")
 	for _, s := range open {
 		s.end()
 	}

@@ -2,6 +2,7 @@ package extproc_test
 
 import (
 	"context"
+	"errors"
 	"io"
 	"net"
 	"testing"
@@ -86,6 +87,11 @@ func (h *limitsHarness) served() (extprocv3.ExternalProcessor_ProcessClient, err
 	stream, err := h.client.Process(h.ctx)
 	require.NoError(h.t, err)
 	if err := stream.Send(requestHeaders(request{method: "GET", path: "/v1/things"})); err != nil {
+		if errors.Is(err, io.EOF) {
+			// The server ended the stream before the message went out: its status comes
+			// from Recv.
+			_, err = stream.Recv()
+		}
 		return stream, err
 	}
 	_, err = stream.Recv()

@@ -231,9 +231,10 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	if err := s.enter(srv.Context()); err != nil {
 		return err
 	}
-	defer s.leave()
+	// The gauge of open streams comes down before Wait sees the stream end.
 	s.streams.Add(1)
 	defer s.streams.Done()
+	defer s.leave()
 	first := firstMessageTimer(srv.Context())
 	st := newStream(s, srv.Context())
 	// Runs on a panic too (see StreamInterceptor): the lease is released or kept as for any
