@@ -26,7 +26,8 @@ so give it the server's flags and environment. It connects to nothing and reads 
 secret file that is not there yet is noted on stderr. Without a FILE, that is all it does.
 
 Text output: one line per finding, errors first:
-  FILE: RESOURCE: FIELD: severity: what breaks; the fix
+  FILE:LINE:COLUMN: RESOURCE: FIELD: severity: what breaks; the fix
+or, without findings, one line saying what was checked ("ok: 3 routes protected in 2 files").
 Exit status: 0 no error (warnings allowed), 1 at least one error, 2 a file cannot be read or parsed.
 
 `
@@ -125,7 +126,8 @@ func checkCommand(args []string, getenv func(string) string, stdin io.Reader, st
 	if err := errors.Join(readErrs...); err != nil {
 		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
 	}
-	rep, err := check.Run(cfg.policy, inputs, check.Options{EnvoyVersion: *version})
+	policyData, _ := os.ReadFile(*configPath) // loadConfig read it: only for the findings' lines
+	rep, err := check.Run(cfg.policy, inputs, check.Options{EnvoyVersion: *version, Policy: check.Input{Name: *configPath, Data: policyData}})
 	if err != nil {
 		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
 	}
@@ -163,9 +165,20 @@ func writeReport(w io.Writer, rep check.Report, format string) error {
 	for _, f := range rep.Findings {
 		b.WriteString(f.String() + "\n")
 	}
+	if len(rep.Findings) == 0 {
+		fmt.Fprintf(&b, "ok: %s protected in %s\n", plural(rep.Routes, "route"), plural(rep.Files, "file"))
+	}
 	if len(rep.Skipped) > 0 {
 		b.WriteString("skipped (kinds check does not read): " + strings.Join(rep.Skipped, ", ") + "\n")
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// plural is "1 route", "2 routes".
+func plural(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
 }

@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -44,9 +46,10 @@ func TestCheckShippedFiles(t *testing.T) {
 	require.Zero(t, code, out)
 	lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
 	require.Len(t, lines, 3, out)
+	place := regexp.MustCompile(`^` + regexp.QuoteMeta(shipped("envoy-gateway.yaml")) + `:[0-9]+:[0-9]+: EnvoyExtensionPolicy payments/idempotency-`)
 	for _, l := range lines[:2] {
 		require.Contains(t, l, ": warning: ")
-		require.True(t, strings.HasPrefix(l, shipped("envoy-gateway.yaml")+": EnvoyExtensionPolicy payments/idempotency-"), l)
+		require.Regexp(t, place, l)
 	}
 	require.Equal(t, "skipped (kinds check does not read): Gateway payments/payments-gateway ("+shipped("istio-envoyfilter.yaml")+
 		"), RequestAuthentication istio-system/payments-jwt ("+shipped("istio-envoyfilter.yaml")+
@@ -54,7 +57,11 @@ func TestCheckShippedFiles(t *testing.T) {
 
 	out, _, code = runCheck(t, "", "--config", shipped("policy.yaml"), shipped("envoy.yaml"))
 	require.Zero(t, code)
-	require.Empty(t, out, "no finding, no line")
+	require.Equal(t, "ok: 4 routes protected in 1 file\n", out, "no finding: one line saying what was checked")
+
+	out, _, code = runCheck(t, "", "--config", shipped("policy.yaml"), shipped("envoy.yaml"), shipped("istio-envoyfilter.yaml"))
+	require.Zero(t, code)
+	require.True(t, strings.HasPrefix(out, "ok: 8 routes protected in 2 files\n"), out)
 }
 
 // A broken setting is an error: one line naming file, resource and field, exit 1.
@@ -64,7 +71,9 @@ func TestCheckFindsErrors(t *testing.T) {
 	broken := writeNamed(t, "envoy.yaml", strings.Replace(string(text), "failure_mode_allow: false", "failure_mode_allow: true", 1))
 	out, msg, code := runCheck(t, "", "--config", shipped("policy.yaml"), broken)
 	require.Equal(t, checkFound, code)
-	require.Equal(t, broken+`: listener "ingress_http": filter_chains[0].filters[0].typed_config.http_filters[envoy.filters.http.ext_proc].typed_config.failure_mode_allow: error: `+
+	before := string(text[:strings.Index(string(text), "failure_mode_allow: false")])
+	line, column := 1+strings.Count(before, "\n"), len(before)-strings.LastIndex(before, "\n")
+	require.Equal(t, fmt.Sprintf("%s:%d:%d", broken, line, column)+`: listener "ingress_http": filter_chains[0].filters[0].typed_config.http_filters[envoy.filters.http.ext_proc].typed_config.failure_mode_allow: error: `+
 		"is true, want false (requests would bypass idempotency when the processor fails): a covered request may run twice; set false\n", out)
 	require.Contains(t, msg, "check: 1 error(s)")
 }
@@ -73,31 +82,37 @@ func TestCheckFindsErrors(t *testing.T) {
 func TestCheckJSON(t *testing.T) {
 	text, err := os.ReadFile(shipped("envoy.yaml"))
 	require.NoError(t, err)
-	broken := strings.Replace(string(text), "allow_mode_override: true", "allow_mode_override: false", 1)
+	broken := strings.Replace(string(text), "failure_mode_allow: false", "failure_mode_allow: true", 1)
 	out, _, code := runCheck(t, broken, "--config", shipped("policy.yaml"), "--format", "json", "--envoy-version", "1.38", "-")
 	require.Equal(t, checkFound, code)
-	var findings []map[string]string
+	var findings []map[string]any
 	dec := json.NewDecoder(strings.NewReader(out))
 	dec.DisallowUnknownFields()
 	require.NoError(t, dec.Decode(&findings))
 	require.Len(t, findings, 3)
-	for _, f := range findings {
-		require.ElementsMatch(t, []string{"file", "resource", "field", "severity", "problem", "fix"}, keys(f))
+	for i, f := range findings {
+		want := []string{"file", "line", "column", "resource", "field", "severity", "kind", "problem", "fix"}
+		if f["resource"] == "Envoy 1.38" {
+			want = []string{"file", "resource", "field", "severity", "kind", "problem", "fix"} // no place in a file
+		}
+		require.ElementsMatch(t, want, keys(f), "finding %d", i)
 		for k, v := range f {
 			require.NotEmpty(t, v, k)
 		}
 	}
 	require.Equal(t, "-", findings[0]["file"], "standard input is named -")
 	require.Equal(t, "error", findings[0]["severity"])
-	require.True(t, strings.HasSuffix(findings[0]["field"], ".allow_mode_override"), findings[0]["field"])
-	require.Equal(t, []string{"warning", "warning"}, []string{findings[1]["severity"], findings[2]["severity"]})
+	require.Equal(t, "failure-mode-allow", findings[0]["kind"])
+	require.Positive(t, findings[0]["line"])
+	require.True(t, strings.HasSuffix(findings[0]["field"].(string), ".failure_mode_allow"), findings[0]["field"])
+	require.Equal(t, []any{"warning", "warning"}, []any{findings[1]["severity"], findings[2]["severity"]})
 
 	out, _, code = runCheck(t, "", "--config", shipped("policy.yaml"), "--format", "json", shipped("envoy.yaml"))
 	require.Zero(t, code)
 	require.Equal(t, "[]\n", out)
 }
 
-func keys(m map[string]string) []string {
+func keys(m map[string]any) []string {
 	var out []string
 	for k := range m {
 		out = append(out, k)

@@ -471,3 +471,13 @@ func Parse(data []byte) (*Policy, error) {
 	p, _, err := ParseFile(data, nil)
 	return p, err
 }
+
+// MatchesName reports whether the route is matched by Envoy's route name (a route_name_*
+// matcher) and its matcher holds for name.
+func (r *Route) MatchesName(name string) bool {
+	if !r.MatchesRouteName() {
+		return false
+	}
+	_, ok := r.match.holds(Selector{RouteName: name})
+	return ok
+}

@@ -218,7 +218,7 @@ func TestEnvoyYAMLBrokenVariantsFail(t *testing.T) {
 			"processing_mode.request_trailer_mode is SKIP, want SEND (under SKIP a request with trailers and no body skips the body phase"},
 		{"response trailer mode left DEFAULT", "response_body_mode: BUFFERED\n                response_trailer_mode: SKIP",
 			"response_body_mode: BUFFERED\n                response_trailer_mode: DEFAULT", 1,
-			"processing_mode.response_trailer_mode is DEFAULT, want SKIP or SEND"},
+			"processing_mode.response_trailer_mode is DEFAULT, which Envoy reads as SKIP"},
 		{"trailer mode left DEFAULT", "request_trailer_mode: SEND\n                response_header_mode", "request_trailer_mode: DEFAULT\n                response_header_mode", 1,
 			"processing_mode.request_trailer_mode is DEFAULT, want SEND"},
 		{"fail open", "failure_mode_allow: false", "failure_mode_allow: true", 1,
@@ -334,7 +334,7 @@ func TestCheckSpecRules(t *testing.T) {
 		}, nil},
 		{"no processing_mode", func(f *filterextproc.ExternalProcessor) {
 			f.ProcessingMode = nil
-		}, []string{"processing_mode is not set", "request_header_mode is DEFAULT, want SEND", "request_body_mode is NONE"}},
+		}, []string{"processing_mode is not set", "request_header_mode is DEFAULT, which Envoy reads as SEND", "request_body_mode is NONE"}},
 		{"duplicate allow-list entry", func(f *filterextproc.ExternalProcessor) {
 			f.AllowedOverrideModes = append(f.AllowedOverrideModes, PassThroughMode())
 		}, []string{"allowed_override_modes has 3 entries"}},

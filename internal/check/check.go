@@ -34,19 +34,34 @@ const (
 type Finding struct {
 	// File is the input that holds the setting, as the user named it ("-" is standard input).
 	File string `json:"file"`
+	// Line and Column are where the field is in File (1-based), or where it would go when it is
+	// missing; 0 when the finding is about no place in a file (--envoy-version).
+	Line   int `json:"line,omitempty"`
+	Column int `json:"column,omitempty"`
 	// Resource is the resource that holds it: `listener "ingress"`, "EnvoyFilter ns/name".
 	Resource string `json:"resource"`
 	// Field is the setting's path in the resource.
 	Field    string   `json:"field"`
 	Severity Severity `json:"severity"`
+	// Kind names what the finding is about; it decides Severity (Kinds).
+	Kind Kind `json:"kind"`
 	// Problem says what is wrong and what it breaks; Fix what to set instead.
 	Problem string `json:"problem"`
 	Fix     string `json:"fix"`
 }
 
-// String is the finding's line of the text output: FILE: RESOURCE: FIELD: severity: problem; fix.
+// String is the finding's line of the text output:
+// FILE:LINE:COLUMN: RESOURCE: FIELD: severity: problem; fix.
 func (f Finding) String() string {
-	return fmt.Sprintf("%s: %s: %s: %s: %s; %s", f.File, f.Resource, f.Field, f.Severity, f.Problem, f.Fix)
+	return fmt.Sprintf("%s: %s: %s: %s: %s; %s", f.Place(), f.Resource, f.Field, f.Severity, f.Problem, f.Fix)
+}
+
+// Place is FILE:LINE:COLUMN, or FILE when the line is not known.
+func (f Finding) Place() string {
+	if f.Line <= 0 {
+		return f.File
+	}
+	return fmt.Sprintf("%s:%d:%d", f.File, f.Line, max(f.Column, 1))
 }
 
 // Input is one file to check: its name as the user gave it ("-" for standard input) and its
@@ -62,12 +77,18 @@ type Options struct {
 	// EnvoyVersion is the Envoy version the deployment runs ("1.38", "v1.39.1"); it adds the
 	// warnings of that version's known ext_proc defects. Empty: none.
 	EnvoyVersion string
+	// Policy is the policy file as read, for the findings about its routes to name their lines;
+	// its Name is how they name the file ("--config" when empty).
+	Policy Input
 }
 
 // Report is what Run found.
 type Report struct {
 	// Findings are the errors, then the warnings, each in the order of the inputs.
 	Findings []Finding
+	// Routes is the number of Envoy routes of the inputs the ext_proc filter runs on, and Files
+	// the number of inputs: what a report without findings says was checked.
+	Routes, Files int
 	// Skipped names the objects of the inputs whose kinds the check does not read, as
 	// "Kind namespace/name (FILE)".
 	Skipped []string
@@ -151,12 +172,34 @@ func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
 			names = append(names, in.Name)
 		}
 		rep.Findings = append(rep.Findings, Finding{
-			File: strings.Join(names, ", "), Resource: "-", Field: "ext_proc", Severity: Error,
+			File: strings.Join(names, ", "), Resource: "-", Field: "ext_proc", Kind: KindNoExtProc,
 			Problem: "no ext_proc filter found: no http filter with an ExternalProcessor typed_config, EnvoyFilter patching one in, or EnvoyExtensionPolicy with an extProc entry; nothing reaches the processor",
 			Fix:     "add the filter as envoy/envoy.yaml, envoy/istio-envoyfilter.yaml or envoy/envoy-gateway.yaml do, and pass the file that holds it",
 		})
 	}
 	rep.Findings = append(rep.Findings, versionFindings(version)...)
+	policyFile := opts.Policy.Name
+	if policyFile == "" {
+		policyFile = "--config"
+	}
+	var names []string
+	for _, in := range inputs {
+		names = append(names, in.Name)
+	}
+	c := coveredRoutes(deployments)
+	rep.Routes, rep.Files = c.count, len(inputs)
+	if len(deployments) > 0 {
+		rep.Findings = append(rep.Findings, routeNameFindings(p, c, policyFile, names)...)
+	}
+	rep.Findings = append(rep.Findings, gatewayRetryFindings(p, kube, deployments)...)
+	rep.Findings = append(rep.Findings, extensionPolicyFindings(p, kube, deployments)...)
+	loc := newLocator(append(slices.Clone(inputs), Input{Name: policyFile, Data: opts.Policy.Data}), kube)
+	for i := range rep.Findings {
+		loc.locate(&rep.Findings[i])
+	}
+	for i := range rep.Findings {
+		rep.Findings[i].Severity = severityOf(rep.Findings[i].Kind)
+	}
 	// A resource several deployments share (a BackendTrafficPolicy, a cluster) is reported once.
 	seen := map[Finding]bool{}
 	rep.Findings = slices.DeleteFunc(rep.Findings, func(f Finding) bool {
@@ -210,11 +253,17 @@ func readInput(in Input) ([]Deployment, []*object, error) {
 func kubeDeployments(objs []*object) ([]Deployment, []Finding, error) {
 	var out []Deployment
 	var errs []error
+	var findings []Finding
 	for _, ef := range objs {
 		if !ef.is(istioGroup, "EnvoyFilter") {
 			continue
 		}
 		d, found, err := istioDeployment(ef, objs)
+		if l := (*located)(nil); errors.As(err, &l) && l.Line > 0 && !strings.Contains(l.Err.Error(), "unknown field") {
+			// A value Istio may read otherwise, or refuse: the other resources are still checked.
+			findings = append(findings, unreadable(ef, err))
+			continue
+		}
 		if err != nil {
 			errs = append(errs, inputError(ef.File, fmt.Errorf("%s: %w", ef.ref(), err)))
 			continue
@@ -233,7 +282,6 @@ func kubeDeployments(objs []*object) ([]Deployment, []Finding, error) {
 	for _, p := range pols {
 		out = append(out, p.Deployment)
 	}
-	var findings []Finding
 	for _, ep := range objs {
 		if !ep.is(egGroup, "EnvoyProxy") {
 			continue
@@ -255,4 +303,23 @@ func egInputError(err error) error {
 		return inputError(f.file, err)
 	}
 	return err
+}
+
+// unreadable is the finding of a value of o that check cannot read: a finding on its line, so
+// that the other resources' findings are still reported.
+func unreadable(o *object, err error) Finding {
+	f := Finding{File: o.File, Resource: o.ref(), Field: "spec", Kind: KindUnreadable, Line: o.Line,
+		Problem: "cannot be read (" + err.Error() + "): what the resource sets was not checked, and Istio or Envoy would refuse a value they cannot read either, leaving covered requests without the ext_proc filter it adds",
+		Fix:     "write the value as the field's type wants it"}
+	var l *located
+	if errors.As(err, &l) {
+		f.Problem = "cannot be read (" + l.Err.Error() + "): what the resource sets was not checked, and Istio or Envoy would refuse a value they cannot read either, leaving covered requests without the ext_proc filter it adds"
+		if l.Line > 0 {
+			f.Line, f.Column = l.Line, 0
+		}
+		if l.Field != "" {
+			f.Field = l.Field
+		}
+	}
+	return f
 }

@@ -97,12 +97,29 @@ func TestRunFindsEachSetting(t *testing.T) {
 		vsTransfers    = "  - name: transfers\n    match:\n    - uri: { prefix: /v1/transfers }\n"
 		btpAt          = "  connection:\n    bufferLimit: 1Mi             # response bodies"
 	)
+	costs := map[string]bool{
+		"allow_mode_override false": true, "Istio allow_mode_override false": true,
+		"no upstream.request_attempt_count": true, "Istio response_attributes": true,
+		"no response.code_details": true, "EG response attributes": true,
+		"response_trailer_mode left DEFAULT": true,
+		"outcome namespace not received":     true, "per-route metadata_options": true,
+		"Istio outcome namespace": true, "EG outcome namespace": true,
+		"send_body_without_waiting_for_header_response": true, "allowed_override_modes": true, "Istio allowed_override_modes": true,
+		"response_trailer_mode DEFAULT": true, "processing_request_modifier": true, "EG allowModeOverride false": true,
+	}
+	const keep = "defaults:\n  unknown_outcome: keep\nroutes:\n  - name: refunds\n    match: { path_prefix: /v1/refunds }\n"
 	for _, tc := range []struct {
 		name, file, old, new string
 		policy               string
 		resource, field      string
 		problem              string
 	}{
+		// Where an unknown outcome keeps the lease, a response Envoy made before the request
+		// went upstream would block its retries: the missing attributes are errors.
+		{"no upstream.request_attempt_count under keep", "envoy.yaml", `, "upstream.request_attempt_count"]`, `]`, keep,
+			bootstrapListener, bootstrapFilter + ".response_attributes", `lacks "upstream.request_attempt_count"`},
+		{"no response.code_details under keep", "envoy.yaml", `"response.code_details", `, ``, keep,
+			bootstrapListener, bootstrapFilter + ".response_attributes", `lacks "response.code_details"`},
 		// A standalone bootstrap.
 		{"router retries", "envoy.yaml", routeAdd, "                match: { prefix: \"/\" }\n                route: { cluster: upstream_app, timeout: 30s, retry_policy: { retry_on: 5xx } }\n", "",
 			bootstrapListener, bootstrapRoutes + "[4].route.retry_policy.retry_on", `has "5xx"`},
@@ -166,7 +183,7 @@ func TestRunFindsEachSetting(t *testing.T) {
 		{"allowed_override_modes", "envoy.yaml", "request_body_mode: NONE\n                request_trailer_mode: SKIP", "request_body_mode: NONE\n                request_trailer_mode: DEFAULT", "",
 			bootstrapListener, bootstrapFilter + ".allowed_override_modes[0]", "request_trailer_mode is DEFAULT, want SKIP"},
 		{"response_trailer_mode DEFAULT", "envoy.yaml", "response_body_mode: BUFFERED\n                response_trailer_mode: SKIP", "response_body_mode: BUFFERED\n                response_trailer_mode: DEFAULT", "",
-			bootstrapListener, bootstrapFilter + ".processing_mode.response_trailer_mode", "want SKIP or SEND"},
+			bootstrapListener, bootstrapFilter + ".processing_mode.response_trailer_mode", "which Envoy reads as SKIP"},
 		{"request headers skipped", "envoy.yaml", "processing_mode:\n                request_header_mode: SEND", "processing_mode:\n                request_header_mode: SKIP", "",
 			bootstrapListener, bootstrapFilter + ".processing_mode.request_header_mode", "covered requests would run unprotected"},
 		{"response headers skipped", "envoy.yaml", "request_trailer_mode: SEND\n                response_header_mode: SEND", "request_trailer_mode: SEND\n                response_header_mode: SKIP", "",
@@ -275,19 +292,32 @@ func TestRunFindsEachSetting(t *testing.T) {
 			"BackendTrafficPolicy payments/idempotency-buffers", "connection.bufferLimit", "65536-byte upstream buffer"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			// Settings that only cost something are warnings: the others are errors.
+			severity := Error
+			if costs[tc.name] {
+				severity = Warning
+			}
 			text := mutate(t, readEnvoyFile(t, tc.file), tc.old, tc.new, 1)
 			rep, err := Run(parsePolicy(t, tc.policy), []Input{{Name: "copy/" + tc.file, Data: []byte(text)}}, Options{})
 			require.NoError(t, err)
-			require.Equal(t, []string{tc.field}, fieldsOf(rep, Error), "exactly this field is refused: %v", rep.Findings)
+			if severity == Warning {
+				require.Zero(t, rep.Errors(), "%v", rep.Findings)
+			}
+			require.Contains(t, fieldsOf(rep, severity), tc.field, "%v", rep.Findings)
+			if severity == Error {
+				require.Equal(t, []string{tc.field}, fieldsOf(rep, Error), "exactly this field is refused: %v", rep.Findings)
+			}
 			for _, f := range rep.Findings {
-				if f.Severity != Error {
+				if f.Severity != severity || f.Field != tc.field {
 					continue
 				}
 				require.Equal(t, tc.resource, f.Resource)
 				require.Equal(t, "copy/"+tc.file, f.File)
 				require.Contains(t, f.Problem, tc.problem)
 				require.NotEmpty(t, f.Fix)
-				require.True(t, strings.HasPrefix(f.String(), "copy/"+tc.file+": "+tc.resource+": "+tc.field+": error: "), f.String())
+				require.Equal(t, severity, kindSeverity[f.Kind], "the kind decides the severity")
+				requireAtField(t, text, f)
+				require.True(t, strings.HasPrefix(f.String(), fmt.Sprintf("copy/%s:%d:%d: %s: %s: %s: ", tc.file, f.Line, f.Column, tc.resource, tc.field, severity)), f.String())
 			}
 		})
 	}
@@ -625,7 +655,10 @@ func TestRunFilterDisabledByDefault(t *testing.T) {
 		"                match: { prefix: \"/\" }\n                route: { cluster: upstream_app, timeout: 30s, retry_policy: { retry_on: 5xx } }\n", 1)
 	rep, err := Run(shippedPolicy(t), []Input{{Name: "e.yaml", Data: []byte(text)}}, Options{})
 	require.NoError(t, err)
-	require.Zero(t, rep.Errors(), "the default route does not run the filter: %v", rep.Findings)
+	// The default route does not run the filter, so its retry is no error; neither does the
+	// transfers route, so the policy route that matches its name protects nothing.
+	require.Equal(t, []string{"routes[0].match"}, fieldsOf(rep, Error), "%v", rep.Findings)
+	require.Equal(t, KindRouteNameMatchesNothing, rep.Findings[0].Kind)
 
 	// Enabled on the virtual host, the filter runs on documents again.
 	enabled := mutate(t, text, "              domains: [\"*\"]\n",
@@ -710,4 +743,37 @@ func TestRunModesThePolicyAllows(t *testing.T) {
 			require.Equal(t, tc.errors, fieldsOf(rep, Error), "%v", rep.Findings)
 		})
 	}
+}
+
+// requireAtField holds that f's line and column point, in text, at a step of its field path:
+// the field's key, or the key or item it would go under when it is missing.
+func requireAtField(t *testing.T, text string, f Finding) {
+	t.Helper()
+	require.Positive(t, f.Line, "%v", f)
+	require.Positive(t, f.Column, "%v", f)
+	lines := strings.Split(text, "\n")
+	require.LessOrEqual(t, f.Line, len(lines), "%v", f)
+	line := lines[f.Line-1]
+	require.LessOrEqual(t, f.Column, len(line), "%v", f)
+	at := line[f.Column-1:]
+	steps, _ := fieldSteps(f.Field)
+	for _, s := range steps {
+		var names []string
+		switch k := s.(type) {
+		case string:
+			names = []string{k, lowerCamel(k)}
+		case nameStep:
+			names = []string{"name", string(k)}
+		default: // an item: a flow mapping, or a block mapping's first key
+			if at != "" && (at[0] == '{' || at[0] == '[' || at[0] == '"' || at[0] == '_' || 'a' <= at[0] && at[0] <= 'z' || 'A' <= at[0] && at[0] <= 'Z') {
+				return
+			}
+		}
+		for _, n := range names {
+			if strings.HasPrefix(at, n) {
+				return
+			}
+		}
+	}
+	require.Failf(t, "the line and column point at none of the field's steps", "%s at %d:%d: %q", f.Field, f.Line, f.Column, at)
 }

@@ -89,6 +89,9 @@ type RouteEntry struct {
 	// Istio VirtualService, an Envoy Gateway BackendTrafficPolicy), RetryPath then starting with
 	// it; RetryFile is the input that holds it.
 	RetryResource, RetryFile string
+	// Partial is set on an entry that stands for routes the inputs do not show (an Envoy Gateway
+	// target outside them: a Gateway, targetSelectors, an HTTPRoute of another file).
+	Partial bool
 	// ResponseBuffer is the buffer limit a BUFFERED response body of this route must fit in, nil
 	// when it is not known (a cluster that is not static).
 	ResponseBuffer *Limit

@@ -17,7 +17,7 @@ import (
 func deploymentFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding {
 	var out []Finding
 	at := func(field string) Finding {
-		return Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + "." + field, Severity: Error}
+		return Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + "." + field}
 	}
 	storesBodies := slices.ContainsFunc(enabledRoutes(p), func(r *policy.Route) bool { return r.StoreBody })
 	mode := d.Filter.GetProcessingMode()
@@ -32,15 +32,23 @@ func deploymentFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding
 			continue
 		}
 		f := at(e.Field)
-		f.Problem, f.Fix = e.Problem, e.Fix
+		f.Kind, f.Problem, f.Fix = e.Kind, e.Problem, e.Fix
 		if e.Breaks != "" {
 			f.Problem += ": " + e.Breaks
+		}
+		switch {
+		case e.Kind == KindCodeDetailsMissing && !n.envoyStatusStored && n.unknownReleases:
+			f.Kind = KindCodeDetailsCost
+			f.Problem += "; under this policy (unknown_outcome: release, no 4xx or 5xx stored) such a response releases the key either way, and only the processor's log says it could not tell"
+		case e.Kind == KindAttemptCountMissing && n.unknownReleases:
+			f.Kind = KindAttemptCountCost
+			f.Problem += "; under this policy (unknown_outcome: release on every route) such a response releases the key either way, and only the release reason differs"
 		}
 		if d.Platform == PlatformEnvoyGateway && errors.Is(e, ErrRequestTrailersSkipped) {
 			// Envoy Gateway cannot express SEND but under FullDuplexStreamed (buildProcessingMode
 			// in envoyproxy/gateway internal/xds/translator/extproc.go); the processor counts
 			// what reaches the upstream unclaimed.
-			f.Severity = Warning
+			f.Kind = KindGatewayRequestTrailers
 			f.Problem = "Envoy Gateway sends request trailers to the processor only under FullDuplexStreamed: a covered request that carries trailers and no body reaches the upstream before its key is claimed, and may run twice (the processor counts it as idempotency_envoy_misconfig_total{kind=\"unclaimed_request\"})"
 			f.Fix = "use body: FullDuplexStreamed on routes whose clients send request trailers"
 		}
@@ -49,7 +57,7 @@ func deploymentFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding
 	if err := checkProtection(d, n); err != nil {
 		refusals := Refusals(err)
 		if len(refusals) == 0 {
-			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath, Severity: Error, Problem: err.Error(), Fix: "-"})
+			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath, Kind: KindNoExtProc, Problem: err.Error(), Fix: "-"})
 		}
 		for _, r := range refusals {
 			out = append(out, refusalFinding(d, r))
@@ -72,7 +80,7 @@ func deploymentFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding
 // another resource (an Istio VirtualService's retries, an Envoy Gateway BackendTrafficPolicy's)
 // names that resource, and the field as that resource spells it.
 func refusalFinding(d Deployment, r *Refusal) Finding {
-	f := Finding{File: d.File, Resource: d.Resource, Field: r.Field, Severity: Error, Problem: r.Reason, Fix: r.Fix}
+	f := Finding{File: d.File, Resource: d.Resource, Field: r.Field, Kind: r.Kind, Problem: r.Reason, Fix: r.Fix}
 	if r.Resource == "" {
 		return f
 	}
@@ -135,7 +143,7 @@ func timingFindings(d Deployment, p *policy.Policy) []Finding {
 		return nil // CheckSpec reports the first; the second is fine
 	}
 	return []Finding{{
-		File: d.File, Resource: d.Resource, Field: d.FilterPath + ".message_timeout", Severity: Error,
+		File: d.File, Resource: d.Resource, Field: d.FilterPath + ".message_timeout", Kind: KindMessageTimeoutInFlight,
 		Problem: fmt.Sprintf("%v is not above store_timeout %v plus in_flight_wait %v (route %q): a duplicate waiting for its replay holds Envoy's message open that long, so Envoy answers 504 first",
 			mt, p.StoreTimeout, longest.InFlightWait, longest.Name),
 		Fix: fmt.Sprintf("raise message_timeout above %v, or lower in_flight_wait", need),
@@ -180,7 +188,7 @@ func bodyFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding {
 			mode = pm.GetResponseBodyMode()
 			if mode == filterextproc.ProcessingMode_NONE {
 				out = append(out, Finding{
-					File: d.File, Resource: d.Resource, Field: e.Path + ".overrides.processing_mode.response_body_mode", Severity: Error,
+					File: d.File, Resource: d.Resource, Field: e.Path + ".overrides.processing_mode.response_body_mode", Kind: KindRouteResponseBodyNone,
 					Problem: fmt.Sprintf("is NONE, but policy route %q stores response bodies: responses are stored without their body, and duplicates get 409 response-not-replayable instead of a replay", storing.Name),
 					Fix:     "set BUFFERED or STREAMED, or store_body: false on the policy route",
 				})
@@ -199,7 +207,7 @@ func bodyFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding {
 		problem := fmt.Sprintf("BUFFERED responses of policy route %q may reach max_response_bytes %d, above the %d-byte upstream buffer: Envoy answers 500 to a larger one after the upstream ran it, so a retry may run it again",
 			storing.Name, storing.MaxResponseBytes, l.Bytes)
 		if !l.Default {
-			out = append(out, Finding{File: l.File, Resource: l.Resource, Field: l.Field, Severity: Error, Problem: problem,
+			out = append(out, Finding{File: l.File, Resource: l.Resource, Field: l.Field, Kind: KindResponseBufferLimit, Problem: problem,
 				Fix: fmt.Sprintf("raise it to at least %d, or use STREAMED responses", storing.MaxResponseBytes)})
 			continue
 		}
@@ -207,7 +215,7 @@ func bodyFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding {
 		if l.Resource != "" {
 			where += " of " + l.Resource
 		}
-		out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".processing_mode.response_body_mode", Severity: Error,
+		out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".processing_mode.response_body_mode", Kind: KindResponseBufferLimit,
 			Problem: problem + " (nothing sets " + where + ": the default applies)",
 			Fix:     fmt.Sprintf("set %s to at least %d, or use STREAMED responses", where, storing.MaxResponseBytes)})
 	}
@@ -228,7 +236,7 @@ func istioJWTFindings(d Deployment, n policyNeeds) []Finding {
 	var out []Finding
 	for _, k := range n.jwtKeys {
 		if k.key != "" && k.key != istioPayloadKey {
-			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".metadata_options.forwarding_namespaces", Severity: Warning,
+			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".metadata_options.forwarding_namespaces", Kind: KindIstioJWTPayloadKey,
 				Problem: fmt.Sprintf("forwards jwt_authn's payloads, which Istio 1.21 and later write under %q (earlier versions: under the issuer), while route %q reads %q (its jwt_payload_key): %s", istioPayloadKey, k.route, k.key, claimsEmpty),
 				Fix:     fmt.Sprintf("unset the route's jwt_payload_key (Istio writes one payload), or set it to %q", istioPayloadKey)})
 		}
@@ -252,13 +260,13 @@ var protectedFilterTypes = map[string]string{
 func warnings(d Deployment) []Finding {
 	var out []Finding
 	if d.RoutesUnknown != "" {
-		out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.HCMPath, Severity: Warning,
+		out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.HCMPath, Kind: KindRoutesUnknown,
 			Problem: d.RoutesUnknown + ": per-route configs, retries and buffer limits were not checked",
 			Fix:     "check the routes too: pass a bootstrap whose connection manager has an inline route_config"})
 	}
 	for _, a := range d.After {
 		if what, ok := protectedFilterTypes[a.Type]; ok {
-			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.HCMPath + ".http_filters[" + a.Name + "]", Severity: Warning,
+			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.HCMPath + ".http_filters[" + a.Name + "]", Kind: KindFilterAfterExtProc,
 				Problem: fmt.Sprintf("runs after ext_proc: a replay is answered by ext_proc, so replays and 409s skip %s", what),
 				Fix:     "move it before the ext_proc filter in http_filters"})
 		}
@@ -276,7 +284,7 @@ func warnings(d Deployment) []Finding {
 			if c.Default {
 				field += " (unset)"
 			}
-			out = append(out, Finding{File: c.File, Resource: c.Resource, Field: field, Severity: Warning,
+			out = append(out, Finding{File: c.File, Resource: c.Resource, Field: field, Kind: KindCircuitBreakers,
 				Problem: "the processor's circuit breakers allow " + strings.Join(low, ", ") + ": each request in flight holds a stream, and beyond them Envoy answers 500 without calling the processor",
 				Fix:     "raise them far above the requests in flight (the shipped files use 100000)"})
 		}

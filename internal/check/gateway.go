@@ -457,7 +457,7 @@ func egAttach(pols []EGPolicy, targets [][]egTargetRef, routes map[string]*egHTT
 		}
 	}
 	unresolved := func(p int, name, why string) {
-		e := RouteEntry{Name: name, Path: why, Config: &filterextproc.ExtProcPerRoute{}}
+		e := RouteEntry{Name: name, Path: why, Config: &filterextproc.ExtProcPerRoute{}, Partial: true}
 		if !slices.ContainsFunc(pols[p].Deployment.Routes, func(r RouteEntry) bool { return r.Path == e.Path }) {
 			pols[p].Deployment.Routes = append(pols[p].Deployment.Routes, e)
 		}
@@ -916,7 +916,7 @@ func (j egJWT) findings(n policyNeeds) []Finding {
 	var out []Finding
 	for _, k := range n.jwtKeys {
 		if k.key != "" && !slices.Contains(j.names, k.key) {
-			out = append(out, Finding{File: j.first.File, Resource: j.first.ref(), Field: "jwt.providers", Severity: Error,
+			out = append(out, Finding{File: j.first.File, Resource: j.first.ref(), Field: "jwt.providers", Kind: KindGatewayJWTProvider,
 				Problem: fmt.Sprintf("has no provider named %q, the jwt_payload_key of route %q: Envoy Gateway writes each provider's verified payload under the provider's name: %s", k.key, k.route, claimsEmpty),
 				Fix:     fmt.Sprintf("set the route's jwt_payload_key to the name of the provider that verifies its callers (%s), or unset it where one provider verifies them", strings.Join(j.names, ", "))})
 		}
@@ -947,7 +947,7 @@ func egOrderFinding(d *object) ([]Finding, error) {
 	if len(after) == 0 {
 		return nil, nil
 	}
-	return []Finding{{File: d.File, Resource: d.ref(), Field: "filterOrder", Severity: Warning,
+	return []Finding{{File: d.File, Resource: d.ref(), Field: "filterOrder", Kind: KindFilterAfterExtProc,
 		Problem: "leaves ext_proc before " + strings.Join(after, ", ") + ": a replay is answered by ext_proc, so replays and 409s skip authorization and rate limits",
 		Fix:     "add filterOrder entries that move envoy.filters.http.ext_proc after each of them, as envoy/envoy-gateway.yaml does"}}, nil
 }

@@ -327,9 +327,11 @@ func istioHCMPatch(cp *istioPatch) (*hcmv3.HttpConnectionManager, error) {
 	return hcm, nil
 }
 
-// decodePatch decodes an EnvoyFilter patch value into m as Envoy would read it: unknown fields
-// and unknown "@type"s are errors, naming their line.
+// decodePatch decodes an EnvoyFilter patch value into m as Istio and Envoy would read it:
+// durations as Istio reads them (Go's "200ms" too), unknown fields and unknown "@type"s are
+// errors, naming their line.
 func decodePatch(cp *istioPatch, m proto.Message) error {
+	istioDurations(&cp.Patch.Value, m.ProtoReflect().Descriptor())
 	js, err := nodeToJSON(&cp.Patch.Value)
 	if err != nil {
 		return err

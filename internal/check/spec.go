@@ -65,25 +65,31 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 		return errors.New("no ext_proc filter config")
 	}
 	var errs []error
-	bad := func(field, problem, breaks, fix string) {
-		errs = append(errs, &SpecError{Field: field, Problem: problem, Breaks: breaks, Fix: fix})
+	bad := func(kind Kind, field, problem, breaks, fix string) {
+		errs = append(errs, &SpecError{Kind: kind, Field: field, Problem: problem, Breaks: breaks, Fix: fix})
 	}
 
 	if f.GetGrpcService() == nil {
-		bad("grpc_service", "is not set (http_service cannot carry bodies)", "",
+		bad(KindGRPCServiceMissing, "grpc_service", "is not set (http_service cannot carry bodies)", "",
 			"set grpc_service (envoy_grpc to the processor's cluster)")
 	}
 	pm := f.GetProcessingMode()
 	if pm == nil {
-		bad("processing_mode", "is not set", "", "spell out processing_mode as envoy/envoy.yaml does")
+		bad(KindProcessingModeMissing, "processing_mode", "is not set", "", "spell out processing_mode as envoy/envoy.yaml does")
 		pm = &filterextproc.ProcessingMode{}
 	}
-	if m := pm.GetRequestHeaderMode(); m != filterextproc.ProcessingMode_SEND {
-		bad("processing_mode.request_header_mode", fmt.Sprintf("is %s, want SEND", m),
+	if m := pm.GetRequestHeaderMode(); m == filterextproc.ProcessingMode_DEFAULT {
+		bad(KindHeaderModeDefault, "processing_mode.request_header_mode", "is DEFAULT, which Envoy reads as SEND",
+			"", "spell it out: set SEND")
+	} else if m != filterextproc.ProcessingMode_SEND {
+		bad(KindRequestHeaderMode, "processing_mode.request_header_mode", fmt.Sprintf("is %s, want SEND", m),
 			"the processor would see no request, and covered requests would run unprotected", "set SEND")
 	}
-	if m := pm.GetResponseHeaderMode(); m != filterextproc.ProcessingMode_SEND {
-		bad("processing_mode.response_header_mode", fmt.Sprintf("is %s, want SEND", m),
+	if m := pm.GetResponseHeaderMode(); m == filterextproc.ProcessingMode_DEFAULT {
+		bad(KindHeaderModeDefault, "processing_mode.response_header_mode", "is DEFAULT, which Envoy reads as SEND",
+			"", "spell it out: set SEND")
+	} else if m != filterextproc.ProcessingMode_SEND {
+		bad(KindResponseHeaderMode, "processing_mode.response_header_mode", fmt.Sprintf("is %s, want SEND", m),
 			"the processor would see no response, so no record completes and every duplicate gets 409 until lock_ttl ends", "set SEND")
 	}
 
@@ -92,7 +98,7 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED,
 		filterextproc.ProcessingMode_BUFFERED_PARTIAL, filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
 	default:
-		bad("processing_mode.request_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED", reqBody),
+		bad(KindRequestBodyMode, "processing_mode.request_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED", reqBody),
 			"the processor cannot claim a covered request with a body: it gets 500 body-not-available",
 			"set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED); routes whose fingerprint omits the body may set NONE per route")
 	}
@@ -100,42 +106,43 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED,
 		filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
 	default:
-		bad("processing_mode.response_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED or FULL_DUPLEX_STREAMED", respBody),
+		bad(KindResponseBodyMode, "processing_mode.response_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED or FULL_DUPLEX_STREAMED", respBody),
 			"responses are stored without their body: duplicates get 409 response-not-replayable instead of a replay",
 			"set BUFFERED, or STREAMED for responses that can outgrow the buffer limit")
 	}
 	fullDuplex := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
 	if m := pm.GetRequestTrailerMode(); m != filterextproc.ProcessingMode_SEND {
-		errs = append(errs, &SpecError{Field: "processing_mode.request_trailer_mode", Problem: fmt.Sprintf("is %s, want SEND (%s)", m, trailerWhy),
+		errs = append(errs, &SpecError{Kind: KindRequestTrailerMode, Field: "processing_mode.request_trailer_mode", Problem: fmt.Sprintf("is %s, want SEND (%s)", m, trailerWhy),
 			Fix: "set SEND", wrapped: ErrRequestTrailersSkipped})
 	}
 	// SEND lets the processor see the end of a STREAMED response whose upstream sends trailers:
 	// its last chunk then has end_of_stream false.
 	switch m := pm.GetResponseTrailerMode(); {
 	case respBody == fullDuplex && m != filterextproc.ProcessingMode_SEND:
-		bad("processing_mode.response_trailer_mode", fmt.Sprintf("is %s, want SEND with response_body_mode FULL_DUPLEX_STREAMED", m),
+		bad(KindDuplexTrailerMode, "processing_mode.response_trailer_mode", fmt.Sprintf("is %s, want SEND with response_body_mode FULL_DUPLEX_STREAMED", m),
 			"Envoy refuses FULL_DUPLEX_STREAMED without it", "set SEND")
 	case m != filterextproc.ProcessingMode_SKIP && m != filterextproc.ProcessingMode_SEND:
-		bad("processing_mode.response_trailer_mode", fmt.Sprintf("is %s, want SKIP or SEND", m), "", "set SKIP, or SEND for upstreams that send trailers")
+		bad(KindResponseTrailerDefault, "processing_mode.response_trailer_mode", fmt.Sprintf("is %s, which Envoy reads as SKIP", m), "", "set SKIP, or SEND for upstreams that send trailers")
 	}
 
 	if !f.GetAllowModeOverride() {
-		bad("allow_mode_override", "is false, want true (Envoy would ignore the processor's mode_override)",
+		bad(KindModeOverrideRefused, "allow_mode_override", "is false, want true (Envoy would ignore the processor's mode_override)",
 			"requests the processor passes through still stream their bodies to it, and responses it will not store are still buffered", "set true")
 	}
 	if f.GetSendBodyWithoutWaitingForHeaderResponse() {
-		bad("send_body_without_waiting_for_header_response", "is true (Envoy would ignore mode_override)", "", "set false")
+		bad(KindBodyWithoutHeaderAnswer, "send_body_without_waiting_for_header_response", "is true (Envoy would ignore mode_override)",
+			"requests the processor passes through still stream their bodies to it", "set false")
 	}
 	errs = append(errs, checkOverrideModes(f.GetAllowedOverrideModes())...)
 
 	for _, a := range requiredResponseAttributes {
 		if !slices.Contains(f.GetResponseAttributes(), a) {
-			bad("response_attributes", fmt.Sprintf("lacks %q (%s)", a, attributeWhy[a]), "",
+			bad(attributeKind[a], "response_attributes", fmt.Sprintf("lacks %q (%s)", a, attributeWhy[a]), "",
 				fmt.Sprintf("add %q to response_attributes", a))
 		}
 	}
 	if f.GetFailureModeAllow() {
-		bad("failure_mode_allow", "is true, want false (requests would bypass idempotency when the processor fails)",
+		bad(KindFailureModeAllow, "failure_mode_allow", "is true, want false (requests would bypass idempotency when the processor fails)",
 			"a covered request may run twice", "set false")
 	}
 	mt := defaultMessageTimeout
@@ -143,21 +150,23 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 		mt = d.AsDuration()
 	}
 	if mt <= storeTimeout {
-		bad("message_timeout", fmt.Sprintf("%v is not above store_timeout %v", mt, storeTimeout),
+		bad(KindMessageTimeout, "message_timeout", fmt.Sprintf("%v is not above store_timeout %v", mt, storeTimeout),
 			"Envoy gives up on the processor's answer before a slow store call ends: the client gets 504 and the key's outcome is unknown",
 			fmt.Sprintf("raise message_timeout above %v (Envoy's default is 200ms)", storeTimeout))
 	}
 	if f.GetObservabilityMode() {
-		bad("observability_mode", "is true (Envoy ignores the processor's answers)", "duplicates run again instead of being replayed", "set false")
+		bad(KindObservabilityMode, "observability_mode", "is true (Envoy ignores the processor's answers)", "duplicates run again instead of being replayed", "set false")
 	}
 	if f.GetDisableImmediateResponse() {
-		bad("disable_immediate_response", "is true (replays and errors could not be sent)", "duplicates run again instead of being replayed", "set false")
+		bad(KindImmediateResponseOff, "disable_immediate_response", "is true (replays and errors could not be sent)", "duplicates run again instead of being replayed", "set false")
 	}
 	return errors.Join(errs...)
 }
 
 // SpecError is one way a filter departs from the contract (CheckSpec).
 type SpecError struct {
+	// Kind names what is wrong, whatever the field's value.
+	Kind Kind
 	// Field is the field's path in the ExternalProcessor.
 	Field string
 	// Problem says what is wrong with the field; Breaks what that breaks, "" when Problem says.
@@ -196,6 +205,13 @@ var attributeWhy = map[string]string{
 	"connection.uri_san_peer_certificate": "the peer_identity scope would be empty: every mTLS peer would share one scope",
 }
 
+// attributeKind is the kind of a missing response attribute (CheckSpec); deploymentFindings
+// weighs it against the policy.
+var attributeKind = map[string]Kind{
+	"response.code_details":          KindCodeDetailsMissing,
+	"upstream.request_attempt_count": KindAttemptCountMissing,
+}
+
 // overrideModesFix is the fix of every allowed_override_modes error.
 const overrideModesFix = "list exactly the two modes envoy/envoy.yaml lists, or none"
 
@@ -225,19 +241,19 @@ func checkOverrideModes(modes []*filterextproc.ProcessingMode) []error {
 		}
 		if bestDiff != nil {
 			near[best] = true
-			errs = append(errs, &SpecError{Field: fmt.Sprintf("allowed_override_modes[%d]", i),
+			errs = append(errs, &SpecError{Kind: KindOverrideModes, Field: fmt.Sprintf("allowed_override_modes[%d]", i),
 				Problem: fmt.Sprintf("is not one of the processor's modes: %s (closest: the %s mode)", strings.Join(bestDiff, ", "), want[best].name),
 				Breaks:  "Envoy refuses the processor's mode_override", Fix: overrideModesFix})
 		}
 	}
 	for j, w := range want {
 		if !seen[j] && !near[j] {
-			errs = append(errs, &SpecError{Field: "allowed_override_modes", Problem: fmt.Sprintf("lacks the %s mode %s", w.name, formatMode(w.mode)),
+			errs = append(errs, &SpecError{Kind: KindOverrideModes, Field: "allowed_override_modes", Problem: fmt.Sprintf("lacks the %s mode %s", w.name, formatMode(w.mode)),
 				Breaks: "Envoy refuses the processor's mode_override", Fix: overrideModesFix})
 		}
 	}
 	if len(modes) > len(want) && len(errs) == 0 {
-		errs = append(errs, &SpecError{Field: "allowed_override_modes", Problem: fmt.Sprintf("has %d entries, want exactly the processor's two modes", len(modes)),
+		errs = append(errs, &SpecError{Kind: KindOverrideModes, Field: "allowed_override_modes", Problem: fmt.Sprintf("has %d entries, want exactly the processor's two modes", len(modes)),
 			Fix: overrideModesFix})
 	}
 	return errs
