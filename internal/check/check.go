@@ -109,7 +109,7 @@ func (r Report) Errors() int {
 var knownKinds = map[string][]string{
 	istioGroup: {"EnvoyFilter", "VirtualService", "DestinationRule"},
 	egGroup:    {"EnvoyExtensionPolicy", "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyProxy", "SecurityPolicy"},
-	gwGroup:    {"HTTPRoute"},
+	gwGroup:    {"HTTPRoute", "GRPCRoute"},
 }
 
 // Run checks inputs under p. The error is set when an input cannot be read or parsed, or is a

@@ -474,6 +474,12 @@ func egAttach(pols []EGPolicy, targets [][]egTargetRef, routes map[string]*egHTT
 				if (ref.SectionName != "") != (pass == 0) {
 					continue
 				}
+				if ref.Kind == "GRPCRoute" && !strict && (ref.Group == "" || ref.Group == gwGroup) {
+					// Its rules are not translated: one entry stands for them (gatewayRetryFindings
+					// reads its retries).
+					unresolved(p, "grpcroute/"+ns+"/"+ref.Name+"/", fmt.Sprintf("GRPCRoute %s/%s (its rules were not read)", ns, ref.Name))
+					continue
+				}
 				if ref.Kind != "HTTPRoute" || (ref.Group != "" && ref.Group != gwGroup) {
 					if strict {
 						return &inFile{pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: target %s %s: only HTTPRoute targets are modelled", pols[p].Name, ref.Kind, ref.Name)}
