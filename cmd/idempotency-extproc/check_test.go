@@ -131,11 +131,11 @@ func TestCheckUnreadable(t *testing.T) {
 	}{
 		{"missing file", []string{"--config", shipped("policy.yaml"), good, "nope.yaml"}, []string{"check: nope.yaml: no such file or directory"}},
 		{"malformed YAML", []string{"--config", shipped("policy.yaml"), writeNamed(t, "bad.yaml", "static_resources:\n  listeners: [\n")},
-			[]string{"bad.yaml: line 2: YAML: did not find expected node content"}},
+			[]string{"bad.yaml:2: YAML: did not find expected node content"}},
 		{"malformed JSON", []string{"--config", shipped("policy.yaml"), writeNamed(t, "bad.json", "{\n  \"admin\": {\n    \"address\": ]\n}\n")},
-			[]string{"bad.json: line 2: YAML: did not find expected node content"}},
+			[]string{"bad.json:2: YAML: did not find expected node content"}},
 		{"an unknown field", []string{"--config", shipped("policy.yaml"), writeNamed(t, "odd.yaml", "admin: {}\nstatic_resources:\n  listenerz: []\n")},
-			[]string{"odd.yaml: line 3: static_resources.listenerz: unknown field \"listenerz\""}},
+			[]string{"odd.yaml:3:3: static_resources.listenerz: unknown field \"listenerz\""}},
 		{"missing policy", []string{"--config", "nope-policy.yaml", good}, []string{"config (flag --config): open nope-policy.yaml: no such file or directory"}},
 		{"bad policy", []string{"--config", writeNamed(t, "policy.yaml", "defaults:\n  ttl: 24h\n  tll: 1h\n"), good},
 			[]string{"policy.yaml", "defaults.tll", "(line 3)"}},
@@ -319,4 +319,21 @@ func TestCheckBinaryExitStatus(t *testing.T) {
 			require.Equal(t, tc.want, code, string(out))
 		})
 	}
+}
+
+// An Istio duration written as Istio accepts it (200ms) does not stop the check: a retry on a
+// covered route is still reported, exit 1 (not 2).
+func TestCheckIstioDurationAndRetry(t *testing.T) {
+	text, err := os.ReadFile(shipped("istio-envoyfilter.yaml"))
+	require.NoError(t, err)
+	const route = "  - name: transfers\n    match:\n    - uri: { prefix: /v1/transfers }\n    route:\n    - destination: { host: payments-api.payments.svc.cluster.local, port: { number: 8080 } }\n    timeout: 30s\n"
+	require.Contains(t, string(text), route)
+	edited := strings.Replace(string(text), route, strings.Replace(route, "timeout: 30s", "timeout: 200ms\n    retries: { attempts: 2, perTryTimeout: 200ms, retryOn: 5xx }", 1), 1)
+	edited = strings.Replace(edited, "message_timeout: 0.5s", "message_timeout: 500ms", 1)
+	file := writeNamed(t, "istio.yaml", edited)
+	out, msg, code := runCheck(t, "", "--config", shipped("policy.yaml"), file)
+	require.Equal(t, checkFound, code, "%s\n%s", out, msg)
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	require.Regexp(t, `^`+regexp.QuoteMeta(file)+`:[0-9]+:[0-9]+: VirtualService payments/payments-api: http\[0\]\.retries\.retryOn: error: has "5xx"`, lines[0])
+	require.Contains(t, msg, "check: 1 error(s)")
 }

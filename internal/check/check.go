@@ -166,7 +166,7 @@ func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
 	}
 	rep.Findings = append(rep.Findings, egOrders...)
 	rep.Findings = append(rep.Findings, egJWT.findings(n)...)
-	if len(deployments) == 0 {
+	if len(deployments) == 0 && !slices.ContainsFunc(egOrders, func(f Finding) bool { return f.Kind == KindUnreadable }) {
 		var names []string
 		for _, in := range inputs {
 			names = append(names, in.Name)
@@ -234,14 +234,21 @@ func readInput(in Input) ([]Deployment, []*object, error) {
 		return nil, objs, err
 	}
 	if len(docs) > 1 {
-		return nil, nil, &located{Line: docRoot(docs[1]).Line, Err: errors.New("a second YAML document without kind: an Envoy bootstrap is one document, Kubernetes objects have apiVersion and kind")}
+		return nil, nil, &located{Line: docRoot(docs[1]).Line, Column: docRoot(docs[1]).Column, Err: errors.New("a second YAML document without kind: an Envoy bootstrap is one document, Kubernetes objects have apiVersion and kind")}
 	}
 	b, err := parseBootstrap(docs[0])
 	if err != nil {
 		return nil, nil, err
 	}
 	if err := Validate(b); err != nil {
-		return nil, nil, fmt.Errorf("the bootstrap fails Envoy's validation, so Envoy would refuse it: %w", err)
+		err = fmt.Errorf("the bootstrap fails Envoy's validation, so Envoy would refuse it: %w", err)
+		path := validationPath(errors.Unwrap(err), string(b.ProtoReflect().Descriptor().FullName()))
+		if steps, ok := fieldSteps(path); ok && path != "" {
+			if n := walkField(docRoot(docs[0]), steps); n != nil && n.Line > 0 {
+				return nil, nil, &located{Line: n.Line, Column: n.Column, Field: path, Err: err}
+			}
+		}
+		return nil, nil, err
 	}
 	ds, err := bootstrapDeployments(b, in.Name)
 	return ds, nil, err

@@ -347,15 +347,19 @@ func TestRunInputErrors(t *testing.T) {
 		{"an Any without its value", mutate(t, envoyYAML, "route_cache_action: RETAIN",
 			"route_cache_action: RETAIN\n              processing_request_modifier: { name: m, typed_config: { \"@type\": type.googleapis.com/google.protobuf.Struct } }", 1),
 			232, "static_resources.listeners[0].filter_chains[0].filters[0].typed_config.http_filters[1].typed_config.processing_request_modifier.typed_config", `missing "value" field`},
-		{"Envoy's validation", mutate(t, envoyYAML, "message_timeout: 0.5s", "message_timeout: 4000s", 1), 0, "", "the bootstrap fails Envoy's validation"},
+		{"Envoy's validation", mutate(t, envoyYAML, "message_timeout: 0.5s", "message_timeout: 4000s", 1), 229,
+			"static_resources.listeners[0].filter_chains[0].filters[0].typed_config.http_filters[1].typed_config.message_timeout", "the bootstrap fails Envoy's validation"},
+		{"a tab in the indentation", mutate(t, envoyYAML, "          stat_prefix:", "          \tstat_prefix:", 1), 42, "", "found a tab character"},
+		{"a route without match", mutate(t, envoyYAML, "                match: { prefix: \"/\" }\n", "", 1), 105,
+			"static_resources.listeners[0].filter_chains[0].filters[0].typed_config.route_config.virtual_hosts[0].routes[4].match", "invalid Route.Match: value is required"},
 		{"two bootstraps", "admin: {}\n---\nadmin: {}\n", 3, "", "a second YAML document without kind"},
 		{"an object without apiVersion", "kind: EnvoyFilter\nmetadata: {name: x}\n", 1, "", "needs apiVersion and kind"},
 		{"unknown field in an EnvoyExtensionPolicy", mutate(t, readEnvoyFile(t, "envoy-gateway.yaml"), "failOpen: false", "failopen: false", 1),
-			100, "spec.extProc[0].failopen", "line 100: EnvoyExtensionPolicy payments/idempotency-transfers: spec.extProc[0].failopen: field failopen not found"},
+			100, "spec.extProc[0].failopen", "EnvoyExtensionPolicy payments/idempotency-transfers: spec.extProc[0].failopen: field failopen not found"},
 		{"an EnvoyFilter's filter fails Envoy's validation", mutate(t, readEnvoyFile(t, "istio-envoyfilter.yaml"), "message_timeout: 0.5s", "message_timeout: 4000s", 1),
 			0, "configPatches[0].patch.value.typed_config", "EnvoyFilter istio-system/idempotency-extproc: configPatches[0].patch.value.typed_config: the filter fails Envoy's validation"},
 		{"unknown field in an EnvoyFilter patch", mutate(t, readEnvoyFile(t, "istio-envoyfilter.yaml"), "route_cache_action: RETAIN", "route_cache_action: RETAIN\n          bogus: 1", 1),
-			108, "spec.configPatches[0].patch.value.typed_config.bogus", `line 108: EnvoyFilter istio-system/idempotency-extproc: spec.configPatches[0].patch.value.typed_config.bogus: unknown field "bogus"`},
+			108, "spec.configPatches[0].patch.value.typed_config.bogus", `EnvoyFilter istio-system/idempotency-extproc: spec.configPatches[0].patch.value.typed_config.bogus: unknown field "bogus"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := Run(shippedPolicy(t), []Input{{Name: "bad.yaml", Data: []byte(tc.text)}}, Options{})
@@ -365,7 +369,16 @@ func TestRunInputErrors(t *testing.T) {
 			require.Equal(t, tc.line, ie.Line, "%v", err)
 			require.Equal(t, tc.field, ie.Field, "%v", err)
 			require.ErrorContains(t, err, tc.want)
-			require.True(t, strings.HasPrefix(err.Error(), "bad.yaml: "), err.Error())
+			place := "bad.yaml: "
+			switch {
+			case tc.line > 0 && strings.HasPrefix(tc.want, "YAML: did not"):
+				// The YAML decoder's syntax errors say the line only.
+				place = fmt.Sprintf("bad.yaml:%d: ", tc.line)
+			case tc.line > 0:
+				place = fmt.Sprintf("bad.yaml:%d:%d: ", tc.line, ie.Column)
+				require.Positive(t, ie.Column, "%v", err)
+			}
+			require.True(t, strings.HasPrefix(err.Error(), place), err.Error())
 		})
 	}
 	_, err := Run(shippedPolicy(t), shippedInputs(t, "envoy.yaml"), Options{EnvoyVersion: "one.thirty"})

@@ -16,8 +16,8 @@ import (
 type InputError struct {
 	// File is the input as the user named it; "-" is standard input.
 	File string
-	// Line is the line of the bad field, 0 when unknown.
-	Line int
+	// Line and Column are where the bad field is, 0 when unknown.
+	Line, Column int
 	// Where names the document or the resource of the bad field, "" when the file has one.
 	Where string
 	// Field is the bad field's path in the document or resource, "" when unknown.
@@ -27,10 +27,14 @@ type InputError struct {
 
 func (e *InputError) Error() string {
 	var b strings.Builder
-	if e.File != "" {
+	switch {
+	case e.File != "" && e.Line > 0 && e.Column > 0:
+		fmt.Fprintf(&b, "%s:%d:%d: ", e.File, e.Line, e.Column)
+	case e.File != "" && e.Line > 0:
+		fmt.Fprintf(&b, "%s:%d: ", e.File, e.Line)
+	case e.File != "":
 		b.WriteString(e.File + ": ")
-	}
-	if e.Line > 0 {
+	case e.Line > 0:
 		fmt.Fprintf(&b, "line %d: ", e.Line)
 	}
 	if e.Where != "" {
@@ -56,7 +60,7 @@ func inputError(file string, err error) *InputError {
 	if errors.As(err, &l) {
 		// What wraps the located error names the document or the resource.
 		outer := strings.TrimSuffix(strings.TrimSuffix(err.Error(), l.Error()), ": ")
-		return &InputError{File: file, Line: l.Line, Where: outer, Field: l.Field, Err: l.Err}
+		return &InputError{File: file, Line: l.Line, Column: l.Column, Where: outer, Field: l.Field, Err: l.Err}
 	}
 	return &InputError{File: file, Err: err}
 }
@@ -73,9 +77,10 @@ func (e *inFile) Unwrap() error { return e.err }
 
 // located is an error at a known place of a document.
 type located struct {
-	Line  int    // 0 when unknown
-	Field string // "" when unknown
-	Err   error
+	Line   int    // 0 when unknown
+	Column int    // 0 when unknown
+	Field  string // "" when unknown
+	Err    error
 }
 
 func (e *located) Error() string {
@@ -104,7 +109,7 @@ func within(path string, err error) error {
 		default:
 			field = join(path, l.Field)
 		}
-		return &located{Line: l.Line, Field: field, Err: l.Err}
+		return &located{Line: l.Line, Column: l.Column, Field: field, Err: l.Err}
 	}
 	return fmt.Errorf("%s: %w", path, err)
 }
@@ -170,7 +175,7 @@ func protoError(what string, doc *yaml.Node, err error) error {
 	if n == nil {
 		return fmt.Errorf("%s: %s", what, msg)
 	}
-	return &located{Line: n.Line, Field: field, Err: errors.New(msg)}
+	return &located{Line: n.Line, Column: n.Column, Field: field, Err: errors.New(msg)}
 }
 
 // jsonPathAt returns the path (object keys as strings, array indexes as ints) of the key or value

@@ -87,7 +87,7 @@ func yamlDocuments(data []byte) ([]*yaml.Node, error) {
 			return docs, nil
 		}
 		if err != nil {
-			return nil, yamlError(err)
+			return nil, tabAt(data, yamlError(err))
 		}
 		if root := docRoot(doc); root != nil && !isNullNode(root) {
 			docs = append(docs, doc)
@@ -125,7 +125,7 @@ func readObjects(file string, docs []*yaml.Node, strict bool) ([]*object, error)
 	read = func(n *yaml.Node, where string) error {
 		n = resolve(n)
 		if n.Kind != yaml.MappingNode {
-			return &located{Line: n.Line, Field: where, Err: errors.New("not a Kubernetes object (a mapping with apiVersion and kind)")}
+			return &located{Line: n.Line, Column: n.Column, Field: where, Err: errors.New("not a Kubernetes object (a mapping with apiVersion and kind)")}
 		}
 		if strict {
 			var e envelope
@@ -144,7 +144,7 @@ func readObjects(file string, docs []*yaml.Node, strict bool) ([]*object, error)
 			return prefixed(where, yamlError(err))
 		}
 		if e.Kind == "" || e.APIVersion == "" {
-			return &located{Line: n.Line, Field: where, Err: errors.New("a Kubernetes object needs apiVersion and kind")}
+			return &located{Line: n.Line, Column: n.Column, Field: where, Err: errors.New("a Kubernetes object needs apiVersion and kind")}
 		}
 		if strings.HasSuffix(e.Kind, "List") && e.Spec.Kind == 0 {
 			for i := range e.Items {
@@ -288,7 +288,7 @@ func unknownKeys(n *yaml.Node, t reflect.Type, path string) error {
 		}
 		seen[visit{n, t}] = true
 		if depth > maxDepth {
-			return &located{Line: n.Line, Field: path, Err: errors.New("nested too deep")}
+			return &located{Line: n.Line, Column: n.Column, Field: path, Err: errors.New("nested too deep")}
 		}
 		return unknownKeysOf(n, t, path, func(n *yaml.Node, t reflect.Type, path string) error {
 			return walk(n, t, path, depth+1)
@@ -323,7 +323,7 @@ func unknownKeysOf(n *yaml.Node, t reflect.Type, path string, walk func(*yaml.No
 			}
 			ft, ok := fields[k.Value]
 			if !ok {
-				return &located{Line: k.Line, Field: join(path, k.Value), Err: fmt.Errorf("field %s not found", k.Value)}
+				return &located{Line: k.Line, Column: k.Column, Field: join(path, k.Value), Err: fmt.Errorf("field %s not found", k.Value)}
 			}
 			if err := walk(val, ft, join(path, k.Value)); err != nil {
 				return err
@@ -455,4 +455,21 @@ func join(path, key string) string {
 		return key
 	}
 	return path + "." + key
+}
+
+// tabAt moves an error about a tab in the indentation to the tab: the YAML decoder names the line
+// before it (the context of the mapping the tab breaks).
+func tabAt(data []byte, err error) error {
+	l, ok := err.(*located)
+	if !ok || l.Line == 0 || !strings.Contains(l.Err.Error(), "tab character") {
+		return err
+	}
+	lines := strings.Split(string(data), "\n")
+	for i := l.Line - 1; i >= 0 && i < len(lines); i++ {
+		indent := lines[i][:len(lines[i])-len(strings.TrimLeft(lines[i], " \t"))]
+		if c := strings.IndexByte(indent, '\t'); c >= 0 {
+			return &located{Line: i + 1, Column: c + 1, Field: l.Field, Err: l.Err}
+		}
+	}
+	return err
 }

@@ -1,6 +1,7 @@
 package check
 
 import (
+	"regexp"
 	"strconv"
 	"strings"
 
@@ -226,4 +227,51 @@ func findItem(doc *yaml.Node, list, name string) *yaml.Node {
 		}
 	}
 	return nil
+}
+
+// pgvStep is one step of a protoc-gen-validate message: "invalid Message.Field[index]".
+var pgvStep = regexp.MustCompile(`invalid [A-Za-z0-9_]+\.([A-Za-z0-9_]+)(\[[^\]]*\])?`)
+
+// validationPath returns the field path (snake_case, as the YAML spells it) of the first error
+// of Validate(m) where m's full name is root: the path Validate puts in front (typed_configs'
+// types left out), then the fields protoc-gen-validate names, each "invalid Message.Field[i]".
+// "" when err does not read so.
+func validationPath(err error, root string) string {
+	msg, _, _ := strings.Cut(err.Error(), "\n")
+	where, rest, ok := strings.Cut(msg, ": ")
+	if !ok {
+		return ""
+	}
+	where, ok = strings.CutPrefix(where, root)
+	if !ok {
+		return ""
+	}
+	for {
+		i := strings.IndexByte(where, '<')
+		j := strings.IndexByte(where, '>')
+		if i < 0 || j < i {
+			break
+		}
+		where = where[:i] + where[j+1:]
+	}
+	path := strings.TrimPrefix(where, ".")
+	for _, m := range pgvStep.FindAllStringSubmatch(rest, -1) {
+		path = join(path, snake(m[1])) + m[2]
+	}
+	return path
+}
+
+// snake turns a Go field name (RouteConfig) into its proto name (route_config).
+func snake(s string) string {
+	var b strings.Builder
+	for i, r := range s {
+		if 'A' <= r && r <= 'Z' {
+			if i > 0 {
+				b.WriteByte('_')
+			}
+			r += 'a' - 'A'
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
 }
