@@ -187,7 +187,7 @@ func TestRunFindsEachSetting(t *testing.T) {
 		{"request headers skipped", "envoy.yaml", "processing_mode:\n                request_header_mode: SEND", "processing_mode:\n                request_header_mode: SKIP", "",
 			bootstrapListener, bootstrapFilter + ".processing_mode.request_header_mode", "covered requests would run unprotected"},
 		{"response headers skipped", "envoy.yaml", "request_trailer_mode: SEND\n                response_header_mode: SEND", "request_trailer_mode: SEND\n                response_header_mode: SKIP", "",
-			bootstrapListener, bootstrapFilter + ".processing_mode.response_header_mode", "no record completes"},
+			bootstrapListener, bootstrapFilter + ".processing_mode.response_header_mode", "the outcome unknown"},
 		{"request body GRPC", "envoy.yaml", "request_body_mode: BUFFERED\n                # SEND", "request_body_mode: GRPC\n                # SEND", "",
 			bootstrapListener, bootstrapFilter + ".processing_mode.request_body_mode", "is GRPC"},
 		{"processing_request_modifier", "envoy.yaml", "route_cache_action: RETAIN",

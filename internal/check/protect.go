@@ -618,7 +618,7 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 	}
 	if pm.GetResponseHeaderMode() == skip {
 		c.refuse(KindRouteResponseHeaderSkip, path+".response_header_mode", "set SEND",
-			"is SKIP: the processor would never see the responses, so no record completes; each lease expires after lock_ttl and a retry runs again")
+			"is SKIP: the processor would never see the responses: each stream ends with the outcome unknown, so a retry runs again (unknown_outcome: release) or gets 409 until lock_ttl ends (keep)")
 	}
 	reqBody, respBody := pm.GetRequestBodyMode(), pm.GetResponseBodyMode()
 	switch reqBody {

@@ -396,7 +396,7 @@ func TestCheckProtectionRefuses(t *testing.T) {
 		{"route skipping request headers", "", perRouteMode(defaultRoute, mode(skip, buffered, send, send, buffered, skip)),
 			[]want{{routeAt(defaultIdx) + ".overrides.processing_mode.request_header_mode", "disabled: true"}}},
 		{"route skipping response headers", "", perRouteMode(defaultRoute, mode(send, buffered, send, skip, none, skip)),
-			[]want{{routeAt(defaultIdx) + ".overrides.processing_mode.response_header_mode", "no record completes"}}},
+			[]want{{routeAt(defaultIdx) + ".overrides.processing_mode.response_header_mode", "the outcome unknown"}}},
 		{"route with GRPC bodies", "", perRouteMode(defaultRoute, mode(send, grpcBody, skip, send, grpcBody, skip)), []want{
 			{routeAt(defaultIdx) + ".overrides.processing_mode.request_body_mode", "is GRPC"},
 			{routeAt(defaultIdx) + ".overrides.processing_mode.response_body_mode", "is GRPC"},

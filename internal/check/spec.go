@@ -90,7 +90,7 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 			"", "spell it out: set SEND")
 	} else if m != filterextproc.ProcessingMode_SEND {
 		bad(KindResponseHeaderMode, "processing_mode.response_header_mode", fmt.Sprintf("is %s, want SEND", m),
-			"the processor would see no response, so no record completes and every duplicate gets 409 until lock_ttl ends", "set SEND")
+			"the processor would see no response: each stream ends with the outcome unknown, so a retry runs again (unknown_outcome: release) or gets 409 until lock_ttl ends (keep)", "set SEND")
 	}
 
 	reqBody, respBody := pm.GetRequestBodyMode(), pm.GetResponseBodyMode()

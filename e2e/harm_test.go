@@ -1,0 +1,458 @@
+package e2e_test
+
+import (
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"net/http"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"testing"
+	"time"
+
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	mutationrulesv3 "github.com/envoyproxy/go-control-plane/envoy/config/common/mutation_rules/v3"
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protojson"
+
+	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
+)
+
+// An error of `check` names a way a covered request runs twice, is not protected, or is answered
+// wrongly under the setting. Each error kind has here a test that runs requests through the
+// setting (the bootstrap changed as the finding describes, through the emulator or a real Envoy)
+// and sees that harm, after holding that check reports the kind for that very bootstrap.
+// harmTests names that test for each kind.
+var harmTests = map[check.Kind]string{
+	check.KindFailureModeAllow:        "TestHarmFailureModeAllow",
+	check.KindObservabilityMode:       "TestHarmObservabilityMode",
+	check.KindImmediateResponseOff:    "TestHarmDisableImmediateResponse",
+	check.KindRequestHeaderMode:       "TestHarmRequestHeadersSkipped",
+	check.KindRouteRequestHeaderSkip:  "TestHarmRouteRequestHeadersSkipped",
+	check.KindForwardRulesHide:        "TestHarmForwardRulesHideTheKey",
+	check.KindLocalReplyConfig:        "TestHarmLocalReplyConfig",
+	check.KindMutationRulesRefuse:     "TestHarmMutationRulesRefuseTheReplayHeader",
+	check.KindRouteNameAttribute:      "TestHarmRouteNameNotSent",
+	check.KindRouteNameMatchesNothing: "TestHarmRouteNameMatchesNothing",
+	check.KindNoExtProc:               "TestHarmNoExtProc",
+	check.KindCodeDetailsMissing:      "TestHarmCodeDetailsMissing",
+	check.KindResponseBodyMode:        "TestHarmResponseBodyNone",
+	check.KindRouteResponseBodyNone:   "TestHarmRouteResponseBodyNone",
+	check.KindRequestTrailerMode:      "TestRequestTrailersWithoutBody",
+	check.KindResponseHeaderMode:      "TestHarmResponseHeadersSkipped",
+	check.KindRouteResponseHeaderSkip: "TestHarmRouteResponseHeadersSkipped",
+	check.KindRequestBodyMode:         "TestHarmRequestBodyNone",
+	check.KindRouteRequestBodyNone:    "TestHarmRouteRequestBodyNone",
+	check.KindProcessingModeMissing:   "TestHarmProcessingModeMissing",
+	check.KindUnknownPolicyRoute:      "TestRouteNamedByEnvoyThroughEnvoy",
+}
+
+// harmNotYetShown are the error kinds whose harm no test runs yet, each with what the test
+// needs. The list may only shrink: a kind leaves it when its test joins harmTests.
+var harmNotYetShown = map[check.Kind]string{
+	check.KindGRPCServiceMissing:      "the emulator models grpc_service only",
+	check.KindDuplexTrailerMode:       "a test of the emulator refusing the filter",
+	check.KindAttemptCountMissing:     "an Envoy-made response with attempt count 0 after a claim",
+	check.KindMessageTimeout:          "a store slower than message_timeout",
+	check.KindMessageTimeoutInFlight:  "a duplicate waiting past message_timeout",
+	check.KindMutationDisallowIsError: "a refused mutation in a CONTINUE answer",
+	check.KindPeerIdentityAttribute:   "an mTLS stack with two client certificates",
+	check.KindJWTNotForwarded:         "a JWT-scoped route with the payload not forwarded",
+	check.KindJWTAuthnMissing:         "a JWT-scoped route without jwt_authn",
+	check.KindJWTPayloadMissing:       "a jwt_authn without payload_in_metadata",
+	check.KindJWTPayloadKey:           "a jwt_payload_key no provider writes",
+	check.KindGatewayJWTProvider:      "the Envoy Gateway translation of a provider name",
+	check.KindRouteBodyModeGRPC:       "the emulator refusing GRPC body modes",
+	check.KindResponseBufferLimit:     "a response above the upstream buffer limit after a claim",
+	check.KindRouterRetry:             "router retries in the emulator",
+	check.KindRouterRetryStatus:       "router retries in the emulator",
+	check.KindHedge:                   "hedging in the emulator",
+	check.KindGatewayAPIRetry:         "router retries in the emulator",
+	check.KindPolicyTargetsNothing:    "the Envoy Gateway translation run through the emulator",
+	check.KindUnreadable:              "an EnvoyFilter Istio refuses, run as the gateway without it",
+}
+
+// Every error kind has a harm test, or says what its test needs; every named test exists.
+func TestEveryErrorKindShowsItsHarm(t *testing.T) {
+	defined := map[string]bool{}
+	files, err := filepath.Glob("*_test.go")
+	require.NoError(t, err)
+	fset := token.NewFileSet()
+	for _, f := range files {
+		file, err := parser.ParseFile(fset, f, nil, 0)
+		require.NoError(t, err)
+		for _, d := range file.Decls {
+			if fn, ok := d.(*ast.FuncDecl); ok && fn.Recv == nil {
+				defined[fn.Name.Name] = true
+			}
+		}
+	}
+	errorKinds := check.ErrorKinds()
+	for _, k := range errorKinds {
+		test, shown := harmTests[k]
+		_, pending := harmNotYetShown[k]
+		switch {
+		case shown && pending:
+			t.Errorf("%s has a harm test (%s): remove it from harmNotYetShown", k, test)
+		case shown:
+			require.True(t, defined[test], "%s: no test %s in this package", k, test)
+		case !pending:
+			t.Errorf("error kind %s has no test that sees its harm: add one to harmTests, or make the kind a warning if nothing breaks", k)
+		}
+	}
+	for k := range harmTests {
+		require.True(t, slices.Contains(errorKinds, k), "%s is not an error kind: its test does not belong here", k)
+	}
+	for k := range harmNotYetShown {
+		require.True(t, slices.Contains(errorKinds, k), "%s is not an error kind", k)
+	}
+}
+
+// harmPolicy covers the shipped bootstrap's documents and refunds routes (refunds named by
+// x-idempotency-route) and every other POST by default.
+const harmPolicy = `routes:
+  - name: refunds
+    match: { path_prefix: /v1/refunds }
+  - name: documents
+    match: { path_prefix: /v1/documents }
+`
+
+// requireCheckFinds holds that check, run on the shipped bootstrap edited by edit (as the stack
+// runs it) under policyText, reports kind as an error.
+func requireCheckFinds(t *testing.T, policyText string, edit func(*bootstrapv3.Bootstrap) error, kind check.Kind) {
+	t.Helper()
+	b, err := envoyconf.Load(repoFile(t, "envoy/envoy.yaml"))
+	require.NoError(t, err)
+	if edit != nil {
+		require.NoError(t, edit(b))
+	}
+	js, err := protojson.MarshalOptions{UseProtoNames: true}.Marshal(b)
+	require.NoError(t, err)
+	p, err := policy.Parse([]byte(policyText))
+	require.NoError(t, err)
+	rep, err := check.Run(p, []check.Input{{Name: "edited.json", Data: js}}, check.Options{})
+	require.NoError(t, err)
+	for _, f := range rep.Findings {
+		if f.Kind == kind {
+			require.Equal(t, check.Error, f.Severity)
+			return
+		}
+	}
+	require.Failf(t, "check does not report the setting", "want %s, have %v", kind, rep.Findings)
+}
+
+// harmStack checks the setting, then runs the stack with it.
+func harmStack(t *testing.T, kind check.Kind, policyText string, edit func(*bootstrapv3.Bootstrap) error, o stackOptions) *stack {
+	t.Helper()
+	requireCheckFinds(t, policyText, edit, kind)
+	o.policy, o.envoy = policyText, edit
+	return newStack(t, o)
+}
+
+// runsTwice sends the same keyed request twice, one after the other, and requires that the
+// upstream ran it twice: the second was not replayed.
+func runsTwice(t *testing.T, s *stack, c call) {
+	t.Helper()
+	for range 2 {
+		r := s.do(c)
+		require.Less(t, r.status, 500, "body: %s", r.body)
+	}
+	require.Equal(t, 2, s.up.Ran(c.key), "the upstream ran the request twice")
+}
+
+// replayedOnce sends the same keyed request twice and returns the second answer, after requiring
+// that the upstream ran it once.
+func replayedOnce(t *testing.T, s *stack, c call) (first, second reply) {
+	t.Helper()
+	first = s.do(c)
+	second = s.do(c)
+	require.Equal(t, 1, s.up.Ran(c.key))
+	return first, second
+}
+
+func extProcEdit(fn func(*filterextproc.ExternalProcessor)) func(*bootstrapv3.Bootstrap) error {
+	return func(b *bootstrapv3.Bootstrap) error { return envoyconf.MutateExtProc(b, fn) }
+}
+
+// The shipped bootstrap replays a duplicate: the harm tests below change one setting each.
+func TestHarmBaseline(t *testing.T) {
+	t.Parallel()
+	s := newStack(t, stackOptions{policy: harmPolicy})
+	_, second := replayedOnce(t, s, call{path: "/v1/documents", key: "base-1", body: `{"a":1}`})
+	require.Equal(t, "true", second.header.Get("X-Idempotency-Replayed"))
+}
+
+// failure_mode_allow: true lets requests through when the processor is gone: a duplicate runs.
+func TestHarmFailureModeAllow(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindFailureModeAllow, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.FailureModeAllow = true
+	}), stackOptions{})
+	for _, p := range s.procs {
+		<-p.signal(9)
+	}
+	runsTwice(t, s, call{path: "/v1/documents", key: "fma-1", body: `{}`})
+}
+
+// observability_mode: Envoy ignores the processor's answers: a duplicate runs again.
+func TestHarmObservabilityMode(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindObservabilityMode, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.ObservabilityMode = true
+	}), stackOptions{})
+	runsTwice(t, s, call{path: "/v1/documents", key: "obs-1", body: `{}`})
+}
+
+// disable_immediate_response: the replay cannot be sent, and the duplicate is not answered with
+// the stored response.
+func TestHarmDisableImmediateResponse(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindImmediateResponseOff, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.DisableImmediateResponse = true
+	}), stackOptions{})
+	c := call{path: "/v1/documents", key: "dir-1", body: `{}`}
+	first := s.do(c)
+	require.Equal(t, http.StatusOK, first.status)
+	second := s.do(c)
+	require.NotEqual(t, "true", second.header.Get("X-Idempotency-Replayed"), "no replay reaches the client")
+	require.False(t, second.status == first.status && string(second.body) == string(first.body) && s.up.Ran(c.key) == 1,
+		"the duplicate got neither the stored response nor a run: %d %s", second.status, second.body)
+}
+
+// request_header_mode SKIP: the processor never sees the request: a duplicate runs again.
+func TestHarmRequestHeadersSkipped(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindRequestHeaderMode, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.ProcessingMode.RequestHeaderMode = filterextproc.ProcessingMode_SKIP
+	}), stackOptions{})
+	runsTwice(t, s, call{path: "/v1/documents", key: "skip-1", body: `{}`})
+}
+
+// A per-route processing_mode that skips request headers: the route runs unprotected.
+func TestHarmRouteRequestHeadersSkipped(t *testing.T) {
+	t.Parallel()
+	edit := func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateExtProcPerRoute(b, "refunds", func(pr *filterextproc.ExtProcPerRoute) {
+			pr.GetOverrides().ProcessingMode = &filterextproc.ProcessingMode{
+				RequestHeaderMode: filterextproc.ProcessingMode_SKIP, RequestBodyMode: filterextproc.ProcessingMode_BUFFERED,
+				RequestTrailerMode: filterextproc.ProcessingMode_SEND, ResponseHeaderMode: filterextproc.ProcessingMode_SEND,
+				ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED, ResponseTrailerMode: filterextproc.ProcessingMode_SKIP,
+			}
+		})
+	}
+	s := harmStack(t, check.KindRouteRequestHeaderSkip, harmPolicy, edit, stackOptions{})
+	runsTwice(t, s, call{path: "/v1/refunds", key: "rskip-1", body: `{}`})
+}
+
+// forward_rules that hide the key header: every request looks keyless and runs.
+func TestHarmForwardRulesHideTheKey(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindForwardRulesHide, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.ForwardRules = &filterextproc.HeaderForwardingRules{DisallowedHeaders: &matcherv3.ListStringMatcher{
+			Patterns: []*matcherv3.StringMatcher{{MatchPattern: &matcherv3.StringMatcher_Exact{Exact: "idempotency-key"}}},
+		}}
+	}), stackOptions{})
+	runsTwice(t, s, call{path: "/v1/documents", key: "fwd-1", body: `{}`})
+}
+
+// local_reply_config rewrites replays, which are local replies: the duplicate gets another body.
+func TestHarmLocalReplyConfig(t *testing.T) {
+	t.Parallel()
+	edit := func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateHCM(b, func(hcm *hcmv3.HttpConnectionManager) error {
+			hcm.LocalReplyConfig = &hcmv3.LocalReplyConfig{BodyFormat: &corev3.SubstitutionFormatString{
+				Format: &corev3.SubstitutionFormatString_TextFormat{TextFormat: "rewritten %RESPONSE_CODE%\n"},
+			}}
+			return nil
+		})
+	}
+	s := harmStack(t, check.KindLocalReplyConfig, harmPolicy, edit, stackOptions{})
+	first, second := replayedOnce(t, s, call{path: "/v1/documents", key: "lrc-1", body: `{}`})
+	require.Equal(t, http.StatusOK, second.status)
+	require.NotEqual(t, string(first.body), string(second.body), "the replay is not the stored response")
+	require.Equal(t, "rewritten 200\n", string(second.body))
+}
+
+// mutation_rules refusing the replay header: the replay reaches the client without it.
+func TestHarmMutationRulesRefuseTheReplayHeader(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindMutationRulesRefuse, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.MutationRules = &mutationrulesv3.HeaderMutationRules{DisallowExpression: &matcherv3.RegexMatcher{Regex: "x-idempotency-replayed"}}
+	}), stackOptions{})
+	_, second := replayedOnce(t, s, call{path: "/v1/documents", key: "mut-1", body: `{}`})
+	require.Empty(t, second.header.Get("X-Idempotency-Replayed"), "the client cannot tell the replay from a first answer")
+}
+
+// routeNamePolicy covers only the documents route, by its Envoy route name; everything else
+// passes through.
+const routeNamePolicy = `defaults:
+  enabled: false
+routes:
+  - name: documents
+    enabled: true
+    match: { route_name_exact: documents }
+`
+
+// Without xds.route_name in request_attributes, a route_name_* matcher never matches: the route
+// runs unprotected.
+func TestHarmRouteNameNotSent(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindRouteNameAttribute, routeNamePolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.RequestAttributes = slices.DeleteFunc(f.RequestAttributes, func(a string) bool { return a == "xds.route_name" })
+	}), stackOptions{})
+	runsTwice(t, s, call{path: "/v1/documents", key: "rn-1", body: `{}`})
+}
+
+// A policy route whose route name matches no Envoy route (the route renamed) protects nothing.
+func TestHarmRouteNameMatchesNothing(t *testing.T) {
+	t.Parallel()
+	edit := func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateRoute(b, "documents", func(r *routev3.Route) error { r.Name = "docs"; return nil })
+	}
+	s := harmStack(t, check.KindRouteNameMatchesNothing, routeNamePolicy, edit, stackOptions{})
+	runsTwice(t, s, call{path: "/v1/documents", key: "rnm-1", body: `{}`})
+}
+
+// Without the ext_proc filter nothing reaches the processor: a duplicate runs again.
+func TestHarmNoExtProc(t *testing.T) {
+	t.Parallel()
+	edit := func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateHCM(b, func(hcm *hcmv3.HttpConnectionManager) error {
+			hcm.HttpFilters = slices.DeleteFunc(hcm.HttpFilters, func(f *hcmv3.HttpFilter) bool {
+				return f.GetName() == "envoy.filters.http.ext_proc"
+			})
+			return nil
+		})
+	}
+	requireCheckFinds(t, harmPolicy, edit, check.KindNoExtProc)
+	// The emulator needs an ext_proc filter: one that sends nothing stands for none.
+	s := newStack(t, stackOptions{policy: harmPolicy, envoy: extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.ProcessingMode = &filterextproc.ProcessingMode{RequestHeaderMode: filterextproc.ProcessingMode_SKIP,
+			ResponseHeaderMode: filterextproc.ProcessingMode_SKIP, RequestTrailerMode: filterextproc.ProcessingMode_SKIP,
+			ResponseTrailerMode: filterextproc.ProcessingMode_SKIP}
+	})})
+	runsTwice(t, s, call{path: "/v1/documents", key: "none-1", body: `{}`})
+}
+
+// Without response.code_details, a policy that stores 503 stores Envoy's own 503 (the upstream
+// never reached): the retry is replayed Envoy's error instead of running.
+func TestHarmCodeDetailsMissing(t *testing.T) {
+	t.Parallel()
+	const stores503 = "defaults:\n  store_statuses: [2xx, 503]\n" + "routes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
+	s := harmStack(t, check.KindCodeDetailsMissing, stores503, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.ResponseAttributes = slices.DeleteFunc(f.ResponseAttributes, func(a string) bool { return a == "response.code_details" })
+	}), stackOptions{upstream: "http://127.0.0.1:" + strconv.Itoa(freePort(t)), localReplies: true})
+	c := call{path: "/v1/documents", key: "cd-1", body: `{}`}
+	first := s.do(c)
+	require.Equal(t, http.StatusServiceUnavailable, first.status, "Envoy answers: the upstream is not there")
+	require.Eventually(t, func() bool {
+		return s.do(c).header.Get("X-Idempotency-Replayed") == "true"
+	}, 5*time.Second, 50*time.Millisecond, "the retry gets Envoy's 503 replayed instead of running")
+}
+
+// response_body_mode NONE: responses are stored without their body: a duplicate gets 409
+// response-not-replayable instead of the replay.
+func TestHarmResponseBodyNone(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindResponseBodyMode, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_NONE
+	}), stackOptions{})
+	_, second := replayedOnce(t, s, call{path: "/v1/documents", key: "rbn-1", body: `{}`})
+	requireProblem(t, second, http.StatusConflict, "response-not-replayable")
+}
+
+// A per-route response_body_mode NONE where the policy route stores bodies: the same.
+func TestHarmRouteResponseBodyNone(t *testing.T) {
+	t.Parallel()
+	edit := func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateExtProcPerRoute(b, "refunds", func(pr *filterextproc.ExtProcPerRoute) {
+			pr.GetOverrides().ProcessingMode = &filterextproc.ProcessingMode{
+				RequestHeaderMode: filterextproc.ProcessingMode_SEND, RequestBodyMode: filterextproc.ProcessingMode_BUFFERED,
+				RequestTrailerMode: filterextproc.ProcessingMode_SEND, ResponseHeaderMode: filterextproc.ProcessingMode_SEND,
+				ResponseBodyMode: filterextproc.ProcessingMode_NONE, ResponseTrailerMode: filterextproc.ProcessingMode_SKIP,
+			}
+		})
+	}
+	s := harmStack(t, check.KindRouteResponseBodyNone, harmPolicy, edit, stackOptions{})
+	_, second := replayedOnce(t, s, call{path: "/v1/refunds", key: "rrbn-1", body: `{}`})
+	requireProblem(t, second, http.StatusConflict, "response-not-replayable")
+}
+
+// routeMode is a per-route processing_mode: the shipped one with the given changes.
+func routeMode(reqHeader filterextproc.ProcessingMode_HeaderSendMode, reqBody, respBody filterextproc.ProcessingMode_BodySendMode, respHeader filterextproc.ProcessingMode_HeaderSendMode) *filterextproc.ProcessingMode {
+	return &filterextproc.ProcessingMode{
+		RequestHeaderMode: reqHeader, RequestBodyMode: reqBody, RequestTrailerMode: filterextproc.ProcessingMode_SEND,
+		ResponseHeaderMode: respHeader, ResponseBodyMode: respBody, ResponseTrailerMode: filterextproc.ProcessingMode_SKIP,
+	}
+}
+
+const (
+	send     = filterextproc.ProcessingMode_SEND
+	skip     = filterextproc.ProcessingMode_SKIP
+	buffered = filterextproc.ProcessingMode_BUFFERED
+	none     = filterextproc.ProcessingMode_NONE
+)
+
+// response_header_mode SKIP: the processor never sees the response; the stream ends with the
+// outcome unknown, and under unknown_outcome release (the default) the retry runs again.
+func TestHarmResponseHeadersSkipped(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindResponseHeaderMode, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.ProcessingMode.ResponseHeaderMode = skip
+	}), stackOptions{})
+	runsTwice(t, s, call{path: "/v1/documents", key: "rhs-1", body: `{}`})
+}
+
+// The same, per route.
+func TestHarmRouteResponseHeadersSkipped(t *testing.T) {
+	t.Parallel()
+	edit := func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateExtProcPerRoute(b, "refunds", func(pr *filterextproc.ExtProcPerRoute) {
+			pr.GetOverrides().ProcessingMode = routeMode(send, buffered, buffered, skip)
+		})
+	}
+	s := harmStack(t, check.KindRouteResponseHeaderSkip, harmPolicy, edit, stackOptions{})
+	runsTwice(t, s, call{path: "/v1/refunds", key: "rrhs-1", body: `{}`})
+}
+
+// request_body_mode NONE where the policy fingerprints the body: a covered request with a body
+// is answered 500 body-not-available instead of running.
+func TestHarmRequestBodyNone(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindRequestBodyMode, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.ProcessingMode.RequestBodyMode = none
+	}), stackOptions{})
+	requireProblem(t, s.do(call{path: "/v1/documents", key: "rbn-1", body: `{"a":1}`}), http.StatusInternalServerError, "body-not-available")
+	require.Zero(t, s.up.Total())
+}
+
+// The same, per route.
+func TestHarmRouteRequestBodyNone(t *testing.T) {
+	t.Parallel()
+	edit := func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateExtProcPerRoute(b, "refunds", func(pr *filterextproc.ExtProcPerRoute) {
+			pr.GetOverrides().ProcessingMode = routeMode(send, none, buffered, send)
+		})
+	}
+	s := harmStack(t, check.KindRouteRequestBodyNone, harmPolicy, edit, stackOptions{})
+	requireProblem(t, s.do(call{path: "/v1/refunds", key: "rrbn-2", body: `{"a":1}`}), http.StatusInternalServerError, "body-not-available")
+}
+
+// No processing_mode: Envoy's defaults send headers only, so the body the policy fingerprints
+// never comes: 500 body-not-available.
+func TestHarmProcessingModeMissing(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindProcessingModeMissing, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.ProcessingMode = nil
+		f.AllowedOverrideModes = nil
+	}), stackOptions{})
+	requireProblem(t, s.do(call{path: "/v1/documents", key: "pmm-1", body: `{"a":1}`}), http.StatusInternalServerError, "body-not-available")
+}
