@@ -134,7 +134,7 @@ var kindSeverity = map[Kind]Severity{
 	KindFilterAfterExtProc:      Warning,
 	KindCircuitBreakers:         Warning,
 	KindEnvoyVersion:            Warning,
-	KindUnreadable:              Error,   // Istio refuses it too: the filter it adds does not run
+	KindUnreadable:              Error, // Istio refuses it too: the filter it adds does not run
 	KindProtectionNotChecked:    Warning,
 }
 
