@@ -269,7 +269,9 @@ func TestHarmLocalReplyConfig(t *testing.T) {
 	edit := func(b *bootstrapv3.Bootstrap) error {
 		return envoyconf.MutateHCM(b, func(hcm *hcmv3.HttpConnectionManager) error {
 			hcm.LocalReplyConfig = &hcmv3.LocalReplyConfig{BodyFormat: &corev3.SubstitutionFormatString{
-				Format: &corev3.SubstitutionFormatString_TextFormat{TextFormat: "rewritten %RESPONSE_CODE%\n"},
+				Format: &corev3.SubstitutionFormatString_TextFormatSource{TextFormatSource: &corev3.DataSource{
+					Specifier: &corev3.DataSource_InlineString{InlineString: "rewritten %RESPONSE_CODE%\n"},
+				}},
 			}}
 			return nil
 		})

@@ -1,7 +1,11 @@
 package check
 
 import (
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -197,4 +201,34 @@ func TestRunIstioDurations(t *testing.T) {
 	requireAtField(t, bad, *unreadable)
 	line := strings.Split(bad, "\n")[unreadable.Line-1]
 	require.Contains(t, line, "message_timeout: soon")
+}
+
+// Every kind declared has a severity in the table, and every error kind one reason to be one.
+func TestKindsTableComplete(t *testing.T) {
+	fset := token.NewFileSet()
+	file, err := parser.ParseFile(fset, "kinds.go", nil, 0)
+	require.NoError(t, err)
+	declared := 0
+	for _, d := range file.Decls {
+		g, ok := d.(*ast.GenDecl)
+		if !ok || g.Tok != token.CONST {
+			continue
+		}
+		for _, spec := range g.Specs {
+			vs := spec.(*ast.ValueSpec)
+			if id, ok := vs.Type.(*ast.Ident); !ok || id.Name != "Kind" {
+				continue
+			}
+			for _, v := range vs.Values {
+				lit := v.(*ast.BasicLit)
+				k, err := strconv.Unquote(lit.Value)
+				require.NoError(t, err)
+				_, ok := kindSeverity[Kind(k)]
+				require.True(t, ok, "kind %s has no severity in kindSeverity", k)
+				declared++
+			}
+		}
+	}
+	require.Equal(t, declared, len(kindSeverity), "kindSeverity holds a kind that is not declared")
+	require.NotEmpty(t, ErrorKinds())
 }

@@ -72,7 +72,6 @@ const (
 	KindCircuitBreakers         Kind = "processor-circuit-breakers"
 	KindEnvoyVersion            Kind = "envoy-version"
 	KindUnreadable              Kind = "unreadable-value"
-	KindProtectionNotChecked    Kind = "protection-not-checked"
 )
 
 // kindSeverity is the severity of every kind. A finding's severity is its kind's, set in one
@@ -135,7 +134,6 @@ var kindSeverity = map[Kind]Severity{
 	KindCircuitBreakers:         Warning,
 	KindEnvoyVersion:            Warning,
 	KindUnreadable:              Error, // Istio refuses it too: the filter it adds does not run
-	KindProtectionNotChecked:    Warning,
 }
 
 // Kinds returns every kind of finding with its severity.
