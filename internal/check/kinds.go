@@ -52,6 +52,7 @@ const (
 	KindJWTPayloadMissing       Kind = "jwt-payload-missing"
 	KindJWTPayloadKey           Kind = "jwt-payload-key"
 	KindIstioJWTPayloadKey      Kind = "istio-jwt-payload-key"
+	KindNumericClaim            Kind = "numeric-jwt-claim"
 	KindGatewayJWTProvider      Kind = "gateway-jwt-provider"
 	KindUnknownPolicyRoute      Kind = "unknown-policy-route"
 	KindRouteRequestHeaderSkip  Kind = "route-request-header-skip"
@@ -114,6 +115,7 @@ var kindSeverity = map[Kind]Severity{
 	KindJWTPayloadMissing:       Error,   // the claims are empty
 	KindJWTPayloadKey:           Error,   // the claims are empty
 	KindIstioJWTPayloadKey:      Warning, // depends on the Istio version, which check cannot see
+	KindNumericClaim:            Warning, // depends on the issuer's tokens; refused with 400, never merged
 	KindGatewayJWTProvider:      Error,   // the claims are empty
 	KindUnknownPolicyRoute:      Error,   // 500 unknown-idempotency-route
 	KindRouteRequestHeaderSkip:  Error,   // the processor sees no request: unprotected
