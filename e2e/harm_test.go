@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -20,6 +21,7 @@ import (
 	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
@@ -52,6 +54,9 @@ var harmTests = map[check.Kind]string{
 	check.KindRequestBodyMode:         "TestHarmRequestBodyNone",
 	check.KindRouteRequestBodyNone:    "TestHarmRouteRequestBodyNone",
 	check.KindProcessingModeMissing:   "TestHarmProcessingModeMissing",
+	check.KindRouterRetry:             "TestHarmRouterRetry",
+	check.KindRouterRetryStatus:       "TestHarmRouterRetryOnAStoredStatus",
+	check.KindGatewayAPIRetry:         "TestHarmGatewayAPIRetry",
 	check.KindUnknownPolicyRoute:      "TestRouteNamedByEnvoyThroughEnvoy",
 }
 
@@ -72,10 +77,7 @@ var harmNotYetShown = map[check.Kind]string{
 	check.KindGatewayJWTProvider:      "the Envoy Gateway translation of a provider name",
 	check.KindRouteBodyModeGRPC:       "the emulator refusing GRPC body modes",
 	check.KindResponseBufferLimit:     "a response above the upstream buffer limit after a claim",
-	check.KindRouterRetry:             "router retries in the emulator",
-	check.KindRouterRetryStatus:       "router retries in the emulator",
 	check.KindHedge:                   "hedging in the emulator",
-	check.KindGatewayAPIRetry:         "router retries in the emulator",
 	check.KindPolicyTargetsNothing:    "the Envoy Gateway translation run through the emulator",
 	check.KindUnreadable:              "an EnvoyFilter Istio refuses, run as the gateway without it",
 }
@@ -457,4 +459,68 @@ func TestHarmProcessingModeMissing(t *testing.T) {
 		f.AllowedOverrideModes = nil
 	}), stackOptions{})
 	requireProblem(t, s.do(call{path: "/v1/documents", key: "pmm-1", body: `{"a":1}`}), http.StatusInternalServerError, "body-not-available")
+}
+
+// retryOn gives the documents route the router retry policy rp.
+func retryOn(rp *routev3.RetryPolicy) func(*bootstrapv3.Bootstrap) error {
+	return func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateRoute(b, "documents", func(r *routev3.Route) error {
+			r.GetRoute().RetryPolicy = rp
+			return nil
+		})
+	}
+}
+
+// A router retry on 5xx: the upstream answered (it ran the request) and the router sends it
+// again under the same lease; the client sent it once.
+func TestHarmRouterRetry(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindRouterRetry, harmPolicy, retryOn(&routev3.RetryPolicy{RetryOn: "5xx"}), stackOptions{})
+	r := s.do(call{path: "/v1/documents", key: "rr-1", body: `{}`, headers: map[string]string{"x-test-status": "503"}})
+	require.Equal(t, http.StatusServiceUnavailable, r.status)
+	require.Equal(t, 2, s.up.Ran("rr-1"), "one request, run twice by the router's retry")
+}
+
+// A router retry on a status the policy stores: the upstream ran the request and produced an
+// outcome worth keeping, and the router runs it again.
+func TestHarmRouterRetryOnAStoredStatus(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindRouterRetryStatus, harmPolicy, retryOn(&routev3.RetryPolicy{
+		RetryOn: "retriable-status-codes", RetriableStatusCodes: []uint32{202}, NumRetries: wrapperspb.UInt32(2),
+	}), stackOptions{})
+	r := s.do(call{path: "/v1/documents", key: "rrs-1", body: `{}`, headers: map[string]string{"x-test-status": "202"}})
+	require.Equal(t, http.StatusAccepted, r.status)
+	require.Equal(t, 3, s.up.Ran("rrs-1"), "one request, run three times")
+}
+
+// A Gateway API HTTPRoute retry (GEP-1731: codes and attempts) becomes the router's
+// retry_policy on the rule's routes, retrying those statuses: check refuses it on a rule an
+// EnvoyExtensionPolicy reaches, and that retry policy runs the request again.
+func TestHarmGatewayAPIRetry(t *testing.T) {
+	t.Parallel()
+	eg := string(readRepoFile(t, "envoy/envoy-gateway.yaml"))
+	const rule = "  - name: refunds\n    matches:\n    - path: { type: PathPrefix, value: /v1/refunds }\n"
+	require.Contains(t, eg, rule)
+	eg = strings.Replace(eg, rule, rule+"    retry: { codes: [503], attempts: 2 }\n", 1)
+	p, err := policy.Parse(readRepoFile(t, "envoy/policy.yaml"))
+	require.NoError(t, err)
+	rep, err := check.Run(p, []check.Input{{Name: "eg.yaml", Data: []byte(eg)}}, check.Options{})
+	require.NoError(t, err)
+	require.Contains(t, kinds(rep), check.KindGatewayAPIRetry, "%v", rep.Findings)
+
+	// The router's policy for those codes and attempts.
+	s := newStack(t, stackOptions{policy: harmPolicy, envoy: retryOn(&routev3.RetryPolicy{
+		RetryOn: "retriable-status-codes", RetriableStatusCodes: []uint32{503}, NumRetries: wrapperspb.UInt32(2),
+	})})
+	r := s.do(call{path: "/v1/documents", key: "gw-1", body: `{}`, headers: map[string]string{"x-test-status": "503"}})
+	require.Equal(t, http.StatusServiceUnavailable, r.status)
+	require.Equal(t, 3, s.up.Ran("gw-1"), "one request, run three times")
+}
+
+func kinds(rep check.Report) []check.Kind {
+	var out []check.Kind
+	for _, f := range rep.Findings {
+		out = append(out, f.Kind)
+	}
+	return out
 }

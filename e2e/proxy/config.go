@@ -9,6 +9,7 @@ import (
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	jwtauthnv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/jwt_authn/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
@@ -152,6 +153,12 @@ type Route struct {
 	JWT *jwtauthnv3.PerRouteConfig
 	// Timeout is the route's timeout; 0 means Config.RouteTimeout, a negative value none.
 	Timeout time.Duration
+	// Retry is the router's retry_policy on the route (the route's, else its virtual host's),
+	// nil for none. The proxy retries on the status conditions: 5xx, gateway-error,
+	// retriable-4xx and retriable-status-codes, up to num_retries (default 1), once the whole
+	// request body reached the router, sending the same headers and body again; the processor
+	// sees one request and, in upstream.request_attempt_count, the attempts.
+	Retry *routev3.RetryPolicy
 }
 
 // Behaviour holds the behaviours that differ between Envoy versions. The zero value is Envoy

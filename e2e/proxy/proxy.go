@@ -28,7 +28,8 @@
 //   - the router: a route table with names, metadata and ExtProcPerRoute (disabled, overrides of
 //     processing_mode, grpc_initial_metadata, metadata_options, failure_mode_allow), 404 without
 //     a route, 503 on connect failure or reset before headers, 504 on the route timeout, resets
-//     after the response started, the attempt count;
+//     after the response started, the attempt count, retries on the response status
+//     (retry_policy's 5xx, gateway-error, retriable-4xx, retriable-status-codes);
 //   - jwt_authn before ext_proc (local JWKS, HS256/RS256), forward_rules, the early stream close
 //     of 1.37, the trace context on the side stream, mTLS peer identity;
 //   - HTTP/2 without TLS (prior knowledge) toward clients and toward the upstream, beside
@@ -52,7 +53,8 @@
 // te header (dropped whatever its value), the GRPC body mode, clear_route_cache and route
 // re-selection, graceful gRPC close, grpc_service overrides per route, typed metadata,
 // connection-level metadata, header count and size limits, the upstream side's own flow control,
-// retries, and CEL expressions other than attribute paths. Body data arrives in reads of up to
+// retries on resets and connection failures, hedging, and CEL expressions other than attribute
+// paths. Body data arrives in reads of up to
 // DefaultReadSize unless a Shape says otherwise; real chunk sizes follow socket reads (on HTTP/2,
 // DATA frames: grpc-go ends a request with an empty one).
 package proxy

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"errors"
@@ -9,12 +10,14 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 )
@@ -448,6 +451,8 @@ func (k requestSink) tooLarge() {
 
 // upstreamCall is the router's upstream request.
 type upstreamCall struct {
+	// req is the request as first sent, which a retry sends again.
+	req    *http.Request
 	ctx    context.Context
 	stop   context.CancelCauseFunc
 	body   *upstreamBody
@@ -530,16 +535,88 @@ func (x *exchange) routerHeaders(h headerList, eos bool) {
 			uc.body.reqTrailer = req.Trailer
 		}
 	}
+	uc.req = req
 	x.up = uc
+	x.roundTrip(uc, req)
+	if eos {
+		x.startRouteTimer()
+	}
+}
+
+func (x *exchange) roundTrip(uc *upstreamCall, req *http.Request) {
 	x.wg.Add(1)
 	go func() {
 		defer x.wg.Done()
 		resp, err := x.p.transport.RoundTrip(req)
 		uc.result <- upstreamResult{resp: resp, err: err}
 	}()
-	if eos {
-		x.startRouteTimer()
+}
+
+// retry is the router's retry on the upstream's headers (router.cc Filter::onUpstreamHeaders,
+// which asks RetryStateImpl::shouldRetryHeaders; its conditions are
+// RetryStateImpl::wouldRetryFromHeaders in source/common/router/retry_state_impl.cc): when the
+// route's retry_policy retries status and attempts are left, the response is dropped and the
+// request is sent upstream again, after ext_proc, which sees nothing of it but the attempt
+// count. The router buffers the request body for retries; the proxy retries only once the whole
+// body reached it. It reports whether it retried.
+func (x *exchange) retry(status int) bool {
+	if x.route == nil || x.route.Retry == nil || x.up == nil || x.up.req == nil {
+		return false
 	}
+	rp := x.route.Retry
+	retries := uint32(1) // RetryPolicy.num_retries' default
+	if n := rp.GetNumRetries(); n != nil {
+		retries = n.GetValue()
+	}
+	if uint32(x.attempts) > retries || !wouldRetryStatus(rp, status) {
+		return false
+	}
+	var body []byte
+	if b := x.up.body; b != nil {
+		whole, done := b.sentBody()
+		if !done {
+			return false
+		}
+		body = whole
+	}
+	x.attempts++
+	ctx, cancel := context.WithCancelCause(x.ctx)
+	uc := &upstreamCall{ctx: ctx, stop: cancel, result: make(chan upstreamResult, 1), start: time.Now()}
+	req := x.up.req.Clone(ctx)
+	req.Body, req.ContentLength = http.NoBody, 0
+	if len(body) > 0 {
+		req.Body, req.ContentLength = io.NopCloser(bytes.NewReader(body)), int64(len(body))
+	}
+	uc.req = req
+	x.up = uc
+	x.roundTrip(uc, req)
+	return true
+}
+
+// wouldRetryStatus reports whether rp's retry_on retries a response of status
+// (RetryStateImpl::wouldRetryFromHeaders).
+func wouldRetryStatus(rp *routev3.RetryPolicy, status int) bool {
+	for _, c := range strings.Split(rp.GetRetryOn(), ",") {
+		switch strings.TrimSpace(c) {
+		case "5xx":
+			if status >= 500 {
+				return true
+			}
+		case "gateway-error":
+			if status == 502 || status == 503 || status == 504 {
+				return true
+			}
+		case "retriable-4xx":
+			if status == 409 {
+				return true
+			}
+		case "retriable-status-codes":
+			if slices.Contains(rp.GetRetriableStatusCodes(), uint32(status)) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // startRouteTimer starts the route timeout once the whole request reached the router
@@ -574,6 +651,11 @@ func (x *exchange) onUpstream(res upstreamResult) {
 		return
 	}
 	resp := res.resp
+	if x.retry(resp.StatusCode) {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
+		_ = resp.Body.Close()
+		return
+	}
 	h := headerList{{name: ":status", value: strconv.Itoa(resp.StatusCode)}}
 	h.fromHTTP(resp.Header)
 	// The router adds x-envoy-upstream-service-time before the filters see the headers
@@ -638,6 +720,7 @@ type upstreamBody struct {
 	mu         sync.Mutex
 	cond       *sync.Cond
 	chunks     [][]byte
+	sent       []byte // every byte written, for the router's retries
 	eof        bool
 	closed     bool
 	trailers   http.Header
@@ -660,7 +743,15 @@ func (b *upstreamBody) write(p []byte) {
 		return
 	}
 	b.chunks = append(b.chunks, p)
+	b.sent = append(b.sent, p...)
 	b.cond.Broadcast()
+}
+
+// sentBody returns every byte written, and whether the body ended.
+func (b *upstreamBody) sentBody() ([]byte, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return slices.Clone(b.sent), b.eof
 }
 
 func (b *upstreamBody) end(trailers http.Header) {
