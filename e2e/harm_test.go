@@ -1,6 +1,9 @@
 package e2e_test
 
 import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
 	"go/ast"
 	"go/parser"
 	"go/token"
@@ -17,10 +20,12 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	jwtauthnv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/jwt_authn/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
@@ -57,29 +62,29 @@ var harmTests = map[check.Kind]string{
 	check.KindRouterRetry:             "TestHarmRouterRetry",
 	check.KindRouterRetryStatus:       "TestHarmRouterRetryOnAStoredStatus",
 	check.KindGatewayAPIRetry:         "TestHarmGatewayAPIRetry",
+	check.KindJWTNotForwarded:         "TestHarmJWTPayloadNotForwarded",
+	check.KindJWTAuthnMissing:         "TestHarmNoJWTAuthn",
+	check.KindJWTPayloadMissing:       "TestHarmJWTPayloadNotWritten",
+	check.KindJWTPayloadKey:           "TestHarmJWTPayloadKeyNotWritten",
+	check.KindMutationDisallowIsError: "TestHarmMutationDisallowIsError",
 	check.KindUnknownPolicyRoute:      "TestRouteNamedByEnvoyThroughEnvoy",
 }
 
 // harmNotYetShown are the error kinds whose harm no test runs yet, each with what the test
 // needs. The list may only shrink: a kind leaves it when its test joins harmTests.
 var harmNotYetShown = map[check.Kind]string{
-	check.KindGRPCServiceMissing:      "the emulator models grpc_service only",
-	check.KindDuplexTrailerMode:       "a test of the emulator refusing the filter",
-	check.KindAttemptCountMissing:     "an Envoy-made response with attempt count 0 after a claim",
-	check.KindMessageTimeout:          "a store slower than message_timeout",
-	check.KindMessageTimeoutInFlight:  "a duplicate waiting past message_timeout",
-	check.KindMutationDisallowIsError: "a refused mutation in a CONTINUE answer",
-	check.KindPeerIdentityAttribute:   "an mTLS stack with two client certificates",
-	check.KindJWTNotForwarded:         "a JWT-scoped route with the payload not forwarded",
-	check.KindJWTAuthnMissing:         "a JWT-scoped route without jwt_authn",
-	check.KindJWTPayloadMissing:       "a jwt_authn without payload_in_metadata",
-	check.KindJWTPayloadKey:           "a jwt_payload_key no provider writes",
-	check.KindGatewayJWTProvider:      "the Envoy Gateway translation of a provider name",
-	check.KindRouteBodyModeGRPC:       "the emulator refusing GRPC body modes",
-	check.KindResponseBufferLimit:     "a response above the upstream buffer limit after a claim",
-	check.KindHedge:                   "hedging in the emulator",
-	check.KindPolicyTargetsNothing:    "the Envoy Gateway translation run through the emulator",
-	check.KindUnreadable:              "an EnvoyFilter Istio refuses, run as the gateway without it",
+	check.KindGRPCServiceMissing:     "the emulator models grpc_service only",
+	check.KindDuplexTrailerMode:      "a test of the emulator refusing the filter",
+	check.KindAttemptCountMissing:    "an Envoy-made response with attempt count 0 after a claim",
+	check.KindMessageTimeout:         "a store slower than message_timeout",
+	check.KindMessageTimeoutInFlight: "a duplicate waiting past message_timeout",
+	check.KindPeerIdentityAttribute:  "an mTLS stack with two client certificates",
+	check.KindGatewayJWTProvider:     "the Envoy Gateway translation of a provider name",
+	check.KindRouteBodyModeGRPC:      "the emulator refusing GRPC body modes",
+	check.KindResponseBufferLimit:    "a response above the upstream buffer limit after a claim",
+	check.KindHedge:                  "hedging in the emulator",
+	check.KindPolicyTargetsNothing:   "the Envoy Gateway translation run through the emulator",
+	check.KindUnreadable:             "an EnvoyFilter Istio refuses, run as the gateway without it",
 }
 
 // Every error kind has a harm test, or says what its test needs; every named test exists.
@@ -523,4 +528,107 @@ func kinds(rep check.Report) []check.Kind {
 		out = append(out, f.Kind)
 	}
 	return out
+}
+
+// jwtHarm runs envoy/policy.yaml's transfers route, which scopes by the verified subject and
+// requires it, with the bootstrap changed by edit: a caller with a valid token is answered 401
+// scope-missing, since the processor gets no claims, and the transfer never runs.
+func jwtHarm(t *testing.T, kind check.Kind, policyText string, edit func(*bootstrapv3.Bootstrap) error) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(t, err)
+	jwks := jwksOf(t, &key.PublicKey)
+	s := harmStack(t, kind, policyText, func(b *bootstrapv3.Bootstrap) error {
+		if err := setDemoJWKS(b, jwks); err != nil {
+			return err
+		}
+		return edit(b)
+	}, stackOptions{})
+	token := signES256(t, key, map[string]any{
+		"iss": "https://issuer.example.com", "aud": "payments", "sub": "alice", "jti": "1",
+		"iat": time.Now().Unix(), "exp": time.Now().Add(time.Hour).Unix(),
+	})
+	r := s.do(call{path: "/v1/transfers", key: "jwt-1", body: `{}`, headers: map[string]string{"Authorization": "Bearer " + token}})
+	requireProblem(t, r, http.StatusUnauthorized, "scope-missing")
+	require.Zero(t, s.up.Total(), "a caller with a valid token is refused")
+}
+
+// jwtFilter edits envoy.yaml's jwt_authn filter.
+func jwtFilter(fn func(*jwtauthnv3.JwtAuthentication)) func(*bootstrapv3.Bootstrap) error {
+	return func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateHCM(b, func(hcm *hcmv3.HttpConnectionManager) error {
+			for _, f := range hcm.GetHttpFilters() {
+				if f.GetName() != "envoy.filters.http.jwt_authn" {
+					continue
+				}
+				c := &jwtauthnv3.JwtAuthentication{}
+				if err := f.GetTypedConfig().UnmarshalTo(c); err != nil {
+					return err
+				}
+				fn(c)
+				a, err := anypb.New(c)
+				if err != nil {
+					return err
+				}
+				f.ConfigType = &hcmv3.HttpFilter_TypedConfig{TypedConfig: a}
+			}
+			return nil
+		})
+	}
+}
+
+func shippedPolicyText(t *testing.T) string { return string(readRepoFile(t, "envoy/policy.yaml")) }
+
+// Without jwt_authn's namespace in forwarding_namespaces, the processor gets no claims.
+func TestHarmJWTPayloadNotForwarded(t *testing.T) {
+	t.Parallel()
+	jwtHarm(t, check.KindJWTNotForwarded, shippedPolicyText(t), extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.MetadataOptions.ForwardingNamespaces = nil
+	}))
+}
+
+// Without a jwt_authn filter before ext_proc, nobody verifies the token: no claims.
+func TestHarmNoJWTAuthn(t *testing.T) {
+	t.Parallel()
+	jwtHarm(t, check.KindJWTAuthnMissing, shippedPolicyText(t), func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateHCM(b, func(hcm *hcmv3.HttpConnectionManager) error {
+			hcm.HttpFilters = slices.DeleteFunc(hcm.HttpFilters, func(f *hcmv3.HttpFilter) bool {
+				return f.GetName() == "envoy.filters.http.jwt_authn"
+			})
+			return nil
+		})
+	})
+}
+
+// A jwt_authn whose providers write no payload_in_metadata: no claims.
+func TestHarmJWTPayloadNotWritten(t *testing.T) {
+	t.Parallel()
+	jwtHarm(t, check.KindJWTPayloadMissing, shippedPolicyText(t), jwtFilter(func(c *jwtauthnv3.JwtAuthentication) {
+		for _, p := range c.GetProviders() {
+			p.PayloadInMetadata = ""
+		}
+	}))
+}
+
+// A route's jwt_payload_key no provider writes: no claims.
+func TestHarmJWTPayloadKeyNotWritten(t *testing.T) {
+	t.Parallel()
+	policyText := strings.Replace(shippedPolicyText(t), "    require_scope: true", "    require_scope: true\n    jwt_payload_key: other", 1)
+	require.Contains(t, policyText, "jwt_payload_key: other")
+	jwtHarm(t, check.KindJWTPayloadKey, policyText, func(*bootstrapv3.Bootstrap) error { return nil })
+}
+
+// disallow_is_error with a rule refusing a header the processor sets on a fresh response (the
+// replay header, false, under replay_header_fresh): the upstream ran, and Envoy answers 500.
+func TestHarmMutationDisallowIsError(t *testing.T) {
+	t.Parallel()
+	s := harmStack(t, check.KindMutationDisallowIsError, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.MutationRules = &mutationrulesv3.HeaderMutationRules{
+			DisallowExpression: &matcherv3.RegexMatcher{Regex: "x-idempotency-replayed"},
+			DisallowIsError:    wrapperspb.Bool(true),
+		}
+	}), stackOptions{})
+	r := s.do(call{path: "/v1/documents", key: "die-1", body: `{}`})
+	require.Equal(t, http.StatusInternalServerError, r.status, "body: %s", r.body)
+	require.Equal(t, 1, s.up.Ran("die-1"), "the upstream ran: the client was told it failed")
 }
