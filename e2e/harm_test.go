@@ -26,6 +26,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/anypb"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
@@ -67,24 +68,24 @@ var harmTests = map[check.Kind]string{
 	check.KindJWTPayloadMissing:       "TestHarmJWTPayloadNotWritten",
 	check.KindJWTPayloadKey:           "TestHarmJWTPayloadKeyNotWritten",
 	check.KindMutationDisallowIsError: "TestHarmMutationDisallowIsError",
+	check.KindMessageTimeoutInFlight:  "TestHarmMessageTimeoutBelowInFlightWait",
+	check.KindResponseBufferLimit:     "TestHarmResponseOverTheBufferLimit",
+	check.KindPolicyTargetsNothing:    "TestHarmExtensionPolicyTargetsNothing",
+	check.KindUnreadable:              "TestHarmUnreadableEnvoyFilter",
+	check.KindGatewayJWTProvider:      "TestHarmGatewayJWTProviderName",
 	check.KindUnknownPolicyRoute:      "TestRouteNamedByEnvoyThroughEnvoy",
 }
 
 // harmNotYetShown are the error kinds whose harm no test runs yet, each with what the test
 // needs. The list may only shrink: a kind leaves it when its test joins harmTests.
 var harmNotYetShown = map[check.Kind]string{
-	check.KindGRPCServiceMissing:     "the emulator models grpc_service only",
-	check.KindDuplexTrailerMode:      "a test of the emulator refusing the filter",
-	check.KindAttemptCountMissing:    "an Envoy-made response with attempt count 0 after a claim",
-	check.KindMessageTimeout:         "a store slower than message_timeout",
-	check.KindMessageTimeoutInFlight: "a duplicate waiting past message_timeout",
-	check.KindPeerIdentityAttribute:  "an mTLS stack with two client certificates",
-	check.KindGatewayJWTProvider:     "the Envoy Gateway translation of a provider name",
-	check.KindRouteBodyModeGRPC:      "the emulator refusing GRPC body modes",
-	check.KindResponseBufferLimit:    "a response above the upstream buffer limit after a claim",
-	check.KindHedge:                  "hedging in the emulator",
-	check.KindPolicyTargetsNothing:   "the Envoy Gateway translation run through the emulator",
-	check.KindUnreadable:             "an EnvoyFilter Istio refuses, run as the gateway without it",
+	check.KindGRPCServiceMissing:    "the emulator models grpc_service only",
+	check.KindDuplexTrailerMode:     "a test of the emulator refusing the filter",
+	check.KindAttemptCountMissing:   "an Envoy-made response with attempt count 0 after a claim",
+	check.KindMessageTimeout:        "a store slower than message_timeout",
+	check.KindPeerIdentityAttribute: "an mTLS stack with two client certificates",
+	check.KindRouteBodyModeGRPC:     "the emulator refusing GRPC body modes",
+	check.KindHedge:                 "hedging in the emulator",
 }
 
 // Every error kind has a harm test, or says what its test needs; every named test exists.
@@ -342,7 +343,13 @@ func TestHarmNoExtProc(t *testing.T) {
 		})
 	}
 	requireCheckFinds(t, harmPolicy, edit, check.KindNoExtProc)
-	// The emulator needs an ext_proc filter: one that sends nothing stands for none.
+	withoutExtProc(t)
+}
+
+// withoutExtProc runs a duplicate through Envoy without the ext_proc filter: it runs again. The
+// emulator needs an ext_proc filter: one that sends nothing stands for none.
+func withoutExtProc(t *testing.T) {
+	t.Helper()
 	s := newStack(t, stackOptions{policy: harmPolicy, envoy: extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.ProcessingMode = &filterextproc.ProcessingMode{RequestHeaderMode: filterextproc.ProcessingMode_SKIP,
 			ResponseHeaderMode: filterextproc.ProcessingMode_SKIP, RequestTrailerMode: filterextproc.ProcessingMode_SKIP,
@@ -631,4 +638,91 @@ func TestHarmMutationDisallowIsError(t *testing.T) {
 	r := s.do(call{path: "/v1/documents", key: "die-1", body: `{}`})
 	require.Equal(t, http.StatusInternalServerError, r.status, "body: %s", r.body)
 	require.Equal(t, 1, s.up.Ran("die-1"), "the upstream ran: the client was told it failed")
+}
+
+// A message_timeout that a duplicate's in_flight_wait outlasts: the processor holds its answer
+// while the duplicate waits for the first request's outcome, and Envoy gives up first: 504,
+// where the policy promises a replay or 409.
+func TestHarmMessageTimeoutBelowInFlightWait(t *testing.T) {
+	t.Parallel()
+	const waits = "defaults:\n  in_flight_wait: 3s\nroutes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
+	s := harmStack(t, check.KindMessageTimeoutInFlight, waits, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.MessageTimeout = durationpb.New(500 * time.Millisecond)
+	}), stackOptions{})
+	c := call{path: "/v1/documents", key: "mt-1", body: `{}`, headers: map[string]string{"x-test-delay": "6s"}}
+	done := make(chan reply, 1)
+	go func() {
+		r, _ := s.try(c)
+		done <- r
+	}()
+	require.Eventually(t, func() bool { return s.up.Active() == 1 }, 10*time.Second, 10*time.Millisecond, "the first request runs")
+	dup := s.do(c)
+	require.Equal(t, http.StatusGatewayTimeout, dup.status, "the duplicate gets Envoy's 504: body %s", dup.body)
+	require.Equal(t, 1, s.up.Count("mt-1"))
+	<-done
+}
+
+// A BUFFERED response path whose buffer is below max_response_bytes: a response between the two
+// is answered 500 by Envoy after the upstream ran it, and its retry gets 409
+// response-not-replayable, never the response.
+func TestHarmResponseOverTheBufferLimit(t *testing.T) {
+	t.Parallel()
+	const large = "defaults:\n  max_response_bytes: 4194304\nroutes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
+	s := harmStack(t, check.KindResponseBufferLimit, large, nil, stackOptions{})
+	c := call{path: "/v1/documents", key: "buf-1", body: `{}`, headers: map[string]string{"X-Test-Body-Bytes": strconv.Itoa(2 << 20)}}
+	r := s.do(c)
+	require.Equal(t, http.StatusInternalServerError, r.status, "the upstream answered 2 MiB, within max_response_bytes")
+	require.Equal(t, 1, s.up.Ran("buf-1"))
+}
+
+// An EnvoyExtensionPolicy that reaches none of the policy's routes leaves them without the
+// filter: in Envoy terms, ext_proc disabled on the route the policy names, which runs
+// unprotected.
+func TestHarmExtensionPolicyTargetsNothing(t *testing.T) {
+	t.Parallel()
+	p, err := policy.Parse([]byte("routes:\n  - name: refunds\n    match: { path_prefix: /v1/refunds }\n"))
+	require.NoError(t, err)
+	eg := readRepoFile(t, "envoy/envoy-gateway.yaml")
+	rep, err := check.Run(p, []check.Input{{Name: "eg.yaml", Data: eg}}, check.Options{})
+	require.NoError(t, err)
+	require.Contains(t, kinds(rep), check.KindPolicyTargetsNothing, "%v", rep.Findings)
+
+	s := newStack(t, stackOptions{policy: harmPolicy, envoy: func(b *bootstrapv3.Bootstrap) error {
+		return envoyconf.MutateRoute(b, "documents", func(r *routev3.Route) error {
+			a, err := anypb.New(&routev3.FilterConfig{Disabled: true})
+			if err != nil {
+				return err
+			}
+			r.TypedPerFilterConfig = map[string]*anypb.Any{"envoy.filters.http.ext_proc": a}
+			return nil
+		})
+	}})
+	runsTwice(t, s, call{path: "/v1/documents", key: "eep-1", body: `{}`})
+}
+
+// An EnvoyFilter value that cannot be read (Istio refuses it too) leaves the gateway without the
+// filter it adds: in Envoy terms, no ext_proc filter, and a duplicate runs again.
+func TestHarmUnreadableEnvoyFilter(t *testing.T) {
+	t.Parallel()
+	istio := strings.Replace(string(readRepoFile(t, "envoy/istio-envoyfilter.yaml")), "message_timeout: 0.5s", "message_timeout: soon", 1)
+	p, err := policy.Parse(readRepoFile(t, "envoy/policy.yaml"))
+	require.NoError(t, err)
+	rep, err := check.Run(p, []check.Input{{Name: "istio.yaml", Data: []byte(istio)}}, check.Options{})
+	require.NoError(t, err)
+	require.Contains(t, kinds(rep), check.KindUnreadable, "%v", rep.Findings)
+	withoutExtProc(t)
+}
+
+// A SecurityPolicy whose providers do not include a route's jwt_payload_key: Envoy Gateway writes
+// each payload under its provider's name, so the route reads a payload nobody writes (in Envoy
+// terms, payload_in_metadata other than the key): no claims.
+func TestHarmGatewayJWTProviderName(t *testing.T) {
+	t.Parallel()
+	policyText := strings.Replace(shippedPolicyText(t), "    require_scope: true", "    require_scope: true\n    jwt_payload_key: other", 1)
+	p, err := policy.Parse([]byte(policyText))
+	require.NoError(t, err)
+	rep, err := check.Run(p, []check.Input{{Name: "eg.yaml", Data: readRepoFile(t, "envoy/envoy-gateway.yaml")}}, check.Options{})
+	require.NoError(t, err)
+	require.Contains(t, kinds(rep), check.KindGatewayJWTProvider, "%v", rep.Findings)
+	jwtHarm(t, check.KindJWTPayloadKey, policyText, func(*bootstrapv3.Bootstrap) error { return nil })
 }
