@@ -308,6 +308,9 @@ func TestRunFindsEachSetting(t *testing.T) {
 				require.Equal(t, []string{tc.field}, fieldsOf(rep, Error), "exactly this field is refused: %v", rep.Findings)
 			}
 			for _, f := range rep.Findings {
+				if f.File == "copy/"+tc.file {
+					require.Positive(t, f.Line, "every finding about a file names its line: %v", f)
+				}
 				if f.Severity != severity || f.Field != tc.field {
 					continue
 				}
@@ -655,6 +658,7 @@ func TestRunWarnings(t *testing.T) {
 			require.Equal(t, Warning, f.Severity)
 			require.Equal(t, tc.resource, f.Resource)
 			require.Contains(t, f.Problem, tc.problem)
+			requireAtField(t, tc.text, f)
 		})
 	}
 }
