@@ -451,8 +451,10 @@ func (k requestSink) tooLarge() {
 
 // upstreamCall is the router's upstream request.
 type upstreamCall struct {
-	// req is the request as first sent, which a retry sends again.
+	// req is the request as first sent, which a retry sends again; whole is the body a retry
+	// sent (the first attempt streams body instead).
 	req    *http.Request
+	whole  []byte
 	ctx    context.Context
 	stop   context.CancelCauseFunc
 	body   *upstreamBody
@@ -571,7 +573,7 @@ func (x *exchange) retry(status int) bool {
 	if uint32(x.attempts) > retries || !wouldRetryStatus(rp, status) {
 		return false
 	}
-	var body []byte
+	body := x.up.whole
 	if b := x.up.body; b != nil {
 		whole, done := b.sentBody()
 		if !done {
@@ -587,7 +589,7 @@ func (x *exchange) retry(status int) bool {
 	if len(body) > 0 {
 		req.Body, req.ContentLength = io.NopCloser(bytes.NewReader(body)), int64(len(body))
 	}
-	uc.req = req
+	uc.req, uc.whole = req, body
 	x.up = uc
 	x.roundTrip(uc, req)
 	return true
