@@ -282,10 +282,11 @@ func kubeDeployments(objs []*object) ([]Deployment, []Finding, error) {
 			out = append(out, d)
 		}
 	}
-	pols, _, err := envoyGateway(objs, false)
+	pols, _, unread, err := envoyGateway(objs, false)
 	if err != nil {
 		errs = append(errs, egInputError(err))
 	}
+	findings = append(findings, unread...)
 	for _, p := range pols {
 		out = append(out, p.Deployment)
 	}

@@ -232,3 +232,29 @@ func TestKindsTableComplete(t *testing.T) {
 	require.Equal(t, declared, len(kindSeverity), "kindSeverity holds a kind that is not declared")
 	require.NotEmpty(t, ErrorKinds())
 }
+
+// An EnvoyExtensionPolicy value that cannot be read is a finding on its line; the other policies
+// are still checked.
+func TestRunGatewayUnreadableValue(t *testing.T) {
+	eg := readEnvoyFile(t, "envoy-gateway.yaml")
+	bad := mutate(t, eg, "messageTimeout: 500ms", "messageTimeout: soon", 1)
+	bad = mutate(t, bad, "failOpen: false", "failOpen: true", 2) // the refunds policy's, still checked
+	rep, err := Run(shippedPolicy(t), []Input{{Name: "eg.yaml", Data: []byte(bad)}}, Options{})
+	require.NoError(t, err, "a value check cannot read is no reason to stop")
+	var unread, other *Finding
+	for i, f := range rep.Findings {
+		switch {
+		case f.Kind == KindUnreadable:
+			unread = &rep.Findings[i]
+		case f.Kind == KindFailureModeAllow:
+			other = &rep.Findings[i]
+		}
+	}
+	require.NotNil(t, unread, "%v", rep.Findings)
+	require.NotNil(t, other, "the other policy is still checked: %v", rep.Findings)
+	require.Equal(t, egTransfers, unread.Resource)
+	require.Equal(t, "extProc[0].messageTimeout", unread.Field)
+	requireAtField(t, bad, *unread)
+	require.Contains(t, strings.Split(bad, "\n")[unread.Line-1], "messageTimeout: soon")
+	require.Equal(t, "EnvoyExtensionPolicy payments/idempotency-refunds", other.Resource)
+}

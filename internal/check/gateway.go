@@ -205,7 +205,7 @@ func EnvoyGateway(path string) ([]EGPolicy, EGLimits, error) {
 	if err != nil {
 		return nil, EGLimits{}, err
 	}
-	pols, limits, err := envoyGateway(objs, true)
+	pols, limits, _, err := envoyGateway(objs, true)
 	if err != nil {
 		return nil, EGLimits{}, fmt.Errorf("%s: %w", path, err)
 	}
@@ -219,10 +219,15 @@ func EnvoyGateway(path string) ([]EGPolicy, EGLimits, error) {
 // for the routes it selects, and each route gets the BackendTrafficPolicy that targets it most
 // closely (a rule, then its HTTPRoute, then a Gateway), as Envoy Gateway lets the closest
 // policy win.
-func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
+//
+// Not strict, an extProc entry with a value that cannot be read (a messageTimeout that is no
+// duration, an unknown body mode) is left out and becomes a finding on its line: the other
+// policies are still translated.
+func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, []Finding, error) {
+	var unread []Finding
 	routes, err := egHTTPRoutes(objs)
 	if err != nil {
-		return nil, EGLimits{}, err
+		return nil, EGLimits{}, nil, err
 	}
 	var out []EGPolicy
 	var targets [][]egTargetRef
@@ -233,22 +238,29 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
 		name := o.Namespace + "/" + o.Name
 		spec, err := decodeSpec[egPolicySpec](o)
 		if err != nil {
-			return nil, EGLimits{}, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: %w", name, err)}
+			return nil, EGLimits{}, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: %w", name, err)}
 		}
 		if strict && len(spec.ExtProc) != 1 {
-			return nil, EGLimits{}, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: want exactly one extProc entry, have %d", name, len(spec.ExtProc))}
+			return nil, EGLimits{}, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: want exactly one extProc entry, have %d", name, len(spec.ExtProc))}
 		}
 		refs := spec.TargetRefs
 		if spec.TargetRef != nil {
 			refs = append(refs, *spec.TargetRef)
 		}
 		if strict && len(refs) == 0 {
-			return nil, EGLimits{}, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: no targetRefs (targetSelectors are not modelled)", name)}
+			return nil, EGLimits{}, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: no targetRefs (targetSelectors are not modelled)", name)}
 		}
 		for i, ep := range spec.ExtProc {
 			f, cb, err := translateEG(ep, o.Namespace, o.Name, i)
+			if err != nil && !strict {
+				field, _, _ := strings.Cut(err.Error(), ":")
+				unread = append(unread, Finding{File: o.File, Resource: o.ref(), Field: fmt.Sprintf("extProc[%d].%s", i, field), Kind: KindUnreadable,
+					Problem: "cannot be read (" + err.Error() + "): the filter of this entry was not checked, and Envoy Gateway would refuse a value it cannot read either, leaving covered requests without it",
+					Fix:     "write the value as the field's type wants it"})
+				continue
+			}
 			if err != nil {
-				return nil, EGLimits{}, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: extProc[%d]: %w", name, i, err)}
+				return nil, EGLimits{}, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: extProc[%d]: %w", name, i, err)}
 			}
 			cbSet := ep.BackendSettings.CircuitBreaker != nil
 			out = append(out, EGPolicy{
@@ -270,10 +282,10 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
 		}
 	}
 	if strict && len(out) == 0 {
-		return nil, EGLimits{}, errors.New("no EnvoyExtensionPolicy")
+		return nil, EGLimits{}, nil, errors.New("no EnvoyExtensionPolicy")
 	}
 	if err := egAttach(out, targets, routes, strict); err != nil {
-		return nil, EGLimits{}, err
+		return nil, EGLimits{}, nil, err
 	}
 
 	limits := EGLimits{ClientBufferLimit: egDefaultBufferLimit, BackendBufferLimit: egDefaultBufferLimit}
@@ -283,7 +295,7 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
 		if strict {
 			d, err := only(objs, egGroup, kind)
 			if err != nil {
-				return nil, EGLimits{}, err
+				return nil, EGLimits{}, nil, err
 			}
 			if d != nil {
 				docs = append(docs, d)
@@ -298,12 +310,12 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
 		for i, d := range docs {
 			tp, err := decodeLoose[egTrafficPolicy](d)
 			if err != nil {
-				return nil, EGLimits{}, &inFile{d.File, fmt.Errorf("%s: %w", d.ref(), err)}
+				return nil, EGLimits{}, nil, &inFile{d.File, fmt.Errorf("%s: %w", d.ref(), err)}
 			}
 			limit := uint32(egDefaultBufferLimit)
 			if tp.Connection.BufferLimit != "" {
 				if limit, err = parseQuantity(tp.Connection.BufferLimit); err != nil {
-					return nil, EGLimits{}, &inFile{d.File, fmt.Errorf("%s: spec.connection.bufferLimit: %w", d.ref(), err)}
+					return nil, EGLimits{}, nil, &inFile{d.File, fmt.Errorf("%s: spec.connection.bufferLimit: %w", d.ref(), err)}
 				}
 			}
 			dst := &limits.ClientBufferLimit
@@ -311,7 +323,7 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
 				dst = &limits.BackendBufferLimit
 				p := egBackendPolicy{obj: d, retry: egRetryPolicy(tp), limit: limit, limitSet: tp.Connection.BufferLimit != ""}
 				if p.targets, err = egPolicyTargets(d, tp.TargetRefs, routes, strict && p.retry != nil); err != nil {
-					return nil, EGLimits{}, &inFile{d.File, fmt.Errorf("%s: %w", d.ref(), err)}
+					return nil, EGLimits{}, nil, &inFile{d.File, fmt.Errorf("%s: %w", d.ref(), err)}
 				}
 				btps = append(btps, p)
 			}
@@ -325,7 +337,7 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, error) {
 			egApplyBackendPolicy(&out[i].Deployment.Routes[j], btps)
 		}
 	}
-	return out, limits, nil
+	return out, limits, unread, nil
 }
 
 // egBackendPolicy is a BackendTrafficPolicy as it applies to xDS routes: the router's
