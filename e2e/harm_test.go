@@ -4,10 +4,16 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"go/ast"
 	"go/parser"
 	"go/token"
+	"math/big"
+	"net"
 	"net/http"
+	"net/url"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -73,19 +79,19 @@ var harmTests = map[check.Kind]string{
 	check.KindPolicyTargetsNothing:    "TestHarmExtensionPolicyTargetsNothing",
 	check.KindUnreadable:              "TestHarmUnreadableEnvoyFilter",
 	check.KindGatewayJWTProvider:      "TestHarmGatewayJWTProviderName",
+	check.KindPeerIdentityAttribute:   "TestHarmPeerIdentityNotSent",
 	check.KindUnknownPolicyRoute:      "TestRouteNamedByEnvoyThroughEnvoy",
 }
 
 // harmNotYetShown are the error kinds whose harm no test runs yet, each with what the test
 // needs. The list may only shrink: a kind leaves it when its test joins harmTests.
 var harmNotYetShown = map[check.Kind]string{
-	check.KindGRPCServiceMissing:    "the emulator models grpc_service only",
-	check.KindDuplexTrailerMode:     "a test of the emulator refusing the filter",
-	check.KindAttemptCountMissing:   "an Envoy-made response with attempt count 0 after a claim",
-	check.KindMessageTimeout:        "a store slower than message_timeout",
-	check.KindPeerIdentityAttribute: "an mTLS stack with two client certificates",
-	check.KindRouteBodyModeGRPC:     "the emulator refusing GRPC body modes",
-	check.KindHedge:                 "hedging in the emulator",
+	check.KindGRPCServiceMissing:  "the emulator models grpc_service only",
+	check.KindDuplexTrailerMode:   "a test of the emulator refusing the filter",
+	check.KindAttemptCountMissing: "an Envoy-made response with attempt count 0 after a claim",
+	check.KindMessageTimeout:      "a store slower than message_timeout",
+	check.KindRouteBodyModeGRPC:   "the emulator refusing GRPC body modes",
+	check.KindHedge:               "hedging in the emulator",
 }
 
 // Every error kind has a harm test, or says what its test needs; every named test exists.
@@ -725,4 +731,62 @@ func TestHarmGatewayJWTProviderName(t *testing.T) {
 	require.NoError(t, err)
 	require.Contains(t, kinds(rep), check.KindGatewayJWTProvider, "%v", rep.Findings)
 	jwtHarm(t, check.KindJWTPayloadKey, policyText, func(*bootstrapv3.Bootstrap) error { return nil })
+}
+
+// mtls returns a server TLS config requiring client certificates of a new CA, and a client
+// for each SPIFFE ID, presenting a certificate with it as its URI SAN.
+func mtls(t *testing.T, ids ...string) (*tls.Config, []*http.Client) {
+	t.Helper()
+	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(t, err)
+	caTmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test ca"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IsCA: true, KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	require.NoError(t, err)
+	ca, err := x509.ParseCertificate(caDER)
+	require.NoError(t, err)
+	pool := x509.NewCertPool()
+	pool.AddCert(ca)
+	leaf := func(serial int64, usage x509.ExtKeyUsage, uris []*url.URL) tls.Certificate {
+		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		require.NoError(t, err)
+		tmpl := &x509.Certificate{SerialNumber: big.NewInt(serial), Subject: pkix.Name{CommonName: "leaf"},
+			NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+			ExtKeyUsage: []x509.ExtKeyUsage{usage}, KeyUsage: x509.KeyUsageDigitalSignature,
+			IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, URIs: uris}
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
+		require.NoError(t, err)
+		return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+	}
+	server := &tls.Config{Certificates: []tls.Certificate{leaf(2, x509.ExtKeyUsageServerAuth, nil)}, ClientCAs: pool, ClientAuth: tls.RequireAndVerifyClientCert}
+	var clients []*http.Client
+	for i, id := range ids {
+		u, err := url.Parse(id)
+		require.NoError(t, err)
+		tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, Certificates: []tls.Certificate{leaf(int64(3+i), x509.ExtKeyUsageClientAuth, []*url.URL{u})}}}
+		t.Cleanup(tr.CloseIdleConnections)
+		clients = append(clients, &http.Client{Transport: tr, Timeout: 30 * time.Second})
+	}
+	return server, clients
+}
+
+// Without connection.uri_san_peer_certificate in request_attributes, a policy that scopes by the
+// mTLS peer reads an empty scope: a second caller with the same key is replayed the first
+// caller's response.
+func TestHarmPeerIdentityNotSent(t *testing.T) {
+	t.Parallel()
+	const byPeer = "defaults:\n  scope: [peer_identity]\nroutes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
+	server, clients := mtls(t, "spiffe://cluster.local/ns/a/sa/alice", "spiffe://cluster.local/ns/b/sa/bob")
+	s := harmStack(t, check.KindPeerIdentityAttribute, byPeer, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.RequestAttributes = slices.DeleteFunc(f.RequestAttributes, func(a string) bool { return a == "connection.uri_san_peer_certificate" })
+	}), stackOptions{tls: server, client: clients[0]})
+	c := call{path: "/v1/documents", key: "peer-1", body: `{}`}
+	alice := s.do(c)
+	require.Equal(t, http.StatusOK, alice.status)
+	s.client = clients[1]
+	bob := s.do(c)
+	require.Equal(t, "true", bob.header.Get("X-Idempotency-Replayed"), "bob is replayed alice's response")
+	require.Equal(t, string(alice.body), string(bob.body))
+	require.Equal(t, 1, s.up.Ran("peer-1"))
 }

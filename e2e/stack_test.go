@@ -2,6 +2,7 @@ package e2e_test
 
 import (
 	"bytes"
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -202,6 +203,10 @@ type stackOptions struct {
 	shapes func(*http.Request) proxy.Shapes
 	// accessLog receives the emulator's access-log records (a real Envoy writes its own log).
 	accessLog func(proxy.Record)
+	// tls serves the emulator's listener over TLS with it (mTLS with ClientAuth set); the stack
+	// then runs on the emulator, and client is the client to use.
+	tls    *tls.Config
+	client *http.Client
 }
 
 type stack struct {
@@ -246,7 +251,7 @@ func newStack(t *testing.T, o stackOptions) *stack {
 	if o.envoy != nil {
 		require.NoError(t, o.envoy(b))
 	}
-	if envoyBin != "" {
+	if envoyBin != "" && o.tls == nil {
 		listener, admin := freePort(t), freePort(t)
 		js, err := envoyconf.Rewrite(b, envoyconf.Ports{Listener: listener, Admin: admin, Processors: addrs, Upstream: strings.TrimPrefix(upURL, "http://")})
 		require.NoError(t, err)
@@ -261,6 +266,10 @@ func newStack(t *testing.T, o stackOptions) *stack {
 	cfg := settings.ProxyConfig(addrs, upURL)
 	cfg.Envoy = proxy.Behaviour{SkipExtProcOnLocalReply: !o.localReplies}
 	cfg.Shapes, cfg.AccessLog = o.shapes, o.accessLog
+	cfg.TLS = o.tls
+	if o.client != nil {
+		s.client = o.client
+	}
 	s.proxy = proxy.Start(t, cfg)
 	s.url = s.proxy.URL()
 	return s
