@@ -1,6 +1,7 @@
 package e2e_test
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -29,6 +30,7 @@ import (
 	jwtauthnv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/jwt_authn/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -38,6 +40,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
 
 // An error of `check` names a way a covered request runs twice, is not protected, or is answered
@@ -80,6 +83,7 @@ var harmTests = map[check.Kind]string{
 	check.KindUnreadable:              "TestHarmUnreadableEnvoyFilter",
 	check.KindGatewayJWTProvider:      "TestHarmGatewayJWTProviderName",
 	check.KindPeerIdentityAttribute:   "TestHarmPeerIdentityNotSent",
+	check.KindMessageTimeout:          "TestHarmMessageTimeoutBelowStoreTimeout",
 	check.KindUnknownPolicyRoute:      "TestRouteNamedByEnvoyThroughEnvoy",
 }
 
@@ -89,7 +93,6 @@ var harmNotYetShown = map[check.Kind]string{
 	check.KindGRPCServiceMissing:  "the emulator models grpc_service only",
 	check.KindDuplexTrailerMode:   "a test of the emulator refusing the filter",
 	check.KindAttemptCountMissing: "an Envoy-made response with attempt count 0 after a claim",
-	check.KindMessageTimeout:      "a store slower than message_timeout",
 	check.KindRouteBodyModeGRPC:   "the emulator refusing GRPC body modes",
 	check.KindHedge:               "hedging in the emulator",
 }
@@ -789,4 +792,25 @@ func TestHarmPeerIdentityNotSent(t *testing.T) {
 	require.Equal(t, "true", bob.header.Get("X-Idempotency-Replayed"), "bob is replayed alice's response")
 	require.Equal(t, string(alice.body), string(bob.body))
 	require.Equal(t, 1, s.up.Ran("peer-1"))
+}
+
+// A message_timeout not above store_timeout: a store call that takes longer than the message
+// timeout but ends within store_timeout (writes paused on Redis) would have claimed the key, and
+// Envoy answers 504 first.
+func TestHarmMessageTimeoutBelowStoreTimeout(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t, redistest.Options{})
+	const slow = "store_timeout: 5s\nroutes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
+	s := harmStack(t, check.KindMessageTimeout, slow, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+		f.MessageTimeout = durationpb.New(time.Second)
+	}), stackOptions{args: redisArgs(srv)})
+	opts, err := redis.ParseURL(srv.URL())
+	require.NoError(t, err)
+	rdb := redis.NewClient(opts)
+	t.Cleanup(func() { _ = rdb.Close() })
+	// Writes wait 3 s: the claim would end within store_timeout (5 s), after message_timeout (1 s).
+	require.NoError(t, rdb.Do(context.Background(), "CLIENT", "PAUSE", "3000", "WRITE").Err())
+	r := s.do(call{path: "/v1/documents", key: "mts-1", body: `{}`})
+	require.Equal(t, http.StatusGatewayTimeout, r.status, "Envoy gives up on the processor: body %s", r.body)
+	require.Zero(t, s.up.Ran("mts-1"), "the request never ran, though the store would have claimed it")
 }
