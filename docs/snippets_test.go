@@ -27,8 +27,8 @@ import (
 // "envoy.yaml:cluster" (in place of the cluster of its name there),
 // "envoy-gateway.yaml:EnvoyProxy.spec" (its keys set in the spec of envoy/envoy-gateway.yaml's
 // EnvoyProxy; any KIND.spec likewise), "policy" (a policy file, loaded as the server loads it),
-// or "config" (a configuration file of docs/configuration.md, which cmd/idempotency-extproc's
-// tests load). The Envoy, Istio and
+// "config" (a configuration file of docs/configuration.md, which cmd/idempotency-extproc's
+// tests load), or "none" (YAML check does not read: Helm values, a NetworkPolicy). The Envoy, Istio and
 // Envoy Gateway snippets are checked with `check` against the policy (envoy/policy.yaml unless
 // policy= names another file of the repository): each passes with no error, unless it is a
 // deliberately wrong example, marked finding=KIND, and then it produces exactly that error.
@@ -119,6 +119,15 @@ func TestDocSnippetsPassCheck(t *testing.T) {
 			case "policy":
 				_, err := policy.Parse([]byte(s.text))
 				require.NoError(t, err, "%s:%d", s.doc, s.line)
+				return
+			case "none":
+				// Not configuration check reads (Helm values, a NetworkPolicy): it must say so
+				// truthfully, and be YAML.
+				for _, api := range []string{"type.googleapis.com/envoy", "networking.istio.io", "gateway.envoyproxy.io", "gateway.networking.k8s.io", "static_resources"} {
+					require.NotContains(t, s.text, api, "%s:%d: an Envoy, Istio or Envoy Gateway snippet is checked: mark where it goes", s.doc, s.line)
+				}
+				var v any
+				require.NoError(t, yaml.Unmarshal([]byte(s.text), &v), "%s:%d", s.doc, s.line)
 				return
 			case "config":
 				// A configuration file of the server: cmd/idempotency-extproc's tests load each

@@ -126,8 +126,8 @@ func checkCommand(args []string, getenv func(string) string, stdin io.Reader, st
 	if err := errors.Join(readErrs...); err != nil {
 		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
 	}
-	policyData, _ := os.ReadFile(*configPath) // loadConfig read it: only for the findings' lines
-	rep, err := check.Run(cfg.policy, inputs, check.Options{EnvoyVersion: *version, Policy: check.Input{Name: *configPath, Data: policyData}})
+	policyData, _ := os.ReadFile(configPath) // start-up read it: only for the findings' lines
+	rep, err := check.Run(cfg.policy, inputs, check.Options{EnvoyVersion: *version, Policy: check.Input{Name: configPath, Data: policyData}})
 	if err != nil {
 		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
 	}

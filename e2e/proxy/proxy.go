@@ -54,9 +54,9 @@
 // re-selection, graceful gRPC close, grpc_service overrides per route, typed metadata,
 // connection-level metadata, header count and size limits, the upstream side's own flow control,
 // retries on resets and connection failures, hedging, and CEL expressions other than attribute
-// paths. Body data arrives in reads of up to
-// DefaultReadSize unless a Shape says otherwise; real chunk sizes follow socket reads (on HTTP/2,
-// DATA frames: grpc-go ends a request with an empty one).
+// paths. Body data arrives in reads of up to DefaultReadSize unless a Shape says otherwise; real
+// chunk sizes follow socket reads (on HTTP/2, DATA frames: grpc-go ends a request with an empty
+// one).
 package proxy
 
 import (

@@ -221,8 +221,9 @@ func EnvoyGateway(path string) ([]EGPolicy, EGLimits, error) {
 // policy win.
 //
 // Not strict, an extProc entry with a value that cannot be read (a messageTimeout that is no
-// duration, an unknown body mode) is left out and becomes a finding on its line: the other
-// policies are still translated.
+// duration, an unknown body mode or attribute) is left out and becomes a finding on its line: the
+// other policies are still translated. What Envoy Gateway refuses outright (its backends) stays
+// an error of the input.
 func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, []Finding, error) {
 	var unread []Finding
 	routes, err := egHTTPRoutes(objs)
@@ -252,7 +253,7 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, []Finding,
 		}
 		for i, ep := range spec.ExtProc {
 			f, cb, err := translateEG(ep, o.Namespace, o.Name, i)
-			if err != nil && !strict {
+			if err != nil && !strict && (strings.HasPrefix(err.Error(), "messageTimeout:") || strings.HasPrefix(err.Error(), "processingMode.")) {
 				field, _, _ := strings.Cut(err.Error(), ":")
 				unread = append(unread, Finding{File: o.File, Resource: o.ref(), Field: fmt.Sprintf("extProc[%d].%s", i, field), Kind: KindUnreadable,
 					Problem: "cannot be read (" + err.Error() + "): the filter of this entry was not checked, and Envoy Gateway would refuse a value it cannot read either, leaving covered requests without it",
