@@ -8,9 +8,11 @@ import (
 	"io"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/yamllimit"
 )
 
 const checkUsage = `usage: idempotency-extproc check --config POLICY [--format text|json] [--envoy-version 1.38] [serve's flags] [FILE…]
@@ -65,6 +67,7 @@ func checkCommand(args []string, getenv func(string) string, stdin io.Reader, st
 	for _, s := range all {
 		fs.String(s.name, s.def, s.flagUsage())
 	}
+	maxInput := fs.Int64("max-input-bytes", check.DefaultMaxInputBytes, "the most `bytes` each FILE (and standard input) may hold; their YAML may hold one value per "+strconv.Itoa(yamllimit.BytesPerValue)+" of them, nested at most "+strconv.Itoa(yamllimit.MaxDepth)+" deep")
 	if done, err := parseCommandFlags(fs, args, checkUsage, stdout); done {
 		if err != nil {
 			return &exitError{checkBadFile, err}
@@ -84,6 +87,8 @@ func checkCommand(args []string, getenv func(string) string, stdin io.Reader, st
 		return &exitError{checkBadFile, errors.New("check: --config is required (the server's policy file)")}
 	case *format != "text" && *format != "json":
 		return &exitError{checkBadFile, fmt.Errorf("check: --format must be text or json, got %q", *format)}
+	case *maxInput <= 0:
+		return &exitError{checkBadFile, fmt.Errorf("check: --max-input-bytes must be positive, got %d", *maxInput)}
 	}
 	cfg, err := startupConfig(serverArgs, getenv, true)
 	if err != nil {
@@ -110,24 +115,18 @@ func checkCommand(args []string, getenv func(string) string, stdin io.Reader, st
 	var inputs []check.Input
 	var readErrs []error
 	for _, name := range files {
-		var data []byte
-		var err error
-		if name == "-" {
-			data, err = io.ReadAll(stdin)
-		} else {
-			data, err = os.ReadFile(name)
-		}
+		in, err := readCheckInput(name, stdin, *maxInput)
 		if err != nil {
-			readErrs = append(readErrs, fmt.Errorf("%s: %w", name, unwrapPath(err)))
+			readErrs = append(readErrs, err)
 			continue
 		}
-		inputs = append(inputs, check.Input{Name: name, Data: data})
+		inputs = append(inputs, in)
 	}
 	if err := errors.Join(readErrs...); err != nil {
 		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
 	}
 	policyData, _ := os.ReadFile(configPath) // start-up read it: only for the findings' lines
-	rep, err := check.Run(cfg.policy, inputs, check.Options{EnvoyVersion: *version, Policy: check.Input{Name: configPath, Data: policyData}})
+	rep, err := check.Run(cfg.policy, inputs, check.Options{EnvoyVersion: *version, MaxInputBytes: *maxInput, Policy: check.Input{Name: configPath, Data: policyData}})
 	if err != nil {
 		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
 	}

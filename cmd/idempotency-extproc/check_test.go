@@ -100,7 +100,7 @@ func TestCheckJSON(t *testing.T) {
 			require.NotEmpty(t, v, k)
 		}
 	}
-	require.Equal(t, "-", findings[0]["file"], "standard input is named -")
+	require.Equal(t, "<stdin>", findings[0]["file"], "standard input is named <stdin>")
 	require.Equal(t, "error", findings[0]["severity"])
 	require.Equal(t, "failure-mode-allow", findings[0]["kind"])
 	require.Positive(t, findings[0]["line"])

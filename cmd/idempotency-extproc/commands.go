@@ -47,8 +47,11 @@ func dispatch(ctx context.Context, args []string, getenv func(string) string, st
 	return serve(ctx, args, getenv, stdout, stderr)
 }
 
-// serve runs the server; -h among its flags prints the usage.
+// serve runs the server until SIGTERM or SIGINT, which start its drain; -h among its flags
+// prints the usage.
 func serve(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
+	ctx, stop := drainOnSignal(ctx)
+	defer stop()
 	err := run(ctx, args, getenv, stderr)
 	if errors.Is(err, flag.ErrHelp) {
 		return writeUsage(stdout)

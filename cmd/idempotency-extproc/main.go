@@ -2,7 +2,9 @@
 // Idempotency-Key semantics. docs/configuration.md documents its flags and policy file; help
 // lists them too. Its commands check, key-hash and records help operators check a deployment and
 // find and purge one record. Any error exits 1, a usage mistake included, with its message on
-// stderr.
+// stderr; check exits 2 on input it cannot read. Only the server (serve) catches SIGTERM and
+// SIGINT, to drain; every other command ends on the first one, as its default action does (a
+// shell reports 143 or 130).
 package main
 
 import (
@@ -15,18 +17,7 @@ import (
 )
 
 func main() {
-	signalled, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
-	// The first signal starts the drain; a second one ends the process at once, as the default
-	// action does: the drain begins only once the signals are no longer caught.
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go func() {
-		<-signalled.Done()
-		stop()
-		cancel()
-	}()
-	if err := dispatch(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr); err != nil {
+	if err := dispatch(context.Background(), os.Args[1:], os.Getenv, os.Stdout, os.Stderr); err != nil {
 		fmt.Fprintln(os.Stderr, "idempotency-extproc:", err)
 		code := 1
 		var ec interface{ ExitCode() int } // check's: 1 findings, 2 a file it cannot read
@@ -35,4 +26,23 @@ func main() {
 		}
 		os.Exit(code)
 	}
+}
+
+// drainOnSignal returns a context that the first SIGTERM or SIGINT cancels, for the server to
+// drain, and the function that stops catching them. A second signal ends the process at once,
+// as the default action does: the drain begins only once the signals are no longer caught.
+// Only serve calls it: a command that catches no signal ends on the first one, even while it
+// waits for a silent standard input.
+func drainOnSignal(parent context.Context) (context.Context, func()) {
+	signalled, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	ctx, cancel := context.WithCancel(parent)
+	go func() {
+		select {
+		case <-signalled.Done():
+		case <-ctx.Done():
+		}
+		stop()
+		cancel()
+	}()
+	return ctx, func() { stop(); cancel() }
 }

@@ -32,7 +32,8 @@ const (
 
 // Finding is one setting of the inputs that breaks protection or costs something.
 type Finding struct {
-	// File is the input that holds the setting, as the user named it ("-" is standard input).
+	// File is the input that holds the setting, as the user named it (the check command names
+	// standard input "<stdin>").
 	File string `json:"file"`
 	// Line and Column are where the field is in File (1-based), or where it would go when it is
 	// missing; 0 when the finding is about no place in a file (--envoy-version).
@@ -80,7 +81,13 @@ type Options struct {
 	// Policy is the policy file as read, for the findings about its routes to name their lines;
 	// its Name is how they name the file ("--config" when empty).
 	Policy Input
+	// MaxInputBytes bounds each input, and the values and nesting of its YAML (yamllimit);
+	// 0 is DefaultMaxInputBytes.
+	MaxInputBytes int64
 }
+
+// DefaultMaxInputBytes is the size of input Run reads unless Options say otherwise.
+const DefaultMaxInputBytes = 4 << 20
 
 // Report is what Run found.
 type Report struct {
@@ -129,7 +136,7 @@ func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
 		errs = append(errs, &InputError{File: "--envoy-version", Err: err})
 	}
 	for _, in := range inputs {
-		ds, read, err := readInput(in)
+		ds, read, err := readInput(in, cmp.Or(opts.MaxInputBytes, DefaultMaxInputBytes))
 		if err != nil {
 			errs = append(errs, inputError(in.Name, err))
 			continue
@@ -193,7 +200,7 @@ func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
 	}
 	rep.Findings = append(rep.Findings, gatewayRetryFindings(p, kube, deployments)...)
 	rep.Findings = append(rep.Findings, extensionPolicyFindings(p, kube, deployments)...)
-	loc := newLocator(append(slices.Clone(inputs), Input{Name: policyFile, Data: opts.Policy.Data}), kube)
+	loc := newLocator(append(slices.Clone(inputs), Input{Name: policyFile, Data: opts.Policy.Data}), kube, cmp.Or(opts.MaxInputBytes, DefaultMaxInputBytes))
 	for i := range rep.Findings {
 		loc.locate(&rep.Findings[i])
 	}
@@ -220,9 +227,13 @@ func severityRank(s Severity) int {
 	return 1
 }
 
-// readInput reads one input: the deployments of a bootstrap, or the objects of Kubernetes YAML.
-func readInput(in Input) ([]Deployment, []*object, error) {
-	docs, err := yamlDocuments(in.Data)
+// readInput reads one input of at most maxBytes: the deployments of a bootstrap, or the objects
+// of Kubernetes YAML.
+func readInput(in Input, maxBytes int64) ([]Deployment, []*object, error) {
+	if int64(len(in.Data)) > maxBytes {
+		return nil, nil, fmt.Errorf("%d bytes, more than the %s an input may hold", len(in.Data), byteSize(maxBytes))
+	}
+	docs, err := yamlDocuments(in.Data, maxBytes)
 	if err != nil {
 		return nil, nil, err
 	}

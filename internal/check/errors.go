@@ -10,6 +10,8 @@ import (
 	"strings"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/yamllimit"
 )
 
 // InputError is an input that cannot be read or parsed: the policy file or a FILE.
@@ -120,6 +122,26 @@ func prefixed(where string, err error) error {
 		return err
 	}
 	return fmt.Errorf("%s: %w", where, err)
+}
+
+// boundError turns an error of yamllimit into a *located carrying its line.
+func boundError(err error) error {
+	var le *yamllimit.Error
+	if errors.As(err, &le) {
+		return &located{Line: le.Line, Err: errors.New(le.Problem)}
+	}
+	return err
+}
+
+// byteSize writes a bound in KiB or MiB.
+func byteSize(n int64) string {
+	if n >= 1<<20 && n%(1<<20) == 0 {
+		return fmt.Sprintf("%d MiB", n>>20)
+	}
+	if n >= 1<<10 && n%(1<<10) == 0 {
+		return fmt.Sprintf("%d KiB", n>>10)
+	}
+	return fmt.Sprintf("%d bytes", n)
 }
 
 var yamlLine = regexp.MustCompile(`^(?:yaml: )?line (\d+): `)

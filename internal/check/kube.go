@@ -11,6 +11,8 @@ import (
 	"strings"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/yamllimit"
 )
 
 // object is one Kubernetes object of an input: a document of its own, or an item of a List.
@@ -76,8 +78,14 @@ type looseEnvelope struct {
 }
 
 // yamlDocuments returns the documents of data in order, empty ones left out. A YAML syntax error
-// is a *located naming its line.
-func yamlDocuments(data []byte) ([]*yaml.Node, error) {
+// is a *located naming its line. Data is held to the bounds of an input of maxBytes
+// (yamllimit): its values, counted before it is decoded and again with its aliases expanded, and
+// its nesting, so that nothing after costs more than the bound allows.
+func yamlDocuments(data []byte, maxBytes int64) ([]*yaml.Node, error) {
+	if err := yamllimit.Screen(data, maxBytes); err != nil {
+		return nil, boundError(err)
+	}
+	budget := yamllimit.MaxValues(maxBytes)
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	var docs []*yaml.Node
 	for {
@@ -89,6 +97,11 @@ func yamlDocuments(data []byte) ([]*yaml.Node, error) {
 		if err != nil {
 			return nil, tabAt(data, yamlError(err))
 		}
+		n, err := yamllimit.Check(doc, budget)
+		if err != nil {
+			return nil, boundError(err)
+		}
+		budget -= n
 		if root := docRoot(doc); root != nil && !isNullNode(root) {
 			docs = append(docs, doc)
 		}
@@ -183,7 +196,7 @@ func readDocs(path string) ([]*object, error) {
 	if err != nil {
 		return nil, err
 	}
-	docs, err := yamlDocuments(data)
+	docs, err := yamlDocuments(data, DefaultMaxInputBytes)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}

@@ -145,10 +145,10 @@ type locator struct {
 	objs []*object
 }
 
-func newLocator(inputs []Input, objs []*object) *locator {
+func newLocator(inputs []Input, objs []*object, maxBytes int64) *locator {
 	l := &locator{docs: map[string][]*yaml.Node{}, objs: objs}
 	for _, in := range inputs {
-		if docs, err := yamlDocuments(in.Data); err == nil {
+		if docs, err := yamlDocuments(in.Data, maxBytes); err == nil {
 			l.docs[in.Name] = docs
 		}
 	}
