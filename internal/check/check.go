@@ -32,8 +32,7 @@ const (
 
 // Finding is one setting of the inputs that breaks protection or costs something.
 type Finding struct {
-	// File is the input that holds the setting, as the user named it (the check command names
-	// standard input "<stdin>").
+	// File is the input that holds the setting, as the user named it ("-" is standard input).
 	File string `json:"file"`
 	// Line and Column are where the field is in File (1-based), or where it would go when it is
 	// missing; 0 when the finding is about no place in a file (--envoy-version).
