@@ -146,17 +146,22 @@ func byteSize(n int64) string {
 
 var yamlLine = regexp.MustCompile(`^(?:yaml: )?line (\d+): `)
 
-// yamlError turns an error of the YAML decoder into a *located carrying its line.
+// yamlError turns an error of the YAML decoder into a *located carrying its line, its messages
+// in words of the file (typeMessage).
 func yamlError(err error) error {
 	var te *yaml.TypeError
 	if errors.As(err, &te) {
 		if len(te.Errors) == 1 {
 			if m := yamlLine.FindStringSubmatch(te.Errors[0]); m != nil {
 				line, _ := strconv.Atoi(m[1])
-				return &located{Line: line, Err: errors.New(te.Errors[0][len(m[0]):])}
+				return &located{Line: line, Err: errors.New(typeMessage(te.Errors[0][len(m[0]):]))}
 			}
 		}
-		return errors.New(strings.Join(te.Errors, "; "))
+		msgs := make([]string, len(te.Errors))
+		for i, e := range te.Errors {
+			msgs[i] = typeMessage(e)
+		}
+		return errors.New(strings.Join(msgs, "; "))
 	}
 	if m := yamlLine.FindStringSubmatch(err.Error()); m != nil {
 		line, _ := strconv.Atoi(m[1])
@@ -165,10 +170,69 @@ func yamlError(err error) error {
 	return err
 }
 
+var (
+	yamlCannotUnmarshal = regexp.MustCompile("cannot unmarshal (!!\\w+)(?: `[^`]*`)? into (\\S+)")
+	yamlFieldNotFound   = regexp.MustCompile(`field (\S+) not found in type \S+`)
+	yamlFieldSet        = regexp.MustCompile(`field (\S+) already set in type \S+`)
+)
+
+// typeMessage rewrites a message of the YAML decoder that names YAML tags and Go types
+// ("cannot unmarshal !!map into []check.istioPatch") into words: "a mapping where a sequence
+// is wanted".
+func typeMessage(msg string) string {
+	msg = yamlCannotUnmarshal.ReplaceAllStringFunc(msg, func(s string) string {
+		m := yamlCannotUnmarshal.FindStringSubmatch(s)
+		return tagWords(m[1]) + " where " + goTypeWords(m[2]) + " is wanted"
+	})
+	msg = yamlFieldNotFound.ReplaceAllString(msg, `unknown field "$1"`)
+	return yamlFieldSet.ReplaceAllString(msg, `field "$1" given twice`)
+}
+
+// tagWords names a YAML tag's kind of value.
+func tagWords(tag string) string {
+	switch tag {
+	case "!!map":
+		return "a mapping"
+	case "!!seq":
+		return "a sequence"
+	case "!!int", "!!float":
+		return "a number"
+	case "!!bool":
+		return "true or false"
+	case "!!null":
+		return "an empty value"
+	case "!!timestamp":
+		return "a timestamp"
+	}
+	return "a string"
+}
+
+// goTypeWords names the kind of YAML value a Go type is decoded from.
+func goTypeWords(t string) string {
+	t = strings.TrimLeft(t, "*")
+	switch {
+	case strings.HasPrefix(t, "[]"):
+		return "a sequence"
+	case strings.HasPrefix(t, "map["):
+		return "a mapping"
+	case t == "string":
+		return "a string"
+	case t == "bool":
+		return "true or false"
+	case t == "time.Duration":
+		return "a duration"
+	case strings.HasPrefix(t, "int") || strings.HasPrefix(t, "uint"):
+		return "a whole number"
+	case strings.HasPrefix(t, "float"):
+		return "a number"
+	}
+	return "a mapping"
+}
+
 // protoJSONPosition is the position protojson puts in its errors: a place in the JSON made from
 // the YAML, which the user never sees. The protobuf module writes a space or, at random, a
 // no-break space after "proto:", so that nobody relies on its messages' exact text.
-var protoJSONPosition = regexp.MustCompile(`^proto:[ \x{00a0}]\(line (\d+):(\d+)\):[ \x{00a0}]`)
+var protoJSONPosition = regexp.MustCompile(`^proto:[ \x{00a0}](?:syntax error[ \x{00a0}])?\(line (\d+):(\d+)\):[ \x{00a0}]`)
 
 // protoError turns an error of protojson.Unmarshal of the JSON made from doc (nodeToJSON) into a
 // *located naming the YAML field and its line, when the JSON position maps back to doc.
@@ -193,11 +257,54 @@ func protoError(what string, doc *yaml.Node, err error) error {
 		}
 	}
 	path := jsonPathAt(js, off)
-	n, field := yamlAt(doc, path)
+	n, value, field := yamlAt(doc, path)
 	if n == nil {
 		return fmt.Errorf("%s: %s", what, msg)
 	}
-	return &located{Line: n.Line, Column: n.Column, Field: field, Err: errors.New(msg)}
+	return &located{Line: n.Line, Column: n.Column, Field: field, Err: errors.New(protoMessage(msg, value, len(path) == 0))}
+}
+
+var protoInvalidValue = regexp.MustCompile(`^invalid value for (\w+) (?:field|type)\b`)
+
+// protoMessage rewrites protojson's message about the value v, which quotes the JSON made from
+// the YAML ("unexpected token [" for a block sequence), into one that names what the file holds.
+func protoMessage(msg string, v *yaml.Node, root bool) string {
+	if v == nil {
+		return msg
+	}
+	switch {
+	case root && strings.HasPrefix(msg, "unexpected token "):
+		return "the document is " + describe(v) + ", not an Envoy bootstrap (a mapping) nor Kubernetes objects (mappings with apiVersion and kind)"
+	case strings.HasPrefix(msg, "unexpected token "):
+		return describe(v) + " is not a value this field takes"
+	}
+	if m := protoInvalidValue.FindStringSubmatch(msg); m != nil {
+		return describe(v) + " is not a valid " + m[1]
+	}
+	return msg
+}
+
+// describe names what a YAML node holds in words that quote only the file: a scalar by its text,
+// a collection by its kind.
+func describe(n *yaml.Node) string {
+	n = resolve(n)
+	switch {
+	case n == nil:
+		return "an empty value"
+	case n.Kind == yaml.SequenceNode:
+		return "a sequence"
+	case n.Kind == yaml.MappingNode:
+		return "a mapping"
+	case n.Kind == yaml.ScalarNode && n.Style&(yaml.LiteralStyle|yaml.FoldedStyle) != 0:
+		return "a block of text"
+	case n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null":
+		return "an empty value"
+	case n.Kind == yaml.ScalarNode && !strings.ContainsAny(n.Value, "\n`") && len(n.Value) <= 40:
+		return "`" + n.Value + "`"
+	case n.Kind == yaml.ScalarNode:
+		return "a string"
+	}
+	return "a value"
 }
 
 // jsonPathAt returns the path (object keys as strings, array indexes as ints) of the key or value
@@ -274,10 +381,10 @@ func jsonPathAt(js []byte, off int) []any {
 	}
 }
 
-// yamlAt follows a JSON path (jsonPathAt) in doc: the node there (the key's node for a key) and
-// the path written as a field path. Nil when the path does not lead through doc: through the
-// value of a type kept opaque, say.
-func yamlAt(doc *yaml.Node, path []any) (*yaml.Node, string) {
+// yamlAt follows a JSON path (jsonPathAt) in doc: the node there (the key's node for a key), the
+// value there, and the path written as a field path. Nil when the path does not lead through
+// doc: through the value of a type kept opaque, say.
+func yamlAt(doc *yaml.Node, path []any) (*yaml.Node, *yaml.Node, string) {
 	n := resolve(docRoot(doc))
 	at := n
 	field := ""
@@ -286,7 +393,7 @@ func yamlAt(doc *yaml.Node, path []any) (*yaml.Node, string) {
 		case string:
 			kv := mapKey(n, k)
 			if kv == nil {
-				return nil, ""
+				return nil, nil, ""
 			}
 			at, n = kv.key, resolve(kv.value)
 			if strings.ContainsAny(k, "./") {
@@ -296,7 +403,7 @@ func yamlAt(doc *yaml.Node, path []any) (*yaml.Node, string) {
 			}
 		case int:
 			if n == nil || n.Kind != yaml.SequenceNode || k >= len(n.Content) {
-				return nil, ""
+				return nil, nil, ""
 			}
 			n = resolve(n.Content[k])
 			at = n
@@ -304,7 +411,7 @@ func yamlAt(doc *yaml.Node, path []any) (*yaml.Node, string) {
 		}
 	}
 	if at == nil || at.Line == 0 {
-		return nil, ""
+		return nil, nil, ""
 	}
-	return at, field
+	return at, n, field
 }

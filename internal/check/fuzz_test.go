@@ -2,6 +2,7 @@ package check
 
 import (
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -59,6 +60,10 @@ func FuzzReadBootstrap(f *testing.F) {
 	f.Add([]byte(`{"static_resources": {"listeners": [{"filter_chains": [{"filters": [{"name": "h", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager", "rds": {"route_config_name": "r"}, "http_filters": [{"name": "e", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"}}]}}]}]}]}}`))
 	f.Add([]byte("a: &a [*a]\n"))
 	f.Add([]byte("{{{"))
+	// Past the bounds: nesting, aliases, keys.
+	f.Add([]byte(strings.Repeat("[", 101) + strings.Repeat("]", 101)))
+	f.Add([]byte("a: &a [x, x, x, x]\nb: &b [*a, *a, *a, *a]\nc: [*b, *b, *b, *b]\n"))
+	f.Add([]byte("admin:\n  - a\nadmin: {}\n"))
 	p, err := policy.Parse([]byte(fuzzPolicy))
 	require.NoError(f, err)
 	f.Fuzz(func(t *testing.T, data []byte) {
