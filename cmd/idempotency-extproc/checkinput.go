@@ -34,7 +34,7 @@ func readCheckInput(name string, stdin io.Reader, limit int64) (check.Input, err
 			return in, fmt.Errorf("%s: a directory, not a file", name)
 		}
 		if fi.Mode().IsRegular() && fi.Size() > limit {
-			return in, tooLarge(name, fmt.Sprintf("%d bytes", fi.Size()), limit)
+			return in, tooLarge(name, fmt.Sprintf("%d bytes, more", fi.Size()), limit)
 		}
 		r = f
 	}
