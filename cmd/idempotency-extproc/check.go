@@ -30,7 +30,12 @@ secret file that is not there yet is noted on stderr. Without a FILE, that is al
 Text output: one line per finding, errors first:
   FILE:LINE:COLUMN: RESOURCE: FIELD: severity: what breaks; the fix
 or, without findings, one line saying what was checked ("ok: 3 routes protected in 2 files").
-Exit status: 0 no error (warnings allowed), 1 at least one error, 2 a file cannot be read or parsed.
+
+Each input is read up to --max-input-bytes; its YAML may hold one value per 32 of those bytes,
+nested at most 100 deep, and a mapping at most 5000 keys. Standard input is named <stdin>.
+
+Exit status: 0 no error (warnings allowed), 1 at least one error, 2 a file cannot be read or
+parsed or is beyond those bounds. SIGTERM or SIGINT ends check at once.
 
 `
 

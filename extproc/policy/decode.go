@@ -12,7 +12,12 @@ import (
 	"time"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/yamllimit"
 )
+
+// maxFileBytes is the size of the policy file the YAML bounds are those of.
+const maxFileBytes = 4 << 20
 
 // FieldError is one bad field of a policy file.
 type FieldError struct {
@@ -56,6 +61,12 @@ type Setting struct {
 // twice and fields without a value (`ttl_header:`, which YAML reads as null and would leave
 // inherited) are errors. Anchors, aliases and merge keys (<<) are read as YAML defines them.
 func ParseFile(data []byte, settings []Setting) (*Policy, map[string]string, error) {
+	// The decoder's nodes cost some 80 times the bytes of short values: a policy file holds no
+	// more values than a file of check may at its default bound (yamllimit). Its aliases are
+	// bounded as it is read.
+	if err := yamllimit.Screen(data, maxFileBytes); err != nil {
+		return nil, nil, &FieldError{Msg: err.Error()}
+	}
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	var doc yaml.Node
 	if err := dec.Decode(&doc); err != nil && !errors.Is(err, io.EOF) {

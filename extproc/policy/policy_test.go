@@ -1,6 +1,7 @@
 package policy_test
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -267,4 +268,12 @@ unknown: 1
 			}
 		})
 	}
+}
+
+// A file of short values is refused before the YAML decoder holds a node for each.
+func TestParseFileBoundsItsValues(t *testing.T) {
+	_, _, err := policy.ParseFile([]byte("routes: ["+strings.Repeat("a,", 1<<17)+"a]\n"), nil)
+	var fe *policy.FieldError
+	require.ErrorAs(t, err, &fe)
+	require.Contains(t, err.Error(), "policy: more than the 131072 YAML values an input of 4 MiB may hold")
 }
