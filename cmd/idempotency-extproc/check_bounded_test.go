@@ -33,8 +33,8 @@ var plainBinary = sync.OnceValues(func() (string, error) {
 	return path, nil
 })
 
-// maxCheckRSS is the most memory check may hold, whatever it is fed: the default bounds keep
-// the heap of the worst input within a third of it.
+// maxCheckRSS is the most memory check may hold, whatever it is fed: the default bounds and the
+// heap's soft limit keep the worst input measured (flow pairs at the value bound) near 75 MB.
 const maxCheckRSS = 100 << 20
 
 // Input beyond check's bounds is refused with one line that names the input and the bound, exit
@@ -74,6 +74,8 @@ func TestCheckHostileInputIsBounded(t *testing.T) {
 			want: "nested.yaml: line 1: mappings and sequences nested more than 100 deep, the most that is read"},
 		{name: "short values up to the byte bound", file: writeNamed(t, "dense.yaml", "["+strings.Repeat("a,", int(check.DefaultMaxInputBytes)/2-2)+"a]"),
 			want: "dense.yaml: more than the 131072 YAML values an input of " + limit + " may hold"},
+		{name: "flow pairs within the value bound", file: writeNamed(t, "pairs.yaml", "["+strings.Repeat("a: b, ", 32700)+"a: b]"),
+			want: "pairs.yaml: line 1: the document is a sequence"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cmd := exec.Command(bin, "check", "--config", policy, tc.file)
