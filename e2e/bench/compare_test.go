@@ -210,9 +210,9 @@ func TestNullProcessorStreamsBack(t *testing.T) {
 // TestCosts runs -mode costs briefly (two body sizes, two stream counts) and asserts what is
 // counted: store calls and Redis commands per request, the traced target's spans and what the
 // OTLP receiver was sent, the sealing target's records sealed (each takes the seal's header
-// and tag more than in a store without a keyring), the waiting duplicates' store calls, a
-// goroutine per stream held in flight, redis-benchmark's SETs measured for each size, and the
-// plain SETs target's two SETs per first execution, of the records' sizes.
+// and tag more than in a store without a keyring), the waiting duplicates' store calls, the
+// streams held in flight served by the stream workers, redis-benchmark's SETs measured for each
+// size, and the plain SETs target's two SETs per first execution, of the records' sizes.
 func TestCosts(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
 	replicated := redistest.Start(t, redistest.Options{})
@@ -273,11 +273,13 @@ func TestCosts(t *testing.T) {
 					continue
 				}
 				if w == workloadFirst {
-					// Each stream held in flight runs on one of the target's stream workers, whose
-					// stack grows from the shrunk stack of an idle one (at least to the 2 KiB a
-					// goroutine starts with), or beyond the workers on a goroutine of its own.
-					require.GreaterOrEqual(t, c.held.Stacks-c.idle.Stacks, int64(sec.streams)*2<<10, where)
-					require.GreaterOrEqual(t, c.held.Goroutines-c.idle.Goroutines, int64(sec.streams-extproc.StreamWorkers), where)
+					// Each stream held in flight runs on one of the target's stream workers, not on
+					// a goroutine of its own as it would without them: the goroutines grow by less
+					// than one per two streams, beyond those the workers cannot take. A count, as
+					// scheduling cannot flip it; the stacks' growth is printed, not asserted: the
+					// reading collects garbage, which shrinks a parked worker's stack too.
+					beyond := int64(max(0, sec.streams-extproc.StreamWorkers))
+					require.Less(t, c.held.Goroutines-c.idle.Goroutines, beyond+int64(sec.streams)/2, "%s: goroutines of the streams held", where)
 				}
 				if target == targetNull {
 					continue
