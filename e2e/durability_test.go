@@ -3,10 +3,8 @@ package e2e_test
 import (
 	"fmt"
 	"math/rand/v2"
-	"net/http"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,7 +15,10 @@ import (
 
 // The figure of durability: duplicate traffic on fresh keys through the binary, the Redis master
 // SIGKILLed while its replicas lag behind it, and each key's executions counted at the upstream
-// once a replica has taken over and every key has been sent again. With durability.replicas: 1
+// once a replica has taken over and every key has been sent again. A key none of whose requests
+// got an answer other than 503 (the store was away) is sent again after figurePause, as a client
+// retries a 503, so that the traffic goes on, on the keys it has, through an outage of any length.
+// With durability.replicas: 1
 // no key runs twice: a claim no replica holds is refused before the request runs. With
 // replicas: 0 the writes the replicas had not received when the master died are lost, and the
 // keys they claimed or completed run again: the test reports how many.
@@ -30,16 +31,24 @@ import (
 const (
 	figureSeed    = 20261204
 	figureWorkers = 6
-	figureMaxKeys = 3000
+	// figurePause: how long a worker waits before sending again a key that got only 503s. Shorter
+	// than the Retry-After a client would honour, so that the service's return is seen within it.
+	figurePause = 50 * time.Millisecond
 	// figureBodyBytes: completions large enough to take the staged path of the Redis store.
 	figureBodyBytes = 8 << 10
-	figureLead      = time.Second           // traffic before the lag
-	figureBackoff   = 50 * time.Millisecond // a worker's pause after a 503
-	lagFor          = time.Second           // the replicas' lag when the master dies
+	figureLead      = time.Second // traffic before the lag
+	lagFor          = time.Second // the replicas' lag when the master dies
 	// figurePolicy: the wait for replicas is short, so that claims refused during the lag do not
 	// hold the batcher for long; lock_ttl outlasts the test, so that a lease whose completion was
 	// lost is not taken for a free key.
-	figurePolicy = "store_timeout: 500ms\ndurability: {replicas: %d, timeout: 100ms}\ndefaults:\n  lock_ttl: 60s\n"
+	figurePolicy       = "store_timeout: %v\ndurability: {replicas: %d, timeout: 100ms}\ndefaults:\n  lock_ttl: 60s\n"
+	figureStoreTimeout = 500 * time.Millisecond
+	// restoreWithin bounds the wait for a request to run once a replica has taken over: the
+	// processor's next store call to the dead master fails within store_timeout and has go-redis
+	// reload the slot map or ask the Sentinels, within its dial and read timeouts (5 s and 3 s,
+	// its defaults), and the call after it goes to the new master. Three times that, for a
+	// loaded machine; a run ends as soon as a request has run.
+	restoreWithin = 3 * (2*figureStoreTimeout + 5*time.Second + 3*time.Second)
 )
 
 // figure is one run: a store, how to make its replicas lag, and how to fail its master over.
@@ -56,6 +65,10 @@ type figure struct {
 
 // figureKey is the idempotency key of a figure's i-th key.
 func figureKey(i int) string { return "fig-" + itoa(i) }
+
+// figureDups is how many concurrent duplicates of its i-th key a figure sends: 1 to 3, the same
+// in every run.
+func figureDups(i int) int { return 1 + rand.New(rand.NewPCG(figureSeed, uint64(i))).IntN(3) }
 
 // figureResult is what a run saw.
 type figureResult struct {
@@ -95,12 +108,7 @@ func cut(t *testing.T, master *redistest.Server, replicas []*redistest.Server) f
 
 func (f figure) run(t *testing.T) figureResult {
 	t.Helper()
-	s := newStack(t, stackOptions{args: f.args, policy: fmt.Sprintf(figurePolicy, f.replicas) + f.policy})
-	rng := rand.New(rand.NewPCG(figureSeed, 0))
-	dups := make([]int, figureMaxKeys) // concurrent duplicates of key i, the same in every run
-	for i := range dups {
-		dups[i] = 1 + rng.IntN(3)
-	}
+	s := newStack(t, stackOptions{args: f.args, policy: fmt.Sprintf(figurePolicy, figureStoreTimeout, f.replicas) + f.policy})
 	key := figureKey
 	headers := map[string]string{"X-Test-Body-Bytes": itoa(figureBodyBytes), "X-Test-Delay": "5ms"}
 
@@ -112,19 +120,45 @@ func (f figure) run(t *testing.T) figureResult {
 		stop     = make(chan struct{})
 		wg       sync.WaitGroup
 	)
+	stopped := func() bool {
+		select {
+		case <-stop:
+			return true
+		default:
+			return false
+		}
+	}
 	take := func() (int, bool) {
 		mu.Lock()
 		defer mu.Unlock()
-		select {
-		case <-stop:
-			return 0, false
-		default:
-		}
-		if next == figureMaxKeys {
+		if stopped() {
 			return 0, false
 		}
 		next++
 		return next - 1, true
+	}
+	// send sends key i's duplicates at once and reports whether any got an answer but 503.
+	send := func(i int) (answered bool) {
+		var each sync.WaitGroup
+		for range figureDups(i) {
+			each.Go(func() {
+				sent := time.Now()
+				r, err := s.try(call{key: key(i), headers: headers, body: `{"amount":1}`})
+				mu.Lock()
+				defer mu.Unlock()
+				if err != nil {
+					res.first[0]++
+					return
+				}
+				res.first[r.status]++
+				answered = answered || r.status != 503
+				if !killedAt.IsZero() && sent.After(killedAt) && r.status == 200 && r.header.Get(replayed) == "false" && res.restored == 0 {
+					res.restored = time.Since(killedAt)
+				}
+			})
+		}
+		each.Wait()
+		return answered
 	}
 	for range figureWorkers {
 		wg.Go(func() {
@@ -133,33 +167,8 @@ func (f figure) run(t *testing.T) figureResult {
 				if !ok {
 					return
 				}
-				var each sync.WaitGroup
-				var refused atomic.Bool
-				for range dups[i] {
-					each.Go(func() {
-						sent := time.Now()
-						r, err := s.try(call{key: key(i), headers: headers, body: `{"amount":1}`})
-						mu.Lock()
-						defer mu.Unlock()
-						if err != nil {
-							res.first[0]++
-							return
-						}
-						res.first[r.status]++
-						if r.status == http.StatusServiceUnavailable {
-							refused.Store(true)
-						}
-						if !killedAt.IsZero() && sent.After(killedAt) && r.status == 200 && r.header.Get(replayed) == "false" && res.restored == 0 {
-							res.restored = time.Since(killedAt)
-						}
-					})
-				}
-				each.Wait()
-				if refused.Load() {
-					// As a client told to retry later: a 503 comes at once (durability-unmet
-					// needs no store call), and without a pause the workers would spend every
-					// key of the figure before the failover.
-					time.Sleep(figureBackoff)
+				for !send(i) && !stopped() {
+					time.Sleep(figurePause)
 				}
 			}
 		})
@@ -179,8 +188,8 @@ func (f figure) run(t *testing.T) figureResult {
 	catchUp()
 	f.failover()
 	res.failover = time.Since(killedAt)
-	// Traffic goes on until a request sent after the kill has run, or for 10 s.
-	deadline := time.Now().Add(10 * time.Second)
+	// Traffic goes on until a request sent after the kill has run, or for restoreWithin.
+	deadline := time.Now().Add(restoreWithin)
 	for {
 		mu.Lock()
 		restored := res.restored
@@ -193,7 +202,7 @@ func (f figure) run(t *testing.T) figureResult {
 	close(stop)
 	wg.Wait()
 	res.keys = next
-	require.Positive(t, res.restored, "a request sent after the failover ran: %v", res.first)
+	require.Positive(t, res.restored, "a request sent after the failover ran within %v: %v", restoreWithin, res.first)
 
 	// Every key once more, after the failover: a key whose record was lost runs again. A store
 	// failure is tried again, for a while: the request did not run.
