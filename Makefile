@@ -4,6 +4,8 @@ STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 # A count, not a duration: with a duration Go's fuzzer can fail with "context deadline
 # exceeded" when a worker is slow to stop on a loaded machine.
 FUZZTIME ?= 10000x
+# test-busy: how many CPU-bound processes run beside the suite (two fill a two-core machine).
+HOGS ?= 2
 PKGS := ./...
 # What `version`, the ready log line and idempotency_build_info report, linked into the binary so
 # that a build reports them also where the Go toolchain records no VCS information
@@ -13,7 +15,7 @@ VERSION ?= $(shell git describe --tags --dirty 2>/dev/null)
 LDFLAGS := -X main.version=$(VERSION) -X main.revision=$(REVISION)
 BIN ?= bin/idempotency-extproc
 
-.PHONY: help build test lint unit allocs bench bench-compare bench-inside bench-costs fuzz run deploy-test demo
+.PHONY: help build test test-busy lint unit allocs bench bench-compare bench-inside bench-costs fuzz run deploy-test demo
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -22,6 +24,12 @@ build: ## the binary at BIN (bin/idempotency-extproc), with its version and revi
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/idempotency-extproc
 
 test: lint unit allocs bench fuzz deploy-test ## the whole suite, as CI runs it: lint, race tests, allocation tests, benchmarks once, short fuzzing, deploy/
+
+test-busy: ## make test beside HOGS CPU-bound processes, killed however it ends: the suite must hold on a busy machine
+	@hogs=""; for i in $$(seq $(HOGS)); do yes >/dev/null & hogs="$$hogs $$!"; done; \
+	trap 'kill $$hogs 2>/dev/null' EXIT; trap 'exit 130' INT TERM HUP; \
+	echo "test-busy: make test beside $(HOGS) CPU-bound processes (pids$$hogs)"; \
+	$(MAKE) test
 
 lint: ## gofmt, go vet and staticcheck must be clean
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
