@@ -398,7 +398,7 @@ func driveShaped(ctx context.Context, client extprocv3.ExternalProcessorClient, 
 	if w != workloadWaiting {
 		return runStreams(streams, func(int) ([]time.Duration, error) {
 			var lat []time.Duration
-			for time.Now().Before(deadline) {
+			for first := true; first || time.Now().Before(deadline); first = false {
 				t0 := time.Now()
 				if err := requestShaped(ctx, client, w, seq.Add(1), sh, "", nil); err != nil {
 					return nil, err
@@ -410,7 +410,7 @@ func driveShaped(ctx context.Context, client extprocv3.ExternalProcessorClient, 
 	}
 	return runStreams(max(streams/(1+waitDups), 1), func(int) ([]time.Duration, error) {
 		var lat []time.Duration
-		for time.Now().Before(deadline) {
+		for first := true; first || time.Now().Before(deadline); first = false {
 			n := seq.Add(1)
 			key := "waited-" + strconv.FormatInt(n, 10)
 			var (
