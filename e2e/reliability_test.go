@@ -2,6 +2,7 @@ package e2e_test
 
 import (
 	"bytes"
+	"errors"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -9,8 +10,13 @@ import (
 	"testing"
 	"time"
 
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/upstream"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
@@ -147,10 +153,13 @@ func requireNeverTwice(t *testing.T, up *upstream.Upstream, out []outcome) map[i
 // TestRacesAcrossReplicas does not run in parallel: its thousand concurrent requests keep both
 // cores and this process' scheduler busy for seconds (a 5 ms ticker here then fires up to
 // 0.7 s late), which stalls the requests of the tests that time a failover, a restart or a
-// drain. Go runs it before the parallel tests start.
+// drain. Go runs it before the parallel tests start. Each message may wait behind a thousand
+// others, for longer than the 5 s message_timeout of the other tests on a busy machine (a key
+// once got 504 so): the timer is the route's timeout, since what is asserted is that every key
+// ran once and answered, not how soon.
 func TestRacesAcrossReplicas(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
-	s := newStack(t, stackOptions{replicas: 2, args: redisArgs(srv), policy: "store_timeout: 3s"})
+	s := newStack(t, stackOptions{replicas: 2, args: redisArgs(srv), policy: "store_timeout: 3s", envoy: withMessageTimeoutOfRoute})
 
 	t.Run("200 duplicates", func(t *testing.T) {
 		const n = 200
@@ -184,6 +193,29 @@ func TestRacesAcrossReplicas(t *testing.T) {
 			require.Equal(t, 1, s.up.Count("distinct-"+itoa(i)), "key %d ran once", i)
 		}
 	})
+}
+
+// withMessageTimeoutOfRoute sets ext_proc's message_timeout to the "/" route's timeout, which
+// bounds the whole request anyway.
+func withMessageTimeoutOfRoute(b *bootstrapv3.Bootstrap) error {
+	var timeout *durationpb.Duration
+	err := envoyconf.MutateHCM(b, func(hcm *hcmv3.HttpConnectionManager) error {
+		for _, vh := range hcm.GetRouteConfig().GetVirtualHosts() {
+			for _, r := range vh.GetRoutes() {
+				if r.GetMatch().GetPrefix() == "/" {
+					timeout = r.GetRoute().GetTimeout()
+				}
+			}
+		}
+		if timeout.AsDuration() <= 0 {
+			return errors.New(`the "/" route has no timeout`)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	return envoyconf.MutateExtProc(b, func(f *filterextproc.ExternalProcessor) { f.MessageTimeout = timeout })
 }
 
 func TestSIGKILLedReplicaFreesItsKeyWithinLockTTL(t *testing.T) {
