@@ -511,7 +511,8 @@ func (c userCell) redisPer() float64 {
 
 var userKeys atomic.Int64
 
-// driveUser runs load on p with streams concurrent streams for d.
+// driveUser runs load on p with streams concurrent streams for d. Each stream sends one request
+// at least, however late its goroutine runs (as driveLatencies).
 func driveUser(ctx context.Context, p *userProcess, admin *redis.Client, load, headers string, size, streams int, d time.Duration) (userCell, error) {
 	body := bytes.Repeat([]byte("b"), size)
 	replayKey := "replay-" + strconv.Itoa(size)
@@ -541,7 +542,7 @@ func driveUser(ctx context.Context, p *userProcess, admin *redis.Client, load, h
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for time.Now().Before(deadline) {
+			for first := true; first || time.Now().Before(deadline); first = false {
 				n := userKeys.Add(1)
 				key := replayKey
 				if load == loadFirst {
