@@ -40,7 +40,10 @@ func TestOutcomeTableOverHTTP(t *testing.T) {
 	for name, args := range storeArgs(t) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
+			// store_timeout 5s: a store call slower than the default 100 ms on a busy machine
+			// would turn a row's outcome into store-unavailable.
 			s := newStack(t, stackOptions{args: args(t), policy: `
+store_timeout: 5s
 defaults: {max_response_bytes: 65536}
 routes:
   - {name: strict, match: {path_prefix: /v1/strict}, missing_key: required}
