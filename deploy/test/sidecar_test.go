@@ -107,6 +107,9 @@ func TestChartSidecarRefuses(t *testing.T) {
 		{"no gateway", "sidecar: { enabled: true }\n", "enable one of envoyGateway.enabled and istio.enabled"},
 		{"istio sidecars", "sidecar: { enabled: true }\nistio: { enabled: true, namespace: p, workloadSelector: { a: b } }\n", "istio.context must be GATEWAY"},
 		{"the HPA", "sidecar: { enabled: true }\nstore: { type: redis, redis: { existingSecret: s } }\nautoscaling: { enabled: true }\n" + eg, "autoscaling.enabled"},
+		{"istio's namespace is not the release's", "sidecar: { enabled: true }\nistio: { enabled: true, namespace: other, context: GATEWAY, workloadSelector: { a: b } }\n", "install the release in istio.namespace"},
+		{"no fsGroup", "sidecar: { enabled: true }\npodSecurityContext: { fsGroup: null }\n" + eg, "needs podSecurityContext.fsGroup"},
+		{"a grace period shorter than the drains", "sidecar: { enabled: true }\nterminationGracePeriodSeconds: 10\nistio: { enabled: true, namespace: idempotency, context: GATEWAY, workloadSelector: { a: b } }\n", "terminationGracePeriodSeconds 10 is shorter"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := render(loadChart(t), parseValues(t, tc.values))
@@ -155,4 +158,55 @@ func mustBinary(t *testing.T) string {
 	bin, err := checkBinary()
 	require.NoError(t, err)
 	return bin
+}
+
+// sidecarSpec returns the gateway pod's spec sidecar mode renders: the EnvoyProxy's patch,
+// decoded as a Deployment, or the Istio gateway Deployment.
+func sidecarSpec(t *testing.T, r rendered) corev1.PodSpec {
+	t.Helper()
+	if eps := find[*egv1a1.EnvoyProxy](r.objs, "gateway.envoyproxy.io/v1alpha1/EnvoyProxy"); len(eps) > 0 {
+		var d appsv1.Deployment
+		require.NoError(t, strict(eps[0].Spec.Provider.Kubernetes.EnvoyDeployment.Patch.Value.Raw, &d))
+		return d.Spec.Template.Spec
+	}
+	return the[*appsv1.Deployment](t, r, "apps/v1/Deployment").Spec.Template.Spec
+}
+
+// The processor in a gateway's pod must not make the gateway unready when the store is down (the
+// gateway's every route would fail, fail_mode open or not), and must not close its socket while
+// Envoy, in the same pod, still drains: its preStop sleep lasts Envoy's drain (Envoy Gateway's
+// drainTimeout, 60 s by default; Istio's terminationDrainDuration, 5 s), and the grace period
+// covers that and the processor's own 15 s drain.
+func TestChartSidecarReadinessAndShutdown(t *testing.T) {
+	const processorDrain = 15
+	for _, tc := range []struct {
+		set        string
+		envoyDrain int32
+	}{
+		{"sidecar-envoy-gateway", 60},
+		{"sidecar-istio", 5},
+	} {
+		t.Run(tc.set, func(t *testing.T) {
+			r := renderSet(t, tc.set)
+			p, _, _, _ := sidecarPod(t, r)
+			require.NotNil(t, p.ReadinessProbe)
+			require.NotNil(t, p.ReadinessProbe.HTTPGet)
+			require.Equal(t, "/healthz", p.ReadinessProbe.HTTPGet.Path, "a store-dependent readiness makes the whole gateway unready")
+			require.NotNil(t, p.Lifecycle, "no preStop: the socket closes while Envoy drains")
+			require.NotNil(t, p.Lifecycle.PreStop)
+			require.NotNil(t, p.Lifecycle.PreStop.Sleep)
+			require.GreaterOrEqual(t, p.Lifecycle.PreStop.Sleep.Seconds, int64(tc.envoyDrain))
+			spec := sidecarSpec(t, r)
+			if r.value("envoyGateway.enabled") == true {
+				// Envoy Gateway sets drainTimeout + 300 s; a grace period in the patch would replace it.
+				require.Nil(t, spec.TerminationGracePeriodSeconds, "the patch overrides Envoy Gateway's grace period")
+				return
+			}
+			require.NotNil(t, spec.TerminationGracePeriodSeconds)
+			require.GreaterOrEqual(t, *spec.TerminationGracePeriodSeconds, p.Lifecycle.PreStop.Sleep.Seconds+processorDrain)
+		})
+	}
+	r := renderSet(t, "redis-full")
+	_, c := r.deployment(t)
+	require.Equal(t, "/readyz", c.ReadinessProbe.HTTPGet.Path, "the chart's own Deployment is ready with its store")
 }

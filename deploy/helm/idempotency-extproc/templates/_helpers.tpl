@@ -140,6 +140,12 @@ Checks that fail the render, each naming the value to change. Included by the De
 {{- if and .Values.istio.enabled (not .Values.istio.workloadSelector) -}}
 {{- fail "sidecar.enabled with istio.enabled needs istio.workloadSelector: the labels of the gateway pods the chart renders" -}}
 {{- end -}}
+{{- if and .Values.istio.enabled (ne .Values.istio.namespace .Release.Namespace) -}}
+{{- fail (printf "sidecar.enabled with istio.enabled renders the gateway Deployment in the release's namespace %q, and the EnvoyFilter's workloadSelector matches pods of istio.namespace %q only: install the release in istio.namespace" .Release.Namespace .Values.istio.namespace) -}}
+{{- end -}}
+{{- if and .Values.istio.enabled (lt (int .Values.terminationGracePeriodSeconds) (add (int .Values.sidecar.istio.preStopSleepSeconds) 15)) -}}
+{{- fail (printf "terminationGracePeriodSeconds %d is shorter than sidecar.istio.preStopSleepSeconds %d and the processor's 15 s drain" (int .Values.terminationGracePeriodSeconds) (int .Values.sidecar.istio.preStopSleepSeconds)) -}}
+{{- end -}}
 {{- range $name := list "autoscaling" "networkPolicy" "serviceMonitor" -}}
 {{- if (index $.Values $name).enabled -}}
 {{- fail (printf "%s.enabled applies to the chart's own Deployment and Service, which sidecar mode does not render" $name) -}}
@@ -271,14 +277,22 @@ livenessProbe:
   {{- toYaml $v.livenessProbe | nindent 2 }}
 readinessProbe:
   httpGet:
+    {{- if $v.sidecar.enabled }}
+    # In the gateway's pod readiness is the gateway's: /readyz, which fails while the store is
+    # unavailable, would take every route of the gateway out of its Service, fail_mode open or
+    # not. /healthz fails only when the process cannot serve at all.
+    path: /healthz
+    {{- else }}
     path: /readyz
+    {{- end }}
     port: http-admin
   {{- toYaml $v.readinessProbe | nindent 2 }}
-{{- if gt (int $v.preStopSleepSeconds) 0 }}
+{{- $preStop := include "idem.preStopSleepSeconds" . | int }}
+{{- if gt $preStop 0 }}
 lifecycle:
   preStop:
     sleep:
-      seconds: {{ int $v.preStopSleepSeconds }}
+      seconds: {{ $preStop }}
 {{- end }}
 resources:
   {{- toYaml $v.resources | nindent 2 }}
@@ -315,6 +329,30 @@ volumeMounts:
   {{- with $v.extraVolumeMounts }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
+{{- end -}}
+
+{{/* The processor's preStop sleep: in sidecar mode, the gateway's Envoy drain
+(sidecar.envoyGateway or sidecar.istio preStopSleepSeconds), so that the processor closes its
+socket only after Envoy stops opening streams on it; else preStopSleepSeconds. */}}
+{{- define "idem.preStopSleepSeconds" -}}
+{{- $v := .Values -}}
+{{- if not $v.sidecar.enabled -}}
+{{- int $v.preStopSleepSeconds -}}
+{{- else if $v.envoyGateway.enabled -}}
+{{- int $v.sidecar.envoyGateway.preStopSleepSeconds -}}
+{{- else -}}
+{{- int $v.sidecar.istio.preStopSleepSeconds -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The gateway pod's fsGroup in sidecar mode: the processor lets its group connect to the socket,
+and the fsGroup puts Envoy in that group. Without one Envoy cannot connect: the render fails. */}}
+{{- define "idem.sidecarFSGroup" -}}
+{{- $g := get (.Values.podSecurityContext | default dict) "fsGroup" -}}
+{{- if not $g -}}
+{{- fail "sidecar.enabled needs podSecurityContext.fsGroup: the processor lets its group connect to the socket, and the fsGroup puts Envoy in that group" -}}
+{{- end -}}
+{{- int $g -}}
 {{- end -}}
 
 {{/* The volumes of the processor's container. */}}
