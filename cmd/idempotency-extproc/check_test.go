@@ -211,6 +211,9 @@ func TestCheckTakesTheServerSettings(t *testing.T) {
 		{"a unix socket", []string{"--config", plain, "--grpc-addr", "unix:///var/run/idempotency/extproc.sock"}, nil, true},
 		{"a bad listener", []string{"--config", plain, "--admin-addr", "nowhere"}, nil, false},
 		{"a bad log level", []string{"--config", plain}, map[string]string{"IDEMPOTENCY_LOG_LEVEL": "loud"}, false},
+		{"an OTLP protocol the processor does not export", []string{"--config", plain}, map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, false},
+		{"an OTLP traces protocol", []string{"--config", plain}, map[string]string{"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4317", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, true},
+		{"a protocol without an endpoint", []string{"--config", plain}, map[string]string{"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, serverErr := startupConfig(tc.args, env(tc.env), false)

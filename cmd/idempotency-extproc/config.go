@@ -364,6 +364,9 @@ func startupConfig(args []string, getenv func(string) string, checkOnly bool) (*
 		return nil, err
 	}
 	c.notes = append(c.notes, notes...)
+	if _, _, err := tracingProtocol(getenv); err != nil {
+		return nil, err
+	}
 	return c, nil
 }
 

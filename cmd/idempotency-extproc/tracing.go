@@ -23,21 +23,15 @@ import (
 // shutdown flushes the spans still buffered.
 func openTracing(ctx context.Context, getenv func(string) string) (tracer trace.Tracer, shutdown func(context.Context) error, err error) {
 	none := func(context.Context) error { return nil }
-	if getenv("OTEL_EXPORTER_OTLP_ENDPOINT") == "" && getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == "" || getenv("OTEL_SDK_DISABLED") == "true" {
-		return nil, none, nil
-	}
-	protocol, source := getenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"), "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
-	if protocol == "" {
-		protocol, source = getenv("OTEL_EXPORTER_OTLP_PROTOCOL"), "OTEL_EXPORTER_OTLP_PROTOCOL"
+	protocol, on, err := tracingProtocol(getenv)
+	if err != nil || !on {
+		return nil, none, err
 	}
 	var exporter *otlptrace.Exporter
-	switch protocol {
-	case "", "http/protobuf":
-		exporter, err = otlptracehttp.New(ctx)
-	case "grpc":
+	if protocol == "grpc" {
 		exporter, err = otlptracegrpc.New(ctx)
-	default:
-		return nil, none, fmt.Errorf("tracing: %s is %q; the processor exports grpc or http/protobuf", source, protocol)
+	} else {
+		exporter, err = otlptracehttp.New(ctx)
 	}
 	if err != nil {
 		return nil, none, fmt.Errorf("tracing: %w", err)
@@ -52,4 +46,25 @@ func openTracing(ctx context.Context, getenv func(string) string) (tracer trace.
 	// The sampler comes from OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG (the SDK reads them).
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithResource(res))
 	return tp.Tracer("github.com/idempotency-extproc/idempotency-extproc/extproc"), tp.Shutdown, nil
+}
+
+// tracingProtocol is the OTLP protocol openTracing exports with, from the environment alone:
+// on is false when no endpoint is set or OTEL_SDK_DISABLED=true; err names a protocol the
+// processor does not export (http/json). Start-up validation (startupConfig) calls it, so that
+// check refuses what serve would.
+func tracingProtocol(getenv func(string) string) (protocol string, on bool, err error) {
+	if getenv("OTEL_EXPORTER_OTLP_ENDPOINT") == "" && getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == "" || getenv("OTEL_SDK_DISABLED") == "true" {
+		return "", false, nil
+	}
+	protocol, source := getenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"), "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+	if protocol == "" {
+		protocol, source = getenv("OTEL_EXPORTER_OTLP_PROTOCOL"), "OTEL_EXPORTER_OTLP_PROTOCOL"
+	}
+	switch protocol {
+	case "", "http/protobuf":
+		return "http/protobuf", true, nil
+	case "grpc":
+		return "grpc", true, nil
+	}
+	return "", false, fmt.Errorf("tracing: %s is %q; the processor exports grpc or http/protobuf", source, protocol)
 }
