@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -205,4 +206,58 @@ func TestHTTP2TrailersBothWays(t *testing.T) {
 	require.Equal(t, "ok", string(got))
 	require.Empty(t, h1.Trailer.Get("X-Up-Trailer"))
 	proc.next(t)
+}
+
+// A trailers-only gRPC local reply is one HEADERS frame with END_STREAM and no content-length:
+// Utility::prepareLocalReply (source/common/http/utility.cc) removes content-length when it turns
+// the reply into trailers-only, and Envoy's HTTP/2 codec adds none. Read on the frame layer, for
+// Go's HTTP/2 server adds content-length: 0 to a handler that ends at its headers.
+func TestHTTP2TrailersOnlyReplyOnTheWire(t *testing.T) {
+	ir := immediate(409, "in flight", nil, "replied")
+	e := newGrpcEnv(t, grpcMode(bodyNONE, bodyNONE, modeSKIP), on("request_headers", sendOnce(ir)))
+	c, err := net.Dial("tcp", strings.TrimPrefix(e.proxy.URL(), "http://"))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	require.NoError(t, c.SetDeadline(time.Now().Add(10*time.Second)))
+	_, err = io.WriteString(c, http2.ClientPreface)
+	require.NoError(t, err)
+	fr := http2.NewFramer(c, c)
+	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	require.NoError(t, fr.WriteSettings())
+	var block bytes.Buffer
+	enc := hpack.NewEncoder(&block)
+	for _, f := range [][2]string{{":method", "POST"}, {":scheme", "http"}, {":path", unaryPath}, {":authority", "proxy"}, {"content-type", "application/grpc"}, {"te", "trailers"}} {
+		require.NoError(t, enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]}))
+	}
+	require.NoError(t, fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: block.Bytes(), EndStream: true, EndHeaders: true}))
+	var frames []http2.Frame
+	for {
+		f, err := fr.ReadFrame()
+		require.NoError(t, err)
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				require.NoError(t, fr.WriteSettingsAck())
+			}
+			continue
+		case *http2.WindowUpdateFrame, *http2.PingFrame:
+			continue
+		}
+		require.EqualValues(t, 1, f.Header().StreamID, "a frame of another stream: %v", f)
+		frames = append(frames, f)
+		if f.Header().Flags.Has(http2.FlagHeadersEndStream) || f.Header().Type == http2.FrameRSTStream {
+			break
+		}
+	}
+	require.Len(t, frames, 1, "a trailers-only reply is one frame: %v", frames)
+	h, ok := frames[0].(*http2.MetaHeadersFrame)
+	require.True(t, ok, "not HEADERS: %v", frames[0])
+	require.True(t, h.StreamEnded())
+	require.Equal(t, "200", h.PseudoValue("status"))
+	var names []string
+	for _, f := range h.RegularFields() {
+		names = append(names, f.Name)
+	}
+	require.Contains(t, names, "grpc-status")
+	require.NotContains(t, names, "content-length", "prepareLocalReply removes content-length from a trailers-only reply")
 }

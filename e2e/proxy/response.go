@@ -151,7 +151,7 @@ func (x *exchange) writeDirect(prep preparedReply, lr localReply) {
 // HTTP/1 codec adds content-length: 0 unless the status forbids a body
 // (Http1::StreamEncoderImpl::encodeHeadersBase): after the filters, so the processor never sees it.
 // That content-length is the HTTP/1 codec's alone, as is closing the connection: an HTTP/2
-// stream gets neither.
+// stream gets neither, and headers that end it carry no content-length unless they have one.
 func (x *exchange) writeHeaders(h headerList, eos bool) {
 	if x.wroteHeader {
 		return
@@ -165,6 +165,12 @@ func (x *exchange) writeHeaders(h headerList, eos bool) {
 	h.writeTo(dst)
 	if eos && !x.h2 && !h.has("content-length") && !x.head && code != http.StatusNoContent && code != http.StatusNotModified {
 		dst.Set("Content-Length", "0")
+	}
+	if eos && x.h2 && !h.has("content-length") {
+		// Go's HTTP/2 server adds content-length: 0 to a handler that ends at its headers; Envoy's
+		// HTTP/2 codec adds none, and a trailers-only gRPC reply has none
+		// (Utility::prepareLocalReply removes it). A nil value suppresses Go's.
+		dst["Content-Length"] = nil
 	}
 	if _, ok := dst["Content-Type"]; !ok {
 		dst["Content-Type"] = nil // no content sniffing: Envoy adds no content-type
