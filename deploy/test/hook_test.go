@@ -327,3 +327,33 @@ func TestChartSidecarHookPassesExactlyWhenTheProcessorStarts(t *testing.T) {
 		}
 	}
 }
+
+// What extraArgs and extraEnv carry is checked as the pods check it: a setting start-up refuses
+// fails the hook with start-up's message.
+func TestChartHookRefusesExtraSettingsStartUpRefuses(t *testing.T) {
+	bin, err := checkBinary()
+	require.NoError(t, err)
+	for _, tc := range []struct{ name, values, want string }{
+		{"a log level by flag", "extraArgs: [--log-level=loud]\n", "log-level"},
+		{"a stream limit by environment", "extraEnv: [{ name: IDEMPOTENCY_MAX_STREAMS, value: \"-1\" }]\n", "IDEMPOTENCY_MAX_STREAMS"},
+		{"an OTLP protocol", "extraEnv: [{ name: OTEL_EXPORTER_OTLP_ENDPOINT, value: \"http://collector:4318\" }, { name: OTEL_EXPORTER_OTLP_PROTOCOL, value: http/json }]\n", "OTEL_EXPORTER_OTLP_PROTOCOL"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			vals := parseValues(t, "store: { type: memory }\npolicy: { store_timeout: 100ms }\n"+tc.values)
+			objs, err := decodeAll(mustRender(t, vals))
+			require.NoError(t, err)
+			r := rendered{vals: vals, objs: objs}
+			d := the[*appsv1.Deployment](t, r, "apps/v1/Deployment")
+			server := materialize(t, withoutHooks(objs), d.Spec.Template.Spec.Containers[0], d.Spec.Template.Spec.Volumes)
+			hc, hv := hookPod(t, r)
+			hook := materialize(t, objs, hc, hv)
+			ok, serverOut := started(t, bin, server)
+			require.False(t, ok, "the server starts:\n%s", serverOut)
+			code, hookOut := runHook(t, bin, hook)
+			require.Equal(t, 2, code, "the server refuses the configuration, and the hook passes it:\n%s", hookOut)
+			msg := strings.TrimPrefix(strings.TrimSpace(serverOut), "idempotency-extproc: ")
+			require.Contains(t, msg, tc.want)
+			require.Contains(t, strings.ReplaceAll(hookOut, hook.root, server.root), "idempotency-extproc: check: "+msg)
+		})
+	}
+}
