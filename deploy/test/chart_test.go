@@ -454,3 +454,41 @@ func TestChartPolicyFromFile(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "150ms", p.StoreTimeout.String())
 }
+
+// The Secrets the chart makes from values are checked at render time as start-up checks their
+// files, with start-up's messages and never the secret in them: the hook, which reads no
+// secret, cannot catch them.
+func TestChartRefusesSecretValuesStartUpRefuses(t *testing.T) {
+	key := "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=" // base64 of 32 bytes
+	for _, tc := range []struct {
+		name, values, want, secret string
+	}{
+		{"a token with spaces", "adminToken: { enabled: true, value: 'two words' }", "the token holds spaces or control characters", "two words"},
+		{"a token over two lines", "adminToken: { enabled: true, value: \"a\\nb\\n\" }", "the token holds spaces or control characters", ""},
+		{"a short key-hash secret", "keyHashSecret: { enabled: true, value: short-secret }", "keyHashSecret.value holds 12 bytes; at least 32 are needed", "short-secret"},
+		{"record keys without a colon", "recordKeys: { enabled: true, value: \"# keys\\n" + key + "\\n\" }", "line 2: want <id>:<base64 of 32 bytes>, found no ':'", key},
+		{"a record key of 16 bytes", "recordKeys: { enabled: true, value: 'k1:AAECAwQFBgcICQoLDA0ODw==' }", `line 1: key "k1": want the standard base64 of 32 bytes`, "AAECAwQFBgcICQoLDA0ODw"},
+		{"a record key id with spaces", "recordKeys: { enabled: true, value: 'k 1:" + key + "' }", "the key id (3 characters before the ':')", key},
+		{"no record keys", "recordKeys: { enabled: true, value: '# none' }", "no keys", ""},
+		{"a database under Cluster", "store: { type: redis, redis: { url: 'redis://:pw@r:6379/3', clusterAddrs: [a:1, b:2] } }", "Cluster has only database 0, the url selects 3", "pw"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := render(loadChart(t), parseValues(t, tc.values))
+			require.ErrorContains(t, err, tc.want)
+			if tc.secret != "" {
+				require.NotContains(t, err.Error(), tc.secret, "the message shows the secret")
+			}
+		})
+	}
+	for _, ok := range []string{
+		"adminToken: { enabled: true, value: \"token\\n\" }",
+		"keyHashSecret: { enabled: true, value: '" + strings.Repeat("s", 32) + "' }",
+		"recordKeys: { enabled: true, value: \"\\ufeff# active first\\nk2 : " + key + "\\r\\nk1:" + strings.TrimSuffix(key, "=") + "\\n\" }",
+		"recordKeys: { enabled: true, existingSecret: keys }",
+		"store: { type: redis, redis: { url: 'redis://r:6379/0', clusterAddrs: [a:1] } }",
+		"store: { type: redis, redis: { url: 'redis://r:6379/3' } }",
+	} {
+		_, err := render(loadChart(t), parseValues(t, ok))
+		require.NoError(t, err, ok)
+	}
+}

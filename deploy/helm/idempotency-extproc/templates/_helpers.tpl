@@ -108,6 +108,55 @@ Checks that fail the render, each naming the value to change. Included by the De
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- /* The values start-up reads from the Secrets the chart makes, checked as start-up checks
+them and with its messages, never showing a secret. Secrets named by existingSecret are not
+read here (nor by the hook). */ -}}
+{{- $secret := dict -}}
+{{- range $name := list "adminToken" "recordKeys" "keyHashSecret" -}}
+{{- $v := index $.Values $name -}}
+{{- if and $v.enabled $v.value (not $v.existingSecret) -}}
+{{- $_ := set $secret $name (trimSuffix "\r" (trimSuffix "\n" ($v.value | toString))) -}}
+{{- end -}}
+{{- end -}}
+{{- with get $secret "adminToken" -}}
+{{- if regexMatch "[[:cntrl:] ]" . -}}
+{{- fail "adminToken.value: the token holds spaces or control characters; write it alone on one line" -}}
+{{- end -}}
+{{- end -}}
+{{- with get $secret "keyHashSecret" -}}
+{{- if lt (len .) 32 -}}
+{{- fail (printf "keyHashSecret.value holds %d bytes; at least 32 are needed (for example from head -c 32 /dev/urandom)" (len .)) -}}
+{{- end -}}
+{{- end -}}
+{{- with get $secret "recordKeys" -}}
+{{- $keys := 0 -}}
+{{- range $i, $line := splitList "\n" (trimPrefix "\ufeff" .) -}}
+{{- $line = trim $line -}}
+{{- if and $line (not (hasPrefix "#" $line)) -}}
+{{- if not (contains ":" $line) -}}
+{{- fail (printf "recordKeys.value: seal: line %d: want <id>:<base64 of 32 bytes>, found no ':'" (add1 $i)) -}}
+{{- end -}}
+{{- $id := trim (index (splitn ":" 2 $line) "_0") -}}
+{{- $key := trim (index (splitn ":" 2 $line) "_1") -}}
+{{- if not (regexMatch "^[A-Za-z0-9._-]{1,32}$" $id) -}}
+{{- fail (printf "recordKeys.value: seal: line %d: the key id (%d characters before the ':') must be 1 to 32 characters of A-Z a-z 0-9 . _ -" (add1 $i) (len $id)) -}}
+{{- end -}}
+{{- if not (regexMatch "^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048](=)?$" $key) -}}
+{{- fail (printf "recordKeys.value: seal: line %d: key %q: want the standard base64 of 32 bytes" (add1 $i) $id) -}}
+{{- end -}}
+{{- $keys = add1 $keys -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $keys 0 -}}
+{{- fail "recordKeys.value: seal: no keys: want one line <id>:<base64 of 32 bytes> per key, the active one first" -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq $s.type "redis") $s.redis.url $s.redis.clusterAddrs -}}
+{{- $db := trimPrefix "/" (get (urlParse $s.redis.url) "path") -}}
+{{- if and $db (ne $db "0") -}}
+{{- fail (printf "store.redis.url: cache: redis: Cluster has only database 0, the url selects %s" $db) -}}
+{{- end -}}
+{{- end -}}
 {{- if .Values.istio.enabled -}}
 {{- if not .Values.istio.namespace -}}
 {{- fail "istio.enabled needs istio.namespace (the workloads' namespace)" -}}
