@@ -76,14 +76,13 @@ func TestChartSidecar(t *testing.T) {
 			var mount string
 			for _, m := range p.VolumeMounts {
 				for _, vol := range volumes {
-					if vol.Name == m.Name && vol.EmptyDir != nil {
+					if vol.Name == m.Name && vol.EmptyDir != nil && strings.HasPrefix(strings.TrimPrefix(socketURL, "unix://"), m.MountPath+"/") {
 						mount = m.MountPath
 						for _, em := range envoy.VolumeMounts {
 							if em.Name == m.Name {
 								require.Equal(t, m.MountPath, em.MountPath, "Envoy's container mounts the socket's volume elsewhere")
 							}
 						}
-						require.True(t, strings.HasPrefix(strings.TrimPrefix(socketURL, "unix://"), mount+"/"))
 					}
 				}
 			}
@@ -209,4 +208,29 @@ func TestChartSidecarReadinessAndShutdown(t *testing.T) {
 	r := renderSet(t, "redis-full")
 	_, c := r.deployment(t)
 	require.Equal(t, "/readyz", c.ReadinessProbe.HTTPGet.Path, "the chart's own Deployment is ready with its store")
+}
+
+// The gateway's pod mounts its ServiceAccount's token, which the gateway may need; the processor
+// needs none, and its container gets an empty volume at the token's path, so that the
+// ServiceAccount admission controller does not add the token to it.
+func TestChartSidecarProcessorHasNoToken(t *testing.T) {
+	const tokenDir = "/var/run/secrets/kubernetes.io/serviceaccount"
+	for _, name := range sidecarSets {
+		t.Run(name, func(t *testing.T) {
+			p, _, volumes, _ := sidecarPod(t, renderSet(t, name))
+			var masked bool
+			for _, m := range p.VolumeMounts {
+				if m.MountPath != tokenDir {
+					continue
+				}
+				for _, v := range volumes {
+					if v.Name == m.Name {
+						require.NotNil(t, v.EmptyDir, "the volume at the token's path is not empty: %+v", v)
+						masked = true
+					}
+				}
+			}
+			require.True(t, masked, "the processor's container would get the pod's ServiceAccount token")
+		})
+	}
 }

@@ -354,6 +354,12 @@ volumeMounts:
   {{- if $v.sidecar.enabled }}
   - name: idempotency-socket
     mountPath: {{ include "idem.socketDir" . }}
+  # The gateway's pod mounts its ServiceAccount's token (the gateway may need it); the processor
+  # needs none. A mount at the token's path keeps Kubernetes from adding the token to this
+  # container.
+  - name: no-service-account-token
+    mountPath: /var/run/secrets/kubernetes.io/serviceaccount
+    readOnly: true
   {{- end }}
   {{- if $v.adminToken.enabled }}
   - name: admin-token
@@ -413,6 +419,9 @@ and the fsGroup puts Envoy in that group. Without one Envoy cannot connect: the 
 {{- if $v.sidecar.enabled }}
 # The unix socket the processor listens on and Envoy connects to.
 - name: idempotency-socket
+  emptyDir: {}
+# Empty, over the processor's ServiceAccount token path.
+- name: no-service-account-token
   emptyDir: {}
 {{- end }}
 {{- range $x := list (list "admin-token" $v.adminToken "token") (list "record-keys" $v.recordKeys "keys") (list "key-hash-secret" $v.keyHashSecret "secret") }}
