@@ -448,15 +448,7 @@ func listen(addr string) (net.Listener, error) {
 		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return nil, err
 		}
-		l, err := net.Listen("unix", path)
-		if err != nil {
-			return nil, err
-		}
-		if err := os.Chmod(path, 0o660); err != nil {
-			_ = l.Close()
-			return nil, err
-		}
-		return l, nil
+		return listenUnix(path)
 	}
 	return net.Listen("tcp", addr)
 }
