@@ -27,6 +27,7 @@ type config struct {
 	configPath          string
 	grpcAddr            string
 	adminAddr           string
+	adminPprof          bool
 	store               string
 	redisURL            string
 	redisClusterAddrs   []string
@@ -132,6 +133,15 @@ func settings() []setting {
 			apply: func(c *config, v string) error {
 				c.adminAddr = v
 				return checkAddr(v)
+			}},
+		{name: "admin-pprof", def: "false", doc: "whether the admin listener also serves Go's runtime profiles at `/debug/pprof/`, a {bool}: off by default, as anyone who reaches the admin port could then take CPU and heap profiles and execution traces; turn it on to find where the process spends its CPU, then off",
+			apply: func(c *config, v string) error {
+				b, err := strconv.ParseBool(v)
+				if err != nil {
+					return fmt.Errorf("must be true or false, got %q", v)
+				}
+				c.adminPprof = b
+				return nil
 			}},
 		{name: "store", def: "memory", doc: "the {kind} of store: `memory` or `redis` (Redis 7.0 or later, or Valkey)",
 			apply: func(c *config, v string) error {

@@ -223,7 +223,7 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	}
 	var draining atomic.Bool
 	admin := &http.Server{
-		Handler:           adminHandler(reg, rd, &draining, records),
+		Handler:           adminHandler(reg, rd, &draining, records, cfg.adminPprof),
 		ReadHeaderTimeout: adminReadHeaderTimeout,
 		ReadTimeout:       adminReadTimeout,
 		WriteTimeout:      adminWriteTimeout,
