@@ -1,6 +1,7 @@
 package extproc_test
 
 import (
+	"net"
 	"os"
 	"strconv"
 	"testing"
@@ -12,6 +13,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -184,4 +187,67 @@ func runUser(b *testing.B, srv extprocv3.ExternalProcessorServer, short bool) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// BenchmarkProcessUserGRPC serves the shipped set-up over loopback gRPC with the binary's server
+// options (stream workers, the first-message tap, the panic interceptor) and the null processor
+// on a plain grpc.NewServer, as the user bench does, at 32 concurrent streams: a CPU profile of it
+// (-cpuprofile) shows the gRPC layer's share next to the handler's.
+//
+// With IDEMPOTENCY_BENCH_TARGET set to an address, it sends the same load to a process started
+// apart instead: the shipped binary with --admin-pprof=true, to profile it at /debug/pprof/.
+func BenchmarkProcessUserGRPC(b *testing.B) {
+	if addr := os.Getenv("IDEMPOTENCY_BENCH_TARGET"); addr != "" {
+		b.Run("external", func(b *testing.B) { runUserGRPC(b, addr) })
+		return
+	}
+	shipped := userServer(b, userVariant{}).(*extproc.Server)
+	targets := []struct {
+		name string
+		srv  *grpc.Server
+		impl extprocv3.ExternalProcessorServer
+	}{
+		{"null-plain", grpc.NewServer(), extproctest.NullProcessor{}},
+		{"shipped", grpc.NewServer(grpc.ChainStreamInterceptor(shipped.StreamInterceptor()), grpc.InTapHandle(shipped.TapHandle()), grpc.NumStreamWorkers(extproc.StreamWorkers)), shipped},
+	}
+	for _, t := range targets {
+		lis, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(b, err)
+		extprocv3.RegisterExternalProcessorServer(t.srv, t.impl)
+		go func() { _ = t.srv.Serve(lis) }()
+		b.Cleanup(t.srv.Stop)
+		b.Run(t.name, func(b *testing.B) { runUserGRPC(b, lis.Addr().String()) })
+	}
+}
+
+// runUserGRPC sends first executions to the ext_proc server at addr from 32 concurrent streams.
+func runUserGRPC(b *testing.B, addr string) {
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(b, err)
+	defer conn.Close()
+	client := extprocv3.NewExternalProcessorClient(conn)
+	b.SetParallelism(16) // 32 streams on 2 cores
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			n := benchSeq.Add(1)
+			msgs := userMessages(false, "grpc-"+strconv.FormatInt(n, 10), n)
+			s, err := client.Process(b.Context())
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			for _, m := range msgs {
+				if err := s.Send(m); err != nil {
+					b.Error(err)
+					return
+				}
+				if _, err := s.Recv(); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+			_ = s.CloseSend()
+		}
+	})
 }
