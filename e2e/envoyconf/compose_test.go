@@ -21,8 +21,9 @@ type compose struct {
 type composeService struct {
 	Image string `yaml:"image"`
 	Build *struct {
-		Context    string `yaml:"context"`
-		Dockerfile string `yaml:"dockerfile"`
+		Context    string            `yaml:"context"`
+		Dockerfile string            `yaml:"dockerfile"`
+		Args       map[string]string `yaml:"args"`
 	} `yaml:"build"`
 	Command     []string          `yaml:"command"`
 	StopGrace   string            `yaml:"stop_grace_period"`
@@ -65,6 +66,8 @@ func TestComposeMatchesEnvoyYAML(t *testing.T) {
 	require.Greater(t, grace, 15*time.Second, "compose must let the 15 s drain finish before SIGKILL")
 	require.Equal(t, "..", proc.Build.Context)
 	require.Equal(t, "Dockerfile", proc.Build.Dockerfile)
+	// The binary reports the revision the compose run passes in (.git is not in the context).
+	require.Equal(t, "${REVISION:-unknown}", proc.Build.Args["REVISION"])
 	require.Contains(t, proc.Command, "--store=redis")
 	require.Contains(t, proc.Command, "--redis-url=redis://redis:6379/0")
 	// The processor runs envoy/policy.yaml, whose routes envoy.yaml names.
