@@ -53,234 +53,230 @@ func names[T ~string](vs ...T) []string {
 }
 
 // topFields are the top-level fields besides defaults and routes.
-func topFields() []topField {
-	return []topField{
-		{key: "fail_mode", def: string(FailClosed), values: names(FailClosed, FailOpen),
-			doc: "what a covered request gets when the store fails: `closed` answers 503 `store-unavailable`, `open` passes it through, logged and counted",
-			set: func(_ *decoder, p *Policy, v *yaml.Node, _ string) { p.FailMode = FailMode(v.Value) }},
-		{key: "store_timeout", def: "100ms",
-			doc: "bounds each store operation; readiness pings are bounded by 1s whatever it says",
-			set: func(d *decoder, p *Policy, v *yaml.Node, path string) {
-				if t, ok := d.duration(v, path, time.Millisecond, MaxDuration, " (ten years)"); ok {
-					p.StoreTimeout = t
-				}
-			}},
-		{key: "metadata_namespace", def: DefaultMetadataNamespace,
-			doc: "the dynamic metadata namespace under which the settling answer reports `outcome`, `route`, `key_hash`, `replayed` and `release_reason` to Envoy's access log",
-			set: func(d *decoder, p *Policy, v *yaml.Node, path string) {
-				s, ok := d.str(v, path)
-				switch {
-				case !ok:
-				case s == "" || strings.ContainsFunc(s, func(r rune) bool { return r <= ' ' || r == 0x7f }):
-					d.fail(v, path, "must be a name without spaces, got %q", s)
-				default:
-					p.MetadataNamespace = s
-				}
-			}},
-		{key: "problems",
-			doc: "replaces built-in problem responses for every route, by problem code: `{status, content_type, body}`, see the per-route `problems`",
-			set: func(d *decoder, p *Policy, v *yaml.Node, path string) { p.Problems = d.problems(v, path) }},
-		{key: "durability", def: "{replicas: 0, timeout: " + DefaultDurabilityTimeout.String() + "}",
-			doc: durabilityDoc,
-			set: func(d *decoder, p *Policy, v *yaml.Node, path string) { d.durability(&p.Durability, nil, v, path) }},
-	}
+var topFields = []topField{
+	{key: "fail_mode", def: string(FailClosed), values: names(FailClosed, FailOpen),
+		doc: "what a covered request gets when the store fails: `closed` answers 503 `store-unavailable`, `open` passes it through, logged and counted",
+		set: func(_ *decoder, p *Policy, v *yaml.Node, _ string) { p.FailMode = FailMode(v.Value) }},
+	{key: "store_timeout", def: "100ms",
+		doc: "bounds each store operation; readiness pings are bounded by 1s whatever it says",
+		set: func(d *decoder, p *Policy, v *yaml.Node, path string) {
+			if t, ok := d.duration(v, path, time.Millisecond, MaxDuration, " (ten years)"); ok {
+				p.StoreTimeout = t
+			}
+		}},
+	{key: "metadata_namespace", def: DefaultMetadataNamespace,
+		doc: "the dynamic metadata namespace under which the settling answer reports `outcome`, `route`, `key_hash`, `replayed` and `release_reason` to Envoy's access log",
+		set: func(d *decoder, p *Policy, v *yaml.Node, path string) {
+			s, ok := d.str(v, path)
+			switch {
+			case !ok:
+			case s == "" || strings.ContainsFunc(s, func(r rune) bool { return r <= ' ' || r == 0x7f }):
+				d.fail(v, path, "must be a name without spaces, got %q", s)
+			default:
+				p.MetadataNamespace = s
+			}
+		}},
+	{key: "problems",
+		doc: "replaces built-in problem responses for every route, by problem code: `{status, content_type, body}`, see the per-route `problems`",
+		set: func(d *decoder, p *Policy, v *yaml.Node, path string) { p.Problems = d.problems(v, path) }},
+	{key: "durability", def: "{replicas: 0, timeout: " + DefaultDurabilityTimeout.String() + "}",
+		doc: durabilityDoc,
+		set: func(d *decoder, p *Policy, v *yaml.Node, path string) { d.durability(&p.Durability, nil, v, path) }},
 }
 
 // routeFields are the fields of a route and of the defaults, in the order the docs list them.
-func routeFields() []field {
-	return []field{
-		{key: "name", where: routesOnly,
-			doc: "required; unique, and not `default` (the defaults' name); the route label of metrics and logs, and what `x-idempotency-route` names",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				switch s, ok := d.str(v, path); {
+var routeFields = []field{
+	{key: "name", where: routesOnly,
+		doc: "required; unique, and not `default` (the defaults' name); the route label of metrics and logs, and what `x-idempotency-route` names",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			switch s, ok := d.str(v, path); {
+			case !ok:
+			case s == "":
+				d.fail(v, path, "must not be empty")
+			default:
+				x.r.Name = s
+			}
+		}},
+	{key: "match", where: routesOnly,
+		doc: "required; exactly one of `path_prefix`, `path_exact`, `path_regex` (the path without its query) or `route_name_exact`, `route_name_prefix`, `route_name_regex` (Envoy's `xds.route_name`); regexes are Go RE2 and match anywhere unless anchored",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.match(x, v, path) }},
+	{key: "enabled", def: "true",
+		doc: "`false` passes every request of the route through untouched",
+		set: setBool(func(r *Route, b bool) { r.Enabled = b })},
+	{key: "mode", def: string(ModeEnforce), values: names(ModeEnforce, ModeShadow),
+		doc: "`shadow` claims and records as `enforce` does, but every request reaches the upstream and every response the client untouched; `idempotency_shadow_total` counts what enforcing would have done",
+		set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.Mode = Mode(v.Value) }},
+	{key: "methods", def: "[POST, PUT, PATCH]",
+		doc: "the methods covered",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			methods := []string{}
+			ok := d.list(v, path, func(item *yaml.Node, at string) {
+				switch m, ok := d.str(item, at); {
 				case !ok:
-				case s == "":
-					d.fail(v, path, "must not be empty")
+				case !isToken(m):
+					d.fail(item, at, "%q is not an HTTP method", m)
 				default:
-					x.r.Name = s
+					methods = append(methods, strings.ToUpper(m))
 				}
-			}},
-		{key: "match", where: routesOnly,
-			doc: "required; exactly one of `path_prefix`, `path_exact`, `path_regex` (the path without its query) or `route_name_exact`, `route_name_prefix`, `route_name_regex` (Envoy's `xds.route_name`); regexes are Go RE2 and match anywhere unless anchored",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.match(x, v, path) }},
-		{key: "enabled", def: "true",
-			doc: "`false` passes every request of the route through untouched",
-			set: setBool(func(r *Route, b bool) { r.Enabled = b })},
-		{key: "mode", def: string(ModeEnforce), values: names(ModeEnforce, ModeShadow),
-			doc: "`shadow` claims and records as `enforce` does, but every request reaches the upstream and every response the client untouched; `idempotency_shadow_total` counts what enforcing would have done",
-			set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.Mode = Mode(v.Value) }},
-		{key: "methods", def: "[POST, PUT, PATCH]",
-			doc: "the methods covered",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				methods := []string{}
-				ok := d.list(v, path, func(item *yaml.Node, at string) {
-					switch m, ok := d.str(item, at); {
-					case !ok:
-					case !isToken(m):
-						d.fail(item, at, "%q is not an HTTP method", m)
-					default:
-						methods = append(methods, strings.ToUpper(m))
-					}
-				})
-				if ok {
-					x.r.Methods = methods
+			})
+			if ok {
+				x.r.Methods = methods
+			}
+		}},
+	{key: "key_headers", def: "[idempotency-key, x-idempotency-key, x-idempotency]",
+		doc: "the headers the key is read from; at least one",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			if hs, ok := d.headerList(v, path, false); ok {
+				if len(hs) == 0 {
+					d.fail(v, path, "must name at least one header")
 				}
-			}},
-		{key: "key_headers", def: "[idempotency-key, x-idempotency-key, x-idempotency]",
-			doc: "the headers the key is read from; at least one",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				if hs, ok := d.headerList(v, path, false); ok {
-					if len(hs) == 0 {
-						d.fail(v, path, "must name at least one header")
-					}
-					x.r.KeyHeaders = hs
+				x.r.KeyHeaders = hs
+			}
+		}},
+	{key: "missing_key", def: string(MissingKeyOptional), values: names(MissingKeyOptional, MissingKeyRequired, MissingKeyBodyHash),
+		doc: "a request without a key: passed through, answered 400 `missing-idempotency-key`, or keyed by the hex SHA-256 of method, path and body",
+		set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.MissingKey = MissingKey(v.Value) }},
+	{key: "ttl", def: "24h",
+		doc: "how long a completed record lives; at least 1ms, at most `max_ttl`",
+		set: setDuration(func(r *Route, t time.Duration) { r.TTL = t })},
+	{key: "ttl_header", def: "x-ttl",
+		doc: "lets the first request choose its TTL in whole seconds, capped at `max_ttl`; `\"\"` turns it off",
+		set: setOptionalHeader(func(r *Route, h string) { r.TTLHeader = h })},
+	{key: "max_ttl", def: "24h",
+		doc: "the longest TTL `ttl` and `ttl_header` may give; at most `87600h` (ten years)",
+		set: setDuration(func(r *Route, t time.Duration) { r.MaxTTL = t })},
+	{key: "lock_ttl", def: "30s",
+		doc: "the lease of a request in flight, renewed every `lock_ttl`/3 while it runs",
+		set: setDuration(func(r *Route, t time.Duration) { r.LockTTL = t })},
+	{key: "in_flight_wait", def: "0s",
+		doc: "how long a duplicate of a request in flight waits for its replay before 409; at most `10s`; `Prefer: wait=N` asks for less; keep Envoy's `message_timeout` above it",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			if t, ok := d.duration(v, path, 0, MaxInFlightWait, ""); ok {
+				x.r.InFlightWait = t
+			}
+		}},
+	{key: "fingerprint", def: "[method, path, body]",
+		doc: "what a reused key must repeat (`method`, `path` with the query, `body`); `[]` turns the mismatch check off within the route, and then `fingerprint_headers` must be empty",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			parts := []Part{}
+			ok := d.list(v, path, func(item *yaml.Node, at string) {
+				p, ok := d.str(item, at)
+				switch part := Part(p); {
+				case !ok:
+				case part != PartMethod && part != PartPath && part != PartBody:
+					d.fail(item, at, "%q is not one of method, path, body", p)
+				case slices.Contains(parts, part):
+					d.fail(item, at, "%q is listed twice", p)
+				default:
+					parts = append(parts, part)
 				}
-			}},
-		{key: "missing_key", def: string(MissingKeyOptional), values: names(MissingKeyOptional, MissingKeyRequired, MissingKeyBodyHash),
-			doc: "a request without a key: passed through, answered 400 `missing-idempotency-key`, or keyed by the hex SHA-256 of method, path and body",
-			set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.MissingKey = MissingKey(v.Value) }},
-		{key: "ttl", def: "24h",
-			doc: "how long a completed record lives; at least 1ms, at most `max_ttl`",
-			set: setDuration(func(r *Route, t time.Duration) { r.TTL = t })},
-		{key: "ttl_header", def: "x-ttl",
-			doc: "lets the first request choose its TTL in whole seconds, capped at `max_ttl`; `\"\"` turns it off",
-			set: setOptionalHeader(func(r *Route, h string) { r.TTLHeader = h })},
-		{key: "max_ttl", def: "24h",
-			doc: "the longest TTL `ttl` and `ttl_header` may give; at most `87600h` (ten years)",
-			set: setDuration(func(r *Route, t time.Duration) { r.MaxTTL = t })},
-		{key: "lock_ttl", def: "30s",
-			doc: "the lease of a request in flight, renewed every `lock_ttl`/3 while it runs",
-			set: setDuration(func(r *Route, t time.Duration) { r.LockTTL = t })},
-		{key: "in_flight_wait", def: "0s",
-			doc: "how long a duplicate of a request in flight waits for its replay before 409; at most `10s`; `Prefer: wait=N` asks for less; keep Envoy's `message_timeout` above it",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				if t, ok := d.duration(v, path, 0, MaxInFlightWait, ""); ok {
-					x.r.InFlightWait = t
+			})
+			if ok {
+				x.r.Fingerprint = parts
+			}
+		}},
+	{key: "fingerprint_headers", def: "[]",
+		doc: "request headers a reused key must repeat too; `:authority` for the host (`host` is refused)",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			if hs, ok := d.headerList(v, path, true); ok {
+				x.r.FingerprintHeaders = hs
+			}
+		}},
+	{key: "scope", def: "[{header: authorization}]",
+		doc: "where the scope values come from, hashed in order into the stored key: `{header: name}`, `{jwt_claim: name}` (the payload jwt_authn verified), `peer_identity` (the mTLS peer's URI SAN), `{path_param: group}` (a named group of the route's `path_regex`); not together with `scope_headers` or `scope_path_params`",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.scope(x, v, path) }},
+	{key: "scope_headers",
+		doc: "shorthand for a `scope` of `header` entries",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			if hs, ok := d.headerList(v, path, true); ok {
+				x.scopeHeaders = hs
+			}
+		}},
+	{key: "scope_path_params", where: routesOnly,
+		doc: "named groups of the route's `path_regex`, added to the scope after the inherited or `scope_headers` entries; each must name one group",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			d.list(v, path, func(item *yaml.Node, at string) {
+				if s, ok := d.str(item, at); ok {
+					x.pathParams = append(x.pathParams, scopeEntry{ScopeSource{ScopePathParam, s}, item, at})
 				}
-			}},
-		{key: "fingerprint", def: "[method, path, body]",
-			doc: "what a reused key must repeat (`method`, `path` with the query, `body`); `[]` turns the mismatch check off within the route, and then `fingerprint_headers` must be empty",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				parts := []Part{}
-				ok := d.list(v, path, func(item *yaml.Node, at string) {
-					p, ok := d.str(item, at)
-					switch part := Part(p); {
-					case !ok:
-					case part != PartMethod && part != PartPath && part != PartBody:
-						d.fail(item, at, "%q is not one of method, path, body", p)
-					case slices.Contains(parts, part):
-						d.fail(item, at, "%q is listed twice", p)
-					default:
-						parts = append(parts, part)
-					}
-				})
-				if ok {
-					x.r.Fingerprint = parts
-				}
-			}},
-		{key: "fingerprint_headers", def: "[]",
-			doc: "request headers a reused key must repeat too; `:authority` for the host (`host` is refused)",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				if hs, ok := d.headerList(v, path, true); ok {
-					x.r.FingerprintHeaders = hs
-				}
-			}},
-		{key: "scope", def: "[{header: authorization}]",
-			doc: "where the scope values come from, hashed in order into the stored key: `{header: name}`, `{jwt_claim: name}` (the payload jwt_authn verified), `peer_identity` (the mTLS peer's URI SAN), `{path_param: group}` (a named group of the route's `path_regex`); not together with `scope_headers` or `scope_path_params`",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.scope(x, v, path) }},
-		{key: "scope_headers",
-			doc: "shorthand for a `scope` of `header` entries",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				if hs, ok := d.headerList(v, path, true); ok {
-					x.scopeHeaders = hs
-				}
-			}},
-		{key: "scope_path_params", where: routesOnly,
-			doc: "named groups of the route's `path_regex`, added to the scope after the inherited or `scope_headers` entries; each must name one group",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				d.list(v, path, func(item *yaml.Node, at string) {
-					if s, ok := d.str(item, at); ok {
-						x.pathParams = append(x.pathParams, scopeEntry{ScopeSource{ScopePathParam, s}, item, at})
-					}
-				})
-			}},
-		{key: "require_scope", def: "false",
-			doc: "answers 401 `scope-missing` to a covered request whose scope values are all empty",
-			set: setBool(func(r *Route, b bool) { r.RequireScope = b })},
-		{key: "jwt_payload_key", def: `""`,
-			doc: "the jwt_authn payload that `jwt_claim` reads (its `payload_in_metadata` name); `\"\"` takes the only one there, and more than one is a 500 `scope-ambiguous`",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				if s, ok := d.str(v, path); ok {
-					x.r.JWTPayloadKey = s
-				}
-			}},
-		{key: "store_statuses", def: `["2xx"]`,
-			doc: "the statuses whose responses are stored: classes (`\"2xx\"`) or codes (`409`); any other releases the key",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				if s, ok := d.statuses(v, path); ok {
-					x.r.StoreStatuses = s
-				}
-			}},
-		{key: "unknown_outcome", def: string(UnknownOutcomeRelease), values: names(UnknownOutcomeRelease, UnknownOutcomeKeep, UnknownOutcomeRecord),
-			doc: "a lease whose outcome the processor cannot know: freed at once, left to expire after `lock_ttl`, or kept as an outcome-unknown record (409 `outcome-unknown`) for the TTL",
-			set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.UnknownOutcome = UnknownOutcome(v.Value) }},
-		{key: "max_response_bytes", def: strconv.Itoa(DefaultMaxResponseBytes),
-			doc: "the largest response body stored; a larger one completes without body (409 `response-not-replayable`); at most `268435456`",
-			set: setBytes(MaxResponseBytesLimit, func(r *Route, n int) { r.MaxResponseBytes = n })},
-		{key: "max_request_bytes", def: strconv.Itoa(DefaultMaxRequestBytes),
-			doc: "the largest request body the processor holds itself (STREAMED, FULL_DUPLEX_STREAMED); a larger one gets 413 `request-too-large`; at most `268435456`",
-			set: setBytes(MaxRequestBytesLimit, func(r *Route, n int) { r.MaxRequestBytes = n })},
-		{key: "store_body", def: "true",
-			doc: "`false` keeps status and headers only: the request still runs at most once, and duplicates get 409 `response-not-replayable`",
-			set: setBool(func(r *Route, b bool) { r.StoreBody = b })},
-		{key: "replay_header", def: "x-idempotency-replayed",
-			doc: "`true` on replays",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				if h, ok := d.header(v, path, false); ok {
-					x.r.ReplayHeader = h
-				}
-			}},
-		{key: "replay_header_fresh", def: "true",
-			doc: "also writes `replay_header: false` on every other answer to a keyed request; `false` writes the header on replays only",
-			set: setBool(func(r *Route, b bool) { r.ReplayHeaderFresh = b })},
-		{key: "expires_header", def: "x-idempotency-expires",
-			doc: "the record's expiry as an HTTP-date, on stored responses and replays; `\"\"` turns it off",
-			set: setOptionalHeader(func(r *Route, h string) { r.ExpiresHeader = h })},
-		{key: "first_sent_header", def: "x-idempotency-first-sent",
-			doc: "the first request's time as an HTTP-date, on replays; `\"\"` turns it off",
-			set: setOptionalHeader(func(r *Route, h string) { r.FirstSentHeader = h })},
-		{key: "exclude_response_headers", def: "[]",
-			doc: "response headers never stored nor replayed",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				if hs, ok := d.headerList(v, path, false); ok {
-					x.r.ExcludeResponseHeaders = hs
-				}
-			}},
-		{key: "key_prefix", def: `"idempotency:"`,
-			doc: "the prefix of stored keys",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				if s, ok := d.str(v, path); ok {
-					x.r.KeyPrefix = s
-				}
-			}},
-		{key: "durability", where: routesOnly, inDefaults: "belongs at the top level (for every route) or in a route, not in defaults",
-			doc: "the top-level `durability` for the route's requests, field by field: `{replicas, timeout}`",
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.durability(&x.r.Durability, x.r, v, path) }},
-		{key: "problems", where: routesOnly, inDefaults: "belongs at the top level (for every route) or in a route, not in defaults",
-			doc: "replaces built-in problem responses of the route, by problem code, over the top-level entries: `{status, content_type, body}`; `status` 200–599 (default: the built-in one), `content_type` (default `application/problem+json`, only with `body`), `body` a Go `text/template` over `.Code`, `.Title`, `.Detail`, `.Status` (and `json`, which writes its argument as JSON), checked at start-up; the codes are " + codeList(),
-			set: func(d *decoder, x *draft, v *yaml.Node, path string) {
-				own := d.problems(v, path)
-				if len(own) == 0 {
-					return
-				}
-				merged := maps.Clone(x.r.Problems)
-				if merged == nil {
-					merged = map[string]*Problem{}
-				}
-				maps.Copy(merged, own)
-				x.r.Problems = merged
-			}},
-	}
+			})
+		}},
+	{key: "require_scope", def: "false",
+		doc: "answers 401 `scope-missing` to a covered request whose scope values are all empty",
+		set: setBool(func(r *Route, b bool) { r.RequireScope = b })},
+	{key: "jwt_payload_key", def: `""`,
+		doc: "the jwt_authn payload that `jwt_claim` reads (its `payload_in_metadata` name); `\"\"` takes the only one there, and more than one is a 500 `scope-ambiguous`",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			if s, ok := d.str(v, path); ok {
+				x.r.JWTPayloadKey = s
+			}
+		}},
+	{key: "store_statuses", def: `["2xx"]`,
+		doc: "the statuses whose responses are stored: classes (`\"2xx\"`) or codes (`409`); any other releases the key",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			if s, ok := d.statuses(v, path); ok {
+				x.r.StoreStatuses = s
+			}
+		}},
+	{key: "unknown_outcome", def: string(UnknownOutcomeRelease), values: names(UnknownOutcomeRelease, UnknownOutcomeKeep, UnknownOutcomeRecord),
+		doc: "a lease whose outcome the processor cannot know: freed at once, left to expire after `lock_ttl`, or kept as an outcome-unknown record (409 `outcome-unknown`) for the TTL",
+		set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.UnknownOutcome = UnknownOutcome(v.Value) }},
+	{key: "max_response_bytes", def: strconv.Itoa(DefaultMaxResponseBytes),
+		doc: "the largest response body stored; a larger one completes without body (409 `response-not-replayable`); at most `268435456`",
+		set: setBytes(MaxResponseBytesLimit, func(r *Route, n int) { r.MaxResponseBytes = n })},
+	{key: "max_request_bytes", def: strconv.Itoa(DefaultMaxRequestBytes),
+		doc: "the largest request body the processor holds itself (STREAMED, FULL_DUPLEX_STREAMED); a larger one gets 413 `request-too-large`; at most `268435456`",
+		set: setBytes(MaxRequestBytesLimit, func(r *Route, n int) { r.MaxRequestBytes = n })},
+	{key: "store_body", def: "true",
+		doc: "`false` keeps status and headers only: the request still runs at most once, and duplicates get 409 `response-not-replayable`",
+		set: setBool(func(r *Route, b bool) { r.StoreBody = b })},
+	{key: "replay_header", def: "x-idempotency-replayed",
+		doc: "`true` on replays",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			if h, ok := d.header(v, path, false); ok {
+				x.r.ReplayHeader = h
+			}
+		}},
+	{key: "replay_header_fresh", def: "true",
+		doc: "also writes `replay_header: false` on every other answer to a keyed request; `false` writes the header on replays only",
+		set: setBool(func(r *Route, b bool) { r.ReplayHeaderFresh = b })},
+	{key: "expires_header", def: "x-idempotency-expires",
+		doc: "the record's expiry as an HTTP-date, on stored responses and replays; `\"\"` turns it off",
+		set: setOptionalHeader(func(r *Route, h string) { r.ExpiresHeader = h })},
+	{key: "first_sent_header", def: "x-idempotency-first-sent",
+		doc: "the first request's time as an HTTP-date, on replays; `\"\"` turns it off",
+		set: setOptionalHeader(func(r *Route, h string) { r.FirstSentHeader = h })},
+	{key: "exclude_response_headers", def: "[]",
+		doc: "response headers never stored nor replayed",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			if hs, ok := d.headerList(v, path, false); ok {
+				x.r.ExcludeResponseHeaders = hs
+			}
+		}},
+	{key: "key_prefix", def: `"idempotency:"`,
+		doc: "the prefix of stored keys",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			if s, ok := d.str(v, path); ok {
+				x.r.KeyPrefix = s
+			}
+		}},
+	{key: "durability", where: routesOnly, inDefaults: "belongs at the top level (for every route) or in a route, not in defaults",
+		doc: "the top-level `durability` for the route's requests, field by field: `{replicas, timeout}`",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.durability(&x.r.Durability, x.r, v, path) }},
+	{key: "problems", where: routesOnly, inDefaults: "belongs at the top level (for every route) or in a route, not in defaults",
+		doc: "replaces built-in problem responses of the route, by problem code, over the top-level entries: `{status, content_type, body}`; `status` 200–599 (default: the built-in one), `content_type` (default `application/problem+json`, only with `body`), `body` a Go `text/template` over `.Code`, `.Title`, `.Detail`, `.Status` (and `json`, which writes its argument as JSON), checked at start-up; the codes are " + codeList(),
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			own := d.problems(v, path)
+			if len(own) == 0 {
+				return
+			}
+			merged := maps.Clone(x.r.Problems)
+			if merged == nil {
+				merged = map[string]*Problem{}
+			}
+			maps.Copy(merged, own)
+			x.r.Problems = merged
+		}},
 }
 
 // codeList is ProblemCodes for the docs.
@@ -341,7 +337,7 @@ type FieldDoc struct {
 // Fields lists every field of the policy file: the top-level ones, then those of a route.
 func Fields() []FieldDoc {
 	var routeOnly []string
-	for _, f := range routeFields() {
+	for _, f := range routeFields {
 		if f.where == routesOnly {
 			routeOnly = append(routeOnly, "`"+f.key+"`")
 		}
@@ -350,10 +346,10 @@ func Fields() []FieldDoc {
 		{Key: "defaults", Where: "top level", Default: "none", Doc: "the settings of requests that no route takes, and what every route inherits field by field; any route field but " + orList(routeOnly)},
 		{Key: "routes", Where: "top level", Default: "[]", Doc: "the routes, in order: a named route (`x-idempotency-route`) wins, else the first whose `match` holds, else the defaults; lists a route sets replace the inherited ones"},
 	}
-	for _, f := range topFields() {
+	for _, f := range topFields {
 		docs = append(docs, FieldDoc{Key: f.key, Where: "top level", Default: defaultDoc(f.def), Doc: withValues(f.doc, f.values)})
 	}
-	for _, f := range routeFields() {
+	for _, f := range routeFields {
 		w := "defaults, routes"
 		if f.where == routesOnly {
 			w = "routes"
@@ -405,8 +401,7 @@ type scopeEntry struct {
 // file compiles the whole file, root being its top-level value (nil or null: empty).
 func (d *decoder) file(root *yaml.Node, settings []Setting) (*Policy, map[string]string) {
 	p := &Policy{byName: map[string]*Route{}}
-	tops := topFields()
-	for _, f := range tops {
+	for _, f := range topFields {
 		if f.def != "" {
 			d.builtin(f.key, f.def, func(v *yaml.Node, path string) { d.top(f, p, v, path) })
 		}
@@ -417,35 +412,7 @@ func (d *decoder) file(root *yaml.Node, settings []Setting) (*Policy, map[string
 	values := map[string]string{}
 	var defaults, routes *yaml.Node
 	if root != nil && !isNull(root) {
-		known := []string{"defaults", "routes"}
-		for _, f := range tops {
-			known = append(known, f.key)
-		}
-		bySetting := map[string]Setting{}
-		for _, s := range settings {
-			bySetting[s.Key] = s
-			known = append(known, s.Key)
-		}
-		d.fields(root, "", func(key string, k, v *yaml.Node, path string) {
-			if i := slices.IndexFunc(tops, func(f topField) bool { return f.key == key }); i >= 0 {
-				d.top(tops[i], p, v, path)
-				return
-			}
-			if s, ok := bySetting[key]; ok {
-				if val, ok := d.setting(s, v, path); ok {
-					values[key] = val
-				}
-				return
-			}
-			switch key {
-			case "defaults":
-				defaults = v
-			case "routes":
-				routes = v
-			default:
-				d.unknown(k, path, known)
-			}
-		})
+		defaults, routes = d.topLevel(root, p, settings, values)
 	}
 
 	builtin := d.builtinRoute()
@@ -457,26 +424,66 @@ func (d *decoder) file(root *yaml.Node, settings []Setting) (*Policy, map[string
 	p.Default.Name = "default"
 	p.byName["default"] = p.Default
 	if routes != nil {
-		d.list(routes, "routes", func(item *yaml.Node, at string) {
-			at = routePath(item, at)
-			r, ok := d.route(p.Default, item, at, false)
-			switch {
-			case !ok:
-			case r.Name == "":
-				if d.given(item, "name") == nil {
-					d.fail(item, at+".name", "is required")
-				}
-			case p.byName[r.Name] != nil:
-				d.fail(d.given(item, "name"), at+".name", "%q is used twice (or is the reserved name of the defaults)", r.Name)
-			default:
-				p.byName[r.Name] = r
-			}
-			p.Routes = append(p.Routes, r)
-		})
+		d.routes(p, routes)
 	}
 	d.scopeKinds(p)
 	d.checkDurability(p)
 	return p, values
+}
+
+// topLevel reads the file's top-level mapping: the top-level fields into p, the program
+// settings into values; it returns the defaults' and the routes' values (nil: not given).
+func (d *decoder) topLevel(root *yaml.Node, p *Policy, settings []Setting, values map[string]string) (defaults, routes *yaml.Node) {
+	known := []string{"defaults", "routes"}
+	for _, f := range topFields {
+		known = append(known, f.key)
+	}
+	bySetting := map[string]Setting{}
+	for _, s := range settings {
+		bySetting[s.Key] = s
+		known = append(known, s.Key)
+	}
+	d.fields(root, "", func(key string, k, v *yaml.Node, path string) {
+		if i := slices.IndexFunc(topFields, func(f topField) bool { return f.key == key }); i >= 0 {
+			d.top(topFields[i], p, v, path)
+			return
+		}
+		if s, ok := bySetting[key]; ok {
+			if val, ok := d.setting(s, v, path); ok {
+				values[key] = val
+			}
+			return
+		}
+		switch key {
+		case "defaults":
+			defaults = v
+		case "routes":
+			routes = v
+		default:
+			d.unknown(k, path, known)
+		}
+	})
+	return defaults, routes
+}
+
+// routes compiles the routes list into p.Routes, each over p.Default; names must be unique.
+func (d *decoder) routes(p *Policy, routes *yaml.Node) {
+	d.list(routes, "routes", func(item *yaml.Node, at string) {
+		at = routePath(item, at)
+		r, ok := d.route(p.Default, item, at, false)
+		switch {
+		case !ok:
+		case r.Name == "":
+			if d.given(item, "name") == nil {
+				d.fail(item, at+".name", "is required")
+			}
+		case p.byName[r.Name] != nil:
+			d.fail(d.given(item, "name"), at+".name", "%q is used twice (or is the reserved name of the defaults)", r.Name)
+		default:
+			p.byName[r.Name] = r
+		}
+		p.Routes = append(p.Routes, r)
+	})
 }
 
 // scopeKinds refuses two routes that share a key_prefix and read one scope name as a header in
@@ -538,7 +545,7 @@ func (d *decoder) builtin(key, def string, apply func(v *yaml.Node, path string)
 // builtinRoute compiles the defaults of the route table.
 func (d *decoder) builtinRoute() *Route {
 	var text strings.Builder
-	for _, f := range routeFields() {
+	for _, f := range routeFields {
 		if f.def != "" {
 			fmt.Fprintf(&text, "%s: %s\n", f.key, f.def)
 		}
@@ -591,7 +598,7 @@ func (d *decoder) route(parent *Route, n *yaml.Node, path string, inDefs bool) (
 		r.Name = ""
 	}
 	x := &draft{r: &r, path: path, parent: parent, given: map[string]*yaml.Node{}, inDefs: inDefs}
-	fields := routeFields()
+	fields := routeFields
 	known := make([]string, len(fields))
 	for i, f := range fields {
 		known[i] = f.key

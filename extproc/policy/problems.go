@@ -52,40 +52,9 @@ func (d *decoder) problem(code string, v *yaml.Node, path string) *Problem {
 			}
 		case "content_type":
 			contentType = fv
-			s, ok := d.str(fv, at)
-			if !ok {
-				bad = true
-				return
-			}
-			if mt, _, err := mime.ParseMediaType(s); err != nil || !isMediaType(mt) {
-				d.fail(fv, at, "%q is not a media type", s)
-				bad = true
-				return
-			}
-			p.ContentType = s
+			bad = !d.problemContentType(p, fv, at) || bad
 		case "body":
-			s, ok := d.str(fv, at)
-			if !ok {
-				bad = true
-				return
-			}
-			t, err := template.New("body").Option("missingkey=error").Funcs(templateFuncs()).Parse(s)
-			if err != nil {
-				d.fail(fv, at, "invalid template: %v", err)
-				bad = true
-				return
-			}
-			p.Body = t
-			// Executed once, so that a field ProblemData lacks fails now rather than on a
-			// client's request.
-			status := p.Status
-			if status == 0 {
-				status = 500
-			}
-			if _, err := p.Render(ProblemData{Code: code, Title: "Internal Server Error", Detail: "A sample detail.", Status: status}); err != nil {
-				d.fail(fv, at, "the template fails: %v", err)
-				bad = true
-			}
+			bad = !d.problemBody(p, code, fv, at) || bad
 		default:
 			d.unknown(k, at, fields)
 			bad = true
@@ -102,6 +71,44 @@ func (d *decoder) problem(code string, v *yaml.Node, path string) *Problem {
 		return nil
 	}
 	return p
+}
+
+// problemContentType reads a problems entry's content_type into p.
+func (d *decoder) problemContentType(p *Problem, v *yaml.Node, path string) bool {
+	s, ok := d.str(v, path)
+	if !ok {
+		return false
+	}
+	if mt, _, err := mime.ParseMediaType(s); err != nil || !isMediaType(mt) {
+		d.fail(v, path, "%q is not a media type", s)
+		return false
+	}
+	p.ContentType = s
+	return true
+}
+
+// problemBody reads a problems entry's body template into p and renders it once, so that a
+// field ProblemData lacks fails now rather than on a client's request.
+func (d *decoder) problemBody(p *Problem, code string, v *yaml.Node, path string) bool {
+	s, ok := d.str(v, path)
+	if !ok {
+		return false
+	}
+	t, err := template.New("body").Option("missingkey=error").Funcs(templateFuncs()).Parse(s)
+	if err != nil {
+		d.fail(v, path, "invalid template: %v", err)
+		return false
+	}
+	p.Body = t
+	status := p.Status
+	if status == 0 {
+		status = 500
+	}
+	if _, err := p.Render(ProblemData{Code: code, Title: "Internal Server Error", Detail: "A sample detail.", Status: status}); err != nil {
+		d.fail(v, path, "the template fails: %v", err)
+		return false
+	}
+	return true
 }
 
 // isMediaType reports whether mt is type/subtype.
