@@ -152,6 +152,9 @@ func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
 		if rt.Retry == nil {
 			rt.Retry = vh.GetRetryPolicy() // a route's own policy replaces its virtual host's
 		}
+		if rt.Hedge == nil {
+			rt.Hedge = vh.GetHedgePolicy()
+		}
 		cl := r.GetRoute().GetCluster()
 		if cl == "" {
 			return Settings{}, fmt.Errorf("virtual host %q route %d (%q) does not route to a single cluster", vh.GetName(), i, r.GetName())
@@ -267,7 +270,7 @@ func proxyRoute(r *routev3.Route, filterName, jwtName string) (proxy.Route, erro
 	if r.GetRoute() == nil {
 		return proxy.Route{}, errors.New("only route actions (to a cluster) are supported by the test proxy")
 	}
-	rt.Retry = r.GetRoute().GetRetryPolicy()
+	rt.Retry, rt.Hedge = r.GetRoute().GetRetryPolicy(), r.GetRoute().GetHedgePolicy()
 	rt.Timeout = defaultRouteTimeout
 	if t := r.GetRoute().GetTimeout(); t != nil {
 		rt.Timeout = t.AsDuration()

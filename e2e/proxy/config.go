@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"net/http"
 	"regexp"
@@ -159,6 +160,11 @@ type Route struct {
 	// request body reached the router, sending the same headers and body again; the processor
 	// sees one request and, in upstream.request_attempt_count, the attempts.
 	Retry *routev3.RetryPolicy
+	// Hedge is the router's hedge_policy on the route (the route's, else its virtual host's),
+	// nil for none. With hedge_on_per_try_timeout and Retry's per_try_timeout, the proxy sends
+	// another attempt when an attempt outlasts its per-try timeout, the first one left running,
+	// and the first response wins (hedge.go).
+	Hedge *routev3.HedgePolicy
 }
 
 // Behaviour holds the behaviours that differ between Envoy versions. The zero value is Envoy
@@ -405,9 +411,24 @@ func buildRoutes(cfg Config) ([]*route, error) {
 	return out, nil
 }
 
-// verifyFilter rejects what Envoy's ext_proc config.cc verifyProcessingModeConfig rejects at
-// load time, for the filter-level processing mode only (per-route modes are not checked there).
+// verifyFilter rejects what Envoy's ext_proc config.cc verifyFilterConfig and
+// verifyProcessingModeConfig reject at load time, for the filter-level processing mode only
+// (per-route modes are not checked there: createRouteSpecificFilterConfigTyped builds them
+// unchecked), and an http_service the proxy does not model.
+//
+// A filter without grpc_service is taken to have one (the processors are in Config.Processors),
+// where Envoy refuses a filter with neither service ("One and only one of grpc_service or
+// http_service must be configured").
+//
+// The GRPC body mode is accepted, as Envoy accepts it: neither function names it, and it is run
+// as ext_proc.cc runs it (Filter::onData sends no body message for a mode it has no case for,
+// and ProcessorState::handleHeadersResponseWithContinue in processor_state.cc continues without
+// one, unless the whole body arrived during the header call, which it sends as one message as
+// in every mode but NONE).
 func verifyFilter(f *filterextproc.ExternalProcessor) error {
+	if err := verifyService(f); err != nil {
+		return err
+	}
 	m := f.GetProcessingMode()
 	full := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
 	if m.GetRequestBodyMode() == full && m.GetRequestTrailerMode() != filterextproc.ProcessingMode_SEND {
@@ -419,13 +440,27 @@ func verifyFilter(f *filterextproc.ExternalProcessor) error {
 	if (m.GetRequestBodyMode() == full || m.GetResponseBodyMode() == full) && f.GetFailureModeAllow() {
 		return fmt.Errorf("proxy: If the ext_proc filter has either the request_body_mode or the response_body_mode set to FULL_DUPLEX_STREAMED, then the failure_mode_allow has to be left as false")
 	}
-	for _, bm := range []filterextproc.ProcessingMode_BodySendMode{m.GetRequestBodyMode(), m.GetResponseBodyMode()} {
-		if bm == filterextproc.ProcessingMode_GRPC {
-			return fmt.Errorf("proxy: body mode GRPC is not implemented by Envoy")
-		}
-	}
 	if f.GetDisableClearRouteCache() && f.GetRouteCacheAction() != filterextproc.ExternalProcessor_DEFAULT {
 		return fmt.Errorf("proxy: disable_clear_route_cache and route_cache_action can not be set to none-default at the same time")
 	}
 	return nil
+}
+
+// verifyService is the http_service half of config.cc: verifyFilterConfig refuses a filter with
+// both services, and verifyProcessingModeConfig one with http_service whose processing mode sends
+// a body or trailers (ExtProcHttpClient posts headers only). An http_service Envoy accepts is
+// not modelled: the proxy speaks gRPC to its processors.
+func verifyService(f *filterextproc.ExternalProcessor) error {
+	if f.GetHttpService() == nil {
+		return nil
+	}
+	if f.GetGrpcService() != nil {
+		return errors.New("proxy: One and only one of grpc_service or http_service must be configured")
+	}
+	m := f.GetProcessingMode()
+	if m.GetRequestBodyMode() != filterextproc.ProcessingMode_NONE || m.GetResponseBodyMode() != filterextproc.ProcessingMode_NONE ||
+		m.GetRequestTrailerMode() == filterextproc.ProcessingMode_SEND || m.GetResponseTrailerMode() == filterextproc.ProcessingMode_SEND {
+		return errors.New("proxy: If the ext_proc filter is configured with http_service instead of gRPC service, then the processing modes of this filter can not be configured to send body or trailer")
+	}
+	return errors.New("proxy: http_service is not modelled (the proxy's processors speak gRPC)")
 }

@@ -78,6 +78,10 @@ type exchange struct {
 	attempts int
 	routeTO  time.Duration
 	routeDL  time.Time // the route timeout, zero when not running
+	// inFlight are the hedged attempts still running beside up; perTryDL is up's per-try timer
+	// on a route that hedges, zero when not running (hedge.go).
+	inFlight []*upstreamCall
+	perTryDL time.Time
 	res      *response // the response headers, once the router produced them
 	respBody *bodyReader
 
@@ -169,6 +173,9 @@ func (x *exchange) nextDeadline() (time.Time, bool) {
 	if !x.routeDL.IsZero() {
 		consider(x.routeDL)
 	}
+	if !x.perTryDL.IsZero() {
+		consider(x.perTryDL)
+	}
 	return d, !d.IsZero()
 }
 
@@ -185,6 +192,11 @@ func (x *exchange) onTimers() {
 	if !x.routeDL.IsZero() && !now.Before(x.routeDL) {
 		x.routeDL = time.Time{}
 		x.onRouteTimeout()
+		return
+	}
+	if !x.perTryDL.IsZero() && !now.Before(x.perTryDL) {
+		x.perTryDL = time.Time{}
+		x.onPerTryTimeout()
 	}
 }
 
@@ -652,6 +664,7 @@ func (x *exchange) sendLocalReply(lr localReply) {
 	if x.up != nil {
 		// Router::Filter::onLocalReply resets the upstream requests.
 		x.up.cancel()
+		x.cancelOtherAttempts()
 	}
 	prep := prepareLocalReply(lr, x.p.localReply, x.replyContext(lr))
 	if x.wroteHeader {

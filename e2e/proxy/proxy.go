@@ -11,9 +11,10 @@
 //     STREAMED (pipelined chunks, data held until each answer, the watermark stopping the reading
 //     above the buffer limit, the timer re-armed at each send), BUFFERED_PARTIAL (one message up
 //     to the limit, the rest unseen), FULL_DUPLEX_STREAMED (no timer, streamed_response required,
-//     trailers answered), NONE; in every mode a body complete during the header call goes as one
-//     message (ProcessorState::handleCompleteBodyAvailable); request and response trailers with
-//     SEND/SKIP; send_body_without_waiting_for_header_response;
+//     trailers answered), NONE, GRPC (no case in Filter::onData: no body message, unless the
+//     body came whole during the header call); in every mode a body complete during the header
+//     call goes as one message (ProcessorState::handleCompleteBodyAvailable); request and
+//     response trailers with SEND/SKIP; send_body_without_waiting_for_header_response;
 //   - answers: header and body mutations under mutation_rules (disallow_is_error included),
 //     CONTINUE_AND_REPLACE, mode_override (merged with the filter-level mode), allowed override
 //     modes, override_message_timeout, dynamic_metadata for receiving namespaces, spurious
@@ -29,7 +30,8 @@
 //     processing_mode, grpc_initial_metadata, metadata_options, failure_mode_allow), 404 without
 //     a route, 503 on connect failure or reset before headers, 504 on the route timeout, resets
 //     after the response started, the attempt count, retries on the response status
-//     (retry_policy's 5xx, gateway-error, retriable-4xx, retriable-status-codes);
+//     (retry_policy's 5xx, gateway-error, retriable-4xx, retriable-status-codes), hedging on
+//     per-try timeouts (hedge_policy's hedge_on_per_try_timeout: hedge.go);
 //   - jwt_authn before ext_proc (local JWKS, HS256/RS256), forward_rules, the early stream close
 //     of 1.37, the trace context on the side stream, mTLS peer identity;
 //   - HTTP/2 without TLS (prior knowledge) toward clients and toward the upstream, beside
@@ -50,13 +52,13 @@
 //
 // Not modelled: HTTP/2 over TLS (ALPN), HTTP/2 flow control, settings and header limits, request
 // trailers a client did not declare in a trailer header on HTTP/2 (Go's server drops them), the
-// te header (dropped whatever its value), the GRPC body mode, clear_route_cache and route
+// te header (dropped whatever its value), http_service, clear_route_cache and route
 // re-selection, graceful gRPC close, grpc_service overrides per route, typed metadata,
 // connection-level metadata, header count and size limits, the upstream side's own flow control,
-// retries on resets and connection failures, hedging, and CEL expressions other than attribute
-// paths. Body data arrives in reads of up to DefaultReadSize unless a Shape says otherwise; real
-// chunk sizes follow socket reads (on HTTP/2, DATA frames: grpc-go ends a request with an empty
-// one).
+// retries on resets, connection failures and per-try timeouts without hedging, and CEL
+// expressions other than attribute paths. Body data arrives in reads of up to DefaultReadSize
+// unless a Shape says otherwise; real chunk sizes follow socket reads (on HTTP/2, DATA frames:
+// grpc-go ends a request with an empty one).
 package proxy
 
 import (
@@ -130,7 +132,8 @@ type Proxy struct {
 
 // New checks cfg, copies cfg.Filter, fills in Envoy's defaults and dials (lazily) every
 // processor. It fails on a configuration Envoy rejects (FULL_DUPLEX_STREAMED without trailer mode
-// SEND or with failure_mode_allow) and on one the proxy cannot follow faithfully.
+// SEND or with failure_mode_allow, http_service with a body or trailer mode that sends) and on
+// one the proxy cannot follow faithfully.
 func New(cfg Config) (*Proxy, error) {
 	if len(cfg.Processors) == 0 {
 		return nil, errors.New("proxy: no processors")

@@ -478,6 +478,7 @@ func (uc *upstreamCall) cancel(cause ...error) {
 type upstreamResult struct {
 	resp *http.Response
 	err  error
+	from *upstreamCall // the attempt that produced it
 }
 
 // routerHeaders is Router::Filter::decodeHeaders: a request no route matches gets 404
@@ -502,7 +503,7 @@ func (x *exchange) routerHeaders(h headerList, eos bool) {
 	}
 	u.Scheme, u.Host = x.p.upstream.Scheme, x.p.upstream.Host
 	ctx, cancel := context.WithCancelCause(x.ctx)
-	uc := &upstreamCall{ctx: ctx, stop: cancel, result: make(chan upstreamResult, 1), start: time.Now()}
+	uc := &upstreamCall{ctx: ctx, stop: cancel, result: make(chan upstreamResult, x.attemptSlots()), start: time.Now()}
 	method, _ := h.get(":method")
 	req, err := http.NewRequestWithContext(ctx, method, u.String(), nil)
 	if err != nil {
@@ -550,7 +551,7 @@ func (x *exchange) roundTrip(uc *upstreamCall, req *http.Request) {
 	go func() {
 		defer x.wg.Done()
 		resp, err := x.p.transport.RoundTrip(req)
-		uc.result <- upstreamResult{resp: resp, err: err}
+		uc.result <- upstreamResult{resp: resp, err: err, from: uc}
 	}()
 }
 
@@ -592,6 +593,7 @@ func (x *exchange) retry(status int) bool {
 	uc.req, uc.whole = req, body
 	x.up = uc
 	x.roundTrip(uc, req)
+	x.startPerTry()
 	return true
 }
 
@@ -622,8 +624,9 @@ func wouldRetryStatus(rp *routev3.RetryPolicy, status int) bool {
 }
 
 // startRouteTimer starts the route timeout once the whole request reached the router
-// (Router::Filter::onRequestComplete).
+// (Router::Filter::onRequestComplete), and the attempt's per-try timer on a route that hedges.
 func (x *exchange) startRouteTimer() {
+	x.startPerTry()
 	if x.routeTO > 0 && !x.localComplete && (x.respBody == nil || !x.respBody.done) {
 		x.routeDL = time.Now().Add(x.routeTO)
 	}
@@ -634,6 +637,7 @@ func (x *exchange) startRouteTimer() {
 func (x *exchange) onRouteTimeout() {
 	if x.up != nil {
 		x.up.cancel(errRouteTimeout)
+		x.cancelOtherAttempts()
 	}
 	if x.res == nil {
 		x.sendLocalReply(localReply{code: http.StatusGatewayTimeout, body: "upstream request timeout",
@@ -645,6 +649,9 @@ func (x *exchange) onRouteTimeout() {
 
 // onUpstream handles the outcome of the upstream round trip.
 func (x *exchange) onUpstream(res upstreamResult) {
+	if !x.pickAttempt(res) {
+		return
+	}
 	if res.err != nil {
 		if res.resp != nil {
 			_ = res.resp.Body.Close()
