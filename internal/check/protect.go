@@ -674,9 +674,11 @@ func (c *checker) retries(e RouteEntry) {
 	if c.retryChecked == nil {
 		c.retryChecked = map[string]bool{}
 	}
-	if h := e.Hedge; !c.retryChecked["hedge "+e.HedgePath] && (h.GetHedgeOnPerTryTimeout() || h.GetInitialRequests().GetValue() > 1) {
+	// The router reads only hedge_on_per_try_timeout (FilterUtility::finalHedgingParams in
+	// router.cc); initial_requests and additional_request_chance are not implemented.
+	if h := e.Hedge; !c.retryChecked["hedge "+e.HedgePath] && h.GetHedgeOnPerTryTimeout() {
 		c.retryChecked["hedge "+e.HedgePath] = true
-		c.refuse(KindHedge, e.HedgePath+".hedge_policy", "remove hedge_on_per_try_timeout and initial_requests above 1 on covered routes", "sends a claimed request upstream again while the first attempt may still be running: it may run twice")
+		c.refuse(KindHedge, e.HedgePath+".hedge_policy", "remove hedge_on_per_try_timeout on covered routes", "hedge_on_per_try_timeout sends a claimed request upstream again while the first attempt may still be running: it may run twice")
 	}
 	if c.retryChecked[e.RetryPath] {
 		return
