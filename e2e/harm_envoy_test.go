@@ -58,16 +58,41 @@ func TestHarmGRPCServiceMissing(t *testing.T) {
 	requireEnvoyRefuses(t, edit, "can not be configured to send body or trailer")
 }
 
-// response_body_mode FULL_DUPLEX_STREAMED without response_trailer_mode SEND: Envoy refuses the
-// filter (config.cc verifyProcessingModeConfig).
+// FULL_DUPLEX_STREAMED without trailer mode SEND. In the filter-level processing_mode Envoy
+// refuses the filter (config.cc verifyProcessingModeConfig). In a route's, which Envoy does not
+// check (createRouteSpecificFilterConfigTyped), a request with trailers is never seen whole:
+// its last data goes with end_of_stream false, and Filter::onTrailers (ext_proc.cc) passes the
+// trailers on unsent under SKIP. The processor cannot claim it: a duplicate runs again.
 func TestHarmDuplexTrailerMode(t *testing.T) {
 	t.Parallel()
-	edit := extProcEdit(func(f *filterextproc.ExternalProcessor) {
-		f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
-		f.ProcessingMode.ResponseTrailerMode = skip
+	t.Run("filter", func(t *testing.T) {
+		t.Parallel()
+		edit := extProcEdit(func(f *filterextproc.ExternalProcessor) {
+			f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+			f.ProcessingMode.ResponseTrailerMode = skip
+		})
+		requireCheckFinds(t, harmPolicy, edit, check.KindDuplexTrailerMode)
+		requireEnvoyRefuses(t, edit, "the response_trailer_mode has to be set to SEND")
 	})
-	requireCheckFinds(t, harmPolicy, edit, check.KindDuplexTrailerMode)
-	requireEnvoyRefuses(t, edit, "the response_trailer_mode has to be set to SEND")
+	t.Run("route", func(t *testing.T) {
+		t.Parallel()
+		edit := func(b *bootstrapv3.Bootstrap) error {
+			if err := envoyconf.EnableHTTP1Trailers(b); err != nil {
+				return err
+			}
+			return envoyconf.MutateExtProcPerRoute(b, "default", func(pr *filterextproc.ExtProcPerRoute) {
+				m := routeMode(send, filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED, buffered, send)
+				m.RequestTrailerMode = skip
+				pr.Override = &filterextproc.ExtProcPerRoute_Overrides{Overrides: &filterextproc.ExtProcOverrides{ProcessingMode: m}}
+			})
+		}
+		s := harmStack(t, check.KindDuplexTrailerMode, harmPolicy, edit, stackOptions{})
+		for range 2 {
+			r := chunkedWithTrailer(t, s.url, "duplex-1", `{"amount":1}`, 0)
+			require.Equal(t, http.StatusOK, r.StatusCode)
+		}
+		require.Equal(t, 2, s.up.Ran("duplex-1"), "the upstream ran the request twice")
+	})
 }
 
 // heldRequestBody makes every request body reach the filter only after the request headers'

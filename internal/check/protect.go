@@ -638,12 +638,12 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 	}
 	switch m := pm.GetRequestTrailerMode(); {
 	case reqBody == fullDuplex && m != send:
-		c.refuse(KindDuplexTrailerMode, path+".request_trailer_mode", "set SEND", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the body; Envoy refuses it at filter level)", m)
+		c.refuse(KindDuplexTrailerMode, path+".request_trailer_mode", "set SEND", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the body: under SKIP a request with trailers is never seen whole, runs unclaimed and may run twice; Envoy refuses it at filter level)", m)
 	case needsBody && m != send && (reqBody == filterextproc.ProcessingMode_BUFFERED || reqBody == streamed || reqBody == filterextproc.ProcessingMode_BUFFERED_PARTIAL):
 		c.refuse(KindRequestTrailerMode, path+".request_trailer_mode", "set SEND", "is %s, want SEND: the policy route needs the body, and %s", m, trailerWhy)
 	}
 	if m := pm.GetResponseTrailerMode(); respBody == fullDuplex && m != send {
-		c.refuse(KindDuplexTrailerMode, path+".response_trailer_mode", "set SEND", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the response; Envoy refuses it at filter level)", m)
+		c.refuse(KindDuplexTrailerMode, path+".response_trailer_mode", "set SEND", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the response: under SKIP a response with trailers is never seen whole; Envoy refuses it at filter level)", m)
 	}
 }
 
