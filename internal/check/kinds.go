@@ -78,7 +78,7 @@ const (
 // kindSeverity is the severity of every kind. A finding's severity is its kind's, set in one
 // place (Run), so that a kind cannot be an error in one file and a warning in another.
 var kindSeverity = map[Kind]Severity{
-	KindGRPCServiceMissing:      Error,   // http_service carries no bodies: 500 body-not-available
+	KindGRPCServiceMissing:      Error,   // Envoy refuses http_service with bodies; without, none to claim
 	KindProcessingModeMissing:   Error,   // Envoy's default modes send no body: 500 body-not-available
 	KindRequestHeaderMode:       Error,   // the processor sees no request: unprotected
 	KindResponseHeaderMode:      Error,   // no record completes: duplicates get 409 until lock_ttl
@@ -87,7 +87,7 @@ var kindSeverity = map[Kind]Severity{
 	KindResponseBodyMode:        Error,   // 409 response-not-replayable instead of a replay
 	KindRequestTrailerMode:      Error,   // a request with trailers and no body runs unclaimed
 	KindGatewayRequestTrailers:  Warning, // Envoy Gateway cannot express SEND; counted by the processor
-	KindDuplexTrailerMode:       Error,   // Envoy refuses the filter
+	KindDuplexTrailerMode:       Error,   // Envoy refuses the filter; per route, requests with trailers run twice
 	KindResponseTrailerDefault:  Warning, // DEFAULT skips response trailers, as SKIP does
 	KindModeOverrideRefused:     Warning, // the processor handles a refused override: slower
 	KindOverrideModes:           Warning, // the same, for the modes Envoy allows
@@ -121,12 +121,12 @@ var kindSeverity = map[Kind]Severity{
 	KindRouteRequestHeaderSkip:  Error,   // the processor sees no request: unprotected
 	KindRouteResponseHeaderSkip: Error,   // no record completes
 	KindRouteRequestBodyNone:    Error,   // 500 body-not-available
-	KindRouteBodyModeGRPC:       Error,   // Envoy does not implement it
+	KindRouteBodyModeGRPC:       Error,   // Envoy sends no body: the request runs unclaimed
 	KindRouteResponseBodyNone:   Error,   // 409 response-not-replayable instead of a replay
 	KindResponseBufferLimit:     Error,   // 500 after the upstream ran
 	KindRouterRetry:             Error,   // the router runs a claimed request again
 	KindRouterRetryStatus:       Error,   // the router runs a request whose outcome is stored
-	KindHedge:                   Error,   // the router runs a claimed request twice at once
+	KindHedge:                   Error,   // hedge_on_per_try_timeout runs a claimed request twice at once
 	KindGatewayAPIRetry:         Error,   // the router runs a claimed request again
 	KindRouteNameMatchesNothing: Error,   // a policy route protects nothing
 	KindPolicyTargetsNothing:    Error,   // the filter runs on none of the policy's routes

@@ -629,12 +629,12 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 				"is NONE, but the policy route needs the body (fingerprint body or missing_key: body-hash): covered requests with a body get 500 body-not-available")
 		}
 	default:
-		c.refuse(KindRouteBodyModeGRPC, path+".request_body_mode", "set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED)", "is %s, which the processor cannot claim under (GRPC is not implemented by Envoy)", reqBody)
+		c.refuse(KindRouteBodyModeGRPC, path+".request_body_mode", "set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED)", "is %s, under which Envoy sends no body message (Filter::onData has no case for it) unless the body came whole with the headers: the request runs before its key is claimed, and may run twice", reqBody)
 	}
 	switch respBody {
 	case none, filterextproc.ProcessingMode_BUFFERED, streamed, filterextproc.ProcessingMode_BUFFERED_PARTIAL, fullDuplex:
 	default:
-		c.refuse(KindRouteBodyModeGRPC, path+".response_body_mode", "set BUFFERED or STREAMED", "is %s, which the processor cannot capture (GRPC is not implemented by Envoy)", respBody)
+		c.refuse(KindRouteBodyModeGRPC, path+".response_body_mode", "set BUFFERED or STREAMED", "is %s, under which Envoy sends no body message (Filter::onData has no case for it): the processor cannot capture the response", respBody)
 	}
 	switch m := pm.GetRequestTrailerMode(); {
 	case reqBody == fullDuplex && m != send:
