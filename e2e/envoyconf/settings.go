@@ -49,8 +49,9 @@ type Settings struct {
 	// in route order, up to the "/" route (later routes never match). Routes holds them too.
 	DisabledPrefixes []string
 	// Routes is the virtual host's route table, in order: names, matches (prefix, path,
-	// safe_regex), metadata, timeouts (unset: 15s; 0: none, as -1) and the ext_proc filter's
-	// typed_per_filter_config (ExtProcPerRoute, or FilterConfig disabled or wrapping one).
+	// safe_regex), metadata, timeouts (unset: 15s; 0: none, as -1), retry and hedge policies
+	// (the route's, else the virtual host's) and the ext_proc filter's typed_per_filter_config
+	// (ExtProcPerRoute, or FilterConfig disabled or wrapping one).
 	Routes []proxy.Route
 	// VirtualHostExtProc is the virtual host's typed_per_filter_config for the ext_proc filter.
 	VirtualHostExtProc *filterextproc.ExtProcPerRoute
