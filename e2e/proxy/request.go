@@ -341,10 +341,7 @@ func (x *exchange) startBodyReader(src io.ReadCloser, length int64, trailers fun
 			var n int
 			var err error
 			if len(sizes) > 0 {
-				n, err = io.ReadFull(src, buf)
-				if errors.Is(err, io.ErrUnexpectedEOF) {
-					err = io.EOF
-				}
+				n, err = readFull(src, buf)
 			} else {
 				n, err = src.Read(buf)
 			}
@@ -384,6 +381,21 @@ func (x *exchange) startBodyReader(src io.ReadCloser, length int64, trailers fun
 		}
 	}()
 	return b
+}
+
+// readFull reads into buf until it is full or src stops. Unlike io.ReadFull it returns src's
+// error as is: io.EOF only for a clean end, so that a body cut short (a chunked body without its
+// last chunk reads io.ErrUnexpectedEOF) stays an error and is not taken for the body's end.
+func readFull(src io.Reader, buf []byte) (int, error) {
+	n := 0
+	for n < len(buf) {
+		m, err := src.Read(buf[n:])
+		n += m
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
 }
 
 // bodyLength is the length a body reader may count on to end the stream. On HTTP/2 the stream

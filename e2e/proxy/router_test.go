@@ -42,6 +42,7 @@ func TestRouterEarlyEnds(t *testing.T) {
 		raw         string
 		mode        filterextproc.ProcessingMode_BodySendMode
 		wantStatus  int // 0: the client sees a reset
+		chunks      []int
 		wantDetails string
 		wantFlags   string
 		wantKinds   []string
@@ -58,6 +59,12 @@ func TestRouterEarlyEnds(t *testing.T) {
 		{name: "reset mid-body, STREAMED", raw: "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial", mode: bodySTR,
 			wantDetails: "upstream_reset_after_response_started{connection_termination}", wantFlags: "UR",
 			wantKinds: []string{"request_headers", "request_body", "response_headers", "response_body"}},
+		// A chunked body cut before its last chunk is a reset too, whatever the sizes of the
+		// reads: the processor never gets a body it could take for the whole one.
+		{name: "reset mid-chunked-body, BUFFERED, sized reads", raw: "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\npartial\r\n",
+			mode: bodyBUF, chunks: []int{4},
+			wantDetails: "upstream_reset_after_response_started{connection_termination}", wantFlags: "UR",
+			wantKinds: []string{"request_headers", "request_body", "response_headers"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := bufferedFilter()
@@ -66,7 +73,7 @@ func TestRouterEarlyEnds(t *testing.T) {
 			e := newEnv(t, f, nil, func(c *proxy.Config) {
 				c.Upstream = url
 				c.Shapes = func(*http.Request) proxy.Shapes {
-					return proxy.Shapes{Response: proxy.BodyShape{DuringHeaders: proxy.Held}}
+					return proxy.Shapes{Response: proxy.BodyShape{DuringHeaders: proxy.Held, Chunks: tc.chunks}}
 				}
 			})
 			req, err := http.NewRequest(http.MethodPost, e.proxy.URL()+"/x", bytes.NewReader([]byte("x")))
