@@ -463,15 +463,16 @@ func (k requestSink) tooLarge() {
 
 // upstreamCall is the router's upstream request.
 type upstreamCall struct {
-	// req is the request as first sent, which a retry sends again; whole is the body a retry
-	// sent (the first attempt streams body instead).
-	req    *http.Request
-	whole  []byte
-	ctx    context.Context
-	stop   context.CancelCauseFunc
-	body   *upstreamBody
-	result chan upstreamResult
-	start  time.Time
+	// req is the request as first sent, which a retry sends again; whole and trailers are the
+	// body and trailers a retry sent (the first attempt streams body instead).
+	req      *http.Request
+	whole    []byte
+	trailers http.Header
+	ctx      context.Context
+	stop     context.CancelCauseFunc
+	body     *upstreamBody
+	result   chan upstreamResult
+	start    time.Time
 }
 
 // cancel resets the upstream request; the body is closed too, since the transport may be
@@ -572,8 +573,9 @@ func (x *exchange) roundTrip(uc *upstreamCall, req *http.Request) {
 // RetryStateImpl::wouldRetryFromHeaders in source/common/router/retry_state_impl.cc): when the
 // route's retry_policy retries status and attempts are left, the response is dropped and the
 // request is sent upstream again, after ext_proc, which sees nothing of it but the attempt
-// count. The router buffers the request body for retries; the proxy retries only once the whole
-// body reached it. It reports whether it retried.
+// count. The router buffers the request body for retries and sends it again with the request's
+// trailers (Router::Filter::doRetry in source/common/router/router.cc); the proxy retries only
+// once the whole body reached it. It reports whether it retried.
 func (x *exchange) retry(status int) bool {
 	if x.route == nil || x.route.Retry == nil || x.up == nil || x.up.req == nil {
 		return false
@@ -586,13 +588,13 @@ func (x *exchange) retry(status int) bool {
 	if uint32(x.attempts) > retries || !wouldRetryStatus(rp, status) {
 		return false
 	}
-	body := x.up.whole
+	body, trailers := x.up.whole, x.up.trailers
 	if b := x.up.body; b != nil {
 		whole, done := b.sentBody()
 		if !done {
 			return false
 		}
-		body = whole
+		body, trailers = whole, b.sentTrailers()
 	}
 	x.attempts++
 	ctx, cancel := context.WithCancelCause(x.ctx)
@@ -602,7 +604,12 @@ func (x *exchange) retry(status int) bool {
 	if len(body) > 0 {
 		req.Body, req.ContentLength = io.NopCloser(bytes.NewReader(body)), int64(len(body))
 	}
-	uc.req, uc.whole = req, body
+	if len(trailers) > 0 {
+		// Unknown length: chunked, so that the trailers follow the body.
+		req.Body, req.ContentLength = io.NopCloser(bytes.NewReader(body)), -1
+		req.Trailer = trailers.Clone()
+	}
+	uc.req, uc.whole, uc.trailers = req, body, trailers
 	x.up = uc
 	x.roundTrip(uc, req)
 	x.startPerTry()
@@ -773,6 +780,13 @@ func (b *upstreamBody) sentBody() ([]byte, bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return slices.Clone(b.sent), b.eof
+}
+
+// sentTrailers returns the trailers the body ended with (nil when none went upstream).
+func (b *upstreamBody) sentTrailers() http.Header {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.trailers.Clone()
 }
 
 func (b *upstreamBody) end(trailers http.Header) {

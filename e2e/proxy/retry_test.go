@@ -1,8 +1,11 @@
 package proxy_test
 
 import (
+	"io"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
+	"strings"
 	"testing"
 
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
@@ -48,4 +51,38 @@ func TestRouterRetriesOnStatus(t *testing.T) {
 			require.Equal(t, tc.attempts, rec.Attempts)
 		})
 	}
+}
+
+// A retry sends the request's trailers again after its body, as the first attempt did
+// (Router::Filter::doRetry in source/common/router/router.cc).
+func TestRouterRetrySendsTheTrailersAgain(t *testing.T) {
+	type attempt struct {
+		body    string
+		trailer string
+	}
+	got := make(chan attempt, 4)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		got <- attempt{string(b), r.Trailer.Get("X-Checksum")}
+		if len(got) == 1 {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+	}))
+	t.Cleanup(srv.Close)
+	e := newEnv(t, bufferedFilter(), nil, func(c *proxy.Config) {
+		c.Upstream = srv.URL
+		c.UpstreamTrailers, c.DownstreamTrailers = true, true
+		c.Routes = []proxy.Route{{Name: "r", Prefix: "/", Retry: &routev3.RetryPolicy{RetryOn: "5xx"}}}
+	})
+	req, err := http.NewRequest(http.MethodPost, e.proxy.URL()+"/x", io.MultiReader(strings.NewReader("the body")))
+	require.NoError(t, err)
+	req.ContentLength = -1
+	req.Trailer = http.Header{"X-Checksum": {"1"}}
+	resp, err := e.client.Do(req)
+	require.NoError(t, err)
+	_ = resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.Equal(t, attempt{"the body", "1"}, <-got, "first attempt")
+	require.Equal(t, attempt{"the body", "1"}, <-got, "the retry")
+	require.Equal(t, 2, (<-e.recs).Attempts)
 }
