@@ -48,6 +48,10 @@ type harness struct {
 	executed map[string]int // upstream executions by idempotency-key header value
 	// lastAnswers are the answers of the last do, in order.
 	lastAnswers []*extprocv3.ProcessingResponse
+
+	// grpcServer serves the server; proxies, made on first use, run requests through e2e/proxy.
+	grpcServer *grpc.Server
+	proxies    *envoys
 }
 
 type harnessOptions struct {
@@ -104,7 +108,7 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 	return &harness{
 		t: t, client: extprocv3.NewExternalProcessorClient(conn), server: srv, store: o.store,
 		registry: reg, clock: o.clock, logs: logs, executed: map[string]int{},
-		policy: p, storeAdvance: o.advance,
+		policy: p, storeAdvance: o.advance, grpcServer: gs,
 	}
 }
 

@@ -333,11 +333,11 @@ func TestFullDuplexBodyReleasedOnceStreamedBack(t *testing.T) {
 		return ms.HeapAlloc
 	}
 	before := heap()
-	var open []*simStream
+	var open []*pipelined
 	for i := range streams {
-		s := h.openSim(5 * time.Second)
+		s := h.openPipelined(5 * time.Second)
 		open = append(open, s)
-		s.put(withModes(requestHeaders(post("/v1/payments", fmt.Sprint("fd-", i), body)), shape{reqMode: modeDuplex, respMode: modeDuplex}))
+		s.put(withBodyModes(requestHeaders(post("/v1/payments", fmt.Sprint("fd-", i), body)), modeDuplex, modeDuplex))
 		s.put(bodyMsg([]byte(body), true))
 		require.NotNil(t, s.next().GetRequestHeaders())
 		for {

@@ -223,7 +223,7 @@ routes:
 	}
 	doFinal := func(r request) map[string]any { t.Helper(); return get(h2.doFinal(r, created)) }
 	big := h2.open()
-	big.send(withModes(requestHeaders(post("/small", "k", `{"a":1}`)), shape{reqMode: modeStreamed, respMode: modeBuffered}))
+	big.send(withBodyModes(requestHeaders(post("/small", "k", `{"a":1}`)), modeStreamed, modeBuffered))
 	tooLarge := big.send(bodyMsg([]byte(`{"a":1}`), true))
 	require.Equal(t, "too_large", tooLarge.GetDynamicMetadata().GetFields()["idem"].GetStructValue().AsMap()["outcome"])
 	big.end()

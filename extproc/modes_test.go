@@ -98,9 +98,9 @@ func TestStreamedRequestTrailers(t *testing.T) {
 // answers them all, in order.
 func TestStreamedChunksAreWithheldUntilTheClaim(t *testing.T) {
 	h := newHarness(t, harnessOptions{})
-	s := h.openSim(5 * time.Second)
+	s := h.openPipelined(5 * time.Second)
 	first := requestHeaders(post("/v1/payments", "k", `{"a":1}`))
-	s.put(withModes(first, shape{reqMode: modeStreamed, respMode: modeBuffered}))
+	s.put(withBodyModes(first, modeStreamed, modeBuffered))
 	require.NotNil(t, s.next().GetRequestHeaders())
 	s.put(bodyMsg([]byte(`{"a"`), false))
 	s.put(bodyMsg([]byte(`:1`), false))
@@ -142,7 +142,9 @@ func TestRequestBodyLimits(t *testing.T) {
 	}{
 		{"streamed", shape{reqMode: modeStreamed, respMode: modeBuffered, chunks: []int{600, 600}}},
 		{"full duplex", shape{reqMode: modeDuplex, respMode: modeDuplex, chunks: []int{1000}}},
-		{"buffered partial, limit reached", shape{reqMode: modePartial, respMode: modeBuffered, bufferLimit: 512}},
+		// Envoy sends BUFFERED_PARTIAL's buffer, without the end of the body, once a read takes it over
+		// the buffer limit (Filter::onData in ext_proc.cc, queueOverHighLimit).
+		{"buffered partial, limit reached", shape{reqMode: modePartial, respMode: modeBuffered, bufferLimit: 512, chunks: []int{600}}},
 		{"buffered partial, trailers follow", shape{reqMode: modePartial, respMode: modeBuffered, trailers: true}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -159,7 +161,7 @@ func TestRequestBodyLimits(t *testing.T) {
 			require.True(t, h.run(post("/v1/payments", "k", `{}`), small, created).ran)
 		})
 		// In shadow mode the same request goes on untouched, its whole body reaching the
-		// upstream (the simulator checks it byte for byte), and is counted as would-be 413.
+		// upstream (its upstream checks it byte for byte), and is counted as would-be 413.
 		t.Run(tc.name+", shadow", func(t *testing.T) {
 			h := newHarness(t, harnessOptions{policy: "defaults: {max_request_bytes: 1024, mode: shadow}"})
 			res := h.run(post("/v1/payments", "k", bigBody(1500)), tc.sh, created)
@@ -215,8 +217,8 @@ func TestClaimAtHeadersWhenTheBodyIsNotNeeded(t *testing.T) {
 			h := newHarness(t, harnessOptions{policy: "defaults: {fingerprint: [method, path]}"})
 			sh := shape{reqMode: mode, respMode: modeBuffered, chunks: []int{10}}
 			require.True(t, h.run(post("/v1/payments", "k", bigBody(100)), sh, created).ran)
-			s := h.openSim(5 * time.Second)
-			s.put(withModes(requestHeaders(post("/v1/payments", "k", bigBody(100))), sh))
+			s := h.openPipelined(5 * time.Second)
+			s.put(withBodyModes(requestHeaders(post("/v1/payments", "k", bigBody(100))), sh.reqMode, sh.respMode))
 			resp := s.next()
 			require.NotNil(t, resp.GetImmediateResponse(), "the replay answers the request headers")
 			require.Equal(t, created.body, resp.GetImmediateResponse().GetBody())
@@ -229,8 +231,8 @@ func TestClaimAtHeadersWhenTheBodyIsNotNeeded(t *testing.T) {
 // the end of the body.
 func TestFullDuplexUncoveredIsEchoed(t *testing.T) {
 	h := newHarness(t, harnessOptions{})
-	s := h.openSim(5 * time.Second)
-	s.put(withModes(requestHeaders(post("/v1/payments", "", "abcdef")), shape{reqMode: modeDuplex, respMode: modeDuplex}))
+	s := h.openPipelined(5 * time.Second)
+	s.put(withBodyModes(requestHeaders(post("/v1/payments", "", "abcdef")), modeDuplex, modeDuplex))
 	resp := s.next()
 	require.NotNil(t, resp.GetRequestHeaders())
 	require.Nil(t, resp.GetModeOverride(), "Envoy ignores mode_override in this mode")
@@ -258,8 +260,8 @@ func TestFullDuplexUncoveredIsEchoed(t *testing.T) {
 func TestFullDuplexBodyStreamedBackAfterTheClaim(t *testing.T) {
 	h := newHarness(t, harnessOptions{})
 	body := bigBody(150 << 10)
-	s := h.openSim(5 * time.Second)
-	s.put(withModes(requestHeaders(post("/v1/payments", "k", body)), shape{reqMode: modeDuplex, respMode: modeDuplex}))
+	s := h.openPipelined(5 * time.Second)
+	s.put(withBodyModes(requestHeaders(post("/v1/payments", "k", body)), modeDuplex, modeDuplex))
 	s.put(bodyMsg([]byte(body[:1000]), false))
 	select {
 	case resp := <-s.answers:

@@ -35,8 +35,8 @@ func chunks(b []byte) [][]byte {
 }
 
 // requestStreaming plays one first execution's exchange as Envoy does in a streamed request body
-// mode (Filter::onData and ProcessorState in source/extensions/filters/http/ext_proc/), as the
-// processor's Envoy simulator, extproc/envoysim_test.go, plays it too:
+// mode (Filter::onData and ProcessorState in source/extensions/filters/http/ext_proc/), as
+// e2e/proxy models it:
 //
 //   - STREAMED request, BUFFERED response: the request headers, and once they are answered the
 //     body's chunks, pipelined (each sent without waiting for the previous one's answer), then an
