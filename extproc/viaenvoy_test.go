@@ -356,8 +356,9 @@ func (e *envoys) serveUpstream(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		panic(http.ErrAbortHandler) // reset before the response started
+	case endNormally, endMidBody:
+		e.run(p)
 	}
-	e.run(p)
 	u := p.u
 	for i := 0; i+1 < len(u.headers); i += 2 {
 		if k := http.CanonicalHeaderKey(u.headers[i]); k != "Content-Length" && k != "Connection" && k != "Date" {
