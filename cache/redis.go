@@ -245,39 +245,9 @@ func parseRedisURL(raw string) (*redis.Options, error) {
 }
 
 func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
-	if len(opts.ClusterAddrs) > 0 && len(opts.SentinelAddrs) > 0 {
-		return nil, errors.New("cache: redis: choose Cluster or Sentinel, not both")
-	}
-	raw := opts.URL
-	if raw == "" {
-		raw = "redis://localhost:6379/0"
-	}
-	base, err := parseRedisURL(raw)
+	base, err := redisBaseOptions(opts)
 	if err != nil {
 		return nil, err
-	}
-	if len(opts.ClusterAddrs) > 0 && base.DB != 0 {
-		return nil, fmt.Errorf("cache: redis: Cluster has only database 0, the url selects %d", base.DB)
-	}
-	switch {
-	case opts.TLSConfig != nil:
-		base.TLSConfig = opts.TLSConfig
-	case base.TLSConfig != nil && (len(opts.ClusterAddrs) > 0 || len(opts.SentinelAddrs) > 0):
-		// ParseURL names the URL's host as the certificate to expect; under Cluster and Sentinel
-		// that host is not dialled, and each node is checked against the address it is dialled at.
-		base.TLSConfig = base.TLSConfig.Clone()
-		base.TLSConfig.ServerName = ""
-	}
-	// Deadlines come from each call's context, which Redis methods always bound.
-	base.ContextTimeoutEnabled = true
-	// Every call is bounded far below go-redis' dial retry interval, so retries would only log.
-	base.DialerRetries = 1
-	// Redis before 7.2 knows neither CLIENT SETINFO nor CLIENT MAINT_NOTIFICATIONS, and neither
-	// is needed: skip them on connect.
-	base.DisableIdentity = true
-	base.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
-	if opts.PoolSize > 0 {
-		base.PoolSize = opts.PoolSize
 	}
 	switch {
 	case len(opts.ClusterAddrs) > 0:
@@ -312,6 +282,47 @@ func newRedisClient(opts RedisOptions) (redis.UniversalClient, error) {
 	default:
 		return redis.NewClient(base), nil
 	}
+}
+
+// redisBaseOptions returns the client options opts gives, from its URL: the single server's
+// whole options, and the user, password, database, TLS and pool settings of Cluster's and
+// Sentinel's nodes.
+func redisBaseOptions(opts RedisOptions) (*redis.Options, error) {
+	if len(opts.ClusterAddrs) > 0 && len(opts.SentinelAddrs) > 0 {
+		return nil, errors.New("cache: redis: choose Cluster or Sentinel, not both")
+	}
+	raw := opts.URL
+	if raw == "" {
+		raw = "redis://localhost:6379/0"
+	}
+	base, err := parseRedisURL(raw)
+	if err != nil {
+		return nil, err
+	}
+	if len(opts.ClusterAddrs) > 0 && base.DB != 0 {
+		return nil, fmt.Errorf("cache: redis: Cluster has only database 0, the url selects %d", base.DB)
+	}
+	switch {
+	case opts.TLSConfig != nil:
+		base.TLSConfig = opts.TLSConfig
+	case base.TLSConfig != nil && (len(opts.ClusterAddrs) > 0 || len(opts.SentinelAddrs) > 0):
+		// ParseURL names the URL's host as the certificate to expect; under Cluster and Sentinel
+		// that host is not dialled, and each node is checked against the address it is dialled at.
+		base.TLSConfig = base.TLSConfig.Clone()
+		base.TLSConfig.ServerName = ""
+	}
+	// Deadlines come from each call's context, which Redis methods always bound.
+	base.ContextTimeoutEnabled = true
+	// Every call is bounded far below go-redis' dial retry interval, so retries would only log.
+	base.DialerRetries = 1
+	// Redis before 7.2 knows neither CLIENT SETINFO nor CLIENT MAINT_NOTIFICATIONS, and neither
+	// is needed: skip them on connect.
+	base.DisableIdentity = true
+	base.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
+	if opts.PoolSize > 0 {
+		base.PoolSize = opts.PoolSize
+	}
+	return base, nil
 }
 
 // Acquire implements [Store.Acquire]. It is one SET NX PX GET: Redis creates the pending record

@@ -92,14 +92,21 @@ func (direct) close() {}
 // reply that go-redis retries (retriedReply): it may be the answer to a second attempt, after a
 // first one ran and its reply was lost.
 func unanswered(err error) bool {
-	var reply redis.Error
 	switch {
-	case err == nil, errors.Is(err, ErrClosed), errors.Is(err, redis.ErrClosed):
+	// redis.Nil first: it is how most claims end (the key was free), and the retried replies'
+	// predicates below cost 3 to 5 µs and 15 allocations (TestUnansweredAllocs).
+	case err == nil, err == redis.Nil, errors.Is(err, ErrClosed), errors.Is(err, redis.ErrClosed):
 		return false
-	case errors.As(err, &reply):
+	case serverReply(err):
 		return retriedReply(err)
 	}
 	return true
+}
+
+// serverReply tells whether err is an error reply of the server's, however wrapped.
+func serverReply(err error) bool {
+	var reply redis.Error
+	return errors.As(err, &reply)
 }
 
 // retriedReply tells whether go-redis retries a command that got the error reply err.
@@ -141,54 +148,23 @@ func sendBatch(ctx context.Context, client redis.UniversalClient, calls []*call)
 		return sendByMaster(ctx, cc, calls)
 	}
 	cmds := make([]*redis.Cmd, len(calls))
-	stages := make([]*redis.Cmd, len(calls))
-	add := func(pipe redis.Pipeliner, i int) {
-		if c := calls[i]; c.script != nil {
-			cmds[i] = pipe.EvalSha(ctx, c.script.Hash(), c.keys, c.args...)
-		} else {
-			cmds[i] = pipe.Do(ctx, c.args...)
-		}
-	}
+	var stages []*redis.Cmd // only when a call stages its bytes
 	pipe := client.Pipeline()
 	for i, c := range calls {
 		if c.stage != nil {
+			if stages == nil {
+				stages = make([]*redis.Cmd, len(calls))
+			}
 			stages[i] = pipe.Do(ctx, c.stage...)
 		}
-		add(pipe, i)
+		cmds[i] = c.queue(ctx, pipe, true)
 	}
 	waited := w.add(ctx, pipe)
 	_, _ = pipe.Exec(ctx)
-	var refused []int
-	loaded := map[*redis.Script]bool{}
-	for i, cmd := range cmds {
-		s := calls[i].script
-		if err := cmd.Err(); s == nil || err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
-			continue
-		}
-		if _, tried := loaded[s]; !tried {
-			loaded[s] = s.Load(ctx, client).Err() == nil
-		}
-		refused = append(refused, i)
-	}
 	for _, c := range calls {
 		confirm(c, waited)
 	}
-	if len(refused) > 0 {
-		pipe := client.Pipeline()
-		for _, i := range refused {
-			if c := calls[i]; loaded[c.script] {
-				add(pipe, i)
-			} else {
-				cmds[i] = c.script.Eval(ctx, pipe, c.keys, c.args...)
-			}
-		}
-		// The calls sent again went on this pipeline's connection: its own WAIT judges them.
-		rewaited := waitOf(pick(calls, refused)).add(ctx, pipe)
-		_, _ = pipe.Exec(ctx)
-		for _, i := range refused {
-			confirm(calls[i], rewaited) // over the first WAIT's finding
-		}
-	}
+	resendRefused(ctx, client, calls, cmds)
 	for i, st := range stages {
 		// A failed stage fails its call with its own error (an OOM reply, a broken connection)
 		// rather than with the script's finding nothing staged.
@@ -197,6 +173,52 @@ func sendBatch(ctx context.Context, client redis.UniversalClient, calls []*call)
 		}
 	}
 	return cmds
+}
+
+// queue adds c to pipe and returns its reply: a script by SHA (EVALSHA), or whole (EVAL) when
+// bySHA is false.
+func (c *call) queue(ctx context.Context, pipe redis.Pipeliner, bySHA bool) *redis.Cmd {
+	switch {
+	case c.script == nil:
+		return pipe.Do(ctx, c.args...)
+	case bySHA:
+		return pipe.EvalSha(ctx, c.script.Hash(), c.keys, c.args...)
+	}
+	return c.script.Eval(ctx, pipe, c.keys, c.args...)
+}
+
+// resendRefused sends again, in one more pipelined round trip, the calls of sendBatch whose
+// scripts a node refused for not knowing them, and puts their new replies in cmds. Each refused
+// script is loaded once first; a call whose script did not load goes whole (EVAL). The calls sent
+// again went on that pipeline's connection: its own WAIT judges them, over the first one's finding.
+func resendRefused(ctx context.Context, client redis.UniversalClient, calls []*call, cmds []*redis.Cmd) {
+	var refused []int
+	var loaded map[*redis.Script]bool
+	for i, cmd := range cmds {
+		s := calls[i].script
+		if err := cmd.Err(); s == nil || err == nil || !redis.HasErrorPrefix(err, "NOSCRIPT") {
+			continue
+		}
+		if loaded == nil {
+			loaded = map[*redis.Script]bool{}
+		}
+		if _, tried := loaded[s]; !tried {
+			loaded[s] = s.Load(ctx, client).Err() == nil
+		}
+		refused = append(refused, i)
+	}
+	if len(refused) == 0 {
+		return
+	}
+	pipe := client.Pipeline()
+	for _, i := range refused {
+		cmds[i] = calls[i].queue(ctx, pipe, loaded[calls[i].script])
+	}
+	rewaited := waitOf(pick(calls, refused)).add(ctx, pipe)
+	_, _ = pipe.Exec(ctx)
+	for _, i := range refused {
+		confirm(calls[i], rewaited)
+	}
 }
 
 func errorCmd(ctx context.Context, err error) *redis.Cmd {

@@ -141,15 +141,9 @@ func decodeRecord(v string, ring *seal.Keyring, key string) (*Record, string, er
 	}
 	b = b[n:]
 	if v[0] == recordLayout {
-		if len(b) < routeLenDigits {
-			return nil, "", fmt.Errorf("%w: record without its route", ErrCorrupt)
+		if rec.Route, b, err = cutRoute(b); err != nil {
+			return nil, "", err
 		}
-		r, err := strconv.ParseUint(string(b[:routeLenDigits]), 16, 16)
-		if err != nil || r > uint64(len(b)-routeLenDigits) {
-			return nil, "", fmt.Errorf("%w: record route length %q", ErrCorrupt, b[:routeLenDigits])
-		}
-		rec.Route = string(b[routeLenDigits : routeLenDigits+r])
-		b = b[routeLenDigits+r:]
 	}
 	switch v[1] {
 	case 'p':
@@ -165,6 +159,19 @@ func decodeRecord(v string, ring *seal.Keyring, key string) (*Record, string, er
 		return nil, "", fmt.Errorf("%w: record state %q", ErrCorrupt, v[1])
 	}
 	return rec, token, nil
+}
+
+// cutRoute returns the route name at the start of b, a layout 3 record's after its fingerprint,
+// and the bytes after it.
+func cutRoute(b []byte) (string, []byte, error) {
+	if len(b) < routeLenDigits {
+		return "", nil, fmt.Errorf("%w: record without its route", ErrCorrupt)
+	}
+	r, err := strconv.ParseUint(string(b[:routeLenDigits]), 16, 16)
+	if err != nil || r > uint64(len(b)-routeLenDigits) {
+		return "", nil, fmt.Errorf("%w: record route length %q", ErrCorrupt, b[:routeLenDigits])
+	}
+	return string(b[routeLenDigits : routeLenDigits+r]), b[routeLenDigits+r:], nil
 }
 
 // parseMillis parses what appendMillis wrote; 0 is the zero time.
