@@ -104,3 +104,6 @@ func ProblemAnswers() (answers map[string]ProblemAnswer, disagreeing []string) {
 
 // HeldKeys returns how many keys s holds (hold.go).
 func HeldKeys(s *Server) int { return s.holds.len() }
+
+// FirstMessagesAwaited returns how many streams of s wait for their first message.
+func FirstMessagesAwaited(s *Server) int { return s.firstMessages.waiting() }

@@ -76,10 +76,11 @@ func (h *limitsHarness) metric(name string, labels ...string) float64 {
 	return metricValue(h.t, h.registry, name, labels...)
 }
 
-// waitTimers waits until n first-message timers are armed: the server has taken the streams.
-func (h *limitsHarness) waitTimers(n int) {
+// waitStreams waits until n streams wait for their first message: the server has taken them.
+func (h *limitsHarness) waitStreams(n int) {
 	h.t.Helper()
-	require.Eventually(h.t, func() bool { return h.clock.Pending() == n }, 5*time.Second, time.Millisecond, "%d first-message timers armed", n)
+	require.Eventually(h.t, func() bool { return extproc.FirstMessagesAwaited(h.server) == n }, 5*time.Second, time.Millisecond,
+		"%d streams waiting for their first message", n)
 }
 
 // served opens a stream whose first message (a GET's headers) is answered.
@@ -113,13 +114,14 @@ func TestFirstMessageTimeout(t *testing.T) {
 			h := newLimitsHarness(t, 0)
 			stream, err := h.client.Process(h.ctx)
 			require.NoError(t, err)
-			h.waitTimers(1)
+			h.waitStreams(1)
+			require.Equal(t, 1, h.clock.Pending(), "one first-message timer")
 			ended := make(chan error, 1)
 			if tc.first {
 				require.NoError(t, stream.Send(requestHeaders(request{method: "GET", path: "/v1/things"})))
 				_, err := stream.Recv()
 				require.NoError(t, err)
-				require.Zero(t, h.clock.Pending(), "the first message stops its timer")
+				require.Zero(t, extproc.FirstMessagesAwaited(h.server), "the first message takes the stream off the watch")
 			} else {
 				go func() {
 					_, err := stream.Recv()
@@ -138,6 +140,8 @@ func TestFirstMessageTimeout(t *testing.T) {
 			h.clock.Advance(time.Millisecond)
 
 			if tc.first {
+				// The shared timer fired, found no stream due, and is not armed again.
+				require.Zero(t, h.clock.Pending(), "no first-message timer once no stream waits")
 				h.clock.Advance(time.Hour)
 				require.NoError(t, stream.CloseSend())
 				_, err := stream.Recv()
@@ -159,6 +163,61 @@ func TestFirstMessageTimeout(t *testing.T) {
 	}
 }
 
+// Streams opened at different times share the first-message timer, and each silent one is ended
+// when its own deadline passes, not a moment before, whatever the others do; one that sent its
+// first message meanwhile stays open.
+func TestFirstMessageTimeoutEachStream(t *testing.T) {
+	h := newLimitsHarness(t, 0)
+	silent := func() <-chan error {
+		stream, err := h.client.Process(h.ctx)
+		require.NoError(t, err)
+		ended := make(chan error, 1)
+		go func() {
+			_, err := stream.Recv()
+			ended <- err
+		}()
+		return ended
+	}
+	requireEnded := func(ended <-chan error, what string) {
+		t.Helper()
+		select {
+		case err := <-ended:
+			require.Equal(t, codes.DeadlineExceeded, status.Code(err), "%s: %v", what, err)
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s is still open after its first message was due", what)
+		}
+	}
+	first := silent()
+	h.waitStreams(1)
+	h.clock.Advance(testFirstMessageTimeout / 2)
+	second := silent()
+	h.waitStreams(2)
+	talking, err := h.served()
+	require.NoError(t, err)
+	require.Equal(t, 1, h.clock.Pending(), "the streams share one timer")
+
+	h.clock.Advance(testFirstMessageTimeout / 2)
+	requireEnded(first, "the first silent stream")
+	require.Equal(t, 1, extproc.FirstMessagesAwaited(h.server))
+	require.Equal(t, 1, h.clock.Pending(), "the timer is armed again for the second stream")
+	h.clock.Advance(testFirstMessageTimeout/2 - time.Millisecond)
+	require.Equal(t, 1, extproc.FirstMessagesAwaited(h.server), "the second stream still waits")
+	select {
+	case err := <-second:
+		t.Fatalf("the second silent stream ended before its time: %v", err)
+	default:
+	}
+	h.clock.Advance(time.Millisecond)
+	requireEnded(second, "the second silent stream")
+	require.Zero(t, h.clock.Pending())
+
+	require.NoError(t, talking.CloseSend())
+	_, err = talking.Recv()
+	require.ErrorIs(t, err, io.EOF, "the stream that sent its first message is not ended for it")
+	require.NoError(t, h.server.Wait(h.ctx))
+	require.Equal(t, 2.0, h.metric("idempotency_streams_refused_total", "reason", "first_message_timeout"))
+}
+
 // With MaxStreams open, the next stream is refused at once with RESOURCE_EXHAUSTED, counted, and
 // its first-message timer stopped; gRPC health is neither limited nor timed; once a stream ends,
 // a new one is served.
@@ -177,7 +236,7 @@ func TestMaxStreams(t *testing.T) {
 	_, err := h.served()
 	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
 	require.Equal(t, 1.0, h.metric("idempotency_streams_refused_total", "reason", "limit"))
-	require.Zero(t, h.clock.Pending(), "the refused stream's first-message timer is stopped")
+	require.Zero(t, extproc.FirstMessagesAwaited(h.server), "the refused stream is off the first-message watch")
 
 	resp, err := h.health.Check(h.ctx, &healthpb.HealthCheckRequest{})
 	require.NoError(t, err, "gRPC health is not limited")
@@ -186,7 +245,7 @@ func TestMaxStreams(t *testing.T) {
 	require.NoError(t, err)
 	_, err = watch.Recv()
 	require.NoError(t, err)
-	require.Zero(t, h.clock.Pending(), "gRPC health streams have no first-message timer")
+	require.Zero(t, extproc.FirstMessagesAwaited(h.server), "gRPC health streams have no first-message deadline")
 
 	require.NoError(t, held[0].CloseSend())
 	_, err = held[0].Recv()

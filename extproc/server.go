@@ -90,6 +90,7 @@ type Server struct {
 	open                atomic.Int64
 	maxStreams          int
 	firstMessageTimeout time.Duration
+	firstMessages       *firstMessageWatch // the streams' first-message deadlines, set by TapHandle
 	// misconfigLogs logs each kind of Envoy misconfiguration once per process.
 	misconfigLogs map[string]*sync.Once
 	// retriedLog logs once that the router retried a covered request; earlyAnswerLog that an
