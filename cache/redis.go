@@ -343,7 +343,6 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	lease := Lease{key: key, token: token, fingerprint: string(c.Fingerprint), route: c.Route, ttl: c.TTL, created: now,
 		replicas: c.Replicas, replicaTimeout: c.ReplicaTimeout}
 	set := &call{
-		args:     []any{"set", key, pending, "nx", "px", c.LockTTL.Milliseconds(), "get"},
 		deadline: deadline,
 		// The SET may have run while this caller never learned it: free what it may have
 		// created rather than block the key for a whole lease.
@@ -351,6 +350,7 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 		replicas: c.Replicas,
 		wait:     c.ReplicaTimeout,
 	}
+	set.args = append(set.argv[:0], "set", key, pending, "nx", "px", c.LockTTL.Milliseconds(), "get")
 	found, err := r.sender(set).run(ctx, set).Text()
 	switch {
 	case errors.Is(err, redis.Nil) && set.unconfirmed != nil:
@@ -509,7 +509,8 @@ func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 	resp = resp.normalized()
 	rec := appendCompleted(make([]byte, 0, completedSize(l, resp, r.ring)), l, r.clock.Now().Add(l.ttl), resp, r.ring)
 	ttl := l.ttl.Milliseconds()
-	c := &call{script: completeScript, keys: []string{l.key}, args: []any{l.token, rec, ttl}}
+	c := &call{script: completeScript}
+	c.keys, c.args = append(c.keyv[:0], l.key), append(c.argv[:0], l.token, rec, ttl)
 	if len(rec) >= stagedRecordBytes {
 		if staging, ok := stagingKey(l.key, l.token); ok {
 			c = &call{

@@ -47,6 +47,11 @@ type call struct {
 	wait        time.Duration
 	unconfirmed error
 
+	// keyv and argv back keys and args where they fit (Acquire's and Complete's calls), so that
+	// such a call and its lists are one allocation.
+	keyv [1]string
+	argv [7]any
+
 	// The batcher's bookkeeping, guarded by pipeline.mu.
 	taken bool          // out of the queue, in a batch
 	left  bool          // the caller stopped waiting after the call was taken
