@@ -99,3 +99,50 @@ func BenchmarkRedisFirstExecutionCPU(b *testing.B) {
 		})
 	}
 }
+
+// commandUsecRE reads a command's average execution time from INFO commandstats.
+var commandUsecRE = regexp.MustCompile(`cmdstat_(\w+):calls=\d+,usec=\d+,usec_per_call=([0-9.]+)`)
+
+// BenchmarkRedisCommandCost reports what redis-server spends executing each command of a first
+// execution (INFO commandstats, usec_per_call: the command alone, without reading and writing its
+// connection): Acquire's SET NX GET, Complete's owner-checked script (EVALSHA), and a plain SET of
+// the same completed record's bytes, which a completion without the owner check would send. The
+// calls go one at a time.
+func BenchmarkRedisCommandCost(b *testing.B) {
+	srv := redistest.Start(b, redistest.Options{})
+	admin := srv.Client(b)
+	s, err := cache.OpenRedis(cache.RedisOptions{URL: srv.URL(), Timeout: 10 * time.Second})
+	require.NoError(b, err)
+	b.Cleanup(func() { _ = s.Close() })
+	ctx := context.Background()
+	claim := cache.Claim{Fingerprint: make([]byte, 32), LockTTL: 30 * time.Second, TTL: time.Hour, Route: "payments"}
+	resp := cache.Response{Status: 201, Headers: []cache.Header{{Name: "content-type", Value: []byte("application/json")}}, Body: make([]byte, 33)}
+	record := make([]byte, 200) // about the completed record's size
+	usec := func() map[string]float64 {
+		info, err := admin.Info(ctx, "commandstats").Result()
+		require.NoError(b, err)
+		out := map[string]float64{}
+		for _, m := range commandUsecRE.FindAllStringSubmatch(info, -1) {
+			out[m[1]], err = strconv.ParseFloat(m[2], 64)
+			require.NoError(b, err)
+		}
+		return out
+	}
+	require.NoError(b, admin.ConfigResetStat(ctx).Err())
+	b.ResetTimer()
+	for i := range b.N {
+		l, _, err := s.Acquire(ctx, "idempotency:cost:"+strconv.Itoa(i), claim)
+		require.NoError(b, err)
+		require.NoError(b, s.Complete(ctx, l, resp))
+	}
+	b.StopTimer()
+	first := usec()
+	require.NoError(b, admin.ConfigResetStat(ctx).Err())
+	for i := range b.N {
+		require.NoError(b, admin.Set(ctx, "idempotency:plain:"+strconv.Itoa(i), record, time.Hour).Err())
+	}
+	b.ReportMetric(first["set"], "server-µs/acquire")
+	b.ReportMetric(first["evalsha"], "server-µs/complete")
+	b.ReportMetric(usec()["set"], "server-µs/plain-set")
+	require.NoError(b, admin.FlushAll(ctx).Err())
+}
