@@ -22,15 +22,16 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
 
-// This file drives the server the way Envoy does, message by message over a real gRPC stream
-// (bufconn), with BUFFERED request and response bodies: each body goes whole, in one message,
-// once its headers are answered (Filter::onData and Filter::handleDataBufferedMode in
-// source/extensions/filters/http/ext_proc/ext_proc.cc).
+// This file holds the harness: the server under test on a gRPC server, its store, clock, metrics
+// and logs. Whole HTTP requests reach it through e2e/proxy, the one model of Envoy
+// (viaenvoy_test.go: do and run); the message builders here (requestHeaders, responseHeaders, …)
+// write the exact messages of tests that hold the server to its answers one by one.
 
 type harness struct {
 	t        *testing.T
@@ -46,11 +47,10 @@ type harness struct {
 
 	mu       sync.Mutex
 	executed map[string]int // upstream executions by idempotency-key header value
-	// lastAnswers are the answers of the last do, in order.
-	lastAnswers []*extprocv3.ProcessingResponse
 
 	// grpcServer serves the server; proxies, made on first use, run requests through e2e/proxy.
 	grpcServer *grpc.Server
+	inbox      *inbox
 	proxies    *envoys
 }
 
@@ -83,8 +83,8 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 	require.NoError(t, err)
 
 	lis := bufconn.Listen(4 << 20)
-	answers := &ledger{}
-	gs := grpc.NewServer(grpc.ChainStreamInterceptor(answers.interceptor, srv.StreamInterceptor()))
+	answers, ib := &ledger{}, &inbox{}
+	gs := grpc.NewServer(grpc.ChainStreamInterceptor(answers.interceptor, ib.interceptor, srv.StreamInterceptor()))
 	extprocv3.RegisterExternalProcessorServer(gs, srv)
 	go func() { _ = gs.Serve(lis) }()
 	conn, err := grpc.NewClient("passthrough:///bufconn",
@@ -108,7 +108,7 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 	return &harness{
 		t: t, client: extprocv3.NewExternalProcessorClient(conn), server: srv, store: o.store,
 		registry: reg, clock: o.clock, logs: logs, executed: map[string]int{},
-		policy: p, storeAdvance: o.advance, grpcServer: gs,
+		policy: p, storeAdvance: o.advance, grpcServer: gs, inbox: ib,
 	}
 }
 
@@ -194,8 +194,6 @@ type stream struct {
 	t      *testing.T
 	s      extprocv3.ExternalProcessor_ProcessClient
 	cancel context.CancelFunc
-	// answers, when set, collects every answer received.
-	answers *[]*extprocv3.ProcessingResponse
 }
 
 func (h *harness) open() *stream { return h.openNamed("") }
@@ -220,9 +218,6 @@ func (s *stream) send(m *extprocv3.ProcessingRequest) *extprocv3.ProcessingRespo
 	require.NoError(s.t, s.s.Send(m))
 	resp, err := s.s.Recv()
 	require.NoError(s.t, err)
-	if s.answers != nil {
-		*s.answers = append(*s.answers, resp)
-	}
 	return resp
 }
 
@@ -255,15 +250,17 @@ func post(path, key string, body string, extra ...string) request {
 	return request{method: "POST", path: path, headers: h, body: []byte(body)}
 }
 
-// upstream is the response the upstream gives when it runs, or the one Envoy makes.
+// upstream is the response the upstream gives when it runs.
 type upstream struct {
 	status  int
 	headers []string
 	body    []byte
-	details string // response.code_details; "" means via_upstream
-	// attempts is upstream.request_attempt_count (0 for an upstream response means 1, its
-	// first attempt); noAttempts and noDetails leave the attributes out, as a filter that does
-	// not request them.
+	// The rest only shapes a hand-written response_headers message (responseHeaders); through
+	// the proxy, a shape says how Envoy makes a response. details is response.code_details (""
+	// means via_upstream); attempts is upstream.request_attempt_count (0 for an upstream response
+	// means 1, its first attempt); noAttempts and noDetails leave the attributes out, as a
+	// filter that does not request them.
+	details               string
 	attempts              int
 	noAttempts, noDetails bool
 }
@@ -280,7 +277,12 @@ type result struct {
 	headers  []string // name, value pairs in order
 	body     []byte
 	executed bool // whether the upstream ran
-	final    *extprocv3.ProcessingResponse
+	// logged is the proxy's access log line for the request: its dynamic metadata holds what
+	// the server wrote in the receiving namespaces.
+	logged proxy.Record
+	// received are the kinds of the messages the processor received for the request, in order
+	// ("request_headers", "request_body", "response_headers", …).
+	received []string
 }
 
 func (r result) header(name string) []string {
@@ -381,50 +383,23 @@ func responseBody(b []byte, eos bool) *extprocv3.ProcessingRequest {
 	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: b, EndOfStream: eos}}}
 }
 
-// do runs one whole HTTP request through the server, as Envoy would, and returns what the client
-// gets. The upstream runs when the server lets the request through.
+// do runs one whole HTTP request through e2e/proxy in front of the server, with BUFFERED request
+// and response bodies, and returns what the client gets. The upstream answers with u when the
+// server lets the request through.
 func (h *harness) do(r request, u upstream) result {
 	h.t.Helper()
-	st := h.openNamed(r.named)
-	defer st.end()
-	var answers []*extprocv3.ProcessingResponse
-	st.answers = &answers
-	defer func() {
-		h.mu.Lock()
-		h.lastAnswers = answers
-		h.mu.Unlock()
-	}()
-	resp := st.send(requestHeaders(r))
-	if res, ok := immediateResult(resp); ok {
-		return res
-	}
-	require.NotNil(h.t, resp.GetRequestHeaders(), "request_headers must be answered with request_headers")
-	if len(r.body) > 0 {
-		if mo := resp.GetModeOverride(); mo == nil || mo.GetRequestBodyMode() != filterextproc.ProcessingMode_NONE {
-			resp = st.send(requestBody(r.body))
-			if res, ok := immediateResult(resp); ok {
-				return res
-			}
-			require.NotNil(h.t, resp.GetRequestBody(), "request_body must be answered with request_body")
-		}
-	}
-	h.mu.Lock()
-	h.executed[keyOf(r)]++
-	h.mu.Unlock()
-	res := result{status: u.status, headers: append([]string{}, u.headers...), body: u.body, executed: true}
-	if mo := resp.GetModeOverride(); mo != nil && mo.GetResponseHeaderMode() == filterextproc.ProcessingMode_SKIP {
-		return res // Envoy honours the override: no response phases.
-	}
-	resp = st.send(responseHeaders(u))
-	require.NotNil(h.t, resp.GetResponseHeaders(), "response_headers must be answered with response_headers")
-	res.headers = applyMutation(res.headers, resp.GetResponseHeaders().GetResponse().GetHeaderMutation())
-	res.final = resp
-	if mo := resp.GetModeOverride(); len(u.body) > 0 && (mo == nil || mo.GetResponseBodyMode() != filterextproc.ProcessingMode_NONE) {
-		resp = st.send(responseBody(u.body, true))
-		require.NotNil(h.t, resp.GetResponseBody(), "response_body must be answered with response_body")
-		res.final = resp
-	}
-	return res
+	return h.run(r, buffered, u).result
+}
+
+// buffered is the shape of do: BUFFERED request and response bodies, the upstream answering.
+var buffered = shape{reqMode: modeBuffered, respMode: modeBuffered}
+
+// envoyMade is the buffered shape whose response the router makes after attempts tries (see
+// endEnvoyMade): with ran, the last attempt ran upstream and the route timeout fired.
+func envoyMade(attempts int, ran bool) shape {
+	sh := buffered
+	sh.end, sh.attempts, sh.ranUpstream = endEnvoyMade, attempts, ran
+	return sh
 }
 
 func keyOf(r request) string {
@@ -440,53 +415,6 @@ func (h *harness) executions(key string) int {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.executed[key]
-}
-
-// immediateResult turns an ImmediateResponse into what Envoy's local reply sends, in
-// the order of Utility::prepareLocalReply (source/common/http/utility.cc), which
-// Utility::sendLocalReply calls: a header map with only the status, the
-// processor's mutations, then content-type text/plain if none is set and the body is not empty,
-// or content-type and content-length removed if it is empty.
-func immediateResult(resp *extprocv3.ProcessingResponse) (result, bool) {
-	ir := resp.GetImmediateResponse()
-	if ir == nil {
-		return result{}, false
-	}
-	hs := applyMutation(nil, ir.GetHeaders())
-	if len(ir.GetBody()) == 0 {
-		hs = removeHeader(removeHeader(hs, "content-type"), "content-length")
-	} else if !slices.Contains(hs, "content-type") {
-		hs = append(hs, "content-type", "text/plain")
-	}
-	return result{status: int(ir.GetStatus().GetCode()), headers: hs, body: ir.GetBody(), final: resp}, true
-}
-
-// applyMutation applies a header mutation as Envoy does: removals first, then sets; raw_value
-// only; append adds, otherwise the value replaces every earlier one.
-func applyMutation(hs []string, m *extprocv3.HeaderMutation) []string {
-	out := append([]string{}, hs...)
-	for _, name := range m.GetRemoveHeaders() {
-		out = removeHeader(out, name)
-	}
-	for _, o := range m.GetSetHeaders() {
-		name, value := o.GetHeader().GetKey(), string(o.GetHeader().GetRawValue())
-		//lint:ignore SA1019 ext_proc honours only the deprecated append flag (MutationUtils::applyHeaderMutations)
-		if !o.GetAppend().GetValue() {
-			out = removeHeader(out, name)
-		}
-		out = append(out, name, value)
-	}
-	return out
-}
-
-func removeHeader(hs []string, name string) []string {
-	out := hs[:0:0]
-	for i := 0; i < len(hs); i += 2 {
-		if hs[i] != name {
-			out = append(out, hs[i], hs[i+1])
-		}
-	}
-	return out
 }
 
 // syncBuffer collects log output from concurrent goroutines.

@@ -23,8 +23,9 @@ import (
 // route it was first used on, a completion the store fails to write is retried rather than let
 // the request run again, and what a caller sends cannot grow the process without bound.
 
-// A JWT claim's JSON type is part of its scope value: "sub": 1 and "sub": "1" are two callers,
-// and neither ever gets the other's stored response, on either store.
+// A JWT claim's JSON type is part of its scope value: "uid": 1 and "uid": "1" are two callers,
+// and neither ever gets the other's stored response, on either store. (A custom claim: jwt_authn
+// refuses a token whose sub is not a string.)
 func TestTypedClaimsNeverShareARecord(t *testing.T) {
 	pairs := []struct {
 		name string
@@ -39,16 +40,16 @@ func TestTypedClaimsNeverShareARecord(t *testing.T) {
 	}
 	forEachStore(t, func(t *testing.T, newStore func(t *testing.T) testStore) {
 		ts := newStore(t)
-		h := newHarness(t, harnessOptions{store: ts.store, advance: ts.advance, policy: "defaults: {scope: [{jwt_claim: sub}]}"})
+		h := newHarness(t, harnessOptions{store: ts.store, advance: ts.advance, policy: "defaults: {scope: [{jwt_claim: uid}]}"})
 		for i, p := range pairs {
 			key := fmt.Sprintf("typed-%d", i)
-			a := map[string]map[string]any{"provider": {"sub": p.a}}
-			b := map[string]map[string]any{"provider": {"sub": p.b}}
+			a := map[string]map[string]any{"provider": {"uid": p.a}}
+			b := map[string]map[string]any{"provider": {"uid": p.b}}
 			forA := upstream{status: 201, headers: []string{"content-type", "application/json"}, body: []byte(`{"for":"a"}`)}
 			forB := upstream{status: 201, headers: []string{"content-type", "application/json"}, body: []byte(`{"for":"b"}`)}
 			require.True(t, h.do(withJWT(post("/v1/payments", key, `{}`), a), forA).executed, p.name)
 			res := h.do(withJWT(post("/v1/payments", key, `{}`), b), forB)
-			require.True(t, res.executed, "%s: sub %#v is another caller than sub %#v", p.name, p.b, p.a)
+			require.True(t, res.executed, "%s: uid %#v is another caller than uid %#v", p.name, p.b, p.a)
 			require.Equal(t, forB.body, res.body)
 			res = h.do(withJWT(post("/v1/payments", key, `{}`), a), forA)
 			require.Equal(t, []string{"true"}, res.header(replayed), p.name)

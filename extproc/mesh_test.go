@@ -29,21 +29,25 @@ routes:
 func routeOf(t *testing.T, res result) string {
 	t.Helper()
 	md := res.metadata(t)
-	require.NotNil(t, md, "the settling answer carries the dynamic metadata")
+	require.NotNil(t, md, "the dynamic metadata reaches Envoy's access log")
 	return md["route"].(string)
 }
 
-// metadata returns the idempotency namespace of the dynamic metadata on the last answer.
+// metadata returns the idempotency namespace of the dynamic metadata in Envoy's access log line
+// for the request, nil when there is none.
 func (r result) metadata(t *testing.T) map[string]any {
 	t.Helper()
-	if r.final == nil {
+	return r.namespace("idempotency")
+}
+
+// namespace returns the namespace ns of the request's dynamic metadata in Envoy's access log
+// line, nil when there is none.
+func (r result) namespace(ns string) map[string]any {
+	s := r.logged.DynamicMetadata[ns]
+	if s == nil {
 		return nil
 	}
-	ns := r.final.GetDynamicMetadata().GetFields()["idempotency"]
-	if ns == nil {
-		return nil
-	}
-	return ns.GetStructValue().AsMap()
+	return s.AsMap()
 }
 
 func TestRoutesChosenByEnvoy(t *testing.T) {
@@ -63,7 +67,7 @@ func TestRoutesChosenByEnvoy(t *testing.T) {
 		{"metadata naming the defaults", named(post("/v1/payments", "h", `{}`), "default"), "default"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			res := h.doFinal(tc.req, created)
+			res := h.do(tc.req, created)
 			require.True(t, res.executed)
 			require.Equal(t, tc.want, routeOf(t, res))
 		})
@@ -176,24 +180,23 @@ func TestDynamicMetadataOnEveryOutcome(t *testing.T) {
 	require.Len(t, keyHash, 64)
 	get := func(res result) map[string]any {
 		t.Helper()
-		require.NotNil(t, res.final)
-		ns := res.final.GetDynamicMetadata().GetFields()["idem"]
+		ns := res.namespace("idem")
 		require.NotNil(t, ns, "metadata_namespace names the namespace")
-		return ns.GetStructValue().AsMap()
+		return ns
 	}
-	executed := get(h.doFinal(post("/v1/payments", "k", `{}`), created))
+	executed := get(h.do(post("/v1/payments", "k", `{}`), created))
 	require.Equal(t, map[string]any{"outcome": "executed", "route": "default", "key_hash": keyHash, "replayed": false}, executed)
 	require.Equal(t, map[string]any{"outcome": "replayed", "route": "default", "key_hash": keyHash, "replayed": true},
-		get(h.doFinal(post("/v1/payments", "k", `{}`), created)))
-	require.Equal(t, "mismatch", get(h.doFinal(post("/v1/payments", "k", `{"x":1}`), created))["outcome"])
-	released := get(h.doFinal(post("/v1/payments", "r", `{}`), upstream{status: 500}))
+		get(h.do(post("/v1/payments", "k", `{}`), created)))
+	require.Equal(t, "mismatch", get(h.do(post("/v1/payments", "k", `{"x":1}`), created))["outcome"])
+	released := get(h.do(post("/v1/payments", "r", `{}`), upstream{status: 500}))
 	require.Equal(t, "status", released["release_reason"])
 	require.Equal(t, "executed", released["outcome"])
 	require.Equal(t, map[string]any{"outcome": "passthrough", "route": "default", "replayed": false},
-		get(h.doFinal(post("/v1/payments", "", `{}`), created)), "uncovered requests are logged too")
+		get(h.do(post("/v1/payments", "", `{}`), created)), "uncovered requests are logged too")
 	require.Equal(t, map[string]any{"outcome": "missing_key", "route": "strict", "replayed": false},
-		get(h.doFinal(post("/strict", "", `{}`), created)))
-	require.Equal(t, "invalid", get(h.doFinal(post("/v1/payments", "", `{}`, "idempotency-key", "bad key"), created))["outcome"])
+		get(h.do(post("/strict", "", `{}`), created)))
+	require.Equal(t, "invalid", get(h.do(post("/v1/payments", "", `{}`, "idempotency-key", "bad key"), created))["outcome"])
 	h.waitIdle(t) // a stream's log line is written once its handler ends
 	require.Contains(t, h.logs.String(), `"key_hash":"`+keyHash+`"`, "logs carry the same whole key_hash")
 
@@ -204,7 +207,7 @@ func TestDynamicMetadataOnEveryOutcome(t *testing.T) {
 	require.NotNil(t, resp.GetRequestHeaders())
 	require.Nil(t, resp.GetDynamicMetadata())
 	s.send(requestBody([]byte(`{}`)))
-	require.Equal(t, "in_progress", get(h.doFinal(post("/v1/payments", "pending", `{}`), created))["outcome"])
+	require.Equal(t, "in_progress", get(h.do(post("/v1/payments", "pending", `{}`), created))["outcome"])
 	s.end()
 
 	// The other outcomes.
@@ -216,12 +219,7 @@ routes:
   - {name: bodiless, match: {path_prefix: /bodiless}, store_body: false}
   - {name: unsure, match: {path_prefix: /unsure}, unknown_outcome: record}
 `})
-	get = func(res result) map[string]any {
-		t.Helper()
-		require.NotNil(t, res.final)
-		return res.final.GetDynamicMetadata().GetFields()["idem"].GetStructValue().AsMap()
-	}
-	doFinal := func(r request) map[string]any { t.Helper(); return get(h2.doFinal(r, created)) }
+	doFinal := func(r request) map[string]any { t.Helper(); return get(h2.do(r, created)) }
 	big := h2.open()
 	big.send(withBodyModes(requestHeaders(post("/small", "k", `{"a":1}`)), modeStreamed, modeBuffered))
 	tooLarge := big.send(bodyMsg([]byte(`{"a":1}`), true))
@@ -240,20 +238,6 @@ routes:
 	require.Equal(t, "outcome_unknown", doFinal(post("/unsure", "u", `{}`))["outcome"])
 
 	h3 := newHarness(t, harnessOptions{store: newFailingStore(t, false), policy: "metadata_namespace: idem"})
-	res := h3.doFinal(post("/v1/payments", "k", `{}`), created)
-	require.Equal(t, "store_error", res.final.GetDynamicMetadata().GetFields()["idem"].GetStructValue().AsMap()["outcome"])
-}
-
-// doFinal is do, keeping as final the answer that carried the request's dynamic metadata.
-func (h *harness) doFinal(r request, u upstream) result {
-	h.t.Helper()
-	res := h.do(r, u)
-	if res.final == nil || res.final.GetDynamicMetadata() == nil {
-		for _, m := range h.lastAnswers {
-			if m.GetDynamicMetadata() != nil {
-				res.final = m
-			}
-		}
-	}
-	return res
+	res := h3.do(post("/v1/payments", "k", `{}`), created)
+	require.Equal(t, "store_error", get(res)["outcome"])
 }

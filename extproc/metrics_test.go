@@ -21,21 +21,21 @@ routes:
 	small := upstream{status: 201, body: []byte("ok")}
 	big := upstream{status: 200, body: []byte("more than eight")}
 
-	h.do(request{method: "GET", path: "/v1/payments"}, small)                                                        // default passthrough
-	h.do(post("/v1/payments", "", `{}`), small)                                                                      // default passthrough (no key)
-	h.do(post("/v1/payments", "a", `{}`), small)                                                                     // default executed
-	h.do(post("/v1/payments", "a", `{}`), small)                                                                     // default replayed
-	h.do(post("/v1/payments", "a", `{"x":1}`), small)                                                                // default mismatch
-	h.do(post("/v1/payments", "", `{}`, "idempotency-key", "bad key"), small)                                        // default invalid
-	h.do(post("/v1/payments", "t", `{}`, "x-ttl", "0"), small)                                                       // default invalid
-	h.do(post("/v1/payments", "big", `{}`), big)                                                                     // default executed
-	h.do(post("/v1/payments", "big", `{}`), big)                                                                     // default not_replayable
-	h.do(post("/v1/payments", "fail", `{}`), upstream{status: 500})                                                  // default executed, released: status
-	h.do(post("/v1/payments", "gw", `{}`), upstream{status: 200, details: "direct_response"})                        // default executed, released: envoy_response
-	h.do(post("/v1/payments", "to", `{}`), upstream{status: 504, details: "upstream_response_timeout", attempts: 1}) // default executed, released: unknown_outcome
-	h.do(post("/v1/payments", "big", `{"y":1}`, "idempotency-key", "big"), small)                                    // default mismatch
-	h.do(post("/v1/strict", "", `{}`), small)                                                                        // strict missing_key
-	h.do(post("/v1/strict", "s", `{}`), small)                                                                       // strict executed
+	h.do(request{method: "GET", path: "/v1/payments"}, small)                     // default passthrough
+	h.do(post("/v1/payments", "", `{}`), small)                                   // default passthrough (no key)
+	h.do(post("/v1/payments", "a", `{}`), small)                                  // default executed
+	h.do(post("/v1/payments", "a", `{}`), small)                                  // default replayed
+	h.do(post("/v1/payments", "a", `{"x":1}`), small)                             // default mismatch
+	h.do(post("/v1/payments", "", `{}`, "idempotency-key", "bad key"), small)     // default invalid
+	h.do(post("/v1/payments", "t", `{}`, "x-ttl", "0"), small)                    // default invalid
+	h.do(post("/v1/payments", "big", `{}`), big)                                  // default executed
+	h.do(post("/v1/payments", "big", `{}`), big)                                  // default not_replayable
+	h.do(post("/v1/payments", "fail", `{}`), upstream{status: 500})               // default executed, released: status
+	h.run(post("/v1/payments", "gw", `{}`), envoyMade(0, false), small)           // default executed, released: envoy_response
+	h.run(post("/v1/payments", "to", `{}`), envoyMade(1, true), small)            // default executed, released: unknown_outcome
+	h.do(post("/v1/payments", "big", `{"y":1}`, "idempotency-key", "big"), small) // default mismatch
+	h.do(post("/v1/strict", "", `{}`), small)                                     // strict missing_key
+	h.do(post("/v1/strict", "s", `{}`), small)                                    // strict executed
 
 	running := h.open()
 	running.send(requestHeaders(post("/v1/strict", "r", `{}`)))

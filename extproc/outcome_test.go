@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -56,6 +55,30 @@ func requireProblem(t *testing.T, res result, status int, code string) {
 
 const replayed = "x-idempotency-replayed"
 
+// requireUntouched checks that the client got the headers the upstream u sent, each name with
+// its values in order, and no other header but Envoy's own (content-length, date, server,
+// x-envoy-*) and the names in also.
+func requireUntouched(t *testing.T, u upstream, res result, also ...string) {
+	t.Helper()
+	envoys := func(name string) bool {
+		return strings.HasPrefix(name, "x-envoy-") || slices.Contains([]string{"content-length", "date", "server", "connection", "keep-alive", "transfer-encoding"}, name)
+	}
+	want := map[string][]string{}
+	for i := 0; i+1 < len(u.headers); i += 2 {
+		if !envoys(u.headers[i]) {
+			want[u.headers[i]] = append(want[u.headers[i]], u.headers[i+1])
+		}
+	}
+	for name, values := range want {
+		require.Equal(t, values, res.header(name), "%s untouched", name)
+	}
+	for i := 0; i < len(res.headers); i += 2 {
+		name := res.headers[i]
+		_, sent := want[name]
+		require.True(t, sent || envoys(name) || slices.Contains(also, name), "%s: neither the upstream's nor Envoy's", name)
+	}
+}
+
 // rfc9110Titles are the reason phrases of RFC 9110 §15 for the statuses the server answers.
 var rfc9110Titles = map[int]string{
 	400: "Bad Request",
@@ -78,8 +101,8 @@ func TestOutcomeTable(t *testing.T) {
 			{"not covered", "", func(t *testing.T, h *harness) {
 				res := h.do(request{method: "GET", path: "/v1/things", headers: []string{"idempotency-key", "k1"}}, created)
 				require.True(t, res.executed)
-				require.Equal(t, created.headers, res.headers, "untouched")
-				require.Nil(t, res.final, "no response phase after the pass-through override")
+				requireUntouched(t, created, res)
+				require.Equal(t, []string{"request_headers"}, res.received, "no response phase after the pass-through override")
 				res = h.do(request{method: "GET", path: "/v1/things", headers: []string{"idempotency-key", "k1"}}, created)
 				require.Equal(t, 2, h.executions("k1"))
 				h.requireStoreEmpty(t, "k1")
@@ -88,7 +111,7 @@ func TestOutcomeTable(t *testing.T) {
 				for range 2 {
 					res := h.do(post("/v1/payments", "", `{"a":1}`), created)
 					require.True(t, res.executed)
-					require.Equal(t, created.headers, res.headers, "untouched")
+					requireUntouched(t, created, res)
 				}
 				require.Equal(t, 2, h.executions(""))
 			}},
@@ -167,18 +190,43 @@ func TestOutcomeTable(t *testing.T) {
 				require.Equal(t, 201, res.status)
 				require.Equal(t, body, res.body)
 				rec := h.record(t, "k")
+				require.Equal(t, []string{"application/octet-stream"}, res.header("content-type"))
+				require.Equal(t, []string{"a=1; Path=/", "b=2"}, res.header("set-cookie"))
+				require.Equal(t, []string{"t1"}, res.header("x-trace"))
+				require.Equal(t, []string{"true"}, res.header(replayed), "the upstream's own value is not replayed")
+				require.Equal(t, []string{rec.ExpiresAt.UTC().Format(http.TimeFormat)}, res.header("x-idempotency-expires"))
+				require.Equal(t, []string{rec.CreatedAt.UTC().Format(http.TimeFormat)}, res.header("x-idempotency-first-sent"))
+				require.Equal(t, []string{"4096"}, res.header("content-length"), "Envoy's, for the replayed body")
+				require.NotContains(t, res.header("x-envoy-upstream-service-time"), "5", "not the stored one")
+				require.NotContains(t, res.header("date"), "x", "not the stored one")
+				require.Empty(t, res.header("keep-alive"))
+				require.Empty(t, res.header("transfer-encoding"))
+				// The replay's exact answer, the first request and its duplicate written by hand:
+				// the stored headers keep the upstream's order.
+				hand := h.open()
+				hand.send(requestHeaders(post("/v1/payments", "k2", `{"a":1}`)))
+				hand.send(requestBody([]byte(`{"a":1}`)))
+				hand.send(responseHeaders(up))
+				hand.send(responseBody(up.body, true))
+				hand.end()
+				h.waitIdle(t)
+				rec = h.record(t, "k2")
+				s := h.open()
+				s.send(requestHeaders(post("/v1/payments", "k2", `{"a":1}`)))
+				ir := s.send(requestBody([]byte(`{"a":1}`))).GetImmediateResponse()
 				require.Equal(t, []string{
 					"content-type", "application/octet-stream", "set-cookie", "a=1; Path=/", "x-trace", "t1",
 					"set-cookie", "b=2", "x-idempotency-replayed", "true",
 					"x-idempotency-expires", rec.ExpiresAt.UTC().Format(http.TimeFormat),
 					"x-idempotency-first-sent", rec.CreatedAt.UTC().Format(http.TimeFormat),
-				}, res.headers, "every header in order, minus hop-by-hop, content-length, date and x-envoy-*; then the record's expiry and first-sent time")
-				ir := res.final.GetImmediateResponse()
+				}, setHeaders(ir.GetHeaders()), "every header in order, minus hop-by-hop, content-length, date and x-envoy-*; then the record's expiry and first-sent time")
 				for _, o := range ir.GetHeaders().GetSetHeaders() {
 					require.Empty(t, o.GetHeader().GetValue(), "values travel in raw_value only")
 					require.NotEqual(t, "content-length", o.GetHeader().GetKey())
 					require.False(t, strings.HasPrefix(o.GetHeader().GetKey(), ":"))
 				}
+				require.Equal(t, body, ir.GetBody())
+				s.end()
 				require.Equal(t, 1, h.executions("k"))
 			}},
 			{"same key, different fingerprint", "", func(t *testing.T, h *harness) {
@@ -205,7 +253,7 @@ func TestOutcomeTable(t *testing.T) {
 				require.True(t, res.executed)
 				require.Equal(t, 500, res.status)
 				require.Equal(t, []string{"false"}, res.header(replayed))
-				require.Equal(t, extproc.NoStoreMode().String(), res.final.GetModeOverride().String(), "no body phase for a response that is not stored")
+				require.Equal(t, []string{"request_headers", "request_body", "response_headers"}, res.received, "no body phase for a response that is not stored")
 				h.requireStoreEmpty(t, "k")
 				res = h.do(post("/v1/payments", "k", `{}`), created)
 				require.True(t, res.executed, "a retry runs again")
@@ -213,19 +261,25 @@ func TestOutcomeTable(t *testing.T) {
 				require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "default", "reason", "status"))
 			}},
 			{"response generated by Envoy before any attempt upstream", "", func(t *testing.T, h *harness) {
-				res := h.do(post("/v1/payments", "k", `{}`), upstream{status: 503, body: []byte("no healthy upstream"), details: "no_healthy_upstream"})
-				require.Equal(t, 503, res.status)
+				res := h.run(post("/v1/payments", "k", `{}`), envoyMade(0, false), created)
+				require.Equal(t, 404, res.status, "the router's: no route")
+				require.False(t, res.ran)
 				h.requireStoreEmpty(t, "k")
 				// Released even when its status would be stored: nothing reached the upstream.
-				res = h.do(post("/v1/payments", "k", `{}`), upstream{status: 200, details: "direct_response"})
+				// The router's direct_response is written by hand: the proxy has no such route.
+				s := h.open()
+				s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+				s.send(requestBody([]byte(`{}`)))
+				require.NotNil(t, s.send(responseHeaders(upstream{status: 200, details: "direct_response"})).GetResponseHeaders())
+				s.end()
+				h.waitIdle(t)
 				h.requireStoreEmpty(t, "k")
-				require.Equal(t, 2, h.executions("k"))
 				require.Equal(t, 2.0, h.counter("idempotency_releases_total", "route", "default", "reason", "envoy_response"))
 			}},
 			{"response generated by Envoy after the request reached the upstream", "", func(t *testing.T, h *harness) {
-				timeout := upstream{status: 504, body: []byte("upstream request timeout"), details: "upstream_response_timeout", attempts: 1}
-				res := h.do(post("/v1/payments", "k", `{}`), timeout)
-				require.Equal(t, 504, res.status)
+				res := h.run(post("/v1/payments", "k", `{}`), envoyMade(1, true), created)
+				require.Equal(t, 504, res.status, "the route timeout")
+				require.True(t, res.ran)
 				require.Equal(t, []string{"false"}, res.header(replayed))
 				// unknown_outcome: release (the default): at-least-once for an ambiguous outcome,
 				// counted.
@@ -235,8 +289,7 @@ func TestOutcomeTable(t *testing.T) {
 				require.Zero(t, h.counter("idempotency_releases_total", "route", "default", "reason", "envoy_response"))
 			}},
 			{"response generated by Envoy after the attempt, recorded", "defaults: {unknown_outcome: record}", func(t *testing.T, h *harness) {
-				timeout := upstream{status: 504, body: []byte("upstream request timeout"), details: "upstream_response_timeout", attempts: 2}
-				require.Equal(t, 504, h.do(post("/v1/payments", "k", `{}`), timeout).status)
+				require.Equal(t, 504, h.run(post("/v1/payments", "k", `{}`), envoyMade(2, true), created).status)
 				rec := h.record(t, "k")
 				require.NotNil(t, rec)
 				require.True(t, rec.Response.OutcomeUnknown)
@@ -251,9 +304,10 @@ func TestOutcomeTable(t *testing.T) {
 				require.Equal(t, 1.0, h.counter("idempotency_unknown_outcomes_total", "route", "default", "action", "record"))
 			}},
 			{"response generated by Envoy without the attempt count", "", func(t *testing.T, h *harness) {
-				gw := upstream{status: 503, details: "upstream_reset_before_response_started{connection_termination}", noAttempts: true}
-				h.do(post("/v1/payments", "k", `{}`), gw)
-				h.do(post("/v1/payments", "k2", `{}`), gw)
+				gw := envoyMade(1, false) // the upstream resets before answering: the router's 503
+				gw.noAttempts = true
+				require.Equal(t, 503, h.run(post("/v1/payments", "k", `{}`), gw, created).status)
+				require.Equal(t, 503, h.run(post("/v1/payments", "k2", `{}`), gw, created).status)
 				h.requireStoreEmpty(t, "k")
 				require.Equal(t, 2.0, h.counter("idempotency_releases_total", "route", "default", "reason", "unknown_outcome"), "ambiguous without the attribute")
 				require.Equal(t, 2.0, h.counter("idempotency_envoy_misconfig_total", "kind", "attempt_count_missing"))
@@ -263,14 +317,14 @@ func TestOutcomeTable(t *testing.T) {
 				// Envoy's router re-sent the claimed request (retry_policy): stored as usual,
 				// and counted apart from misconfigurations, since a retry after a connect
 				// failure is harmless (the config checks refuse the harmful conditions).
-				retried := created
+				retried := buffered
 				retried.attempts = 2
-				require.True(t, h.do(post("/v1/payments", "k", `{}`), retried).executed)
-				require.True(t, h.do(post("/v1/payments", "k2", `{}`), retried).executed)
+				require.True(t, h.run(post("/v1/payments", "k", `{}`), retried, created).executed)
+				require.True(t, h.run(post("/v1/payments", "k2", `{}`), retried, created).executed)
 				require.False(t, h.do(post("/v1/payments", "k", `{}`), created).executed, "replayed")
-				// An Envoy-made answer after several attempts (per-try timeouts, resets) counts too:
-				// those retries are the ones that may have run it twice.
-				h.do(post("/v1/payments", "k3", `{}`), upstream{status: 504, details: "upstream_per_try_timeout", attempts: 3})
+				// An Envoy-made answer after several attempts (timeouts, resets) counts too: those
+				// retries are the ones that may have run it twice.
+				require.Equal(t, 504, h.run(post("/v1/payments", "k3", `{}`), envoyMade(3, true), created).status)
 				require.Equal(t, 3.0, h.counter("idempotency_upstream_retries_total", "route", "default"))
 				require.Equal(t, 1, strings.Count(h.logs.String(), "retry_policy"), "said once, naming the setting")
 				for _, kind := range []string{extproc.MisconfigCodeDetailsMissing, extproc.MisconfigUnclaimedRequest, extproc.MisconfigAttemptCountMissing} {
@@ -281,17 +335,21 @@ func TestOutcomeTable(t *testing.T) {
 			{"response without code_details", "defaults: {unknown_outcome: keep, lock_ttl: 30s}", func(t *testing.T, h *harness) {
 				// A 504 may be Envoy's upstream timeout after the upstream ran: without the
 				// attribute a response that would release the key is an unknown outcome.
-				res := h.do(post("/v1/payments", "k", `{}`), upstream{status: 504, attempts: 1, noDetails: true})
+				noDetails := buffered
+				noDetails.noDetails = true
+				res := h.run(post("/v1/payments", "k", `{}`), noDetails, upstream{status: 504})
 				require.Equal(t, 504, res.status)
 				dup := h.do(post("/v1/payments", "k", `{}`), created)
 				requireProblem(t, dup, 409, "request-in-progress")
 				require.Equal(t, 1.0, h.counter("idempotency_unknown_outcomes_total", "route", "default", "action", "keep"))
-				// Never attempted upstream: released.
-				h.do(post("/v1/payments", "k2", `{}`), upstream{status: 503, attempts: 0, noDetails: true})
+				// Never attempted upstream (no route): released.
+				notTried := envoyMade(0, false)
+				notTried.noDetails = true
+				require.Equal(t, 404, h.run(post("/v1/payments", "k2", `{}`), notTried, created).status)
 				h.requireStoreEmpty(t, "k2")
 				require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "default", "reason", "envoy_response"))
 				// A storable status is stored.
-				require.True(t, h.do(post("/v1/payments", "k3", `{}`), upstream{status: 201, body: []byte("ok"), attempts: 1, noDetails: true}).executed)
+				require.True(t, h.run(post("/v1/payments", "k3", `{}`), noDetails, upstream{status: 201, body: []byte("ok")}).executed)
 				require.False(t, h.do(post("/v1/payments", "k3", `{}`), created).executed, "replayed")
 				require.Equal(t, 3.0, h.counter("idempotency_envoy_misconfig_total", "kind", "code_details_missing"))
 				require.Equal(t, 1, strings.Count(h.logs.String(), "without response.code_details"), "said once, naming the attribute")
@@ -453,10 +511,9 @@ func TestStoreUnavailable(t *testing.T) {
 		for _, body := range []string{`{}`, ""} {
 			res := h.do(post("/v1/payments", "k", body), created)
 			require.True(t, res.executed)
-			require.Equal(t, append(slices.Clone(created.headers), replayed, "false"), res.headers,
-				"untouched but for the replay header")
-			require.Equal(t, filterextproc.ProcessingMode_NONE, res.final.GetModeOverride().GetResponseBodyMode(),
-				"nothing to store: the body phase is off")
+			requireUntouched(t, created, res, replayed)
+			require.Equal(t, []string{"false"}, res.header(replayed), "untouched but for the replay header")
+			require.NotContains(t, res.received, "response_body", "nothing to store: the body phase is off")
 			require.Equal(t, created.body, res.body)
 		}
 		require.Equal(t, 2, h.executions("k"))

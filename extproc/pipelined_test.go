@@ -67,3 +67,23 @@ func bodyMsg(b []byte, eos bool) *extprocv3.ProcessingRequest {
 var requestTrailersMsg = &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{
 	Trailers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: "x-checksum", RawValue: []byte("1")}}},
 }}}
+
+// immediateAnswer reads an ImmediateResponse as the processor wrote it: its status, its
+// set_headers as name, raw_value pairs in order, and its body. ok is false for any other answer.
+// How Envoy turns it into a local reply is e2e/proxy's to model.
+func immediateAnswer(resp *extprocv3.ProcessingResponse) (res result, ok bool) {
+	ir := resp.GetImmediateResponse()
+	if ir == nil {
+		return result{}, false
+	}
+	return result{status: int(ir.GetStatus().GetCode()), headers: setHeaders(ir.GetHeaders()), body: ir.GetBody()}, true
+}
+
+// setHeaders lists a header mutation's set_headers as name, raw_value pairs, in order.
+func setHeaders(m *extprocv3.HeaderMutation) []string {
+	var hs []string
+	for _, o := range m.GetSetHeaders() {
+		hs = append(hs, o.GetHeader().GetKey(), string(o.GetHeader().GetRawValue()))
+	}
+	return hs
+}

@@ -54,7 +54,7 @@ func TestConcurrentDuplicatesRunOnce(t *testing.T) {
 				resp := s.send(requestHeaders(req))
 				require.NotNil(t, resp.GetRequestHeaders())
 				resp = s.send(requestBody(req.body))
-				if res, ok := immediateResult(resp); ok {
+				if res, ok := immediateAnswer(resp); ok {
 					mu.Lock()
 					results = append(results, res)
 					if len(results) == n-1 {
@@ -208,9 +208,18 @@ func TestReplayHeaders(t *testing.T) {
 	up := upstream{status: 200, body: []byte("no type"), headers: []string{
 		"set-cookie", "a=1", "vary", "accept", "set-cookie", "b=2", "x-trace", "t", "set-cookie", "c=3",
 	}}
-	h.do(post("/v1/payments", "k", `{}`), up)
-	res := h.do(post("/v1/payments", "k", `{}`), up)
-	ir := res.final.GetImmediateResponse()
+	// The replay's exact answer, the first request and its duplicate written by hand: the stored
+	// headers keep the upstream's order.
+	first := h.open()
+	first.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+	first.send(requestBody([]byte(`{}`)))
+	first.send(responseHeaders(up))
+	first.send(responseBody(up.body, true))
+	first.end()
+	h.waitIdle(t)
+	s := h.open()
+	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
+	ir := s.send(requestBody([]byte(`{}`))).GetImmediateResponse()
 	require.Equal(t, 200, int(ir.GetStatus().GetCode()))
 	var got []string
 	for _, o := range ir.GetHeaders().GetSetHeaders() {
@@ -225,8 +234,19 @@ func TestReplayHeaders(t *testing.T) {
 		`idempotent-replayed=true append=false value=""`,
 	}, got)
 	require.Empty(t, ir.GetHeaders().GetRemoveHeaders(), "removing content-type cannot work: Envoy adds text/plain after the mutations")
-	require.Equal(t, []string{"set-cookie", "a=1", "vary", "accept", "set-cookie", "b=2", "set-cookie", "c=3", "idempotent-replayed", "true", "content-type", "text/plain"}, res.headers,
-		"a stored response without content-type replays through Envoy as text/plain (Utility::prepareLocalReply)")
+	s.end()
+	// What a client of a duplicate gets through Envoy.
+	require.True(t, h.do(post("/v1/payments", "k2", `{}`), up).executed)
+	res := h.do(post("/v1/payments", "k2", `{}`), up)
+	require.Equal(t, 200, res.status)
+	require.Equal(t, up.body, res.body)
+	require.Equal(t, []string{"a=1", "b=2", "c=3"}, res.header("set-cookie"), "every value, in order")
+	require.Equal(t, []string{"accept"}, res.header("vary"))
+	require.Equal(t, []string{"true"}, res.header("idempotent-replayed"))
+	require.Empty(t, res.header("x-trace"), "excluded")
+	require.Equal(t, []string{"text/plain"}, res.header("content-type"),
+		"a stored response without content-type replays through Envoy as text/plain")
+	require.False(t, res.executed)
 }
 
 func TestKeysAreScoped(t *testing.T) {
@@ -451,7 +471,7 @@ func TestHeaderMapValueFallback(t *testing.T) {
 		}},
 		EndOfStream: true,
 	}}}
-	res, ok := immediateResult(s.send(m))
+	res, ok := immediateAnswer(s.send(m))
 	require.True(t, ok)
 	requireProblem(t, res, 400, "invalid-idempotency-key")
 }
@@ -478,7 +498,9 @@ func TestRequestBodyNeverCame(t *testing.T) {
 	s := h.open()
 	s.send(requestHeaders(post("/v1/payments", "k", `{}`)))
 	resp := s.send(responseHeaders(created))
-	require.Equal(t, []string{replayed, "false"}, applyMutation(nil, resp.GetResponseHeaders().GetResponse().GetHeaderMutation()))
+	mutation := resp.GetResponseHeaders().GetResponse().GetHeaderMutation()
+	require.Equal(t, []string{replayed, "false"}, setHeaders(mutation))
+	require.Empty(t, mutation.GetRemoveHeaders())
 	require.Equal(t, filterextproc.ProcessingMode_NONE, resp.GetModeOverride().GetResponseBodyMode())
 	s.end()
 	h.waitIdle(t)

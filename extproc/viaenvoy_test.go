@@ -3,28 +3,42 @@ package extproc_test
 import (
 	"bytes"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
 	"crypto/hmac"
+	"crypto/rand"
 	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
+	"math/big"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"testing"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	jwtauthnv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/jwt_authn/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/emptypb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
@@ -84,10 +98,14 @@ type shape struct {
 	end        ending
 	// ranUpstream: with endBeforeResponse or endEnvoyMade, the upstream ran the request.
 	ranUpstream bool
-	// attempts is how many times the router tries the upstream when endEnvoyMade; noAttempts
-	// leaves upstream.request_attempt_count out of the filter's response_attributes.
+	// attempts is how many times the router tries the upstream: each attempt before the last
+	// gets a 503 that the route's retry_policy (5xx) retries; with endEnvoyMade, 0 means no
+	// route matches. noAttempts leaves upstream.request_attempt_count out of the filter's
+	// response_attributes.
 	attempts   int
 	noAttempts bool
+	// noDetails leaves response.code_details out of the filter's response_attributes.
+	noDetails bool
 	// messageTimeout is the filter's message_timeout (0: 5 s, far above any answer here).
 	messageTimeout time.Duration
 	// bodyBeforeAnswer is send_body_without_waiting_for_header_response.
@@ -136,6 +154,16 @@ type envoys struct {
 	proxies map[string]*proxy.Proxy
 	plans   map[string]*plan
 	next    atomic.Uint64
+	// pki and peers serve requests with a peer identity: the listener's certificates, and a
+	// client per identity presenting a certificate with it as URI SAN.
+	pki   *pki
+	peers map[string]*http.Client
+}
+
+// via is what a request says about the route Envoy matched and the connection it came on.
+type via struct {
+	routeName, named string
+	tls              bool
 }
 
 // plan is one request's way through the upstream, and what it saw there.
@@ -179,11 +207,12 @@ func (h *harness) envoys() *envoys {
 	return e
 }
 
-// proxyFor returns the proxy for sh's configuration, started on first use.
-func (e *envoys) proxyFor(sh shape) *proxy.Proxy {
+// proxyFor returns the proxy for sh's configuration and v's route and listener, started on first
+// use.
+func (e *envoys) proxyFor(sh shape, v via) *proxy.Proxy {
 	envoyMade := sh.end == endEnvoyMade
 	key := fmt.Sprint(sh.reqMode, sh.respMode, sh.trailerSend, sh.bufferLimit, sh.messageTimeout, sh.bodyBeforeAnswer,
-		envoyMade && sh.attempts == 0, envoyMade && sh.attempts > 1, envoyMade && sh.ranUpstream, sh.noAttempts)
+		envoyMade && sh.attempts == 0, sh.attempts > 1, envoyMade && sh.ranUpstream, sh.noAttempts, sh.noDetails, v)
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if p := e.proxies[key]; p != nil {
@@ -210,19 +239,36 @@ func (e *envoys) proxyFor(sh shape) *proxy.Proxy {
 		ResponseAttributes:                      []string{"response.code_details", "upstream.request_attempt_count"},
 		MetadataOptions: &filterextproc.MetadataOptions{
 			ForwardingNamespaces: &filterextproc.MetadataOptions_MetadataNamespaces{Untyped: []string{"envoy.filters.http.jwt_authn"}},
+			ReceivingNamespaces:  &filterextproc.MetadataOptions_MetadataNamespaces{Untyped: []string{"idempotency", "idem"}},
 		},
 	}
 	if sh.noAttempts {
-		filter.ResponseAttributes = filter.ResponseAttributes[:1]
+		filter.ResponseAttributes = slices.DeleteFunc(filter.ResponseAttributes, func(a string) bool { return a == "upstream.request_attempt_count" })
 	}
-	rt := proxy.Route{Prefix: "/"}
+	if sh.noDetails {
+		filter.ResponseAttributes = slices.DeleteFunc(filter.ResponseAttributes, func(a string) bool { return a == "response.code_details" })
+	}
+	rt := proxy.Route{Prefix: "/", Name: v.routeName}
+	if v.routeName != "" {
+		filter.RequestAttributes = append(filter.RequestAttributes, "xds.route_name")
+	}
+	if v.named != "" {
+		rt.ExtProc = &filterextproc.ExtProcPerRoute{Override: &filterextproc.ExtProcPerRoute_Overrides{Overrides: &filterextproc.ExtProcOverrides{
+			GrpcInitialMetadata: []*corev3.HeaderValue{{Key: "x-idempotency-route", Value: v.named}},
+		}}}
+	}
+	var serverTLS *tls.Config
+	if v.tls {
+		filter.RequestAttributes = append(filter.RequestAttributes, "connection.uri_san_peer_certificate")
+		serverTLS = &tls.Config{Certificates: []tls.Certificate{e.pkiFor().server}, ClientCAs: e.pki.pool, ClientAuth: tls.RequireAndVerifyClientCert}
+	}
 	if envoyMade && sh.ranUpstream {
 		rt.Timeout = upstreamTimeout // the upstream never answers: the route timeout always fires
 	}
 	if envoyMade && sh.attempts == 0 {
 		rt.Prefix = "/nowhere/" // no route: the router's 404
 	}
-	if envoyMade && sh.attempts > 1 {
+	if sh.attempts > 1 {
 		rt.Retry = &routev3.RetryPolicy{RetryOn: "5xx", NumRetries: wrapperspb.UInt32(uint32(sh.attempts - 1))}
 	}
 	p := proxy.Start(e.h.t, proxy.Config{
@@ -230,6 +276,7 @@ func (e *envoys) proxyFor(sh shape) *proxy.Proxy {
 		ListenerBufferLimit: uint32(sh.bufferLimit), UpstreamBufferLimit: uint32(sh.bufferLimit),
 		UpstreamTrailers: true, DownstreamTrailers: true,
 		JWTAuthn: harnessJWT(),
+		TLS:      serverTLS,
 		Shapes:   e.shapes,
 		AccessLog: func(r proxy.Record) {
 			if p := e.plan(r.RequestID); p != nil {
@@ -241,26 +288,31 @@ func (e *envoys) proxyFor(sh shape) *proxy.Proxy {
 	return p
 }
 
-// harnessJWT is a jwt_authn filter whose provider "provider" verifies HS256 tokens signed with
-// jwtSecret, puts their payload in the dynamic metadata, and lets requests without a token pass.
+// jwtPayloads are the payload_in_metadata names a request's jwt may use: each is a provider
+// of harnessJWT that reads its token from the header x-jwt-<name>.
+var jwtPayloads = []string{"provider", "p", "corp", "partner"}
+
+// harnessJWT is a jwt_authn filter whose providers (jwtPayloads) verify HS256 tokens signed with
+// jwtSecret, each from its own header, and put their payloads in the dynamic metadata; requests
+// without a token pass. No provider reads Authorization: the tests use it as a plain header.
 func harnessJWT() *jwtauthnv3.JwtAuthentication {
 	jwks := `{"keys":[{"kty":"oct","kid":"k1","alg":"HS256","k":"` + base64.RawURLEncoding.EncodeToString([]byte(jwtSecret)) + `"}]}`
-	return &jwtauthnv3.JwtAuthentication{
-		Providers: map[string]*jwtauthnv3.JwtProvider{"provider": {
-			PayloadInMetadata: "provider",
+	providers := map[string]*jwtauthnv3.JwtProvider{}
+	for _, name := range jwtPayloads {
+		providers[name] = &jwtauthnv3.JwtProvider{
+			PayloadInMetadata: name,
+			FromHeaders:       []*jwtauthnv3.JwtHeader{{Name: "x-jwt-" + name}},
 			JwksSourceSpecifier: &jwtauthnv3.JwtProvider_LocalJwks{LocalJwks: &corev3.DataSource{
 				Specifier: &corev3.DataSource_InlineString{InlineString: jwks},
 			}},
-		}},
+		}
+	}
+	return &jwtauthnv3.JwtAuthentication{
+		Providers: providers,
 		Rules: []*jwtauthnv3.RequirementRule{{
 			Match: &routev3.RouteMatch{PathSpecifier: &routev3.RouteMatch_Prefix{Prefix: "/"}},
 			RequirementType: &jwtauthnv3.RequirementRule_Requires{Requires: &jwtauthnv3.JwtRequirement{
-				RequiresType: &jwtauthnv3.JwtRequirement_RequiresAny{RequiresAny: &jwtauthnv3.JwtRequirementOrList{
-					Requirements: []*jwtauthnv3.JwtRequirement{
-						{RequiresType: &jwtauthnv3.JwtRequirement_ProviderName{ProviderName: "provider"}},
-						{RequiresType: &jwtauthnv3.JwtRequirement_AllowMissing{}},
-					},
-				}},
+				RequiresType: &jwtauthnv3.JwtRequirement_AllowMissing{AllowMissing: &emptypb.Empty{}},
 			}},
 		}},
 	}
@@ -336,7 +388,7 @@ func (e *envoys) serveUpstream(w http.ResponseWriter, r *http.Request) {
 	}
 	sh := p.sh
 	attempt := int(p.attempts.Add(1))
-	if sh.end == endEnvoyMade && attempt < sh.attempts {
+	if attempt < sh.attempts {
 		w.WriteHeader(http.StatusServiceUnavailable) // retried by the router; nothing ran
 		return
 	}
@@ -368,6 +420,9 @@ func (e *envoys) serveUpstream(w http.ResponseWriter, r *http.Request) {
 	if sh.trailers {
 		w.Header().Set("Trailer", "X-Checksum")
 	}
+	if w.Header().Get("Content-Type") == "" {
+		w.Header()["Content-Type"] = nil // u has none: no type sniffed from the body either
+	}
 	w.WriteHeader(u.status)
 	if sh.end == endMidBody {
 		_, _ = w.Write(u.body[:len(u.body)/2])
@@ -390,9 +445,8 @@ func (e *envoys) run(p *plan) {
 func (h *harness) run(r request, sh shape, u upstream) simResult {
 	h.t.Helper()
 	t := h.t
-	require.Empty(t, r.routeName+r.peer+r.named, "run sends no route name, peer or named route")
 	e := h.envoys()
-	px := e.proxyFor(sh)
+	px := e.proxyFor(sh, via{routeName: r.routeName, named: r.named, tls: r.peer != ""})
 	id := "run-" + strconv.FormatUint(e.next.Add(1), 10)
 	p := &plan{req: r, sh: sh, u: u, gone: make(chan struct{}), logged: make(chan proxy.Record, 1)}
 	e.mu.Lock()
@@ -415,17 +469,21 @@ func (h *harness) run(r request, sh shape, u upstream) simResult {
 		hr.Trailer = http.Header{"X-Checksum": {"1"}}
 	}
 	for i := 0; i+1 < len(r.headers); i += 2 {
+		if r.headers[i] == ":authority" {
+			hr.Host = r.headers[i+1] // HTTP/1.1's Host, Envoy's :authority
+			continue
+		}
 		hr.Header.Add(r.headers[i], r.headers[i+1])
 	}
 	hr.Header.Set(runHeader, id)
-	if r.jwt != nil {
-		claims := map[string]any{"exp": time.Now().Add(time.Hour).Unix()}
-		for k, v := range r.jwt["provider"] {
-			claims[k] = v
-		}
+	for name, payload := range r.jwt {
+		require.Contains(t, jwtPayloads, name, "a payload name harnessJWT has a provider for")
+		// A jti of its own makes every token another, whatever its claims.
+		claims := map[string]any{"exp": time.Now().Add(time.Hour).Unix(), "jti": id + "-" + name}
+		maps.Copy(claims, payload)
 		tok, err := signJWT(claims)
 		require.NoError(t, err)
-		hr.Header.Set("Authorization", "Bearer "+tok)
+		hr.Header.Set("x-jwt-"+name, tok)
 	}
 	go func() {
 		select {
@@ -436,7 +494,11 @@ func (h *harness) run(r request, sh shape, u upstream) simResult {
 	}()
 
 	var res simResult
-	resp, err := e.client.Do(hr)
+	client := e.client
+	if r.peer != "" {
+		client = e.peerClient(r.peer)
+	}
+	resp, err := client.Do(hr)
 	if err == nil {
 		res.status = resp.StatusCode
 		for name, vs := range resp.Header {
@@ -462,6 +524,8 @@ func (h *harness) run(r request, sh shape, u upstream) simResult {
 	delete(e.plans, id)
 	e.mu.Unlock()
 
+	res.logged = rec
+	res.received = h.inbox.received(id)
 	res.ran = p.ran.Load()
 	res.executed = res.ran
 	res.stalled = rec.CodeDetails == "ext_proc_error_per-message_timeout_exceeded"
@@ -483,4 +547,133 @@ func (h *harness) count(r request) {
 	h.mu.Lock()
 	h.executed[keyOf(r)]++
 	h.mu.Unlock()
+}
+
+// pki is a CA and the listener's certificate it signed.
+type pki struct {
+	pool   *x509.CertPool
+	server tls.Certificate
+	ca     *x509.Certificate
+	caKey  *ecdsa.PrivateKey
+}
+
+// pkiFor returns the envoys' CA and listener certificate, made on first use.
+func (e *envoys) pkiFor() *pki {
+	if e.pki != nil {
+		return e.pki
+	}
+	t := e.h.t
+	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(t, err)
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "harness ca"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IsCA: true, KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &caKey.PublicKey, caKey)
+	require.NoError(t, err)
+	ca, err := x509.ParseCertificate(der)
+	require.NoError(t, err)
+	e.pki = &pki{pool: x509.NewCertPool(), ca: ca, caKey: caKey}
+	e.pki.pool.AddCert(ca)
+	e.pki.server = e.pki.leaf(t, x509.ExtKeyUsageServerAuth, nil)
+	return e.pki
+}
+
+// leaf returns a certificate the CA signed for 127.0.0.1, with uris as URI SANs.
+func (k *pki) leaf(t *testing.T, usage x509.ExtKeyUsage, uris []*url.URL) tls.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(t, err)
+	serial, err := rand.Int(rand.Reader, big.NewInt(1<<62))
+	require.NoError(t, err)
+	tmpl := &x509.Certificate{SerialNumber: serial, Subject: pkix.Name{CommonName: "leaf"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		ExtKeyUsage: []x509.ExtKeyUsage{usage}, KeyUsage: x509.KeyUsageDigitalSignature,
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, URIs: uris}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, k.ca, &key.PublicKey, k.caKey)
+	require.NoError(t, err)
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+}
+
+// peerClient returns a client whose certificate names peer as its URI SAN: the proxy's
+// connection.uri_san_peer_certificate.
+func (e *envoys) peerClient(peer string) *http.Client {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if c := e.peers[peer]; c != nil {
+		return c
+	}
+	t := e.h.t
+	u, err := url.Parse(peer)
+	require.NoError(t, err)
+	k := e.pkiFor()
+	tr := &http.Transport{DisableCompression: true, TLSClientConfig: &tls.Config{
+		RootCAs: k.pool, Certificates: []tls.Certificate{k.leaf(t, x509.ExtKeyUsageClientAuth, []*url.URL{u})},
+	}}
+	t.Cleanup(tr.CloseIdleConnections)
+	if e.peers == nil {
+		e.peers = map[string]*http.Client{}
+	}
+	e.peers[peer] = &http.Client{Transport: tr}
+	return e.peers[peer]
+}
+
+// inbox records, by the x-request-id of their request_headers, the kinds of the messages each of
+// the server's streams received: what Envoy sent the processor for one request.
+type inbox struct {
+	mu   sync.Mutex
+	seen map[string][]string
+}
+
+func (ib *inbox) interceptor(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	return handler(srv, &inboxStream{ServerStream: ss, ib: ib})
+}
+
+// received returns the kinds of the messages the stream of request id received.
+func (ib *inbox) received(id string) []string {
+	ib.mu.Lock()
+	defer ib.mu.Unlock()
+	return slices.Clone(ib.seen[id])
+}
+
+type inboxStream struct {
+	grpc.ServerStream
+	ib *inbox
+	id string
+}
+
+func (s *inboxStream) RecvMsg(m any) error {
+	if err := s.ServerStream.RecvMsg(m); err != nil {
+		return err
+	}
+	req := m.(*extprocv3.ProcessingRequest)
+	for _, hv := range req.GetRequestHeaders().GetHeaders().GetHeaders() {
+		if hv.GetKey() == runHeader {
+			s.id = string(hv.GetRawValue())
+		}
+	}
+	if s.id == "" {
+		return nil
+	}
+	kind := "other"
+	switch req.GetRequest().(type) {
+	case *extprocv3.ProcessingRequest_RequestHeaders:
+		kind = "request_headers"
+	case *extprocv3.ProcessingRequest_RequestBody:
+		kind = "request_body"
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		kind = "request_trailers"
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		kind = "response_headers"
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		kind = "response_body"
+	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		kind = "response_trailers"
+	}
+	s.ib.mu.Lock()
+	defer s.ib.mu.Unlock()
+	if s.ib.seen == nil {
+		s.ib.seen = map[string][]string{}
+	}
+	s.ib.seen[s.id] = append(s.ib.seen[s.id], kind)
+	return nil
 }
