@@ -219,23 +219,23 @@ routes:
   - {name: bodiless, match: {path_prefix: /bodiless}, store_body: false}
   - {name: unsure, match: {path_prefix: /unsure}, unknown_outcome: record}
 `})
-	doFinal := func(r request) map[string]any { t.Helper(); return get(h2.do(r, created)) }
+	logged := func(r request) map[string]any { t.Helper(); return get(h2.do(r, created)) }
 	big := h2.open()
 	big.send(withBodyModes(requestHeaders(post("/small", "k", `{"a":1}`)), modeStreamed, modeBuffered))
 	tooLarge := big.send(bodyMsg([]byte(`{"a":1}`), true))
 	require.Equal(t, "too_large", tooLarge.GetDynamicMetadata().GetFields()["idem"].GetStructValue().AsMap()["outcome"])
 	big.end()
-	require.Equal(t, "scope_missing", doFinal(post("/scoped", "k", `{}`))["outcome"])
-	misconfigured := doFinal(named(post("/v1/payments", "k", `{}`), "nowhere"))
+	require.Equal(t, "scope_missing", logged(post("/scoped", "k", `{}`))["outcome"])
+	misconfigured := logged(named(post("/v1/payments", "k", `{}`), "nowhere"))
 	require.Equal(t, "misconfigured", misconfigured["outcome"])
-	doFinal(post("/bodiless", "b", `{}`))
-	require.Equal(t, "not_replayable", doFinal(post("/bodiless", "b", `{}`))["outcome"])
+	logged(post("/bodiless", "b", `{}`))
+	require.Equal(t, "not_replayable", logged(post("/bodiless", "b", `{}`))["outcome"])
 	u := h2.open()
 	u.send(requestHeaders(post("/unsure", "u", `{}`)))
 	u.send(requestBody([]byte(`{}`)))
 	u.end()
 	h2.waitIdle(t)
-	require.Equal(t, "outcome_unknown", doFinal(post("/unsure", "u", `{}`))["outcome"])
+	require.Equal(t, "outcome_unknown", logged(post("/unsure", "u", `{}`))["outcome"])
 
 	h3 := newHarness(t, harnessOptions{store: newFailingStore(t, false), policy: "metadata_namespace: idem"})
 	res := h3.do(post("/v1/payments", "k", `{}`), created)
