@@ -142,11 +142,7 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 		return err
 	}
 
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	if m, ok := store.(*cache.Memory); ok {
-		reg.MustRegister(memoryMetrics(m)...)
-	}
+	reg := newRegistry(store)
 	metrics, err := extproc.NewMetrics(reg)
 	if err != nil {
 		return err
@@ -155,30 +151,110 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	if err != nil {
 		return err
 	}
-	defer func() {
-		// The spans still buffered go out before the process exits.
-		flushCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		if err := stopTracing(flushCtx); err != nil {
-			log.Warn().Err(err).Msg("tracing: spans not flushed")
-		}
-	}()
+	defer flushSpans(ctx, stopTracing, log)
 	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: cfg.policy, Logger: &log, Metrics: metrics, KeyHash: cfg.keyHash, Tracer: tracer, MaxStreams: cfg.maxStreams})
 	if err != nil {
 		return err
 	}
 
-	grpcLis, err := opts.listen(cfg.grpcAddr)
+	grpcLis, adminLis, err := openListeners(cfg, opts)
 	if err != nil {
-		return fmt.Errorf("grpc-addr: %w", err)
+		return err
 	}
 	defer grpcLis.Close()
-	adminLis, err := opts.listen(cfg.adminAddr)
-	if err != nil {
-		return fmt.Errorf("admin-addr: %w", err)
-	}
 	defer adminLis.Close()
+	p, err := newProcess(cfg, opts, store, log, reg, srv)
+	if err != nil {
+		return err
+	}
+	return p.serve(ctx, grpcLis, adminLis)
+}
 
+// newRegistry is the private registry of the process's metrics, with the Go runtime's and the
+// process's collectors, and the memory store's gauges when the store is the memory store.
+func newRegistry(store cache.Store) *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if m, ok := store.(*cache.Memory); ok {
+		reg.MustRegister(memoryMetrics(m)...)
+	}
+	return reg
+}
+
+// flushSpans sends the spans still buffered before the process exits.
+func flushSpans(ctx context.Context, stopTracing func(context.Context) error, log zerolog.Logger) {
+	flushCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if err := stopTracing(flushCtx); err != nil {
+		log.Warn().Err(err).Msg("tracing: spans not flushed")
+	}
+}
+
+// openListeners opens the gRPC and admin listeners; an error names the setting whose address
+// failed.
+func openListeners(cfg *config, opts runOptions) (grpcLis, adminLis net.Listener, err error) {
+	grpcLis, err = opts.listen(cfg.grpcAddr)
+	if err != nil {
+		return nil, nil, fmt.Errorf("grpc-addr: %w", err)
+	}
+	adminLis, err = opts.listen(cfg.adminAddr)
+	if err != nil {
+		grpcLis.Close()
+		return nil, nil, fmt.Errorf("admin-addr: %w", err)
+	}
+	return grpcLis, adminLis, nil
+}
+
+// process is the serving process: the gRPC server with its health service, the admin server
+// and what the drain turns off.
+type process struct {
+	cfg      *config
+	opts     runOptions
+	log      zerolog.Logger
+	srv      *extproc.Server
+	grpc     *grpc.Server
+	health   *health.Server
+	admin    *http.Server
+	rd       *readiness
+	ready    prometheus.Gauge
+	draining atomic.Bool
+	version  string
+}
+
+// newProcess builds the servers around srv, NOT_SERVING until the store answers.
+func newProcess(cfg *config, opts runOptions, store cache.Store, log zerolog.Logger, reg *prometheus.Registry, srv *extproc.Server) (*process, error) {
+	p := &process{cfg: cfg, opts: opts, log: log, srv: srv, grpc: newGRPCServer(cfg, opts, srv), health: health.NewServer()}
+	healthpb.RegisterHealthServer(p.grpc, p.health)
+	setHealth(p.health, healthpb.HealthCheckResponse_NOT_SERVING)
+
+	rd, err := newReadiness(store, pingTimeout(cfg.policy.StoreTimeout), cfg.policy)
+	if err != nil {
+		return nil, err
+	}
+	p.rd = rd
+	observeReplicas(reg, rd, srv)
+	var records *recordsAPI
+	if cfg.adminToken != nil {
+		if records, err = newRecordsAPI(store, cfg.adminToken, extproc.StorePrefixes(cfg.policy), recordsTimeout, log, reg); err != nil {
+			return nil, err
+		}
+	}
+	p.admin = &http.Server{
+		Handler:           adminHandler(reg, rd, &p.draining, records, cfg.adminPprof),
+		ReadHeaderTimeout: adminReadHeaderTimeout,
+		ReadTimeout:       adminReadTimeout,
+		WriteTimeout:      adminWriteTimeout,
+		IdleTimeout:       opts.adminIdleTimeout,
+	}
+	p.ready = registerStateGauges(reg, cfg.policy)
+	build := currentBuild()
+	reg.MustRegister(buildInfo(build))
+	p.version = build.version
+	return p, nil
+}
+
+// newGRPCServer is the gRPC server of srv with its bounds on connections and messages.
+func newGRPCServer(cfg *config, opts runOptions, srv *extproc.Server) *grpc.Server {
 	gs := grpc.NewServer(
 		// One stream's panic ends that stream, not the process (unless it came from the store).
 		grpc.ChainStreamInterceptor(srv.StreamInterceptor()),
@@ -195,119 +271,118 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 		grpc.MaxHeaderListSize(maxHeaderListSize),
 	)
 	extprocv3.RegisterExternalProcessorServer(gs, srv)
-	healthSrv := health.NewServer()
-	healthpb.RegisterHealthServer(gs, healthSrv)
-	setHealth(healthSrv, healthpb.HealthCheckResponse_NOT_SERVING)
+	return gs
+}
 
-	rd, err := newReadiness(store, pingTimeout(cfg.policy.StoreTimeout), cfg.policy)
-	if err != nil {
-		return err
-	}
+// observeReplicas has each readiness check publish the replicas it counted, to the
+// idempotency_store_replicas gauge and to srv. It is set before the admin listener serves:
+// /readyz counts the replicas too.
+func observeReplicas(reg *prometheus.Registry, rd *readiness, srv *extproc.Server) {
 	replicas := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "idempotency_store_replicas",
 		Help: "Replicas in sync with the Redis master, as the readiness check last counted them (under Cluster, the fewest any master has); 0 for the memory store, which has none. A route whose durability.replicas is above it gets 503 durability-unmet.",
 	})
 	reg.MustRegister(replicas)
-	// Set before the admin listener serves: /readyz counts the replicas too.
 	rd.observe = func(seen int) {
 		if seen >= 0 {
 			replicas.Set(float64(seen))
 		}
 		srv.SetReplicas(seen)
 	}
-	var records *recordsAPI
-	if cfg.adminToken != nil {
-		if records, err = newRecordsAPI(store, cfg.adminToken, extproc.StorePrefixes(cfg.policy), recordsTimeout, log, reg); err != nil {
-			return err
-		}
-	}
-	var draining atomic.Bool
-	admin := &http.Server{
-		Handler:           adminHandler(reg, rd, &draining, records, cfg.adminPprof),
-		ReadHeaderTimeout: adminReadHeaderTimeout,
-		ReadTimeout:       adminReadTimeout,
-		WriteTimeout:      adminWriteTimeout,
-		IdleTimeout:       opts.adminIdleTimeout,
-	}
+}
 
-	errc := make(chan error, 2)
-	go func() { errc <- gs.Serve(grpcLis) }()
-	go func() { errc <- admin.Serve(adminLis) }()
-	watchCtx, stopWatch := context.WithCancel(ctx)
-	defer stopWatch()
-	readyGauge := prometheus.NewGauge(prometheus.GaugeOpts{
+// registerStateGauges registers idempotency_ready, which it returns for the store watch and the
+// drain to set, and idempotency_fail_open, set from p.
+func registerStateGauges(reg *prometheus.Registry, p *policy.Policy) prometheus.Gauge {
+	ready := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "idempotency_ready",
 		Help: "1 while the store answers (with the replicas durability asks for) and the process serves new streams (as /readyz and gRPC health say), else 0.",
 	})
-	reg.MustRegister(readyGauge)
+	reg.MustRegister(ready)
 	failOpen := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "idempotency_fail_open",
 		Help: "1 when fail_mode is open (a covered request that finds the store failing runs upstream without a lease), 0 when closed.",
 	})
-	if cfg.policy.FailMode == policy.FailOpen {
+	if p.FailMode == policy.FailOpen {
 		failOpen.Set(1)
 	}
 	reg.MustRegister(failOpen)
-	build := currentBuild()
-	reg.MustRegister(buildInfo(build))
+	return ready
+}
 
-	configPath := cfg.configPath
-	if configPath == "" {
-		configPath = "(built-in defaults)"
-	}
-	listening := func(e *zerolog.Event) *zerolog.Event {
-		return e.Str("grpc_addr", addrString(grpcLis)).Str("admin_addr", adminLis.Addr().String())
-	}
-	// The listeners are up; the process is ready once its store has answered, which may take
-	// a while (Redis down, a wrong password): until then it serves NOT_SERVING and /readyz 503,
-	// and logs ready when the store first answers.
-	listening(log.Info()).Str("store", cfg.store).Msg("listening: waiting for the store to answer")
-	go watchStore(watchCtx, rd, storeWatch{
-		health: healthSrv, ready: readyGauge, log: log,
-		answered: func() {
-			listening(log.Info()).Str("store", cfg.store).Str("version", build.version).Str("config", configPath).
-				Strs("routes", routeNames(cfg.policy)).Msg("ready")
-		},
-	})
+// serve serves on the listeners until ctx is done or a listener fails for good, then drains. A
+// failed listener ends the process as SIGTERM does, through the drain, so that the streams still
+// open finish or release what they hold; serve then returns its error.
+func (p *process) serve(ctx context.Context, grpcLis, adminLis net.Listener) error {
+	errc := make(chan error, 2)
+	go func() { errc <- p.grpc.Serve(grpcLis) }()
+	go func() { errc <- p.admin.Serve(adminLis) }()
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	defer stopWatch()
+	p.watch(watchCtx, grpcLis, adminLis)
 
-	// A listener that fails for good ends the process as SIGTERM does, through the drain, so
-	// that the streams still open finish or release what they hold; run then returns its error.
 	var failed error
 	select {
 	case <-ctx.Done():
 	case failed = <-errc:
-		log.Error().Err(failed).Msg("listener failed")
+		p.log.Error().Err(failed).Msg("listener failed")
 	}
-
-	log.Info().Dur("drain_timeout", opts.drainTimeout).Msg("shutting down: draining open streams")
 	stopWatch()
-	healthSrv.Shutdown()
-	draining.Store(true)
-	readyGauge.Set(0)
-	graceEnd := time.Now().Add(opts.drainTimeout)
+	p.drain()
+	return failed
+}
+
+// watch logs that the listeners are up and starts watching the store. The process is ready
+// once its store has answered, which may take a while (Redis down, a wrong password): until then
+// it serves NOT_SERVING and /readyz 503, and it logs ready when the store first answers.
+func (p *process) watch(ctx context.Context, grpcLis, adminLis net.Listener) {
+	configPath := p.cfg.configPath
+	if configPath == "" {
+		configPath = "(built-in defaults)"
+	}
+	listening := func(e *zerolog.Event) *zerolog.Event {
+		return e.Str("grpc_addr", addrString(grpcLis)).Str("admin_addr", adminLis.Addr().String()).Str("store", p.cfg.store)
+	}
+	listening(p.log.Info()).Msg("listening: waiting for the store to answer")
+	go watchStore(ctx, p.rd, storeWatch{
+		health: p.health, ready: p.ready, log: p.log,
+		answered: func() {
+			listening(p.log.Info()).Str("version", p.version).Str("config", configPath).
+				Strs("routes", routeNames(p.cfg.policy)).Msg("ready")
+		},
+	})
+}
+
+// drain stops taking streams, lets the open ones finish for the drain timeout, cuts the rest,
+// and waits for their handlers and the completion retries.
+func (p *process) drain() {
+	p.log.Info().Dur("drain_timeout", p.opts.drainTimeout).Msg("shutting down: draining open streams")
+	p.health.Shutdown()
+	p.draining.Store(true)
+	p.ready.Set(0)
+	graceEnd := time.Now().Add(p.opts.drainTimeout)
 	drained := make(chan struct{})
 	go func() {
-		gs.GracefulStop()
+		p.grpc.GracefulStop()
 		close(drained)
 	}()
 	select {
 	case <-drained:
-	case <-time.After(opts.drainTimeout):
-		log.Warn().Msg("drain timeout: cutting the streams still open")
-		gs.Stop()
+	case <-time.After(p.opts.drainTimeout):
+		p.log.Warn().Msg("drain timeout: cutting the streams still open")
+		p.grpc.Stop()
 	}
 	// Cut streams release what they hold as their handlers return. Completions the store failed
 	// to write are retried for what is left of the drain (5 s at least), then given up.
 	waitCtx, cancel := context.WithDeadline(context.Background(), later(graceEnd, time.Now().Add(5*time.Second)))
 	defer cancel()
-	if err := srv.Shutdown(waitCtx); err != nil {
-		log.Error().Err(err).Msg("stream handlers or completion retries did not finish")
+	if err := p.srv.Shutdown(waitCtx); err != nil {
+		p.log.Error().Err(err).Msg("stream handlers or completion retries did not finish")
 	}
 	shutdownCtx, cancel2 := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel2()
-	_ = admin.Shutdown(shutdownCtx)
-	log.Info().Msg("stopped")
-	return failed
+	_ = p.admin.Shutdown(shutdownCtx)
+	p.log.Info().Msg("stopped")
 }
 
 // later returns the later of a and b.
