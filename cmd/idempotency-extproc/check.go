@@ -68,7 +68,7 @@ func checkCommand(args []string, getenv func(string) string, stdin io.Reader, st
 	format := fs.String("format", "text", "text or json")
 	version := fs.String("envoy-version", "", "the Envoy version the deployment runs, e.g. 1.38: adds the warnings of its known ext_proc defects")
 	// The server's settings, as serve takes them; --config is required here.
-	all := settings()
+	all := allSettings
 	for _, s := range all {
 		fs.String(s.name, s.def, s.flagUsage())
 	}

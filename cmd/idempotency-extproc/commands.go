@@ -88,7 +88,7 @@ Flags of serve. Each may also be given by its environment variable and, but for 
 policy file under its name with underscores (redis_url); flags beat the environment, which beats
 the file:
 `)
-	fs, _ := serverFlags(settings())
+	fs, _ := serverFlags(allSettings)
 	fs.SetOutput(&b)
 	fs.PrintDefaults()
 	_, err := io.WriteString(w, b.String())

@@ -129,7 +129,7 @@ func TestHelp(t *testing.T) {
 	for _, c := range []string{"serve", "check", "key-hash", "records", "version", "help"} {
 		server = append(server, "\n  "+c+" ")
 	}
-	for _, s := range settings() {
+	for _, s := range allSettings {
 		server = append(server, "\n  -"+s.name+" ", "(env "+s.env()+")")
 	}
 	keyHash := []string{"usage: idempotency-extproc key-hash", "\n  -verbose\n", "\n  -route name\n"}
@@ -204,7 +204,7 @@ func TestFlagPlaceholders(t *testing.T) {
 		require.NotContains(t, out.String(), "`", "%v: a back quote left in a description", args)
 		require.NotRegexp(t, `\{[a-z]+\}`, out.String(), "%v: a placeholder mark left in a description", args)
 	}
-	fs, _ := serverFlags(settings())
+	fs, _ := serverFlags(allSettings)
 	fs.VisitAll(func(f *flag.Flag) {
 		name, _ := flag.UnquoteUsage(f)
 		require.Contains(t, allowed, name, "-%s", f.Name)

@@ -22,7 +22,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
-// config is the whole configuration: the settings of settings() and the compiled policy.
+// config is the whole configuration: the settings of allSettings and the compiled policy.
 type config struct {
 	configPath          string
 	grpcAddr            string
@@ -117,149 +117,148 @@ func (s setting) flagUsage() string {
 // entropy.
 const minKeyHashSecret = 32
 
-func settings() []setting {
-	return []setting{
-		{name: "config", notInFile: true, doc: "the YAML policy {file}, which may also give the settings below under their file key; without one the defaults apply",
-			apply: func(c *config, v string) error {
-				c.configPath = v
-				return nil
-			}},
-		{name: "grpc-addr", def: ":9002", doc: "the ext_proc gRPC listener's {address}: host:port, or `unix:///path.sock` for a Unix socket, which its owner and group may connect to (a stale socket there is replaced; any other file is left alone and refused)",
-			apply: func(c *config, v string) error {
-				c.grpcAddr = v
-				return checkAddr(v)
-			}},
-		{name: "admin-addr", def: ":9003", doc: "the admin HTTP listener's {address}, serving `/metrics`, `/healthz`, `/readyz` and, with `--admin-token-file`, `/v1/records/`",
-			apply: func(c *config, v string) error {
-				c.adminAddr = v
-				return checkAddr(v)
-			}},
-		{name: "admin-pprof", def: "false", doc: "whether the admin listener also serves Go's runtime profiles at `/debug/pprof/`, a {bool}: off by default, as anyone who reaches the admin port could then take CPU and heap profiles and execution traces; turn it on to find where the process spends its CPU, then off",
-			apply: func(c *config, v string) error {
-				b, err := strconv.ParseBool(v)
-				if err != nil {
-					return fmt.Errorf("must be true or false, got %q", v)
-				}
-				c.adminPprof = b
-				return nil
-			}},
-		{name: "store", def: "memory", doc: "the {kind} of store: `memory` or `redis` (Redis 7.0 or later, or Valkey)",
-			apply: func(c *config, v string) error {
-				if v != "memory" && v != "redis" {
-					return fmt.Errorf("must be memory or redis, got %q", v)
-				}
-				c.store = v
-				return nil
-			}},
-		{name: "redis-url", def: "redis://localhost:6379/0", doc: "the Redis {url}: standalone `redis://` or TLS `rediss://`, user and password in the URL; for Cluster and Sentinel its user, password and TLS apply to the nodes, whose certificates are checked against the addresses they are dialled at (its host is ignored); a private CA is trusted through `SSL_CERT_FILE`; checked at start-up with `--store redis`, and its errors never show the password (percent-encode `#`, `/`, `@`, `:` and `%` in it)",
-			apply: func(c *config, v string) error {
-				c.redisURL = v
-				return nil
-			}},
-		{name: "redis-cluster-addrs", list: true, doc: "comma-separated seed node {addresses} (a YAML list in the file); selects Redis Cluster",
-			apply: func(c *config, v string) error {
-				c.redisClusterAddrs = splitList(v)
-				return nil
-			}},
-		{name: "redis-sentinel-addrs", list: true, doc: "comma-separated sentinel {addresses} (a YAML list in the file); selects Sentinel",
-			apply: func(c *config, v string) error {
-				c.redisSentinelAddrs = splitList(v)
-				return nil
-			}},
-		{name: "redis-sentinel-master", def: "mymaster", doc: "the master {name} the sentinels watch",
-			apply: func(c *config, v string) error {
-				if v == "" {
-					return errors.New("must not be empty")
-				}
-				c.redisSentinelMaster = v
-				return nil
-			}},
-		{name: "redis-batching", def: "true", doc: "whether concurrent Redis calls are batched, a {bool}: `true` shares their round trips in pipelined batches (measured faster under load; staged completions of 256 KiB or more still go alone); `false` sends each call in a round trip of its own",
-			apply: func(c *config, v string) error {
-				b, err := strconv.ParseBool(v)
-				if err != nil {
-					return fmt.Errorf("must be true or false, got %q", v)
-				}
-				c.redisBatching = b
-				return nil
-			}},
-		{name: "memory-max-bytes", def: strconv.Itoa(cache.DefaultMemoryMaxBytes), doc: "the memory store's bound in {bytes}; least recently used completed records go first",
-			apply: func(c *config, v string) error {
-				n, err := strconv.ParseInt(v, 10, 64)
-				if err != nil || n <= 0 {
-					return fmt.Errorf("must be a positive number of bytes, got %q", v)
-				}
-				c.memoryMaxBytes = n
-				return nil
-			}},
-		{name: "max-streams", def: strconv.Itoa(extproc.DefaultMaxStreams), doc: "the most ext_proc streams one replica keeps open at once, a {number}: Envoy holds one per HTTP request it is processing, and a stream beyond the limit is refused at once with `RESOURCE_EXHAUSTED` (docs/operating.md shows the memory a stream takes)",
-			apply: func(c *config, v string) error {
-				n, err := strconv.Atoi(v)
-				if err != nil || n <= 0 {
-					return fmt.Errorf("must be a positive number of streams, got %q", v)
-				}
-				c.maxStreams = n
-				return nil
-			}},
-		{name: "log-level", def: "info", doc: "the least {level} logged: `trace`, `debug`, `info`, `warn` or `error`",
-			apply: func(c *config, v string) error {
-				l, err := zerolog.ParseLevel(v)
-				if err != nil || v == "" {
-					return fmt.Errorf("must be trace, debug, info, warn or error, got %q", v)
-				}
-				c.logLevel = l
-				return nil
-			}},
-		{name: "log-format", def: "json", doc: "the log {format}: `json` or `console`",
-			apply: func(c *config, v string) error {
-				if v != "json" && v != "console" {
-					return fmt.Errorf("must be json or console, got %q", v)
-				}
-				c.logFormat = v
-				return nil
-			}},
-		{name: "admin-token-file", doc: "a {file} holding the bearer token of the records API on the admin listener (one line, no spaces); without it `/v1/records/` answers 404",
-			apply: func(c *config, v string) error {
-				b, err := c.secretFile("admin-token-file", v, readSecretFile)
-				if err != nil || b == nil {
-					return err
-				}
-				if bytes.ContainsFunc(b, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
-					return fmt.Errorf("%s: the token holds spaces or control characters; write it alone on one line", v)
-				}
-				c.adminToken = b
-				return nil
-			}},
-		{name: "record-keys-file", doc: "a {file} of lines `<id>:<base64 of 32 bytes>`, the first the active key: stored responses are sealed with AES-256-GCM; records sealed with any listed key are read",
-			apply: func(c *config, v string) error {
-				b, err := c.secretFile("record-keys-file", v, readFile)
-				if err != nil || b == nil {
-					return err
-				}
-				ring, err := seal.ParseKeyring(b)
-				if err != nil {
-					return fmt.Errorf("%s: %w", v, err) // names the line, never a key
-				}
-				c.recordKeys, c.keyring = b, ring
-				return nil
-			}},
-		{name: "key-hash-secret-file", doc: "a {file} of at least 32 bytes: stored keys are HMAC-SHA256 with it instead of SHA-256; changing it re-keys every record",
-			apply: func(c *config, v string) error {
-				b, err := c.secretFile("key-hash-secret-file", v, readSecretFile)
-				if err != nil || b == nil {
-					return err
-				}
-				if len(b) < minKeyHashSecret {
-					return fmt.Errorf("%s holds %d bytes; at least %d are needed (for example from head -c 32 /dev/urandom)", v, len(b), minKeyHashSecret)
-				}
-				h, err := seal.NewKeyHasher(b)
-				if err != nil {
-					return fmt.Errorf("%s: %w", v, err)
-				}
-				c.keyHashSecret, c.keyHash = b, h
-				return nil
-			}},
-	}
+// allSettings are the settings of the server, in the order -h and docs/configuration.md list them.
+var allSettings = []setting{
+	{name: "config", notInFile: true, doc: "the YAML policy {file}, which may also give the settings below under their file key; without one the defaults apply",
+		apply: func(c *config, v string) error {
+			c.configPath = v
+			return nil
+		}},
+	{name: "grpc-addr", def: ":9002", doc: "the ext_proc gRPC listener's {address}: host:port, or `unix:///path.sock` for a Unix socket, which its owner and group may connect to (a stale socket there is replaced; any other file is left alone and refused)",
+		apply: func(c *config, v string) error {
+			c.grpcAddr = v
+			return checkAddr(v)
+		}},
+	{name: "admin-addr", def: ":9003", doc: "the admin HTTP listener's {address}, serving `/metrics`, `/healthz`, `/readyz` and, with `--admin-token-file`, `/v1/records/`",
+		apply: func(c *config, v string) error {
+			c.adminAddr = v
+			return checkAddr(v)
+		}},
+	{name: "admin-pprof", def: "false", doc: "whether the admin listener also serves Go's runtime profiles at `/debug/pprof/`, a {bool}: off by default, as anyone who reaches the admin port could then take CPU and heap profiles and execution traces; turn it on to find where the process spends its CPU, then off",
+		apply: func(c *config, v string) error {
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				return fmt.Errorf("must be true or false, got %q", v)
+			}
+			c.adminPprof = b
+			return nil
+		}},
+	{name: "store", def: "memory", doc: "the {kind} of store: `memory` or `redis` (Redis 7.0 or later, or Valkey)",
+		apply: func(c *config, v string) error {
+			if v != "memory" && v != "redis" {
+				return fmt.Errorf("must be memory or redis, got %q", v)
+			}
+			c.store = v
+			return nil
+		}},
+	{name: "redis-url", def: "redis://localhost:6379/0", doc: "the Redis {url}: standalone `redis://` or TLS `rediss://`, user and password in the URL; for Cluster and Sentinel its user, password and TLS apply to the nodes, whose certificates are checked against the addresses they are dialled at (its host is ignored); a private CA is trusted through `SSL_CERT_FILE`; checked at start-up with `--store redis`, and its errors never show the password (percent-encode `#`, `/`, `@`, `:` and `%` in it)",
+		apply: func(c *config, v string) error {
+			c.redisURL = v
+			return nil
+		}},
+	{name: "redis-cluster-addrs", list: true, doc: "comma-separated seed node {addresses} (a YAML list in the file); selects Redis Cluster",
+		apply: func(c *config, v string) error {
+			c.redisClusterAddrs = splitList(v)
+			return nil
+		}},
+	{name: "redis-sentinel-addrs", list: true, doc: "comma-separated sentinel {addresses} (a YAML list in the file); selects Sentinel",
+		apply: func(c *config, v string) error {
+			c.redisSentinelAddrs = splitList(v)
+			return nil
+		}},
+	{name: "redis-sentinel-master", def: "mymaster", doc: "the master {name} the sentinels watch",
+		apply: func(c *config, v string) error {
+			if v == "" {
+				return errors.New("must not be empty")
+			}
+			c.redisSentinelMaster = v
+			return nil
+		}},
+	{name: "redis-batching", def: "true", doc: "whether concurrent Redis calls are batched, a {bool}: `true` shares their round trips in pipelined batches (measured faster under load; staged completions of 256 KiB or more still go alone); `false` sends each call in a round trip of its own",
+		apply: func(c *config, v string) error {
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				return fmt.Errorf("must be true or false, got %q", v)
+			}
+			c.redisBatching = b
+			return nil
+		}},
+	{name: "memory-max-bytes", def: strconv.Itoa(cache.DefaultMemoryMaxBytes), doc: "the memory store's bound in {bytes}; least recently used completed records go first",
+		apply: func(c *config, v string) error {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil || n <= 0 {
+				return fmt.Errorf("must be a positive number of bytes, got %q", v)
+			}
+			c.memoryMaxBytes = n
+			return nil
+		}},
+	{name: "max-streams", def: strconv.Itoa(extproc.DefaultMaxStreams), doc: "the most ext_proc streams one replica keeps open at once, a {number}: Envoy holds one per HTTP request it is processing, and a stream beyond the limit is refused at once with `RESOURCE_EXHAUSTED` (docs/operating.md shows the memory a stream takes)",
+		apply: func(c *config, v string) error {
+			n, err := strconv.Atoi(v)
+			if err != nil || n <= 0 {
+				return fmt.Errorf("must be a positive number of streams, got %q", v)
+			}
+			c.maxStreams = n
+			return nil
+		}},
+	{name: "log-level", def: "info", doc: "the least {level} logged: `trace`, `debug`, `info`, `warn` or `error`",
+		apply: func(c *config, v string) error {
+			l, err := zerolog.ParseLevel(v)
+			if err != nil || v == "" {
+				return fmt.Errorf("must be trace, debug, info, warn or error, got %q", v)
+			}
+			c.logLevel = l
+			return nil
+		}},
+	{name: "log-format", def: "json", doc: "the log {format}: `json` or `console`",
+		apply: func(c *config, v string) error {
+			if v != "json" && v != "console" {
+				return fmt.Errorf("must be json or console, got %q", v)
+			}
+			c.logFormat = v
+			return nil
+		}},
+	{name: "admin-token-file", doc: "a {file} holding the bearer token of the records API on the admin listener (one line, no spaces); without it `/v1/records/` answers 404",
+		apply: func(c *config, v string) error {
+			b, err := c.secretFile("admin-token-file", v, readSecretFile)
+			if err != nil || b == nil {
+				return err
+			}
+			if bytes.ContainsFunc(b, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
+				return fmt.Errorf("%s: the token holds spaces or control characters; write it alone on one line", v)
+			}
+			c.adminToken = b
+			return nil
+		}},
+	{name: "record-keys-file", doc: "a {file} of lines `<id>:<base64 of 32 bytes>`, the first the active key: stored responses are sealed with AES-256-GCM; records sealed with any listed key are read",
+		apply: func(c *config, v string) error {
+			b, err := c.secretFile("record-keys-file", v, readFile)
+			if err != nil || b == nil {
+				return err
+			}
+			ring, err := seal.ParseKeyring(b)
+			if err != nil {
+				return fmt.Errorf("%s: %w", v, err) // names the line, never a key
+			}
+			c.recordKeys, c.keyring = b, ring
+			return nil
+		}},
+	{name: "key-hash-secret-file", doc: "a {file} of at least 32 bytes: stored keys are HMAC-SHA256 with it instead of SHA-256; changing it re-keys every record",
+		apply: func(c *config, v string) error {
+			b, err := c.secretFile("key-hash-secret-file", v, readSecretFile)
+			if err != nil || b == nil {
+				return err
+			}
+			if len(b) < minKeyHashSecret {
+				return fmt.Errorf("%s holds %d bytes; at least %d are needed (for example from head -c 32 /dev/urandom)", v, len(b), minKeyHashSecret)
+			}
+			h, err := seal.NewKeyHasher(b)
+			if err != nil {
+				return fmt.Errorf("%s: %w", v, err)
+			}
+			c.keyHashSecret, c.keyHash = b, h
+			return nil
+		}},
 }
 
 // readFile reads the secret file a setting names at start-up (a token, a key-hash secret, a
@@ -389,81 +388,114 @@ func loadConfig(args []string, getenv func(string) string) (*config, error) {
 
 // loadConfigFor is loadConfig, for check when checkOnly is set (config.checkOnly).
 func loadConfigFor(args []string, getenv func(string) string, checkOnly bool) (*config, error) {
-	all := settings()
-	fs, flags := serverFlags(all)
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil, err
-		}
-		return nil, fmt.Errorf("%w (idempotency-extproc help lists the flags)", err)
+	in, err := parseServerFlags(args, getenv)
+	if err != nil {
+		return nil, err
 	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments %q: the server takes flags only (idempotency-extproc help lists the commands and flags)", fs.Args())
-	}
-	explicit := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { explicit[f.Name] = true })
-
-	// value is a setting's value and where it came from.
-	value := func(s setting, file map[string]string) (string, string) {
-		v, source := s.def, "default"
-		if fv, ok := file[s.fileKey()]; ok && !s.notInFile {
-			v, source = fv, "config file key "+s.fileKey()
-		}
-		if ev := getenv(s.env()); ev != "" {
-			v, source = ev, "environment variable "+s.env()
-		}
-		if explicit[s.name] {
-			v, source = *flags[s.name], "flag --"+s.name
-		}
-		return v, source
-	}
-
 	c := &config{policy: policy.Default(), checkOnly: checkOnly}
 	var errs []error
+	path, pathSource := in.value(allSettings[slices.IndexFunc(allSettings, func(s setting) bool { return s.notInFile })], nil)
 	var file map[string]string
-	path, pathSource := value(all[slices.IndexFunc(all, func(s setting) bool { return s.notInFile })], nil)
 	if path != "" {
-		data, err := readBoundedFile(path, maxPolicyFileBytes)
-		if err != nil {
+		var err error
+		if c.policy, file, err = readPolicyFile(path, pathSource); err != nil {
 			// The other settings are still checked, so that every bad one is reported at once.
-			errs = append(errs, fmt.Errorf("config (%s): %w", pathSource, err))
-		} else {
-			var p *policy.Policy
-			p, file, err = policy.ParseFile(data, fileSettings(all))
-			if err != nil {
-				errs = append(errs, fmt.Errorf("config file %s: %w", path, err))
-			}
-			c.policy = p
+			errs = append(errs, err)
 		}
 	}
-
 	sources := map[string]string{}
-	for _, s := range all {
-		v, source := value(s, file)
+	for _, s := range allSettings {
+		v, source := in.value(s, file)
 		sources[s.name] = source
 		if err := s.apply(c, v); err != nil {
 			errs = append(errs, fmt.Errorf("%s (%s): %w", s.name, source, err))
 		}
 	}
-	switch {
-	case len(c.redisClusterAddrs) > 0 && len(c.redisSentinelAddrs) > 0:
-		errs = append(errs, fmt.Errorf("redis-cluster-addrs (%s) and redis-sentinel-addrs (%s): choose Cluster or Sentinel, not both",
-			sources["redis-cluster-addrs"], sources["redis-sentinel-addrs"]))
-	case c.store == "redis":
-		// What the Redis client would refuse at start-up, reported with the rest.
-		if err := cache.CheckRedisOptions(c.redisOptions(0)); err != nil {
-			errs = append(errs, fmt.Errorf("redis-url (%s): %w", sources["redis-url"], err))
-		}
-	case c.store == "memory" && c.policy != nil:
-		if waits := durableRoutes(c.policy); len(waits) > 0 {
-			errs = append(errs, fmt.Errorf("durability.replicas (config file %s) is above 0 for %s, and the memory store (store, %s) has no replicas to wait for: use the Redis store, or durability.replicas: 0",
-				path, strings.Join(waits, ", "), sources["store"]))
-		}
+	if err := c.checkTogether(sources, path); err != nil {
+		errs = append(errs, err)
 	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
 	return c, nil
+}
+
+// settingInputs are where a setting's value may come from besides the policy file: the flags
+// given and the environment.
+type settingInputs struct {
+	flags    map[string]*string
+	explicit map[string]bool
+	getenv   func(string) string
+}
+
+// parseServerFlags parses the server's flags; its error says how to list them, or is
+// flag.ErrHelp after -h.
+func parseServerFlags(args []string, getenv func(string) string) (settingInputs, error) {
+	fs, flags := serverFlags(allSettings)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return settingInputs{}, err
+		}
+		return settingInputs{}, fmt.Errorf("%w (idempotency-extproc help lists the flags)", err)
+	}
+	if fs.NArg() > 0 {
+		return settingInputs{}, fmt.Errorf("unexpected arguments %q: the server takes flags only (idempotency-extproc help lists the commands and flags)", fs.Args())
+	}
+	explicit := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { explicit[f.Name] = true })
+	return settingInputs{flags: flags, explicit: explicit, getenv: getenv}, nil
+}
+
+// value is a setting's value and where it came from: a flag given beats the environment, which
+// beats the policy file's keys (file), which beat the default.
+func (in settingInputs) value(s setting, file map[string]string) (string, string) {
+	v, source := s.def, "default"
+	if fv, ok := file[s.fileKey()]; ok && !s.notInFile {
+		v, source = fv, "config file key "+s.fileKey()
+	}
+	if ev := in.getenv(s.env()); ev != "" {
+		v, source = ev, "environment variable "+s.env()
+	}
+	if in.explicit[s.name] {
+		v, source = *in.flags[s.name], "flag --"+s.name
+	}
+	return v, source
+}
+
+// readPolicyFile reads and parses the policy file at path, which source gave: the policy (the
+// defaults when the file cannot be read, nil when it does not parse) and the settings its keys
+// give.
+func readPolicyFile(path, source string) (*policy.Policy, map[string]string, error) {
+	data, err := readBoundedFile(path, maxPolicyFileBytes)
+	if err != nil {
+		return policy.Default(), nil, fmt.Errorf("config (%s): %w", source, err)
+	}
+	p, file, err := policy.ParseFile(data, fileSettings(allSettings))
+	if err != nil {
+		return p, file, fmt.Errorf("config file %s: %w", path, err)
+	}
+	return p, file, nil
+}
+
+// checkTogether refuses the settings that are valid alone and not together; sources says where
+// each setting came from, path is the policy file.
+func (c *config) checkTogether(sources map[string]string, path string) error {
+	switch {
+	case len(c.redisClusterAddrs) > 0 && len(c.redisSentinelAddrs) > 0:
+		return fmt.Errorf("redis-cluster-addrs (%s) and redis-sentinel-addrs (%s): choose Cluster or Sentinel, not both",
+			sources["redis-cluster-addrs"], sources["redis-sentinel-addrs"])
+	case c.store == "redis":
+		// What the Redis client would refuse at start-up, reported with the rest.
+		if err := cache.CheckRedisOptions(c.redisOptions(0)); err != nil {
+			return fmt.Errorf("redis-url (%s): %w", sources["redis-url"], err)
+		}
+	case c.store == "memory" && c.policy != nil:
+		if waits := durableRoutes(c.policy); len(waits) > 0 {
+			return fmt.Errorf("durability.replicas (config file %s) is above 0 for %s, and the memory store (store, %s) has no replicas to wait for: use the Redis store, or durability.replicas: 0",
+				path, strings.Join(waits, ", "), sources["store"])
+		}
+	}
+	return nil
 }
 
 // durableRoutes names the routes that wait for replicas (durability.replicas above 0): "the

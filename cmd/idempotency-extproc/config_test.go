@@ -258,7 +258,7 @@ func TestConfigHelp(t *testing.T) {
 	require.ErrorIs(t, err, flag.ErrHelp)
 	var out strings.Builder
 	require.NoError(t, writeUsage(&out))
-	for _, s := range settings() {
+	for _, s := range allSettings {
 		require.Contains(t, out.String(), "-"+s.name+" ", s.name)
 		require.Contains(t, out.String(), "(env "+s.env()+")", s.name)
 		if s.def != "" {

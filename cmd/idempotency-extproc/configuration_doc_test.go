@@ -12,11 +12,11 @@ import (
 )
 
 // settingsTable is docs/configuration.md's table of the program's settings, written from
-// settings().
+// allSettings.
 func settingsTable() string {
 	var b strings.Builder
 	b.WriteString("| flag | env | file key | default | meaning |\n| --- | --- | --- | --- | --- |\n")
-	for _, s := range settings() {
+	for _, s := range allSettings {
 		key := "none"
 		if !s.notInFile {
 			key = "`" + s.fileKey() + "`"
@@ -87,7 +87,7 @@ func TestConfigurationDocPolicyExamplesParse(t *testing.T) {
 	blocks := regexp.MustCompile("(?s)```yaml\n(.*?)```").FindAllStringSubmatch(doc, -1)
 	require.NotEmpty(t, blocks, "a YAML example")
 	for _, b := range blocks {
-		_, _, err := policy.ParseFile([]byte(b[1]), fileSettings(settings()))
+		_, _, err := policy.ParseFile([]byte(b[1]), fileSettings(allSettings))
 		require.NoError(t, err, "docs/configuration.md example:\n%s", b[1])
 	}
 }
