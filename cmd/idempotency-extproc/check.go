@@ -68,8 +68,7 @@ func checkCommand(args []string, getenv func(string) string, stdin io.Reader, st
 	format := fs.String("format", "text", "text or json")
 	version := fs.String("envoy-version", "", "the Envoy version the deployment runs, e.g. 1.38: adds the warnings of its known ext_proc defects")
 	// The server's settings, as serve takes them; --config is required here.
-	all := allSettings
-	for _, s := range all {
+	for _, s := range allSettings {
 		fs.String(s.name, s.def, s.flagUsage())
 	}
 	maxInput := fs.Int64("max-input-bytes", check.DefaultMaxInputBytes, "the most `bytes` each FILE (and standard input) may hold; their YAML may hold one value per "+strconv.Itoa(yamllimit.BytesPerValue)+" of them, nested at most "+strconv.Itoa(yamllimit.MaxDepth)+" deep")
@@ -79,14 +78,7 @@ func checkCommand(args []string, getenv func(string) string, stdin io.Reader, st
 		}
 		return nil
 	}
-	var serverArgs []string
-	fs.Visit(func(f *flag.Flag) {
-		if slices.ContainsFunc(all, func(s setting) bool { return s.name == f.Name }) {
-			serverArgs = append(serverArgs, "--"+f.Name+"="+f.Value.String())
-		}
-	})
-	configGiven := getenv("IDEMPOTENCY_CONFIG") != ""
-	fs.Visit(func(f *flag.Flag) { configGiven = configGiven || f.Name == "config" })
+	serverArgs, configGiven := serverSettingsGiven(fs, getenv)
 	switch {
 	case !configGiven:
 		return &exitError{checkBadFile, errors.New("check: --config is required (the server's policy file)")}
@@ -104,34 +96,19 @@ func checkCommand(args []string, getenv func(string) string, stdin io.Reader, st
 			return err
 		}
 	}
-	configPath := cfg.configPath
 	files := fs.Args()
 	if len(files) == 0 {
 		if *version != "" {
 			return &exitError{checkBadFile, errors.New("check: --envoy-version needs a FILE to check")}
 		}
-		if *format == "json" {
-			_, err := fmt.Fprintln(stdout, "[]")
-			return err
-		}
-		_, err := fmt.Fprintf(stdout, "%s: the policy is valid\n", configPath)
-		return err
+		return writePolicyValid(stdout, cfg.configPath, *format)
 	}
-	var inputs []check.Input
-	var readErrs []error
-	for _, name := range files {
-		in, err := readCheckInput(name, stdin, *maxInput)
-		if err != nil {
-			readErrs = append(readErrs, err)
-			continue
-		}
-		inputs = append(inputs, in)
-	}
-	if err := errors.Join(readErrs...); err != nil {
+	inputs, err := readCheckInputs(files, stdin, *maxInput)
+	if err != nil {
 		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
 	}
-	policyData, _ := os.ReadFile(configPath) // start-up read it: only for the findings' lines
-	rep, err := check.Run(cfg.policy, inputs, check.Options{EnvoyVersion: *version, MaxInputBytes: *maxInput, Policy: check.Input{Name: configPath, Data: policyData}})
+	policyData, _ := os.ReadFile(cfg.configPath) // start-up read it: only for the findings' lines
+	rep, err := check.Run(cfg.policy, inputs, check.Options{EnvoyVersion: *version, MaxInputBytes: *maxInput, Policy: check.Input{Name: cfg.configPath, Data: policyData}})
 	if err != nil {
 		return &exitError{checkBadFile, fmt.Errorf("check: %w", err)}
 	}
@@ -142,6 +119,45 @@ func checkCommand(args []string, getenv func(string) string, stdin io.Reader, st
 		return &exitError{checkFound, fmt.Errorf("check: %d error(s): protection breaks with this configuration", n)}
 	}
 	return nil
+}
+
+// serverSettingsGiven are the server's settings given as check's flags, as server arguments,
+// and whether the policy file is named (by --config or IDEMPOTENCY_CONFIG).
+func serverSettingsGiven(fs *flag.FlagSet, getenv func(string) string) (serverArgs []string, configGiven bool) {
+	configGiven = getenv("IDEMPOTENCY_CONFIG") != ""
+	fs.Visit(func(f *flag.Flag) {
+		if slices.ContainsFunc(allSettings, func(s setting) bool { return s.name == f.Name }) {
+			serverArgs = append(serverArgs, "--"+f.Name+"="+f.Value.String())
+		}
+		configGiven = configGiven || f.Name == "config"
+	})
+	return serverArgs, configGiven
+}
+
+// writePolicyValid is the report of a check of the policy alone, which start-up validated.
+func writePolicyValid(stdout io.Writer, configPath, format string) error {
+	if format == "json" {
+		_, err := fmt.Fprintln(stdout, "[]")
+		return err
+	}
+	_, err := fmt.Fprintf(stdout, "%s: the policy is valid\n", configPath)
+	return err
+}
+
+// readCheckInputs reads the files to check ("-" is stdin), each of at most maxInput bytes; its
+// error names every file that could not be read.
+func readCheckInputs(files []string, stdin io.Reader, maxInput int64) ([]check.Input, error) {
+	var inputs []check.Input
+	var readErrs []error
+	for _, name := range files {
+		in, err := readCheckInput(name, stdin, maxInput)
+		if err != nil {
+			readErrs = append(readErrs, err)
+			continue
+		}
+		inputs = append(inputs, in)
+	}
+	return inputs, errors.Join(readErrs...)
 }
 
 // unwrapPath drops the operation and path of an *os.PathError, which the caller names.

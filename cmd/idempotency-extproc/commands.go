@@ -158,41 +158,13 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 	case *route == "" && *path == "":
 		return errors.New("key-hash: give --route (the policy route name) or --path (the request's path), or both")
 	}
-	serverArgs := []string{}
-	if *configPath != "" {
-		serverArgs = append(serverArgs, "--config", *configPath)
-	}
-	if *secretFile != "" {
-		serverArgs = append(serverArgs, "--key-hash-secret-file", *secretFile)
-	}
-	cfg, err := loadConfig(serverArgs, getenv)
+	cfg, err := keyHashConfig(*configPath, *secretFile, getenv)
 	if err != nil {
-		return fmt.Errorf("key-hash: %w", err)
+		return err
 	}
-	req := extproc.KeyRequest{Route: *route, Path: *path, Key: *key, PeerIdentity: *peer}
-	for _, h := range headers {
-		name, value, ok := strings.Cut(h, ":")
-		if !ok {
-			return fmt.Errorf("key-hash: --header %q: write it as 'name: value'", h)
-		}
-		req.Headers = append(req.Headers, [2]string{strings.ToLower(strings.TrimSpace(name)), strings.TrimSpace(value)})
-	}
-	for _, c := range claims {
-		name, value, ok := strings.Cut(c, "=")
-		if !ok || name == "" {
-			return fmt.Errorf("key-hash: --jwt-claim %q: write it as name=value", c)
-		}
-		if req.Claims == nil {
-			req.Claims = map[string]any{}
-		}
-		var v any
-		if json.Unmarshal([]byte(value), &v) != nil {
-			v = value // not JSON: a string claim, as written
-		}
-		req.Claims[name] = v
-	}
-	if *path == "" {
-		req.Path = "/"
+	req, err := keyRequest(extproc.KeyRequest{Route: *route, Path: *path, Key: *key, PeerIdentity: *peer}, headers, claims)
+	if err != nil {
+		return err
 	}
 	r, hashed, err := extproc.KeyHash(cfg.policy, req, cfg.keyHash)
 	if err != nil {
@@ -205,6 +177,53 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 	}
 	_, err = fmt.Fprintln(stdout, hashed)
 	return err
+}
+
+// keyHashConfig is the server's configuration as key-hash needs it: the policy file and the
+// key-hash secret, the other settings from the environment.
+func keyHashConfig(configPath, secretFile string, getenv func(string) string) (*config, error) {
+	serverArgs := []string{}
+	if configPath != "" {
+		serverArgs = append(serverArgs, "--config", configPath)
+	}
+	if secretFile != "" {
+		serverArgs = append(serverArgs, "--key-hash-secret-file", secretFile)
+	}
+	cfg, err := loadConfig(serverArgs, getenv)
+	if err != nil {
+		return nil, fmt.Errorf("key-hash: %w", err)
+	}
+	return cfg, nil
+}
+
+// keyRequest is req with the --header and --jwt-claim values read into it, and the path "/"
+// when none was given.
+func keyRequest(req extproc.KeyRequest, headers, claims []string) (extproc.KeyRequest, error) {
+	for _, h := range headers {
+		name, value, ok := strings.Cut(h, ":")
+		if !ok {
+			return req, fmt.Errorf("key-hash: --header %q: write it as 'name: value'", h)
+		}
+		req.Headers = append(req.Headers, [2]string{strings.ToLower(strings.TrimSpace(name)), strings.TrimSpace(value)})
+	}
+	for _, c := range claims {
+		name, value, ok := strings.Cut(c, "=")
+		if !ok || name == "" {
+			return req, fmt.Errorf("key-hash: --jwt-claim %q: write it as name=value", c)
+		}
+		if req.Claims == nil {
+			req.Claims = map[string]any{}
+		}
+		var v any
+		if json.Unmarshal([]byte(value), &v) != nil {
+			v = value // not JSON: a string claim, as written
+		}
+		req.Claims[name] = v
+	}
+	if req.Path == "" {
+		req.Path = "/"
+	}
+	return req, nil
 }
 
 // explainKeyHash writes the route a request got and, for each of its scope sources in the order
@@ -293,31 +312,9 @@ func recordsCommand(ctx context.Context, args []string, stdout, stderr io.Writer
 	tokenFile := fs.String("token-file", "", "the `file` holding the server's admin token (its --admin-token-file)")
 	route := fs.String("route", "", "list: only the records of the policy route of this `name`")
 	limit := fs.Int("limit", defaultListLimit, "list: print at most this many records (a `count`)")
-	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
-		if done, err := parseCommandFlags(fs, args, recordsUsage, stdout); done || err != nil {
-			return err
-		}
-		_ = writeCommandUsage(fs, recordsUsage, stderr)
-		return errors.New("records: say get, purge or list")
-	}
-	op := args[0]
-	if op != "get" && op != "purge" && op != "list" {
-		_ = writeCommandUsage(fs, recordsUsage, stderr)
-		return fmt.Errorf("records: %q is neither get, purge nor list", op)
-	}
-	// The key_hash may come before or after the flags.
-	var keyHash string
-	rest := args[1:]
-	if len(rest) > 0 && !strings.HasPrefix(rest[0], "-") && op != "list" {
-		keyHash, rest = rest[0], rest[1:]
-	}
-	if done, err := parseCommandFlags(fs, rest, recordsUsage, stdout); done || err != nil {
+	op, keyHash, done, err := parseRecordsArgs(fs, args, stdout, stderr)
+	if done || err != nil {
 		return err
-	}
-	if keyHash == "" && fs.NArg() == 1 && op != "list" {
-		keyHash = fs.Arg(0)
-	} else if fs.NArg() > 0 {
-		return fmt.Errorf("records: unexpected arguments %q", fs.Args())
 	}
 	if op == "list" {
 		if *limit < 1 {
@@ -326,28 +323,72 @@ func recordsCommand(ctx context.Context, args []string, stdout, stderr io.Writer
 	} else if !validKeyHash(keyHash) {
 		return fmt.Errorf("records %s: %q is not a key_hash: 64 hex digits, as the logs print it", op, keyHash)
 	}
-	if *tokenFile == "" {
-		return fmt.Errorf("records %s: --token-file is required (the file of the server's --admin-token-file)", op)
-	}
-	token, err := readSecretFile(*tokenFile)
+	c, err := newRecordsClient(op, *adminURL, *tokenFile)
 	if err != nil {
-		return fmt.Errorf("records %s: --token-file: %w", op, err)
-	}
-	base, err := url.Parse(*adminURL)
-	if err != nil || (base.Scheme != "http" && base.Scheme != "https") || base.Host == "" {
-		return fmt.Errorf("records %s: --admin-url %q is not an http(s) URL such as http://localhost:9003", op, *adminURL)
+		return err
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	c := recordsClient{base: base, token: token, op: op, tokenFile: *tokenFile}
 	if op == "list" {
 		return c.list(ctx, *route, *limit, stdout)
 	}
+	return c.getOrPurge(ctx, keyHash, stdout)
+}
+
+// parseRecordsArgs parses the records command's arguments: the operation, then the key_hash
+// before or after the flags. After -h it writes the usage and reports done.
+func parseRecordsArgs(fs *flag.FlagSet, args []string, stdout, stderr io.Writer) (op, keyHash string, done bool, err error) {
+	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
+		if done, err := parseCommandFlags(fs, args, recordsUsage, stdout); done || err != nil {
+			return "", "", done, err
+		}
+		_ = writeCommandUsage(fs, recordsUsage, stderr)
+		return "", "", false, errors.New("records: say get, purge or list")
+	}
+	op = args[0]
+	if op != "get" && op != "purge" && op != "list" {
+		_ = writeCommandUsage(fs, recordsUsage, stderr)
+		return "", "", false, fmt.Errorf("records: %q is neither get, purge nor list", op)
+	}
+	rest := args[1:]
+	if len(rest) > 0 && !strings.HasPrefix(rest[0], "-") && op != "list" {
+		keyHash, rest = rest[0], rest[1:]
+	}
+	if done, err := parseCommandFlags(fs, rest, recordsUsage, stdout); done || err != nil {
+		return "", "", done, err
+	}
+	if keyHash == "" && fs.NArg() == 1 && op != "list" {
+		keyHash = fs.Arg(0)
+	} else if fs.NArg() > 0 {
+		return "", "", false, fmt.Errorf("records: unexpected arguments %q", fs.Args())
+	}
+	return op, keyHash, false, nil
+}
+
+// newRecordsClient is the client of op for the admin listener at adminURL, with the token of
+// tokenFile.
+func newRecordsClient(op, adminURL, tokenFile string) (recordsClient, error) {
+	if tokenFile == "" {
+		return recordsClient{}, fmt.Errorf("records %s: --token-file is required (the file of the server's --admin-token-file)", op)
+	}
+	token, err := readSecretFile(tokenFile)
+	if err != nil {
+		return recordsClient{}, fmt.Errorf("records %s: --token-file: %w", op, err)
+	}
+	base, err := url.Parse(adminURL)
+	if err != nil || (base.Scheme != "http" && base.Scheme != "https") || base.Host == "" {
+		return recordsClient{}, fmt.Errorf("records %s: --admin-url %q is not an http(s) URL such as http://localhost:9003", op, adminURL)
+	}
+	return recordsClient{base: base, token: token, op: op, tokenFile: tokenFile}, nil
+}
+
+// getOrPurge gets (prints) or purges the record of keyHash, as c.op says.
+func (c recordsClient) getOrPurge(ctx context.Context, keyHash string, stdout io.Writer) error {
 	method := http.MethodGet
-	if op == "purge" {
+	if c.op == "purge" {
 		method = http.MethodDelete
 	}
-	status, body, err := c.call(ctx, method, base.JoinPath("/v1/records", keyHash).String())
+	status, body, err := c.call(ctx, method, c.base.JoinPath("/v1/records", keyHash).String())
 	if err != nil {
 		return err
 	}
@@ -363,7 +404,7 @@ func recordsCommand(ctx context.Context, args []string, stdout, stderr io.Writer
 		_, err = fmt.Fprintf(stdout, "purged %s\n", keyHash)
 		return err
 	case http.StatusNotFound:
-		return fmt.Errorf("records %s: no record %s (it expired, was purged, or never existed under this policy's key prefixes)", op, keyHash)
+		return fmt.Errorf("records %s: no record %s (it expired, was purged, or never existed under this policy's key prefixes)", c.op, keyHash)
 	}
 	return c.unexpected(status, body)
 }

@@ -1,12 +1,14 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -180,75 +182,95 @@ func (a *recordsAPI) list(w http.ResponseWriter, r *http.Request) string {
 		writeProblem(w, http.StatusNotImplemented, "list-unsupported", "This store cannot list its records.")
 		return "bad_request"
 	}
-	q := r.URL.Query()
-	route := q.Get("route")
-	limit := defaultListLimit
-	if v := q.Get("limit"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > maxListLimit {
-			writeProblem(w, http.StatusBadRequest, "invalid-limit", fmt.Sprintf("limit is a whole number from 1 to %d.", maxListLimit))
-			return "bad_request"
-		}
-		limit = n
-	}
-	at, cursor := 0, ""
-	if v := q.Get("cursor"); v != "" {
-		i, c, ok := strings.Cut(v, ".")
-		n, err := strconv.Atoi(i)
-		if !ok || err != nil || n < 0 || n >= len(a.prefixes) || c == "" {
-			writeProblem(w, http.StatusBadRequest, "invalid-cursor", "The cursor is not one a page of this listing gave.")
-			return "bad_request"
-		}
-		at, cursor = n, c
-		if c == fromStart {
-			cursor = ""
-		}
+	req, ok := a.listRequest(w, r.URL.Query())
+	if !ok {
+		return "bad_request"
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), a.timeout)
 	defer cancel()
 	page := recordsPage{Records: []recordView{}}
-	for at < len(a.prefixes) && len(page.Records) < limit {
-		prefix := a.prefixes[at]
-		keys, next, err := lister.Keys(ctx, prefix, cursor, limit-len(page.Records))
+	for req.at < len(a.prefixes) && len(page.Records) < req.limit {
+		prefix := a.prefixes[req.at]
+		keys, next, err := lister.Keys(ctx, prefix, req.cursor, req.limit-len(page.Records))
 		if errors.Is(err, cache.ErrBadCursor) {
 			writeProblem(w, http.StatusBadRequest, "invalid-cursor", "The cursor is not one a page of this listing gave.")
 			return "bad_request"
+		}
+		if err == nil {
+			page.Records, err = a.appendViews(ctx, page.Records, prefix, keys, req.route)
 		}
 		if err != nil {
 			writeProblem(w, http.StatusServiceUnavailable, "store-unavailable", "The idempotency store did not answer; retry later.")
 			return "store_error"
 		}
-		for _, key := range keys {
-			keyHash, ok := strings.CutPrefix(key, prefix)
-			if !ok || !validKeyHash(keyHash) {
-				continue // a key of another prefix that begins with this one, or a staged completion
-			}
-			rec, err := a.store.Lookup(ctx, key)
-			switch {
-			case errors.Is(err, cache.ErrNotFound):
-				continue // it expired or was purged since the listing saw it
-			case err != nil && !errors.Is(err, cache.ErrCorrupt):
-				writeProblem(w, http.StatusServiceUnavailable, "store-unavailable", "The idempotency store did not answer; retry later.")
-				return "store_error"
-			case route != "" && (rec == nil || rec.Route != route):
-				continue
-			}
-			page.Records = append(page.Records, viewOf(keyHash, rec))
-		}
-		cursor = next
+		req.cursor = next
 		if next == "" {
-			at++
+			req.at++
 		}
 	}
-	if at < len(a.prefixes) {
-		if cursor == "" {
-			cursor = fromStart
-		}
-		page.Cursor = strconv.Itoa(at) + "." + cursor
+	if req.at < len(a.prefixes) {
+		page.Cursor = strconv.Itoa(req.at) + "." + cmp.Or(req.cursor, fromStart)
 	}
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(page)
 	return "ok"
+}
+
+// listCall is a list call's query, read: the route to list ("" for all), the most records to
+// return, and where the page starts: the index of a key prefix and the store's cursor within it
+// ("" from its start).
+type listCall struct {
+	route     string
+	limit, at int
+	cursor    string
+}
+
+// listRequest reads a list call's query; on a bad one it writes the problem and reports false.
+func (a *recordsAPI) listRequest(w http.ResponseWriter, q url.Values) (listCall, bool) {
+	req := listCall{route: q.Get("route"), limit: defaultListLimit}
+	if v := q.Get("limit"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > maxListLimit {
+			writeProblem(w, http.StatusBadRequest, "invalid-limit", fmt.Sprintf("limit is a whole number from 1 to %d.", maxListLimit))
+			return req, false
+		}
+		req.limit = n
+	}
+	if v := q.Get("cursor"); v != "" {
+		i, c, ok := strings.Cut(v, ".")
+		n, err := strconv.Atoi(i)
+		if !ok || err != nil || n < 0 || n >= len(a.prefixes) || c == "" {
+			writeProblem(w, http.StatusBadRequest, "invalid-cursor", "The cursor is not one a page of this listing gave.")
+			return req, false
+		}
+		req.at, req.cursor = n, c
+		if c == fromStart {
+			req.cursor = ""
+		}
+	}
+	return req, true
+}
+
+// appendViews appends to views the records of keys, listed under prefix, that are still there
+// and, when route is not "", belong to that route. Its error is the store's.
+func (a *recordsAPI) appendViews(ctx context.Context, views []recordView, prefix string, keys []string, route string) ([]recordView, error) {
+	for _, key := range keys {
+		keyHash, ok := strings.CutPrefix(key, prefix)
+		if !ok || !validKeyHash(keyHash) {
+			continue // a key of another prefix that begins with this one, or a staged completion
+		}
+		rec, err := a.store.Lookup(ctx, key)
+		switch {
+		case errors.Is(err, cache.ErrNotFound):
+			continue // it expired or was purged since the listing saw it
+		case err != nil && !errors.Is(err, cache.ErrCorrupt):
+			return views, err
+		case route != "" && (rec == nil || rec.Route != route):
+			continue
+		}
+		views = append(views, viewOf(keyHash, rec))
+	}
+	return views, nil
 }
 
 // authorized compares the bearer token in constant time. The scheme is matched in any case, as
