@@ -407,19 +407,53 @@ func (m *segments) unmapAll() {
 // bytes per segment, the spare and freed segments, the handles and the big records. It walks
 // every record, and is meant for tests.
 func (a *Arena) Check() error {
-	live := make([]int, len(a.mem.segs))
-	type span struct{ from, to int }
-	spans := make([][]span, len(a.mem.segs))
+	free, err := a.checkFree()
+	if err != nil {
+		return err
+	}
+	use, err := a.checkRecords(free)
+	if err != nil {
+		return err
+	}
+	out, err := a.checkOutOfUse()
+	if err != nil {
+		return err
+	}
+	if len(a.mem.mapped) != len(a.mem.segs) || len(a.live) != len(a.mem.segs) || len(a.fill) != len(a.mem.segs) {
+		return errors.New("per-segment lists of different lengths")
+	}
+	if err := a.checkSegments(use, out); err != nil {
+		return err
+	}
+	if a.head >= 0 && a.mem.segs[a.head] == nil {
+		return errors.New("the head is not allocated")
+	}
+	return nil
+}
+
+// checkFree checks the free handles (in range, listed once, their locations cleared) and
+// returns them as a set.
+func (a *Arena) checkFree() (map[Handle]bool, error) {
 	free := map[Handle]bool{}
 	for _, h := range a.free {
 		if h == 0 || int32(h) >= a.locs.Len() || free[h] {
-			return fmt.Errorf("free handle %d: out of range or listed twice", h)
+			return nil, fmt.Errorf("free handle %d: out of range or listed twice", h)
 		}
 		free[h] = true
 		if *a.locs.At(int32(h)) != (loc{}) {
-			return fmt.Errorf("free handle %d: its location is not cleared", h)
+			return nil, fmt.Errorf("free handle %d: its location is not cleared", h)
 		}
 	}
+	return free, nil
+}
+
+// span is the bytes a record takes in its segment, header included: [from, to).
+type span struct{ from, to int }
+
+// checkRecords checks each live handle's record, held on its own or in a segment, and returns
+// the spans the records take in each segment.
+func (a *Arena) checkRecords(free map[Handle]bool) ([][]span, error) {
+	spans := make([][]span, len(a.mem.segs))
 	bigs, bigBytes := 0, 0
 	for i := int32(1); i < a.locs.Len(); i++ {
 		h, l := Handle(i), *a.locs.At(i)
@@ -429,68 +463,89 @@ func (a *Arena) Check() error {
 		if l.seg == single {
 			b, ok := a.big[h]
 			if !ok || len(b) != int(l.n) || len(b) <= a.MaxInline() {
-				return fmt.Errorf("record %d: held on its own: %v, %d bytes, %d in its location", h, ok, len(b), l.n)
+				return nil, fmt.Errorf("record %d: held on its own: %v, %d bytes, %d in its location", h, ok, len(b), l.n)
 			}
 			bigs++
 			bigBytes += len(b)
 			continue
 		}
-		if l.seg < 0 || int(l.seg) >= len(a.mem.segs) || a.mem.segs[l.seg] == nil {
-			return fmt.Errorf("record %d: in segment %d, which is not held", h, l.seg)
+		sp, err := a.checkInline(h, l)
+		if err != nil {
+			return nil, err
 		}
-		if int(l.n) > a.MaxInline() {
-			return fmt.Errorf("record %d: %d bytes in a segment, over %d", h, l.n, a.MaxInline())
-		}
-		start, end := int(l.off)-recordHeader, int(l.off)+int(l.n)
-		if start < 0 || end > a.fill[l.seg] {
-			return fmt.Errorf("record %d: bytes %d to %d beyond what segment %d holds, %d", h, start, end, l.seg, a.fill[l.seg])
-		}
-		seg := a.mem.segs[l.seg]
-		if Handle(binary.LittleEndian.Uint32(seg[start:])) != h || binary.LittleEndian.Uint32(seg[start+4:]) != uint32(l.n) {
-			return fmt.Errorf("record %d: its header in segment %d is not its own", h, l.seg)
-		}
-		live[l.seg] += end - start
-		spans[l.seg] = append(spans[l.seg], span{start, end})
+		spans[l.seg] = append(spans[l.seg], sp)
 	}
 	if bigs != len(a.big) || bigBytes != a.bigBytes {
-		return fmt.Errorf("big records: %d of %d bytes located, %d of %d held", bigs, bigBytes, len(a.big), a.bigBytes)
+		return nil, fmt.Errorf("big records: %d of %d bytes located, %d of %d held", bigs, bigBytes, len(a.big), a.bigBytes)
 	}
+	return spans, nil
+}
+
+// checkInline checks the record of h held in a segment at l: the segment held, the bytes within
+// what it holds, the header its own. It returns the span the record takes.
+func (a *Arena) checkInline(h Handle, l loc) (span, error) {
+	if l.seg < 0 || int(l.seg) >= len(a.mem.segs) || a.mem.segs[l.seg] == nil {
+		return span{}, fmt.Errorf("record %d: in segment %d, which is not held", h, l.seg)
+	}
+	if int(l.n) > a.MaxInline() {
+		return span{}, fmt.Errorf("record %d: %d bytes in a segment, over %d", h, l.n, a.MaxInline())
+	}
+	start, end := int(l.off)-recordHeader, int(l.off)+int(l.n)
+	if start < 0 || end > a.fill[l.seg] {
+		return span{}, fmt.Errorf("record %d: bytes %d to %d beyond what segment %d holds, %d", h, start, end, l.seg, a.fill[l.seg])
+	}
+	seg := a.mem.segs[l.seg]
+	if Handle(binary.LittleEndian.Uint32(seg[start:])) != h || binary.LittleEndian.Uint32(seg[start+4:]) != uint32(l.n) {
+		return span{}, fmt.Errorf("record %d: its header in segment %d is not its own", h, l.seg)
+	}
+	return span{start, end}, nil
+}
+
+// checkOutOfUse checks the segments out of use (spare ones allocated, unused ones not, each
+// listed once, empty and not the head) and returns them as a set.
+func (a *Arena) checkOutOfUse() (map[int32]bool, error) {
 	out := map[int32]bool{}
 	for _, list := range [][]int32{a.spare, a.unused} {
 		for _, s := range list {
 			if out[s] || s == a.head || a.fill[s] != 0 {
-				return fmt.Errorf("segment %d: out of use, listed twice, the head or not empty", s)
+				return nil, fmt.Errorf("segment %d: out of use, listed twice, the head or not empty", s)
 			}
 			out[s] = true
 		}
 	}
 	for _, s := range a.spare {
 		if a.mem.segs[s] == nil {
-			return fmt.Errorf("spare segment %d is not allocated", s)
+			return nil, fmt.Errorf("spare segment %d is not allocated", s)
 		}
 	}
 	for _, s := range a.unused {
 		if a.mem.segs[s] != nil {
-			return fmt.Errorf("unused segment %d is allocated", s)
+			return nil, fmt.Errorf("unused segment %d is allocated", s)
 		}
 	}
-	if len(a.mem.mapped) != len(a.mem.segs) || len(a.live) != len(a.mem.segs) || len(a.fill) != len(a.mem.segs) {
-		return errors.New("per-segment lists of different lengths")
-	}
+	return out, nil
+}
+
+// checkSegments checks each segment's counts against the records' spans in it (live bytes, no
+// overlap, an empty segment in use only as the head) and the arena's totals.
+func (a *Arena) checkSegments(spans [][]span, out map[int32]bool) error {
 	total, written := 0, 0
 	for s := range a.mem.segs {
-		if live[s] != a.live[s] {
-			return fmt.Errorf("segment %d: %d live bytes, counted %d", s, live[s], a.live[s])
+		sp, live := spans[s], 0
+		for _, x := range sp {
+			live += x.to - x.from
+		}
+		if live != a.live[s] {
+			return fmt.Errorf("segment %d: %d live bytes, counted %d", s, live, a.live[s])
 		}
 		if a.mem.mapped[s] && a.mem.segs[s] == nil {
 			return fmt.Errorf("segment %d: mapped but not held", s)
 		}
-		if int32(s) != a.head && !out[int32(s)] && live[s] == 0 {
+		if int32(s) != a.head && !out[int32(s)] && live == 0 {
 			return fmt.Errorf("segment %d: in use but empty", s)
 		}
-		total += live[s]
+		total += live
 		written += a.fill[s]
-		sp := spans[s]
 		slices.SortFunc(sp, func(x, y span) int { return x.from - y.from })
 		for i := 1; i < len(sp); i++ {
 			if sp[i-1].to > sp[i].from {
@@ -500,9 +555,6 @@ func (a *Arena) Check() error {
 	}
 	if total != a.liveBytes || written != a.written {
 		return fmt.Errorf("live bytes %d, counted %d; written %d, counted %d", total, a.liveBytes, written, a.written)
-	}
-	if a.head >= 0 && a.mem.segs[a.head] == nil {
-		return errors.New("the head is not allocated")
 	}
 	return nil
 }
