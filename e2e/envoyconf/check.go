@@ -9,15 +9,17 @@
 package envoyconf
 
 import (
+	"fmt"
+	"os"
 	"time"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
-	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/check/checktest"
 )
 
 // The configuration checks live in internal/check, which the check subcommand runs on users'
@@ -34,8 +36,18 @@ type (
 	EGLimits = check.EGLimits
 )
 
-// Load reads an Envoy bootstrap file (check.Load).
-func Load(path string) (*bootstrapv3.Bootstrap, error) { return check.Load(path) }
+// Load reads an Envoy bootstrap file (check.Parse).
+func Load(path string) (*bootstrapv3.Bootstrap, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	b, err := check.Parse(data)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return b, nil
+}
 
 // Parse decodes one bootstrap document (check.Parse).
 func Parse(yamlBytes []byte) (*bootstrapv3.Bootstrap, error) { return check.Parse(yamlBytes) }
@@ -43,9 +55,10 @@ func Parse(yamlBytes []byte) (*bootstrapv3.Bootstrap, error) { return check.Pars
 // Validate runs the proto validation rules on m and every typed config in it (check.Validate).
 func Validate(m proto.Message) error { return check.Validate(m) }
 
-// ExtProc returns the ext_proc filter config of b's first connection manager (check.ExtProc).
+// ExtProc returns the ext_proc filter config of b's first connection manager.
 func ExtProc(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, error) {
-	return check.ExtProc(b)
+	f, _, err := checktest.ExtProcFilter(b)
+	return f, err
 }
 
 // CheckSpec holds an ext_proc filter config to the contract (check.CheckSpec).
@@ -59,9 +72,13 @@ func CheckProtection(d Deployment, p *policy.Policy) error { return check.CheckP
 // WithoutGatewayGaps drops the refusal Envoy Gateway cannot avoid (check.WithoutGatewayGaps).
 func WithoutGatewayGaps(err error) error { return check.WithoutGatewayGaps(err) }
 
-// IstioExtProc returns the filter of an Istio file's EnvoyFilter (check.IstioExtProc).
+// IstioExtProc returns the filter of an Istio file's EnvoyFilter (check.IstioDeployment).
 func IstioExtProc(path string) (*filterextproc.ExternalProcessor, error) {
-	return check.IstioExtProc(path)
+	d, err := check.IstioDeployment(path)
+	if err != nil {
+		return nil, err
+	}
+	return d.Filter, nil
 }
 
 // IstioDeployment reads the deployment of an Istio file (check.IstioDeployment).
@@ -73,8 +90,9 @@ func IstioAccessLogFormats(path string) ([]string, error) { return check.IstioAc
 // EnvoyGateway translates an Envoy Gateway file (check.EnvoyGateway).
 func EnvoyGateway(path string) ([]EGPolicy, EGLimits, error) { return check.EnvoyGateway(path) }
 
-// cluster returns the static cluster of b named name, or nil.
-func cluster(b *bootstrapv3.Bootstrap, name string) *clusterv3.Cluster { return check.Cluster(b, name) }
-
-// catchAllCluster returns the cluster of the first route with prefix "/".
-func catchAllCluster(b *bootstrapv3.Bootstrap) (string, error) { return check.CatchAllCluster(b) }
+// cluster returns the static cluster of b named name, or nil; catchAllCluster the cluster of the
+// first route with prefix "/".
+var (
+	cluster         = checktest.Cluster
+	catchAllCluster = checktest.CatchAllCluster
+)

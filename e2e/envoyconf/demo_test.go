@@ -15,7 +15,7 @@ import (
 
 	jwtauthnv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/jwt_authn/v3"
 
-	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/check/checktest"
 )
 
 // The demo tokens verify against envoy.yaml's local JWKS and carry the claims its provider
@@ -24,7 +24,7 @@ func TestDemoTokens(t *testing.T) {
 	text := readEnvoyFile(t, "envoy.yaml")
 	b, err := Parse([]byte(text))
 	require.NoError(t, err)
-	hcm, err := check.FirstHCM(b)
+	hcm, err := checktest.FirstHCM(b)
 	require.NoError(t, err)
 	jwt := &jwtauthnv3.JwtAuthentication{}
 	require.NoError(t, hcm.GetHttpFilters()[0].GetTypedConfig().UnmarshalTo(jwt))

@@ -9,16 +9,16 @@ import (
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 	"google.golang.org/protobuf/types/known/anypb"
 
-	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/check/checktest"
 )
 
-// The edits of a parsed bootstrap live with the checks (check.MutateHCM and the others), whose
-// tests use them too.
+// The edits of a parsed bootstrap live with the helpers of the checks' tests
+// (checktest.MutateHCM and the others), which use them too.
 var (
-	MutateHCM             = check.MutateHCM
-	MutateExtProc         = check.MutateExtProc
-	MutateRoute           = check.MutateRoute
-	MutateExtProcPerRoute = check.MutateExtProcPerRoute
+	MutateHCM             = checktest.MutateHCM
+	MutateExtProc         = checktest.MutateExtProc
+	MutateRoute           = checktest.MutateRoute
+	MutateExtProcPerRoute = checktest.MutateExtProcPerRoute
 )
 
 // upstreamHTTPOptions is the typed_extension_protocol_options key of a cluster's HTTP options.

@@ -24,6 +24,7 @@ import (
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/check/checktest"
 )
 
 // defaultRouteTimeout is Envoy's RouteAction.timeout, which Settings reports when the bootstrap
@@ -89,7 +90,7 @@ type Settings struct {
 // disabled by default, route matches on headers or query parameters, per-route grpc_service, a
 // jwt_authn filter after ext_proc.
 func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
-	f, hf, err := check.ExtProcFilter(b)
+	f, hf, err := checktest.ExtProcFilter(b)
 	if err != nil {
 		return Settings{}, err
 	}
@@ -97,7 +98,7 @@ func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
 		return Settings{}, fmt.Errorf("http filter %q is disabled by default (enabled per route): not supported by the test proxy", hf.GetName())
 	}
 	filterName := hf.GetName()
-	hcm, err := check.FirstHCM(b)
+	hcm, err := checktest.FirstHCM(b)
 	if err != nil {
 		return Settings{}, err
 	}

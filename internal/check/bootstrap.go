@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -41,26 +40,13 @@ import (
 
 // Envoy's defaults for what a bootstrap leaves unset.
 const (
-	// DefaultBufferLimit is per_connection_buffer_limit_bytes of listeners and clusters.
-	DefaultBufferLimit = 1 << 20
+	// defaultBufferLimit is per_connection_buffer_limit_bytes of listeners and clusters.
+	defaultBufferLimit = 1 << 20
 	// defaultMessageTimeout is ExternalProcessor.message_timeout.
 	defaultMessageTimeout = 200 * time.Millisecond
 	defaultMaxRequests    = 1024 // max_connections, max_pending_requests, max_requests
 	defaultMaxRetries     = 3    // max_retries
 )
-
-// Load reads an Envoy bootstrap YAML (or JSON) file into a Bootstrap. It fails like Parse.
-func Load(path string) (*bootstrapv3.Bootstrap, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
-	}
-	b, err := Parse(data)
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
-	return b, nil
-}
 
 // Parse decodes one YAML (or JSON) document into a Bootstrap the way Envoy does: field names in
 // snake_case or lowerCamelCase, every typed_config resolved by its "@type" into the concrete
@@ -280,21 +266,21 @@ func linked(url string) bool {
 	return found
 }
 
-// ExtProc returns the ext_proc filter config of the first HTTP connection manager of the first
+// bootstrapExtProc returns the ext_proc filter config of the first HTTP connection manager of the first
 // listener, or an error when there is none.
-func ExtProc(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, error) {
-	f, _, err := ExtProcFilter(b)
+func bootstrapExtProc(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, error) {
+	f, _, err := extProcFilter(b)
 	return f, err
 }
 
-// ExtProcFilter returns the ext_proc filter config of the first HTTP connection manager of the
+// extProcFilter returns the ext_proc filter config of the first HTTP connection manager of the
 // first listener and the http filter that holds it, or an error when there is none.
-func ExtProcFilter(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, *hcmv3.HttpFilter, error) {
-	hcm, err := FirstHCM(b)
+func extProcFilter(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, *hcmv3.HttpFilter, error) {
+	hcm, err := firstHCM(b)
 	if err != nil {
 		return nil, nil, err
 	}
-	hf := ExtProcHTTPFilter(hcm)
+	hf := extProcHTTPFilter(hcm)
 	if hf == nil {
 		return nil, nil, errors.New("no ext_proc filter (typed_config ExternalProcessor) in the first HTTP connection manager")
 	}
@@ -305,9 +291,9 @@ func ExtProcFilter(b *bootstrapv3.Bootstrap) (*filterextproc.ExternalProcessor, 
 	return f, hf, nil
 }
 
-// ExtProcHTTPFilter returns the first http filter of hcm whose typed_config is an
+// extProcHTTPFilter returns the first http filter of hcm whose typed_config is an
 // ExternalProcessor, or nil.
-func ExtProcHTTPFilter(hcm *hcmv3.HttpConnectionManager) *hcmv3.HttpFilter {
+func extProcHTTPFilter(hcm *hcmv3.HttpConnectionManager) *hcmv3.HttpFilter {
 	for _, hf := range hcm.GetHttpFilters() {
 		if isExtProc(hf) {
 			return hf
@@ -321,15 +307,15 @@ func isExtProc(hf *hcmv3.HttpFilter) bool {
 	return tc != nil && tc.MessageIs(&filterextproc.ExternalProcessor{})
 }
 
-// FirstHCM returns the first HTTP connection manager of the first listener of b.
-func FirstHCM(b *bootstrapv3.Bootstrap) (*hcmv3.HttpConnectionManager, error) {
-	_, hcm, err := HCMFilter(b)
+// firstHCM returns the first HTTP connection manager of the first listener of b.
+func firstHCM(b *bootstrapv3.Bootstrap) (*hcmv3.HttpConnectionManager, error) {
+	_, hcm, err := hcmFilter(b)
 	return hcm, err
 }
 
-// HCMFilter returns the network filter holding the first HTTP connection manager of the first
+// hcmFilter returns the network filter holding the first HTTP connection manager of the first
 // listener, and the manager decoded.
-func HCMFilter(b *bootstrapv3.Bootstrap) (*listenerv3.Filter, *hcmv3.HttpConnectionManager, error) {
+func hcmFilter(b *bootstrapv3.Bootstrap) (*listenerv3.Filter, *hcmv3.HttpConnectionManager, error) {
 	ls := b.GetStaticResources().GetListeners()
 	if len(ls) == 0 {
 		return nil, nil, errors.New("no static listener")
@@ -359,8 +345,8 @@ func filterChains(l *listenerv3.Listener) []*listenerv3.FilterChain {
 	return chains
 }
 
-// Cluster returns the static cluster of b named name, or nil.
-func Cluster(b *bootstrapv3.Bootstrap, name string) *clusterv3.Cluster {
+// staticCluster returns the static cluster of b named name, or nil.
+func staticCluster(b *bootstrapv3.Bootstrap, name string) *clusterv3.Cluster {
 	for _, c := range b.GetStaticResources().GetClusters() {
 		if c.GetName() == name {
 			return c
@@ -377,7 +363,7 @@ func BufferLimit(m interface {
 	if v := m.GetPerConnectionBufferLimitBytes(); v != nil {
 		return v.GetValue()
 	}
-	return DefaultBufferLimit
+	return defaultBufferLimit
 }
 
 // Thresholds are the DEFAULT-priority circuit breaker thresholds of a cluster, with Envoy's
@@ -408,21 +394,4 @@ func ClusterThresholds(c *clusterv3.Cluster) Thresholds {
 		}
 	}
 	return t
-}
-
-// CatchAllCluster returns the cluster of the first route with prefix "/" in b's first connection
-// manager.
-func CatchAllCluster(b *bootstrapv3.Bootstrap) (string, error) {
-	hcm, err := FirstHCM(b)
-	if err != nil {
-		return "", err
-	}
-	for _, vh := range hcm.GetRouteConfig().GetVirtualHosts() {
-		for _, r := range vh.GetRoutes() {
-			if r.GetMatch().GetPrefix() == "/" && r.GetRoute().GetCluster() != "" {
-				return r.GetRoute().GetCluster(), nil
-			}
-		}
-	}
-	return "", errors.New(`no route with prefix "/" and a single cluster`)
 }

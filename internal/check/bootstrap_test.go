@@ -76,7 +76,7 @@ func checkBootstrap(t testing.TB, yamlText string) error {
 	if err := Validate(b); err != nil {
 		return err
 	}
-	d, err := BootstrapDeployment(b, "envoy.yaml")
+	d, err := bootstrapDeployment(b, "envoy.yaml")
 	if err != nil {
 		return err
 	}
@@ -94,15 +94,15 @@ func checkBootstrap(t testing.TB, yamlText string) error {
 // route's cluster's buffer limits, with Envoy's defaults.
 func bootstrapLimits(b *bootstrapv3.Bootstrap, f *filterextproc.ExternalProcessor) (Thresholds, uint32, uint32, error) {
 	name := f.GetGrpcService().GetEnvoyGrpc().GetClusterName()
-	pc := Cluster(b, name)
+	pc := staticCluster(b, name)
 	if pc == nil {
 		return Thresholds{}, 0, 0, fmt.Errorf("ext_proc cluster %q is not a static cluster", name)
 	}
-	up, err := CatchAllCluster(b)
+	up, err := checktest.CatchAllCluster(b)
 	if err != nil {
 		return Thresholds{}, 0, 0, err
 	}
-	uc := Cluster(b, up)
+	uc := staticCluster(b, up)
 	if uc == nil {
 		return Thresholds{}, 0, 0, fmt.Errorf("upstream cluster %q is not a static cluster", up)
 	}
@@ -138,7 +138,7 @@ type limitError struct{ problems []string }
 func (e *limitError) Error() string { return strings.Join(e.problems, "; ") }
 
 func TestEnvoyYAMLMeetsSpec(t *testing.T) {
-	b, err := Load(envoyFile(t, "envoy.yaml"))
+	b, err := load(envoyFile(t, "envoy.yaml"))
 	require.NoError(t, err)
 
 	require.NoError(t, b.ValidateAll(), "Bootstrap")
@@ -163,19 +163,19 @@ func TestEnvoyYAMLMeetsSpec(t *testing.T) {
 	}
 	require.NoError(t, Validate(b))
 
-	f, err := ExtProc(b)
+	f, err := bootstrapExtProc(b)
 	require.NoError(t, err)
 	require.NoError(t, CheckSpec(f, storeTimeout))
 
 	// Beyond CheckSpec: the shipped file spells out exactly what docs/deploying.md documents.
 	require.True(t, proto.Equal(shippedMode, f.GetProcessingMode()), "processing_mode: %v", f.GetProcessingMode())
 	require.Len(t, f.GetAllowedOverrideModes(), 2)
-	require.True(t, proto.Equal(PassThroughMode(), f.GetAllowedOverrideModes()[0]))
-	require.True(t, proto.Equal(NoStoreMode(), f.GetAllowedOverrideModes()[1]))
+	require.True(t, proto.Equal(passThroughMode(), f.GetAllowedOverrideModes()[0]))
+	require.True(t, proto.Equal(noStoreMode(), f.GetAllowedOverrideModes()[1]))
 	require.Equal(t, shippedRequestAttributes, f.GetRequestAttributes())
 	require.Equal(t, shippedResponseAttributes, f.GetResponseAttributes())
-	require.Equal(t, []string{JWTNamespace}, f.GetMetadataOptions().GetForwardingNamespaces().GetUntyped())
-	require.Equal(t, []string{OutcomeNamespace}, f.GetMetadataOptions().GetReceivingNamespaces().GetUntyped())
+	require.Equal(t, []string{jwtNamespace}, f.GetMetadataOptions().GetForwardingNamespaces().GetUntyped())
+	require.Equal(t, []string{defaultOutcomeNamespace}, f.GetMetadataOptions().GetReceivingNamespaces().GetUntyped())
 	require.Equal(t, 500*time.Millisecond, f.GetMessageTimeout().AsDuration())
 	require.Equal(t, filterextproc.ExternalProcessor_RETAIN, f.GetRouteCacheAction())
 	require.False(t, f.GetFailureModeAllow())
@@ -192,7 +192,7 @@ func TestParseRejects(t *testing.T) {
 	require.ErrorContains(t, err, "more than one YAML document")
 	_, err = Parse([]byte("admin: {address: [unclosed\n"))
 	require.Error(t, err)
-	_, err = Load(filepath.Join(t.TempDir(), "missing.yaml"))
+	_, err = load(filepath.Join(t.TempDir(), "missing.yaml"))
 	require.ErrorIs(t, err, os.ErrNotExist)
 }
 
@@ -302,9 +302,9 @@ func TestValidateEntersTypedConfigs(t *testing.T) {
 
 func TestCheckSpecRules(t *testing.T) {
 	good := func() *filterextproc.ExternalProcessor {
-		b, err := Load(envoyFile(t, "envoy.yaml"))
+		b, err := load(envoyFile(t, "envoy.yaml"))
 		require.NoError(t, err)
-		f, err := ExtProc(b)
+		f, err := bootstrapExtProc(b)
 		require.NoError(t, err)
 		return f
 	}
@@ -336,7 +336,7 @@ func TestCheckSpecRules(t *testing.T) {
 			f.ProcessingMode = nil
 		}, []string{"processing_mode is not set", "request_header_mode is DEFAULT, which Envoy reads as SEND", "request_body_mode is NONE"}},
 		{"duplicate allow-list entry", func(f *filterextproc.ExternalProcessor) {
-			f.AllowedOverrideModes = append(f.AllowedOverrideModes, PassThroughMode())
+			f.AllowedOverrideModes = append(f.AllowedOverrideModes, passThroughMode())
 		}, []string{"allowed_override_modes has 3 entries"}},
 		{"only one allow-list entry", func(f *filterextproc.ExternalProcessor) {
 			f.AllowedOverrideModes = f.AllowedOverrideModes[:1]
@@ -382,4 +382,17 @@ func TestEnvoyDefaultsFailTheContract(t *testing.T) {
 	require.ErrorContains(t, err, "request_body_mode is NONE, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED")
 	require.ErrorContains(t, err, "allow_mode_override is false")
 	require.ErrorContains(t, err, "response.code_details")
+}
+
+// load reads an Envoy bootstrap YAML (or JSON) file into a Bootstrap. It fails like Parse.
+func load(path string) (*bootstrapv3.Bootstrap, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	b, err := Parse(data)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return b, nil
 }

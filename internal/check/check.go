@@ -126,84 +126,21 @@ func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
 	if p == nil {
 		return Report{}, errors.New("no policy")
 	}
-	var rep Report
-	var errs []error
-	var deployments []Deployment
-	var objs []*object
-	version, err := parseVersion(opts.EnvoyVersion)
+	r, err := readAll(inputs, opts)
 	if err != nil {
-		errs = append(errs, &InputError{File: "--envoy-version", Err: err})
-	}
-	for _, in := range inputs {
-		ds, read, err := readInput(in, cmp.Or(opts.MaxInputBytes, DefaultMaxInputBytes))
-		if err != nil {
-			errs = append(errs, inputError(in.Name, err))
-			continue
-		}
-		deployments = append(deployments, ds...)
-		objs = append(objs, read...)
-	}
-	var kube []*object
-	for _, o := range objs {
-		if slices.Contains(knownKinds[o.group()], o.Kind) {
-			kube = append(kube, o)
-		} else {
-			rep.Skipped = append(rep.Skipped, o.ref()+" ("+o.File+")")
-		}
-	}
-	ds, egOrders, err := kubeDeployments(kube)
-	errs = append(errs, err)
-	egJWT, err := egJWTProviders(kube)
-	errs = append(errs, egInputError(err))
-	deployments = append(deployments, ds...)
-	for _, d := range deployments {
-		if err := Validate(d.Filter); err != nil {
-			errs = append(errs, &InputError{File: d.File, Where: d.Resource, Field: d.FilterPath,
-				Err: fmt.Errorf("the filter fails Envoy's validation, so Envoy would refuse it: %w", err)})
-		}
-	}
-	if err := errors.Join(errs...); err != nil {
 		return Report{}, err
-	}
-
-	n := needsOf(p)
-	for _, d := range deployments {
-		rep.Findings = append(rep.Findings, deploymentFindings(d, p, n)...)
-	}
-	rep.Findings = append(rep.Findings, egOrders...)
-	rep.Findings = append(rep.Findings, egJWT.findings(n)...)
-	if len(deployments) == 0 && !slices.ContainsFunc(egOrders, func(f Finding) bool { return f.Kind == KindUnreadable }) {
-		var names []string
-		for _, in := range inputs {
-			names = append(names, in.Name)
-		}
-		rep.Findings = append(rep.Findings, Finding{
-			File: strings.Join(names, ", "), Resource: "-", Field: "ext_proc", Kind: KindNoExtProc,
-			Problem: "no ext_proc filter found: no http filter with an ExternalProcessor typed_config, EnvoyFilter patching one in, or EnvoyExtensionPolicy with an extProc entry; nothing reaches the processor",
-			Fix:     "add the filter as envoy/envoy.yaml, envoy/istio-envoyfilter.yaml or envoy/envoy-gateway.yaml do, and pass the file that holds it",
-		})
-	}
-	rep.Findings = append(rep.Findings, versionFindings(version)...)
-	policyFile := opts.Policy.Name
-	if policyFile == "" {
-		policyFile = "--config"
 	}
 	var names []string
 	for _, in := range inputs {
 		names = append(names, in.Name)
 	}
-	c := coveredRoutes(deployments)
-	rep.Routes, rep.Files = c.count, len(inputs)
-	if len(deployments) > 0 {
-		rep.Findings = append(rep.Findings, routeNameFindings(p, c, policyFile, names)...)
-	}
-	rep.Findings = append(rep.Findings, gatewayRetryFindings(p, kube, deployments)...)
-	rep.Findings = append(rep.Findings, extensionPolicyFindings(p, kube, deployments)...)
-	loc := newLocator(append(slices.Clone(inputs), Input{Name: policyFile, Data: opts.Policy.Data}), kube, cmp.Or(opts.MaxInputBytes, DefaultMaxInputBytes))
+	policyFile := cmp.Or(opts.Policy.Name, "--config")
+	c := coveredRoutes(r.deployments)
+	rep := Report{Routes: c.count, Files: len(inputs), Skipped: r.skipped}
+	rep.Findings = r.findings(p, c, policyFile, names)
+	loc := newLocator(append(slices.Clone(inputs), Input{Name: policyFile, Data: opts.Policy.Data}), r.kube, cmp.Or(opts.MaxInputBytes, DefaultMaxInputBytes))
 	for i := range rep.Findings {
 		loc.locate(&rep.Findings[i])
-	}
-	for i := range rep.Findings {
 		rep.Findings[i].Severity = severityOf(rep.Findings[i].Kind)
 	}
 	// A resource several deployments share (a BackendTrafficPolicy, a cluster) is reported once.
@@ -217,6 +154,86 @@ func Run(p *policy.Policy, inputs []Input, opts Options) (Report, error) {
 		return cmp.Compare(severityRank(a.Severity), severityRank(b.Severity))
 	})
 	return rep, nil
+}
+
+// reading is what Run read from its inputs: the deployments, the Kubernetes objects of kinds
+// it reads and the names of the others, what Envoy Gateway's filter order and JWT providers
+// showed, and the Envoy version.
+type reading struct {
+	deployments []Deployment
+	kube        []*object
+	skipped     []string
+	egOrders    []Finding
+	egJWT       egJWT
+	version     *envoyVersion
+}
+
+// readAll reads the inputs and the Envoy version of opts; its error joins a *fileError per bad
+// input, a filter Envoy would refuse included.
+func readAll(inputs []Input, opts Options) (reading, error) {
+	var r reading
+	var errs []error
+	var objs []*object
+	version, err := parseVersion(opts.EnvoyVersion)
+	if err != nil {
+		errs = append(errs, &fileError{File: "--envoy-version", Err: err})
+	}
+	r.version = version
+	for _, in := range inputs {
+		ds, read, err := readInput(in, cmp.Or(opts.MaxInputBytes, DefaultMaxInputBytes))
+		if err != nil {
+			errs = append(errs, inputError(in.Name, err))
+			continue
+		}
+		r.deployments = append(r.deployments, ds...)
+		objs = append(objs, read...)
+	}
+	for _, o := range objs {
+		if slices.Contains(knownKinds[o.group()], o.Kind) {
+			r.kube = append(r.kube, o)
+		} else {
+			r.skipped = append(r.skipped, o.ref()+" ("+o.File+")")
+		}
+	}
+	ds, egOrders, err := kubeDeployments(r.kube)
+	errs = append(errs, err)
+	r.egOrders = egOrders
+	r.egJWT, err = egJWTProviders(r.kube)
+	errs = append(errs, egInputError(err))
+	r.deployments = append(r.deployments, ds...)
+	for _, d := range r.deployments {
+		if err := Validate(d.Filter); err != nil {
+			errs = append(errs, &fileError{File: d.File, Where: d.Resource, Field: d.FilterPath,
+				Err: fmt.Errorf("the filter fails Envoy's validation, so Envoy would refuse it: %w", err)})
+		}
+	}
+	return r, errors.Join(errs...)
+}
+
+// findings are the findings of what was read under p, in the order of the rules; c are the
+// routes the deployments cover, names the inputs' names.
+func (r reading) findings(p *policy.Policy, c covered, policyFile string, names []string) []Finding {
+	n := needsOf(p)
+	var out []Finding
+	for _, d := range r.deployments {
+		out = append(out, deploymentFindings(d, p, n)...)
+	}
+	out = append(out, r.egOrders...)
+	out = append(out, r.egJWT.findings(n)...)
+	if len(r.deployments) == 0 && !slices.ContainsFunc(r.egOrders, func(f Finding) bool { return f.Kind == KindUnreadable }) {
+		out = append(out, Finding{
+			File: strings.Join(names, ", "), Resource: "-", Field: "ext_proc", Kind: KindNoExtProc,
+			Problem: "no ext_proc filter found: no http filter with an ExternalProcessor typed_config, EnvoyFilter patching one in, or EnvoyExtensionPolicy with an extProc entry; nothing reaches the processor",
+			Fix:     "add the filter as envoy/envoy.yaml, envoy/istio-envoyfilter.yaml or envoy/envoy-gateway.yaml do, and pass the file that holds it",
+		})
+	}
+	out = append(out, versionFindings(r.version)...)
+	if len(r.deployments) > 0 {
+		out = append(out, routeNameFindings(p, c, policyFile, names)...)
+	}
+	out = append(out, gatewayRetryFindings(p, r.kube, r.deployments)...)
+	out = append(out, extensionPolicyFindings(p, r.kube, r.deployments)...)
+	return out
 }
 
 func severityRank(s Severity) int {

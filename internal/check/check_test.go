@@ -366,7 +366,7 @@ func TestRunInputErrors(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := Run(shippedPolicy(t), []Input{{Name: "bad.yaml", Data: []byte(tc.text)}}, Options{})
-			var ie *InputError
+			var ie *fileError
 			require.True(t, errors.As(err, &ie), "%v", err)
 			require.Equal(t, "bad.yaml", ie.File)
 			require.Equal(t, tc.line, ie.Line, "%v", err)
@@ -475,7 +475,7 @@ func TestRunNamesTheFileOfTheBadObject(t *testing.T) {
 				}
 			}
 			_, err := Run(shippedPolicy(t), inputs, Options{})
-			var ie *InputError
+			var ie *fileError
 			require.True(t, errors.As(err, &ie), "%v", err)
 			require.Equal(t, tc.file, ie.File, "%v", err)
 			require.ErrorContains(t, err, tc.want)

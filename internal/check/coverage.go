@@ -37,7 +37,7 @@ func coveredRoutes(ds []Deployment) covered {
 				continue
 			}
 			for _, h := range e.Config.GetOverrides().GetGrpcInitialMetadata() {
-				if strings.EqualFold(h.GetKey(), RouteMetadataKey) {
+				if strings.EqualFold(h.GetKey(), routeMetadataKey) {
 					c.named[headerValueString(h)] = true
 				}
 			}
@@ -164,10 +164,10 @@ func gatewayRetryFindings(p *policy.Policy, objs []*object, ds []Deployment) []F
 // API routes too, and the filter runs on every route).
 func filterRunsOn(ds []Deployment, prefix string) bool {
 	for _, d := range ds {
-		if d.Platform == PlatformIstio && !d.FilterDisabled {
+		if d.Platform == platformIstio && !d.FilterDisabled {
 			return true
 		}
-		if d.Platform != PlatformEnvoyGateway {
+		if d.Platform != platformEnvoyGateway {
 			continue
 		}
 		for _, e := range d.Routes {
@@ -206,7 +206,7 @@ func extensionPolicyFindings(p *policy.Policy, objs []*object, ds []Deployment) 
 	var out []Finding
 	done := map[string]bool{}
 	for _, d := range ds {
-		if d.Platform != PlatformEnvoyGateway || done[d.Resource] {
+		if d.Platform != platformEnvoyGateway || done[d.Resource] {
 			continue
 		}
 		done[d.Resource] = true

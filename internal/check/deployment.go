@@ -16,13 +16,13 @@ import (
 
 // Platform is what writes the Envoy configuration of a deployment; findings phrase their fixes
 // in its terms.
-type Platform int
+type platform int
 
 // The platforms.
 const (
-	PlatformEnvoy        Platform = iota // an Envoy bootstrap
-	PlatformIstio                        // an Istio EnvoyFilter
-	PlatformEnvoyGateway                 // an Envoy Gateway EnvoyExtensionPolicy
+	platformEnvoy        platform = iota // an Envoy bootstrap
+	platformIstio                        // an Istio EnvoyFilter
+	platformEnvoyGateway                 // an Envoy Gateway EnvoyExtensionPolicy
 )
 
 // Deployment is what one deployment makes of the ext_proc filter, as far as the protection checks
@@ -36,7 +36,7 @@ type Deployment struct {
 	// (`listener "ingress"`, "EnvoyFilter ns/name", "EnvoyExtensionPolicy ns/name").
 	File, Resource string
 	// Platform says what wrote the configuration.
-	Platform Platform
+	Platform platform
 	// Filter is the ext_proc filter-level config; FilterPath is where it lives.
 	Filter     *filterextproc.ExternalProcessor
 	FilterPath string
@@ -54,22 +54,22 @@ type Deployment struct {
 	// Routes are the Envoy routes of the deployment in order, with their per-route ext_proc
 	// config, plus entries for the virtual hosts and route configurations that configure the
 	// filter (Name "" for those).
-	Routes []RouteEntry
+	Routes []routeEntry
 	// RoutesUnknown says why the routes could not be read (they come from RDS), "" when they were.
 	RoutesUnknown string
 	// After are the HTTP filters after ext_proc in the connection manager, when it is shown.
-	After []FilterRef
+	After []filterRef
 	// JWTAuthn is the first jwt_authn filter before ext_proc in the connection manager, and
 	// JWTAuthnPath where its config lives; nil when the connection manager has none before
 	// ext_proc or is not shown (Istio and Envoy Gateway generate theirs).
 	JWTAuthn     *jwtauthnv3.JwtAuthentication
 	JWTAuthnPath string
 	// Processor are the circuit breaker thresholds of the processor's cluster, nil when unknown.
-	Processor *ProcessorLimits
+	Processor *processorLimits
 }
 
-// RouteEntry is one Envoy route (or virtual host) and its ext_proc per-route config.
-type RouteEntry struct {
+// routeEntry is one Envoy route (or virtual host) and its ext_proc per-route config.
+type routeEntry struct {
 	// Name is the Envoy route name (the xds.route_name attribute), "" for a virtual host.
 	Name string
 	// Path is where the typed_per_filter_config entry lives (or the route, when it has none).
@@ -94,11 +94,11 @@ type RouteEntry struct {
 	Partial bool
 	// ResponseBuffer is the buffer limit a BUFFERED response body of this route must fit in, nil
 	// when it is not known (a cluster that is not static).
-	ResponseBuffer *Limit
+	ResponseBuffer *limitSetting
 }
 
-// Limit is a response buffer limit and where it is set.
-type Limit struct {
+// limitSetting is a response buffer limit and where it is set.
+type limitSetting struct {
 	Bytes uint32
 	// File, Resource and Field say where the limit is set; Default is set when nothing sets it
 	// and Envoy's (or Envoy Gateway's) default applies: Field then names what would set it.
@@ -106,15 +106,15 @@ type Limit struct {
 	Default               bool
 }
 
-// BootstrapDeployment reads the ext_proc deployment of a standalone bootstrap: the first HTTP
+// bootstrapDeployment reads the ext_proc deployment of a standalone bootstrap: the first HTTP
 // connection manager of the first listener, its ext_proc filter and inline route_config. It
 // fails when either is missing or a per-route config of the filter is not an ExtProcPerRoute.
-func BootstrapDeployment(b *bootstrapv3.Bootstrap, source string) (Deployment, error) {
-	f, hf, err := ExtProcFilter(b)
+func bootstrapDeployment(b *bootstrapv3.Bootstrap, source string) (Deployment, error) {
+	f, hf, err := extProcFilter(b)
 	if err != nil {
 		return Deployment{}, err
 	}
-	hcm, err := FirstHCM(b)
+	hcm, err := firstHCM(b)
 	if err != nil {
 		return Deployment{}, err
 	}
@@ -174,7 +174,7 @@ func bootstrapDeployments(b *bootstrapv3.Bootstrap, file string) ([]Deployment, 
 // hcmDeployment fills d from the connection manager hcm at hcmPath and its ext_proc filter hf,
 // whose config is f.
 func hcmDeployment(d *Deployment, b *bootstrapv3.Bootstrap, hcm *hcmv3.HttpConnectionManager, hf *hcmv3.HttpFilter, f *filterextproc.ExternalProcessor, hcmPath string) error {
-	d.Platform = PlatformEnvoy
+	d.Platform = platformEnvoy
 	d.Filter = f
 	d.FilterName = hf.GetName()
 	d.FilterDisabled = hf.GetDisabled()
@@ -190,7 +190,7 @@ func hcmDeployment(d *Deployment, b *bootstrapv3.Bootstrap, hcm *hcmv3.HttpConne
 		case other == hf:
 			seen = true
 		case seen:
-			d.After = append(d.After, FilterRef{Name: other.GetName(), Type: anyType(other.GetTypedConfig())})
+			d.After = append(d.After, filterRef{Name: other.GetName(), Type: anyType(other.GetTypedConfig())})
 		case d.JWTAuthn == nil && other.GetTypedConfig().MessageIs(&jwtauthnv3.JwtAuthentication{}):
 			d.JWTAuthn = &jwtauthnv3.JwtAuthentication{}
 			d.JWTAuthnPath = "http_filters[" + other.GetName() + "].typed_config"
@@ -203,8 +203,8 @@ func hcmDeployment(d *Deployment, b *bootstrapv3.Bootstrap, hcm *hcmv3.HttpConne
 		}
 	}
 	if name := f.GetGrpcService().GetEnvoyGrpc().GetClusterName(); name != "" {
-		if c := Cluster(b, name); c != nil {
-			d.Processor = &ProcessorLimits{Thresholds: ClusterThresholds(c), File: d.File, Resource: "cluster " + strconv.Quote(name),
+		if c := staticCluster(b, name); c != nil {
+			d.Processor = &processorLimits{Thresholds: ClusterThresholds(c), File: d.File, Resource: "cluster " + strconv.Quote(name),
 				Field: "circuit_breakers.thresholds", Default: c.GetCircuitBreakers() == nil}
 		}
 	}
@@ -217,8 +217,8 @@ func hcmDeployment(d *Deployment, b *bootstrapv3.Bootstrap, hcm *hcmv3.HttpConne
 	if hcmPath != "http_connection_manager" {
 		rcPath = hcmPath + ".route_config"
 	}
-	add := func(name, path string, tpfc map[string]*anypb.Any, retry RouteEntry) error {
-		e := RouteEntry{Name: name, Path: path, Retry: retry.Retry, Hedge: retry.Hedge, RetryPath: retry.RetryPath, HedgePath: retry.HedgePath,
+	add := func(name, path string, tpfc map[string]*anypb.Any, retry routeEntry) error {
+		e := routeEntry{Name: name, Path: path, Retry: retry.Retry, Hedge: retry.Hedge, RetryPath: retry.RetryPath, HedgePath: retry.HedgePath,
 			ResponseBuffer: retry.ResponseBuffer, Config: retry.Config}
 		if a, ok := tpfc[d.FilterName]; ok {
 			e.Path = path + ".typed_per_filter_config[" + d.FilterName + "]"
@@ -243,12 +243,12 @@ func hcmDeployment(d *Deployment, b *bootstrapv3.Bootstrap, hcm *hcmv3.HttpConne
 		return err == nil && !c.GetDisabled()
 	}
 	rcEnables := enables(rc.GetTypedPerFilterConfig()[d.FilterName], false)
-	if err := add("", rcPath, rc.GetTypedPerFilterConfig(), RouteEntry{}); err != nil {
+	if err := add("", rcPath, rc.GetTypedPerFilterConfig(), routeEntry{}); err != nil {
 		return err
 	}
 	for i, vh := range rc.GetVirtualHosts() {
 		vp := rcPath + ".virtual_hosts[" + strconv.Itoa(i) + "]"
-		if err := add("", vp, vh.GetTypedPerFilterConfig(), RouteEntry{}); err != nil {
+		if err := add("", vp, vh.GetTypedPerFilterConfig(), routeEntry{}); err != nil {
 			return err
 		}
 		vhEnables := enables(vh.GetTypedPerFilterConfig()[d.FilterName], rcEnables)
@@ -256,7 +256,7 @@ func hcmDeployment(d *Deployment, b *bootstrapv3.Bootstrap, hcm *hcmv3.HttpConne
 			rp := vp + ".routes[" + strconv.Itoa(j) + "]"
 			// A route's retry_policy replaces its virtual host's whole, and so does its
 			// hedge_policy, each on its own (route_components.proto).
-			retry := RouteEntry{Retry: vh.GetRetryPolicy(), Hedge: vh.GetHedgePolicy(), RetryPath: vp, HedgePath: vp,
+			retry := routeEntry{Retry: vh.GetRetryPolicy(), Hedge: vh.GetHedgePolicy(), RetryPath: vp, HedgePath: vp,
 				ResponseBuffer: routeBufferLimit(b, d.File, r.GetRoute())}
 			ra := r.GetRoute()
 			if ra.GetRetryPolicy() != nil {
@@ -276,7 +276,7 @@ func hcmDeployment(d *Deployment, b *bootstrapv3.Bootstrap, hcm *hcmv3.HttpConne
 				if _, ok := cw.GetTypedPerFilterConfig()[d.FilterName]; !ok {
 					continue
 				}
-				if err := add(r.GetName(), cp, cw.GetTypedPerFilterConfig(), RouteEntry{}); err != nil {
+				if err := add(r.GetName(), cp, cw.GetTypedPerFilterConfig(), routeEntry{}); err != nil {
 					return err
 				}
 			}
@@ -290,7 +290,7 @@ func hcmDeployment(d *Deployment, b *bootstrapv3.Bootstrap, hcm *hcmv3.HttpConne
 // Envoy's BUFFERED mode holds a whole response body in the filter's buffer
 // (source/extensions/filters/http/ext_proc/ext_proc.cc), whose limit on the response path is
 // the upstream cluster's per_connection_buffer_limit_bytes; above it Envoy answers 500.
-func routeBufferLimit(b *bootstrapv3.Bootstrap, file string, ra *routev3.RouteAction) *Limit {
+func routeBufferLimit(b *bootstrapv3.Bootstrap, file string, ra *routev3.RouteAction) *limitSetting {
 	names := []string{ra.GetCluster()}
 	if wc := ra.GetWeightedClusters(); wc != nil {
 		names = nil
@@ -298,13 +298,13 @@ func routeBufferLimit(b *bootstrapv3.Bootstrap, file string, ra *routev3.RouteAc
 			names = append(names, c.GetName())
 		}
 	}
-	var least *Limit
+	var least *limitSetting
 	for _, name := range names {
-		c := Cluster(b, name)
+		c := staticCluster(b, name)
 		if c == nil {
 			return nil
 		}
-		l := &Limit{Bytes: BufferLimit(c), File: file, Resource: "cluster " + strconv.Quote(name),
+		l := &limitSetting{Bytes: BufferLimit(c), File: file, Resource: "cluster " + strconv.Quote(name),
 			Field: "per_connection_buffer_limit_bytes", Default: c.GetPerConnectionBufferLimitBytes() == nil}
 		if least == nil || l.Bytes < least.Bytes {
 			least = l

@@ -14,8 +14,8 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/internal/yamllimit"
 )
 
-// InputError is an input that cannot be read or parsed: the policy file or a FILE.
-type InputError struct {
+// fileError is an input that cannot be read or parsed: the policy file or a FILE.
+type fileError struct {
 	// File is the input as the user named it; "-" is standard input.
 	File string
 	// Line and Column are where the bad field is, 0 when unknown.
@@ -27,7 +27,7 @@ type InputError struct {
 	Err   error
 }
 
-func (e *InputError) Error() string {
+func (e *fileError) Error() string {
 	var b strings.Builder
 	switch {
 	case e.File != "" && e.Line > 0 && e.Column > 0:
@@ -49,12 +49,12 @@ func (e *InputError) Error() string {
 	return b.String()
 }
 
-func (e *InputError) Unwrap() error { return e.Err }
+func (e *fileError) Unwrap() error { return e.Err }
 
 // inputError makes an *InputError of err for file, taking the line and field of the first
 // *located in err's chain.
-func inputError(file string, err error) *InputError {
-	var ie *InputError
+func inputError(file string, err error) *fileError {
+	var ie *fileError
 	if errors.As(err, &ie) {
 		return ie
 	}
@@ -62,9 +62,9 @@ func inputError(file string, err error) *InputError {
 	if errors.As(err, &l) {
 		// What wraps the located error names the document or the resource.
 		outer := strings.TrimSuffix(strings.TrimSuffix(err.Error(), l.Error()), ": ")
-		return &InputError{File: file, Line: l.Line, Column: l.Column, Where: outer, Field: l.Field, Err: l.Err}
+		return &fileError{File: file, Line: l.Line, Column: l.Column, Where: outer, Field: l.Field, Err: l.Err}
 	}
-	return &InputError{File: file, Err: err}
+	return &fileError{File: file, Err: err}
 }
 
 // inFile is an error about an object read from file; its message is err's. Code that reads the

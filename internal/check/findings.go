@@ -15,47 +15,9 @@ import (
 // and CheckProtection's, then the rules that weigh the policy's timings and sizes against
 // Envoy's, and the warnings.
 func deploymentFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding {
-	var out []Finding
-	at := func(field string) Finding {
-		return Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + "." + field}
-	}
-	storesBodies := slices.ContainsFunc(enabledRoutes(p), func(r *policy.Route) bool { return r.StoreBody })
-	mode := d.Filter.GetProcessingMode()
-	for _, e := range SpecErrors(CheckSpec(d.Filter, p.StoreTimeout)) {
-		// CheckSpec knows no policy: a policy whose enabled routes read no request body (their
-		// fingerprints omit it, no body-hash keys) is claimed at request_headers whatever the
-		// request body and trailer modes, and one that stores no response body needs none.
-		switch {
-		case !n.anyBody && e.Field == "processing_mode.request_body_mode" && mode.GetRequestBodyMode() == filterextproc.ProcessingMode_NONE,
-			!n.anyBody && e.Field == "processing_mode.request_trailer_mode" && mode.GetRequestBodyMode() != filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED,
-			!storesBodies && e.Field == "processing_mode.response_body_mode" && mode.GetResponseBodyMode() == filterextproc.ProcessingMode_NONE:
-			continue
-		}
-		f := at(e.Field)
-		f.Kind, f.Problem, f.Fix = e.Kind, e.Problem, e.Fix
-		if e.Breaks != "" {
-			f.Problem += ": " + e.Breaks
-		}
-		switch {
-		case e.Kind == KindCodeDetailsMissing && !n.envoyStatusStored && n.unknownReleases:
-			f.Kind = KindCodeDetailsCost
-			f.Problem += "; under this policy (unknown_outcome: release, no 4xx or 5xx stored) such a response releases the key either way, and only the processor's log says it could not tell"
-		case e.Kind == KindAttemptCountMissing && n.unknownReleases:
-			f.Kind = KindAttemptCountCost
-			f.Problem += "; under this policy (unknown_outcome: release on every route) such a response releases the key either way, and only the release reason differs"
-		}
-		if d.Platform == PlatformEnvoyGateway && errors.Is(e, ErrRequestTrailersSkipped) {
-			// Envoy Gateway cannot express SEND but under FullDuplexStreamed (buildProcessingMode
-			// in envoyproxy/gateway internal/xds/translator/extproc.go); the processor counts
-			// what reaches the upstream unclaimed.
-			f.Kind = KindGatewayRequestTrailers
-			f.Problem = "Envoy Gateway sends request trailers to the processor only under FullDuplexStreamed: a covered request that carries trailers and no body reaches the upstream before its key is claimed, and may run twice (the processor counts it as idempotency_envoy_misconfig_total{kind=\"unclaimed_request\"})"
-			f.Fix = "use body: FullDuplexStreamed on routes whose clients send request trailers"
-		}
-		out = append(out, f)
-	}
+	out := specFindings(d, p, n)
 	if err := checkProtection(d, n); err != nil {
-		refusals := Refusals(err)
+		refusals := refusalsIn(err)
 		if len(refusals) == 0 {
 			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath, Kind: KindNoExtProc, Problem: err.Error(), Fix: "-"})
 		}
@@ -68,7 +30,7 @@ func deploymentFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding
 	out = append(out, warnings(d)...)
 	out = append(out, istioJWTFindings(d, n)...)
 	out = append(out, numericClaimFindings(d, p)...)
-	if d.Platform == PlatformEnvoyGateway {
+	if d.Platform == platformEnvoyGateway {
 		for i := range out {
 			egTerms(&out[i], d.FilterPath)
 		}
@@ -76,10 +38,56 @@ func deploymentFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding
 	return out
 }
 
-// refusalFinding turns a Refusal of CheckProtection into a Finding. A refusal of a field of
+// specFindings are CheckSpec's refusals of d's filter as findings, weighed against the policy:
+// CheckSpec knows no policy, and a policy whose enabled routes read no request body (their
+// fingerprints omit it, no body-hash keys) is claimed at request_headers whatever the request
+// body and trailer modes, and one that stores no response body needs none.
+func specFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding {
+	var out []Finding
+	storesBodies := slices.ContainsFunc(enabledRoutes(p), func(r *policy.Route) bool { return r.StoreBody })
+	mode := d.Filter.GetProcessingMode()
+	for _, e := range specErrors(CheckSpec(d.Filter, p.StoreTimeout)) {
+		switch {
+		case !n.anyBody && e.Field == "processing_mode.request_body_mode" && mode.GetRequestBodyMode() == filterextproc.ProcessingMode_NONE,
+			!n.anyBody && e.Field == "processing_mode.request_trailer_mode" && mode.GetRequestBodyMode() != filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED,
+			!storesBodies && e.Field == "processing_mode.response_body_mode" && mode.GetResponseBodyMode() == filterextproc.ProcessingMode_NONE:
+			continue
+		}
+		out = append(out, specFinding(d, e, n))
+	}
+	return out
+}
+
+// specFinding is one refusal of CheckSpec as a finding, its kind the cheaper one where the
+// policy makes the setting cost less, and Envoy Gateway's request trailers its own kind.
+func specFinding(d Deployment, e *specError, n policyNeeds) Finding {
+	f := Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + "." + e.Field, Kind: e.Kind, Problem: e.Problem, Fix: e.Fix}
+	if e.Breaks != "" {
+		f.Problem += ": " + e.Breaks
+	}
+	switch {
+	case e.Kind == KindCodeDetailsMissing && !n.envoyStatusStored && n.unknownReleases:
+		f.Kind = KindCodeDetailsCost
+		f.Problem += "; under this policy (unknown_outcome: release, no 4xx or 5xx stored) such a response releases the key either way, and only the processor's log says it could not tell"
+	case e.Kind == KindAttemptCountMissing && n.unknownReleases:
+		f.Kind = KindAttemptCountCost
+		f.Problem += "; under this policy (unknown_outcome: release on every route) such a response releases the key either way, and only the release reason differs"
+	}
+	if d.Platform == platformEnvoyGateway && errors.Is(e, errRequestTrailersSkipped) {
+		// Envoy Gateway cannot express SEND but under FullDuplexStreamed (buildProcessingMode
+		// in envoyproxy/gateway internal/xds/translator/extproc.go); the processor counts
+		// what reaches the upstream unclaimed.
+		f.Kind = KindGatewayRequestTrailers
+		f.Problem = "Envoy Gateway sends request trailers to the processor only under FullDuplexStreamed: a covered request that carries trailers and no body reaches the upstream before its key is claimed, and may run twice (the processor counts it as idempotency_envoy_misconfig_total{kind=\"unclaimed_request\"})"
+		f.Fix = "use body: FullDuplexStreamed on routes whose clients send request trailers"
+	}
+	return f
+}
+
+// refusalFinding turns a refusal of CheckProtection into a Finding. A refusal of a field of
 // another resource (an Istio VirtualService's retries, an Envoy Gateway BackendTrafficPolicy's)
 // names that resource, and the field as that resource spells it.
-func refusalFinding(d Deployment, r *Refusal) Finding {
+func refusalFinding(d Deployment, r *refusal) Finding {
 	f := Finding{File: d.File, Resource: d.Resource, Field: r.Field, Kind: r.Kind, Problem: r.Reason, Fix: r.Fix}
 	if r.Resource == "" {
 		return f
@@ -87,7 +95,7 @@ func refusalFinding(d Deployment, r *Refusal) Finding {
 	f.File, f.Resource = r.File, r.Resource
 	field := strings.TrimLeft(strings.TrimPrefix(r.Field, r.Resource), " .")
 	switch d.Platform {
-	case PlatformIstio:
+	case platformIstio:
 		if head, ok := strings.CutSuffix(field, " (no retries: Istio's default retry policy).retry_policy.retry_on"); ok {
 			field = head + ".retries"
 			f.Problem = "is not set, so Istio's default retry policy applies, which " + f.Problem
@@ -98,7 +106,7 @@ func refusalFinding(d Deployment, r *Refusal) Finding {
 		if r.Fix == retryFix {
 			f.Fix = "set retries.retryOn to connect-failure,refused-stream on covered routes (or retries.attempts: 0)"
 		}
-	case PlatformEnvoyGateway:
+	case platformEnvoyGateway:
 		field = strings.Replace(field, "retry.retry_policy.retry_on", "retry.retryOn", 1)
 		f.Fix = strings.ReplaceAll(f.Fix, "num_retries 0", "numRetries: 0")
 		if r.Fix == retryFix {
@@ -162,27 +170,11 @@ func bodyFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding {
 		if e.Config.GetDisabled() || d.FilterDisabled && e.Config == nil {
 			continue
 		}
-		routes := enabledRoutes(p)
-		o := e.Config.GetOverrides()
-		for _, h := range o.GetGrpcInitialMetadata() {
-			if strings.EqualFold(h.GetKey(), RouteMetadataKey) {
-				if r, _, err := p.Select(policy.Selector{Named: headerValueString(h)}); err == nil {
-					routes = nil
-					if r.Enabled {
-						routes = []*policy.Route{r}
-					}
-				}
-			}
-		}
-		var storing *policy.Route // the enabled route that stores the largest bodies
-		for _, r := range routes {
-			if r.StoreBody && (storing == nil || r.MaxResponseBytes > storing.MaxResponseBytes) {
-				storing = r
-			}
-		}
+		storing := storingRoute(e, p)
 		if storing == nil {
 			continue
 		}
+		o := e.Config.GetOverrides()
 		mode := filterMode
 		if pm := o.GetProcessingMode(); pm != nil {
 			mode = pm.GetResponseBodyMode()
@@ -204,22 +196,50 @@ func bodyFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding {
 			continue
 		}
 		reported[key] = true
-		problem := fmt.Sprintf("BUFFERED responses of policy route %q may reach max_response_bytes %d, above the %d-byte upstream buffer: Envoy answers 500 to a larger one after the upstream ran it, so a retry may run it again",
-			storing.Name, storing.MaxResponseBytes, l.Bytes)
-		if !l.Default {
-			out = append(out, Finding{File: l.File, Resource: l.Resource, Field: l.Field, Kind: KindResponseBufferLimit, Problem: problem,
-				Fix: fmt.Sprintf("raise it to at least %d, or use STREAMED responses", storing.MaxResponseBytes)})
-			continue
-		}
-		where := l.Field
-		if l.Resource != "" {
-			where += " of " + l.Resource
-		}
-		out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".processing_mode.response_body_mode", Kind: KindResponseBufferLimit,
-			Problem: problem + " (nothing sets " + where + ": the default applies)",
-			Fix:     fmt.Sprintf("set %s to at least %d, or use STREAMED responses", where, storing.MaxResponseBytes)})
+		out = append(out, bufferLimitFinding(d, storing, l))
 	}
 	return out
+}
+
+// storingRoute is the enabled policy route of e that stores the largest response bodies (the
+// one its x-idempotency-route metadata names, else any), nil when none stores bodies.
+func storingRoute(e routeEntry, p *policy.Policy) *policy.Route {
+	routes := enabledRoutes(p)
+	for _, h := range e.Config.GetOverrides().GetGrpcInitialMetadata() {
+		if strings.EqualFold(h.GetKey(), routeMetadataKey) {
+			if r, _, err := p.Select(policy.Selector{Named: headerValueString(h)}); err == nil {
+				routes = nil
+				if r.Enabled {
+					routes = []*policy.Route{r}
+				}
+			}
+		}
+	}
+	var storing *policy.Route
+	for _, r := range routes {
+		if r.StoreBody && (storing == nil || r.MaxResponseBytes > storing.MaxResponseBytes) {
+			storing = r
+		}
+	}
+	return storing
+}
+
+// bufferLimitFinding refuses the buffer limit l of d's BUFFERED responses, below what the policy
+// route storing stores: on the setting when something sets it, else on the filter's mode.
+func bufferLimitFinding(d Deployment, storing *policy.Route, l *limitSetting) Finding {
+	problem := fmt.Sprintf("BUFFERED responses of policy route %q may reach max_response_bytes %d, above the %d-byte upstream buffer: Envoy answers 500 to a larger one after the upstream ran it, so a retry may run it again",
+		storing.Name, storing.MaxResponseBytes, l.Bytes)
+	if !l.Default {
+		return Finding{File: l.File, Resource: l.Resource, Field: l.Field, Kind: KindResponseBufferLimit, Problem: problem,
+			Fix: fmt.Sprintf("raise it to at least %d, or use STREAMED responses", storing.MaxResponseBytes)}
+	}
+	where := l.Field
+	if l.Resource != "" {
+		where += " of " + l.Resource
+	}
+	return Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".processing_mode.response_body_mode", Kind: KindResponseBufferLimit,
+		Problem: problem + " (nothing sets " + where + ": the default applies)",
+		Fix:     fmt.Sprintf("set %s to at least %d, or use STREAMED responses", where, storing.MaxResponseBytes)}
 }
 
 // istioPayloadKey is where Istio 1.21 and later write the payload its jwt_authn verified, for
@@ -230,7 +250,7 @@ const istioPayloadKey = "payload"
 // istioJWTFindings warns, on an Istio deployment, of a route whose jwt_payload_key is another
 // name than Istio's: its claims would be empty on Istio 1.21 and later.
 func istioJWTFindings(d Deployment, n policyNeeds) []Finding {
-	if d.Platform != PlatformIstio {
+	if d.Platform != platformIstio {
 		return nil
 	}
 	var out []Finding
@@ -331,14 +351,14 @@ func egTerms(f *Finding, filterPath string) {
 	}
 }
 
-// ProcessorLimits are the circuit breaker thresholds of the processor's cluster and where they
+// processorLimits are the circuit breaker thresholds of the processor's cluster and where they
 // are set.
-type ProcessorLimits struct {
+type processorLimits struct {
 	Thresholds Thresholds
 	// File, Resource and Field say where they are set; Default is set when nothing sets them.
 	File, Resource, Field string
 	Default               bool
 }
 
-// FilterRef is an HTTP filter: its name and the type of its typed_config.
-type FilterRef struct{ Name, Type string }
+// filterRef is an HTTP filter: its name and the type of its typed_config.
+type filterRef struct{ Name, Type string }

@@ -30,7 +30,7 @@ routes:
 func requireWellFormed(t *testing.T, rep Report, err error) {
 	t.Helper()
 	if err != nil {
-		var ie *InputError
+		var ie *fileError
 		require.True(t, errors.As(err, &ie), "%v", err)
 		require.NotEmpty(t, ie.File)
 		require.Zero(t, rep.Findings)

@@ -268,12 +268,12 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, []Finding,
 				Name:           name,
 				CircuitBreaker: cb,
 				Deployment: Deployment{
-					Processor: &ProcessorLimits{Thresholds: cb, File: o.File, Resource: o.ref(),
+					Processor: &processorLimits{Thresholds: cb, File: o.File, Resource: o.ref(),
 						Field: fmt.Sprintf("extProc[%d].backendSettings.circuitBreaker", i), Default: !cbSet},
 					Source:     o.File + ": EnvoyExtensionPolicy " + name,
 					File:       o.File,
 					Resource:   o.ref(),
-					Platform:   PlatformEnvoyGateway,
+					Platform:   platformEnvoyGateway,
 					Filter:     f,
 					FilterPath: fmt.Sprintf("extProc[%d]", i),
 					FilterName: fmt.Sprintf("envoy.filters.http.ext_proc/envoyextensionpolicy/%s/extproc/%d", name, i),
@@ -392,7 +392,7 @@ func egPolicyTargets(d *object, refs []egTargetRef, routes map[string]*egHTTPRou
 // egApplyBackendPolicy gives route e the retry and upstream buffer limit of the
 // BackendTrafficPolicy that targets it most closely (the first of equals), Envoy Gateway's
 // default buffer limit when none does.
-func egApplyBackendPolicy(e *RouteEntry, btps []egBackendPolicy) {
+func egApplyBackendPolicy(e *routeEntry, btps []egBackendPolicy) {
 	var best *egBackendPolicy
 	closeness := -1
 	for i := range btps {
@@ -403,14 +403,14 @@ func egApplyBackendPolicy(e *RouteEntry, btps []egBackendPolicy) {
 		}
 	}
 	if best == nil {
-		e.ResponseBuffer = &Limit{Bytes: egDefaultBufferLimit, Default: true, Field: "BackendTrafficPolicy connection.bufferLimit"}
+		e.ResponseBuffer = &limitSetting{Bytes: egDefaultBufferLimit, Default: true, Field: "BackendTrafficPolicy connection.bufferLimit"}
 		return
 	}
 	if best.retry != nil {
 		e.Retry, e.RetryPath = best.retry, best.obj.ref()+".retry"
 		e.RetryResource, e.RetryFile = best.obj.ref(), best.obj.File
 	}
-	e.ResponseBuffer = &Limit{Bytes: best.limit, File: best.obj.File, Resource: best.obj.ref(), Field: "connection.bufferLimit", Default: !best.limitSet}
+	e.ResponseBuffer = &limitSetting{Bytes: best.limit, File: best.obj.File, Resource: best.obj.ref(), Field: "connection.bufferLimit", Default: !best.limitSet}
 }
 
 // egHTTPRoute is the part of a Gateway API HTTPRoute that names Envoy Gateway's xDS routes.
@@ -462,7 +462,7 @@ func egAttach(pols []EGPolicy, targets [][]egTargetRef, routes map[string]*egHTT
 		}
 		attached[k] = true
 		for _, n := range egRouteNames(route, rule) {
-			pols[p].Deployment.Routes = append(pols[p].Deployment.Routes, RouteEntry{
+			pols[p].Deployment.Routes = append(pols[p].Deployment.Routes, routeEntry{
 				Name:   n,
 				Path:   fmt.Sprintf("HTTPRoute %s/%s rules[%d] (%s)", route.namespace, route.name, rule, why),
 				Config: &filterextproc.ExtProcPerRoute{},
@@ -470,8 +470,8 @@ func egAttach(pols []EGPolicy, targets [][]egTargetRef, routes map[string]*egHTT
 		}
 	}
 	unresolved := func(p int, name, why string) {
-		e := RouteEntry{Name: name, Path: why, Config: &filterextproc.ExtProcPerRoute{}, Partial: true}
-		if !slices.ContainsFunc(pols[p].Deployment.Routes, func(r RouteEntry) bool { return r.Path == e.Path }) {
+		e := routeEntry{Name: name, Path: why, Config: &filterextproc.ExtProcPerRoute{}, Partial: true}
+		if !slices.ContainsFunc(pols[p].Deployment.Routes, func(r routeEntry) bool { return r.Path == e.Path }) {
 			pols[p].Deployment.Routes = append(pols[p].Deployment.Routes, e)
 		}
 	}
@@ -741,18 +741,18 @@ var egDefaultOrder = []string{
 	"envoy.filters.http.dynamic_forward_proxy", "envoy.filters.http.router",
 }
 
-// EGFilterPosition is one entry of an EnvoyProxy's spec.filterOrder: filter type Name moves
+// egFilterPosition is one entry of an EnvoyProxy's spec.filterOrder: filter type Name moves
 // before the first filter of type Before, or after the last of type After.
-type EGFilterPosition struct {
+type egFilterPosition struct {
 	Name   string `yaml:"name"`
 	Before string `yaml:"before"`
 	After  string `yaml:"after"`
 }
 
-// EnvoyGatewayFilterOrder returns spec.filterOrder of the EnvoyProxy in the file at path, nil
+// envoyGatewayFilterOrder returns spec.filterOrder of the EnvoyProxy in the file at path, nil
 // when the file has none. Each entry must name filter types Envoy Gateway knows (the router
 // excluded) and exactly one of before and after, as Envoy Gateway's CRD requires.
-func EnvoyGatewayFilterOrder(path string) ([]EGFilterPosition, error) {
+func envoyGatewayFilterOrder(path string) ([]egFilterPosition, error) {
 	objs, err := readDocs(path)
 	if err != nil {
 		return nil, err
@@ -769,9 +769,9 @@ func EnvoyGatewayFilterOrder(path string) ([]EGFilterPosition, error) {
 }
 
 // egFilterOrder returns spec.filterOrder of EnvoyProxy d, as EnvoyGatewayFilterOrder.
-func egFilterOrder(d *object) ([]EGFilterPosition, error) {
+func egFilterOrder(d *object) ([]egFilterPosition, error) {
 	spec, err := decodeLoose[struct {
-		FilterOrder []EGFilterPosition `yaml:"filterOrder"`
+		FilterOrder []egFilterPosition `yaml:"filterOrder"`
 	}](d)
 	if err != nil {
 		return nil, fmt.Errorf("EnvoyProxy %s: %w", d.Name, err)
@@ -793,11 +793,11 @@ func egFilterOrder(d *object) ([]EGFilterPosition, error) {
 	return spec.FilterOrder, nil
 }
 
-// EGFilterChain returns the filter types of present (each once) in the order Envoy Gateway puts
+// egFilterChain returns the filter types of present (each once) in the order Envoy Gateway puts
 // them in a connection manager: its default order, then each filterOrder entry applied in turn as
 // internal/xds/translator/httpfilters.go (sortHTTPFilters) does; an entry whose filter or anchor
 // is not present changes nothing.
-func EGFilterChain(present []string, order []EGFilterPosition) ([]string, error) {
+func egFilterChain(present []string, order []egFilterPosition) ([]string, error) {
 	var chain []string
 	for _, n := range egDefaultOrder {
 		if slices.Contains(present, n) {
@@ -836,7 +836,7 @@ func WithoutGatewayGaps(err error) error {
 	var keep []error
 	var walk func(error)
 	walk = func(e error) {
-		if e == nil || errors.Is(e, ErrRequestTrailersSkipped) && !isJoin(e) {
+		if e == nil || errors.Is(e, errRequestTrailersSkipped) && !isJoin(e) {
 			return
 		}
 		if j, ok := e.(interface{ Unwrap() []error }); ok {
@@ -857,9 +857,9 @@ func isJoin(e error) bool {
 	return ok
 }
 
-// EnvoyGatewayAccessLogFormats returns the text formats of the EnvoyProxy's
+// envoyGatewayAccessLogFormats returns the text formats of the EnvoyProxy's
 // telemetry.accessLog settings in the Envoy Gateway file at path.
-func EnvoyGatewayAccessLogFormats(path string) ([]string, error) {
+func envoyGatewayAccessLogFormats(path string) ([]string, error) {
 	d, err := theDoc(path, egGroup, "EnvoyProxy")
 	if err != nil {
 		return nil, err
@@ -953,7 +953,7 @@ func egOrderFinding(d *object) ([]Finding, error) {
 	}
 	const extProc = "envoy.filters.http.ext_proc"
 	later := []string{"envoy.filters.http.rbac", "envoy.filters.http.local_ratelimit", "envoy.filters.http.ratelimit"}
-	chain, err := EGFilterChain(append([]string{extProc, "envoy.filters.http.router"}, later...), order)
+	chain, err := egFilterChain(append([]string{extProc, "envoy.filters.http.router"}, later...), order)
 	if err != nil {
 		return nil, err
 	}

@@ -56,7 +56,7 @@ func TestEnvoyGatewayMeetsSpec(t *testing.T) {
 	// it is the only departure from the contract.
 	for _, p := range pols {
 		err := CheckSpec(p.Deployment.Filter, storeTimeout)
-		require.ErrorIs(t, err, ErrRequestTrailersSkipped)
+		require.ErrorIs(t, err, errRequestTrailersSkipped)
 		require.NoError(t, WithoutGatewayGaps(err))
 	}
 	for i, want := range []struct{ name, route string }{
@@ -77,8 +77,8 @@ func TestEnvoyGatewayMeetsSpec(t *testing.T) {
 		require.Equal(t, 500*time.Millisecond, f.GetMessageTimeout().AsDuration())
 		require.Equal(t, shippedRequestAttributes, f.GetRequestAttributes())
 		require.Equal(t, shippedResponseAttributes, f.GetResponseAttributes())
-		require.Equal(t, []string{JWTNamespace}, f.GetMetadataOptions().GetForwardingNamespaces().GetUntyped())
-		require.Equal(t, []string{OutcomeNamespace}, f.GetMetadataOptions().GetReceivingNamespaces().GetUntyped())
+		require.Equal(t, []string{jwtNamespace}, f.GetMetadataOptions().GetForwardingNamespaces().GetUntyped())
+		require.Equal(t, []string{defaultOutcomeNamespace}, f.GetMetadataOptions().GetReceivingNamespaces().GetUntyped())
 		require.Equal(t, "envoyextensionpolicy/"+want.name+"/extproc/0", f.GetGrpcService().GetEnvoyGrpc().GetClusterName())
 		require.Equal(t, 10*time.Second, f.GetGrpcService().GetTimeout().AsDuration())
 		require.Equal(t, Thresholds{100000, 100000, 100000, 1024}, p.CircuitBreaker)
@@ -114,7 +114,7 @@ func TestEnvoyGatewayMeetsSpec(t *testing.T) {
 // The EnvoyProxy of envoy-gateway.yaml moves ext_proc after RBAC and the rate limits, which
 // Envoy Gateway's default order puts after it (a replay would skip them).
 func TestEnvoyGatewayFilterOrder(t *testing.T) {
-	order, err := EnvoyGatewayFilterOrder(envoyFile(t, "envoy-gateway.yaml"))
+	order, err := envoyGatewayFilterOrder(envoyFile(t, "envoy-gateway.yaml"))
 	require.NoError(t, err)
 	require.Len(t, order, 3)
 	const (
@@ -125,7 +125,7 @@ func TestEnvoyGatewayFilterOrder(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
 		present []string
-		order   []EGFilterPosition
+		order   []egFilterPosition
 		want    []string
 	}{
 		{"Envoy Gateway's default", []string{router, global, rbac, extProc, jwt, local}, nil,
@@ -136,16 +136,16 @@ func TestEnvoyGatewayFilterOrder(t *testing.T) {
 			[]string{jwt, rbac, extProc, router}},
 		{"shipped order, no ext_proc", []string{router, rbac, jwt}, order,
 			[]string{jwt, rbac, router}},
-		{"before", []string{router, rbac, extProc, jwt}, []EGFilterPosition{{Name: rbac, Before: jwt}},
+		{"before", []string{router, rbac, extProc, jwt}, []egFilterPosition{{Name: rbac, Before: jwt}},
 			[]string{rbac, jwt, extProc, router}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := EGFilterChain(tc.present, tc.order)
+			got, err := egFilterChain(tc.present, tc.order)
 			require.NoError(t, err)
 			require.Equal(t, tc.want, got)
 		})
 	}
-	_, err = EGFilterChain([]string{"envoy.filters.http.bogus"}, nil)
+	_, err = egFilterChain([]string{"envoy.filters.http.bogus"}, nil)
 	require.ErrorContains(t, err, "bogus")
 
 	for _, tc := range []struct{ name, old, new, want string }{
@@ -157,7 +157,7 @@ func TestEnvoyGatewayFilterOrder(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			path := writeTemp(t, "eg.yaml", mutate(t, readEnvoyFile(t, "envoy-gateway.yaml"), tc.old, tc.new, 1))
-			_, err := EnvoyGatewayFilterOrder(path)
+			_, err := envoyGatewayFilterOrder(path)
 			require.ErrorContains(t, err, tc.want)
 		})
 	}
@@ -402,7 +402,7 @@ func TestIstioMeetsSpec(t *testing.T) {
 	path := envoyFile(t, "istio-envoyfilter.yaml")
 	require.NoError(t, checkIstio(t, path))
 
-	f, err := IstioExtProc(path)
+	f, err := istioExtProc(path)
 	require.NoError(t, err)
 	require.NoError(t, f.ValidateAll())
 	require.Equal(t, "outbound|9002||idempotency-extproc.idempotency.svc.cluster.local",
@@ -431,9 +431,9 @@ func TestIstioMeetsSpec(t *testing.T) {
 	require.Equal(t, "GATEWAY", spec0.ConfigPatches[0].Match.Context)
 
 	// The same filter as the standalone envoy.yaml, but for the cluster name.
-	b, err := Load(envoyFile(t, "envoy.yaml"))
+	b, err := load(envoyFile(t, "envoy.yaml"))
 	require.NoError(t, err)
-	standalone, err := ExtProc(b)
+	standalone, err := bootstrapExtProc(b)
 	require.NoError(t, err)
 	standalone.GrpcService.GetEnvoyGrpc().ClusterName = f.GetGrpcService().GetEnvoyGrpc().GetClusterName()
 	require.True(t, proto.Equal(standalone, f), "istio-envoyfilter.yaml and envoy.yaml disagree:\n%v\n%v", standalone, f)
@@ -589,4 +589,14 @@ func TestEnvoyGatewayRetriesFollowTargets(t *testing.T) {
 			require.Nil(t, r.Retry, "%s is not a route of other-api", r.Name)
 		}
 	}
+}
+
+// istioExtProc returns the ExternalProcessor of the EnvoyFilter of the Istio file at path, as
+// IstioDeployment reads it.
+func istioExtProc(path string) (*filterextproc.ExternalProcessor, error) {
+	d, err := IstioDeployment(path)
+	if err != nil {
+		return nil, err
+	}
+	return d.Filter, nil
 }

@@ -92,20 +92,10 @@ type istioFilter struct {
 	} `yaml:"subFilter"`
 }
 
-// IstioExtProc returns the ExternalProcessor embedded in the EnvoyFilter of the file at path: the
-// typed_config of its HTTP_FILTER patch, decoded like a bootstrap (unknown fields are errors). The
-// patch must insert the filter ahead of the router: INSERT_BEFORE envoy.filters.http.router, or
-// INSERT_FIRST, into the http_connection_manager.
-func IstioExtProc(path string) (*filterextproc.ExternalProcessor, error) {
-	d, err := IstioDeployment(path)
-	if err != nil {
-		return nil, err
-	}
-	return d.Filter, nil
-}
-
 // IstioDeployment reads the ext_proc deployment of the Istio file at path, which holds exactly one
-// EnvoyFilter: the filter of its HTTP_FILTER patch (as IstioExtProc), the per-route configs of
+// EnvoyFilter: the filter of its HTTP_FILTER patch (its typed_config, decoded like a bootstrap:
+// unknown fields are errors; the patch must insert the filter ahead of the router, INSERT_BEFORE
+// envoy.filters.http.router or INSERT_FIRST, into the http_connection_manager), the per-route configs of
 // its HTTP_ROUTE patches (each patch value decoded as a Route; its route name is the patch's
 // routeConfiguration.vhost.route.name), and the route names the file's VirtualServices give
 // Envoy: an http route's name, or name.matchName for a match with a name (Istio's translateRoute).
@@ -139,7 +129,7 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 	if err != nil {
 		return Deployment{}, false, err
 	}
-	d = Deployment{Source: ef.File + ": " + ef.ref(), File: ef.File, Resource: ef.ref(), Platform: PlatformIstio}
+	d = Deployment{Source: ef.File + ": " + ef.ref(), File: ef.File, Resource: ef.ref(), Platform: platformIstio}
 	var routePatches []int
 	var filterContext string // the ext_proc patch's match context
 	for i, cp := range spec.ConfigPatches {
@@ -207,7 +197,7 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 			return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
 		}
 		if c.GetName() == d.Filter.GetGrpcService().GetEnvoyGrpc().GetClusterName() {
-			d.Processor = &ProcessorLimits{Thresholds: ClusterThresholds(c), File: ef.File, Resource: ef.ref(),
+			d.Processor = &processorLimits{Thresholds: ClusterThresholds(c), File: ef.File, Resource: ef.ref(),
 				Field: fmt.Sprintf("configPatches[%d].patch.value.circuit_breakers.thresholds", i), Default: c.GetCircuitBreakers() == nil}
 		}
 	}
@@ -240,8 +230,8 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 				// reaches this filter as a new request with the same key (a duplicate).
 				retry, retryAt = nil, ""
 			}
-			entry := func(name string) RouteEntry {
-				return RouteEntry{Name: name, Path: at, Retry: retry, RetryPath: retryAt, RetryResource: vs.ref(), RetryFile: vs.File,
+			entry := func(name string) routeEntry {
+				return routeEntry{Name: name, Path: at, Retry: retry, RetryPath: retryAt, RetryResource: vs.ref(), RetryFile: vs.File,
 					ResponseBuffer: buffer}
 			}
 			named := false
@@ -269,7 +259,7 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 		if err := decodePatch(cp, r); err != nil {
 			return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
 		}
-		e := RouteEntry{Name: rc.Vhost.Route.Name, Path: fmt.Sprintf("configPatches[%d].patch.value", i), ResponseBuffer: buffer}
+		e := routeEntry{Name: rc.Vhost.Route.Name, Path: fmt.Sprintf("configPatches[%d].patch.value", i), ResponseBuffer: buffer}
 		if a, ok := r.GetTypedPerFilterConfig()[d.FilterName]; ok {
 			e.Path += ".typed_per_filter_config[" + d.FilterName + "]"
 			if e.Config, err = deployedPerRoute(a); err != nil {
@@ -284,8 +274,8 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 // istioBufferLimit is the upstream buffer limit of Istio's clusters: Envoy's default, which
 // Istio leaves alone, unless an EnvoyFilter of objs MERGEs per_connection_buffer_limit_bytes
 // into clusters (the least such value then).
-func istioBufferLimit(objs []*object) *Limit {
-	l := &Limit{Bytes: DefaultBufferLimit, Field: "per_connection_buffer_limit_bytes", Default: true}
+func istioBufferLimit(objs []*object) *limitSetting {
+	l := &limitSetting{Bytes: defaultBufferLimit, Field: "per_connection_buffer_limit_bytes", Default: true}
 	for _, ef := range objs {
 		if !ef.is(istioGroup, "EnvoyFilter") {
 			continue
@@ -303,7 +293,7 @@ func istioBufferLimit(objs []*object) *Limit {
 				continue
 			}
 			if v := c.GetPerConnectionBufferLimitBytes().GetValue(); l.Default || v < l.Bytes {
-				l = &Limit{Bytes: v, File: ef.File, Resource: ef.ref(),
+				l = &limitSetting{Bytes: v, File: ef.File, Resource: ef.ref(),
 					Field: fmt.Sprintf("configPatches[%d].patch.value.per_connection_buffer_limit_bytes", i)}
 			}
 		}
@@ -446,7 +436,7 @@ func accessLogFormats(logs []*accesslogv3.AccessLog) ([]string, error) {
 // istioProcessorLimits returns the circuit breaker thresholds a DestinationRule of objs sets on
 // the processor's cluster (outbound|port|subset|host), nil when none names its host: Istio's
 // own defaults are far above what a processor needs. An unset threshold is Istio's default.
-func istioProcessorLimits(f *filterextproc.ExternalProcessor, objs []*object) *ProcessorLimits {
+func istioProcessorLimits(f *filterextproc.ExternalProcessor, objs []*object) *processorLimits {
 	parts := strings.Split(f.GetGrpcService().GetEnvoyGrpc().GetClusterName(), "|")
 	if len(parts) != 4 || parts[3] == "" {
 		return nil
@@ -483,7 +473,7 @@ func istioProcessorLimits(f *filterextproc.ExternalProcessor, objs []*object) *P
 			}
 			return *v
 		}
-		return &ProcessorLimits{
+		return &processorLimits{
 			Thresholds: Thresholds{
 				MaxConnections:     or(cp.TCP.MaxConnections),
 				MaxPendingRequests: or(cp.HTTP.HTTP1MaxPendingRequests),

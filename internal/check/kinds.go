@@ -2,7 +2,6 @@ package check
 
 import (
 	"maps"
-	"slices"
 )
 
 // Kind names what a finding is about, whatever file or resource holds the setting: one kind,
@@ -140,18 +139,6 @@ var kindSeverity = map[Kind]Severity{
 
 // Kinds returns every kind of finding with its severity.
 func Kinds() map[Kind]Severity { return maps.Clone(kindSeverity) }
-
-// ErrorKinds returns the kinds of severity Error, sorted.
-func ErrorKinds() []Kind {
-	var out []Kind
-	for k, s := range kindSeverity {
-		if s == Error {
-			out = append(out, k)
-		}
-	}
-	slices.Sort(out)
-	return out
-}
 
 // severityOf is k's severity; a kind missing from the table is an error, so that a new kind
 // is never quietly a warning (a test holds the table complete).

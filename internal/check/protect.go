@@ -16,9 +16,9 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
-// Refusal is one setting CheckProtection refuses: the path of the field in the deployment's
+// refusal is one setting CheckProtection refuses: the path of the field in the deployment's
 // source, why the setting breaks protection and what to set instead.
-type Refusal struct {
+type refusal struct {
 	Kind   Kind   // what is refused, whatever the field's value
 	Source string // Deployment.Source
 	Field  string // e.g. "http_filters[envoy.filters.http.ext_proc].typed_config.forward_rules.allowed_headers"
@@ -30,15 +30,15 @@ type Refusal struct {
 	Resource, File string
 }
 
-func (r *Refusal) Error() string {
+func (r *refusal) Error() string {
 	if r.Source == "" {
 		return r.Field + ": " + r.Reason
 	}
 	return r.Source + ": " + r.Field + ": " + r.Reason
 }
 
-// Refusals returns every Refusal in err, which may be one or an errors.Join of several, in order.
-func Refusals(err error) []*Refusal { return collect[*Refusal](err) }
+// refusalsIn returns every refusal in err, which may be one or an errors.Join of several, in order.
+func refusalsIn(err error) []*refusal { return collect[*refusal](err) }
 
 // collect returns every T in err's tree (errors.Join and wrapping followed), in order; a T is not
 // looked into.
@@ -68,14 +68,14 @@ func collect[T error](err error) []T {
 
 // The names CheckProtection uses for what the processor reads and writes outside the policy.
 const (
-	// RouteMetadataKey is the gRPC initial metadata key with which an Envoy route names a policy
+	// routeMetadataKey is the gRPC initial metadata key with which an Envoy route names a policy
 	// route.
-	RouteMetadataKey = "x-idempotency-route"
-	// JWTNamespace is the dynamic metadata namespace jwt_authn writes verified payloads to.
-	JWTNamespace = "envoy.filters.http.jwt_authn"
-	// OutcomeNamespace is the namespace the processor writes its outcome to (the default of the
+	routeMetadataKey = "x-idempotency-route"
+	// jwtNamespace is the dynamic metadata namespace jwt_authn writes verified payloads to.
+	jwtNamespace = "envoy.filters.http.jwt_authn"
+	// defaultOutcomeNamespace is the namespace the processor writes its outcome to (the default of the
 	// policy's metadata_namespace).
-	OutcomeNamespace = "idempotency"
+	defaultOutcomeNamespace = "idempotency"
 )
 
 // localReplyFix is the fix of every local_reply_config refusal.
@@ -96,7 +96,7 @@ var storedHeaderSample = []string{
 }
 
 // CheckProtection returns every setting of d that silently breaks idempotency under p, each a
-// *Refusal naming the field, joined with errors.Join; nil when there is none. It
+// *refusal naming the field, joined with errors.Join; nil when there is none. It
 // complements CheckSpec, which holds the filter-level config to the contract without a policy.
 // It refuses:
 //
@@ -247,9 +247,9 @@ type checker struct {
 	retryChecked map[string]bool
 }
 
-// refuse records a Refusal of field: what it breaks (format, args) and fix, what to set instead.
+// refuse records a refusal of field: what it breaks (format, args) and fix, what to set instead.
 func (c *checker) refuse(kind Kind, field, fix, format string, args ...any) {
-	c.errs = append(c.errs, &Refusal{Kind: kind, Source: c.d.Source, Field: field, Reason: fmt.Sprintf(format, args...), Fix: fix})
+	c.errs = append(c.errs, &refusal{Kind: kind, Source: c.d.Source, Field: field, Reason: fmt.Sprintf(format, args...), Fix: fix})
 }
 
 func checkProtection(d Deployment, n policyNeeds) error {
@@ -501,8 +501,8 @@ func (c *checker) requestAttributes(path string, attrs []string) {
 }
 
 func (c *checker) metadataOptions(path string, mo *filterextproc.MetadataOptions) {
-	if len(c.n.jwtKeys) > 0 && !slices.Contains(mo.GetForwardingNamespaces().GetUntyped(), JWTNamespace) {
-		c.refuse(KindJWTNotForwarded, path+".forwarding_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.forwarding_namespaces.untyped", JWTNamespace), "lacks %q, while the policy scopes by JWT claims: %s", JWTNamespace, claimsEmpty)
+	if len(c.n.jwtKeys) > 0 && !slices.Contains(mo.GetForwardingNamespaces().GetUntyped(), jwtNamespace) {
+		c.refuse(KindJWTNotForwarded, path+".forwarding_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.forwarding_namespaces.untyped", jwtNamespace), "lacks %q, while the policy scopes by JWT claims: %s", jwtNamespace, claimsEmpty)
 	}
 	if ns := c.n.outcomeNamespace; !slices.Contains(mo.GetReceivingNamespaces().GetUntyped(), ns) {
 		c.refuse(KindOutcomeNotReceived, path+".receiving_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.receiving_namespaces.untyped", ns), "lacks %q: Envoy drops the outcome the processor writes there, so access logs and traces never show it", ns)
@@ -518,7 +518,7 @@ const claimsEmpty = "the claims would all be empty (every caller in one scope, o
 // providers writing the payload a route reads (payload_in_metadata): the claims would all be
 // empty, every caller in one scope, or 401 under require_scope.
 func (c *checker) jwtPayloads() {
-	if len(c.n.jwtKeys) == 0 || c.d.Platform != PlatformEnvoy {
+	if len(c.n.jwtKeys) == 0 || c.d.Platform != platformEnvoy {
 		return
 	}
 	if c.d.JWTAuthn == nil {
@@ -554,7 +554,7 @@ func jwtPayloadNames(j *jwtauthnv3.JwtAuthentication) []string {
 }
 
 // route checks one per-route config of the filter.
-func (c *checker) route(e RouteEntry) {
+func (c *checker) route(e routeEntry) {
 	cfg := e.Config
 	if cfg.GetDisabled() || c.d.FilterDisabled && cfg == nil {
 		return // the filter does not run on this route
@@ -579,7 +579,7 @@ func (c *checker) route(e RouteEntry) {
 	}
 	needsBody := c.n.anyBody
 	for i, h := range o.GetGrpcInitialMetadata() {
-		if !strings.EqualFold(h.GetKey(), RouteMetadataKey) {
+		if !strings.EqualFold(h.GetKey(), routeMetadataKey) {
 			continue
 		}
 		name := headerValueString(h)
@@ -660,9 +660,9 @@ var safeRetryOn = map[string]bool{
 	"cancelled": true, "deadline-exceeded": true, "internal": true, "resource-exhausted": true, "unavailable": true,
 }
 
-// refuseRetry records a Refusal of e's retry policy, which may live in another resource.
-func (c *checker) refuseRetry(kind Kind, e RouteEntry, fix, format string, args ...any) {
-	c.errs = append(c.errs, &Refusal{Kind: kind, Source: c.d.Source, Field: e.RetryPath + ".retry_policy.retry_on", Reason: fmt.Sprintf(format, args...),
+// refuseRetry records a refusal of e's retry policy, which may live in another resource.
+func (c *checker) refuseRetry(kind Kind, e routeEntry, fix, format string, args ...any) {
+	c.errs = append(c.errs, &refusal{Kind: kind, Source: c.d.Source, Field: e.RetryPath + ".retry_policy.retry_on", Reason: fmt.Sprintf(format, args...),
 		Fix: fix, Resource: e.RetryResource, File: e.RetryFile})
 }
 
@@ -670,7 +670,7 @@ func (c *checker) refuseRetry(kind Kind, e RouteEntry, fix, format string, args 
 // upstream again after the upstream may have run it: the processor sees one request and one
 // lease, while the upstream runs it twice. A retry on a status the policy does not store is
 // allowed: that status releases the key, so the router's retry is the client's retry, earlier.
-func (c *checker) retries(e RouteEntry) {
+func (c *checker) retries(e routeEntry) {
 	if c.retryChecked == nil {
 		c.retryChecked = map[string]bool{}
 	}

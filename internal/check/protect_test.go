@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/check/checktest"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/structpb"
@@ -52,9 +54,9 @@ func futureNeeds(p *policy.Policy) policyNeeds {
 // EnvoyFilter and each Envoy Gateway policy.
 func shippedDeployments(t *testing.T) []Deployment {
 	t.Helper()
-	b, err := Load(envoyFile(t, "envoy.yaml"))
+	b, err := load(envoyFile(t, "envoy.yaml"))
 	require.NoError(t, err)
-	standalone, err := BootstrapDeployment(b, "envoy/envoy.yaml")
+	standalone, err := bootstrapDeployment(b, "envoy/envoy.yaml")
 	require.NoError(t, err)
 	istio, err := IstioDeployment(envoyFile(t, "istio-envoyfilter.yaml"))
 	require.NoError(t, err)
@@ -80,7 +82,7 @@ func TestShippedDeploymentsProtect(t *testing.T) {
 			// Under the built-in defaults only envoy.yaml's refunds route is refused: it names a
 			// policy route that only envoy/policy.yaml defines.
 			var fields []string
-			for _, r := range Refusals(CheckProtection(d, policy.Default())) {
+			for _, r := range refusalsIn(CheckProtection(d, policy.Default())) {
 				fields = append(fields, r.Field)
 			}
 			if d.Source == "envoy/envoy.yaml" {
@@ -97,9 +99,9 @@ func TestShippedDeploymentsProtect(t *testing.T) {
 // The standalone envoy.yaml shows every mesh-native setting: named routes, a route naming its
 // policy route, jwt_authn before ext_proc, the outcome in the access log.
 func TestEnvoyYAMLMeshNative(t *testing.T) {
-	b, err := Load(envoyFile(t, "envoy.yaml"))
+	b, err := load(envoyFile(t, "envoy.yaml"))
 	require.NoError(t, err)
-	d, err := BootstrapDeployment(b, "envoy.yaml")
+	d, err := bootstrapDeployment(b, "envoy.yaml")
 	require.NoError(t, err)
 	var names []string
 	for _, r := range d.Routes {
@@ -112,12 +114,12 @@ func TestEnvoyYAMLMeshNative(t *testing.T) {
 	// refunds names its policy route, which envoy/policy.yaml defines.
 	md := d.Routes[refundsIdx].Config.GetOverrides().GetGrpcInitialMetadata()
 	require.Len(t, md, 1)
-	require.Equal(t, RouteMetadataKey, md[0].GetKey())
+	require.Equal(t, routeMetadataKey, md[0].GetKey())
 	require.Equal(t, "refunds", md[0].GetValue())
 	require.Contains(t, needsOf(shippedPolicy(t)).routes, "refunds")
 	require.Nil(t, d.Routes[refundsIdx].Config.GetOverrides().GetProcessingMode(), "the override changes the name only")
 
-	hcm, err := FirstHCM(b)
+	hcm, err := firstHCM(b)
 	require.NoError(t, err)
 	var filters []string
 	for _, hf := range hcm.GetHttpFilters() {
@@ -161,9 +163,9 @@ func requireOutcomeLogged(t *testing.T, format string) {
 // patch that MERGEs an access log into the gateway's connection manager, and the EnvoyProxy's
 // telemetry.accessLog. Each logs exactly what envoy.yaml logs.
 func TestMeshFilesLogTheOutcome(t *testing.T) {
-	b, err := Load(envoyFile(t, "envoy.yaml"))
+	b, err := load(envoyFile(t, "envoy.yaml"))
 	require.NoError(t, err)
-	hcm, err := FirstHCM(b)
+	hcm, err := firstHCM(b)
 	require.NoError(t, err)
 	standalone, err := accessLogFormats(hcm.GetAccessLog())
 	require.NoError(t, err)
@@ -171,7 +173,7 @@ func TestMeshFilesLogTheOutcome(t *testing.T) {
 
 	istio, err := IstioAccessLogFormats(envoyFile(t, "istio-envoyfilter.yaml"))
 	require.NoError(t, err)
-	eg, err := EnvoyGatewayAccessLogFormats(envoyFile(t, "envoy-gateway.yaml"))
+	eg, err := envoyGatewayAccessLogFormats(envoyFile(t, "envoy-gateway.yaml"))
 	require.NoError(t, err)
 	for name, formats := range map[string][]string{"istio": istio, "envoy gateway": eg} {
 		require.Len(t, formats, 1, name)
@@ -236,7 +238,7 @@ const (
 // perRouteMode sets a per-route processing_mode on route name.
 func perRouteMode(name string, pm *filterextproc.ProcessingMode) func(*bootstrapv3.Bootstrap) error {
 	return func(b *bootstrapv3.Bootstrap) error {
-		return MutateExtProcPerRoute(b, name, func(c *filterextproc.ExtProcPerRoute) {
+		return checktest.MutateExtProcPerRoute(b, name, func(c *filterextproc.ExtProcPerRoute) {
 			o := c.GetOverrides()
 			if o == nil {
 				o = &filterextproc.ExtProcOverrides{}
@@ -249,7 +251,7 @@ func perRouteMode(name string, pm *filterextproc.ProcessingMode) func(*bootstrap
 
 func perRouteOverrides(name string, fn func(*filterextproc.ExtProcOverrides)) func(*bootstrapv3.Bootstrap) error {
 	return func(b *bootstrapv3.Bootstrap) error {
-		return MutateExtProcPerRoute(b, name, func(c *filterextproc.ExtProcPerRoute) {
+		return checktest.MutateExtProcPerRoute(b, name, func(c *filterextproc.ExtProcPerRoute) {
 			o := c.GetOverrides()
 			if o == nil {
 				o = &filterextproc.ExtProcOverrides{}
@@ -266,7 +268,7 @@ func routeOnly(i int) string { return fmt.Sprintf("route_config.virtual_hosts[0]
 // routeRetry sets the router's retry_policy on route name.
 func routeRetry(name string, rp *routev3.RetryPolicy) func(*bootstrapv3.Bootstrap) error {
 	return func(b *bootstrapv3.Bootstrap) error {
-		return MutateRoute(b, name, func(r *routev3.Route) error {
+		return checktest.MutateRoute(b, name, func(r *routev3.Route) error {
 			r.GetRoute().RetryPolicy = rp
 			return nil
 		})
@@ -274,7 +276,7 @@ func routeRetry(name string, rp *routev3.RetryPolicy) func(*bootstrapv3.Bootstra
 }
 
 func extProc(fn func(*filterextproc.ExternalProcessor)) func(*bootstrapv3.Bootstrap) error {
-	return func(b *bootstrapv3.Bootstrap) error { return MutateExtProc(b, fn) }
+	return func(b *bootstrapv3.Bootstrap) error { return checktest.MutateExtProc(b, fn) }
 }
 
 // failOpenPerRoute is an ExtProcPerRoute whose overrides fail open.
@@ -298,20 +300,20 @@ func TestCheckProtectionRefuses(t *testing.T) {
 
 		// local_reply_config
 		{"local reply mapper", "", func(b *bootstrapv3.Bootstrap) error {
-			return MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
+			return checktest.MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
 				h.LocalReplyConfig = &hcmv3.LocalReplyConfig{Mappers: []*hcmv3.ResponseMapper{{StatusCode: wrapperspb.UInt32(502)}}}
 				return nil
 			})
 		}, []want{{"http_connection_manager.local_reply_config.mappers[0]", "replays and the processor's problem responses are local replies"}}},
 		{"local reply body format", "", func(b *bootstrapv3.Bootstrap) error {
-			return MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
+			return checktest.MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
 				h.LocalReplyConfig = &hcmv3.LocalReplyConfig{BodyFormat: &corev3.SubstitutionFormatString{
 					Format: &corev3.SubstitutionFormatString_JsonFormat{JsonFormat: &structpb.Struct{}}}}
 				return nil
 			})
 		}, []want{{"http_connection_manager.local_reply_config.body_format", "a replayed body would not be the stored one"}}},
 		{"empty local reply config", "", func(b *bootstrapv3.Bootstrap) error {
-			return MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
+			return checktest.MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
 				h.LocalReplyConfig = &hcmv3.LocalReplyConfig{}
 				return nil
 			})
@@ -429,39 +431,39 @@ func TestCheckProtectionRefuses(t *testing.T) {
 		{"DEFAULT request trailers skip", "", perRouteMode(defaultRoute, mode(dflt, buffered, dflt, dflt, buffered, dflt)),
 			[]want{{routeAt(defaultIdx) + ".overrides.processing_mode.request_trailer_mode", "is DEFAULT, want SEND"}}},
 		{"unknown policy route", "", perRouteOverrides(defaultRoute, func(o *filterextproc.ExtProcOverrides) {
-			o.GrpcInitialMetadata = []*corev3.HeaderValue{{Key: "x-other", Value: "a"}, {Key: RouteMetadataKey, Value: "nope"}}
+			o.GrpcInitialMetadata = []*corev3.HeaderValue{{Key: "x-other", Value: "a"}, {Key: routeMetadataKey, Value: "nope"}}
 		}), []want{{routeAt(defaultIdx) + ".overrides.grpc_initial_metadata[1]", `names policy route "nope"`}}},
 		{"policy route named in raw_value", "", perRouteOverrides(defaultRoute, func(o *filterextproc.ExtProcOverrides) {
-			o.GrpcInitialMetadata = []*corev3.HeaderValue{{Key: RouteMetadataKey, RawValue: []byte("documents")}}
+			o.GrpcInitialMetadata = []*corev3.HeaderValue{{Key: routeMetadataKey, RawValue: []byte("documents")}}
 		}), nil},
 		{"the default policy route may be named", "", perRouteOverrides(defaultRoute, func(o *filterextproc.ExtProcOverrides) {
-			o.GrpcInitialMetadata = []*corev3.HeaderValue{{Key: RouteMetadataKey, Value: "default"}}
+			o.GrpcInitialMetadata = []*corev3.HeaderValue{{Key: routeMetadataKey, Value: "default"}}
 		}), nil},
 		{"route metadata options replace the lists", "", perRouteOverrides(refundsNamed, func(o *filterextproc.ExtProcOverrides) {
-			o.MetadataOptions = &filterextproc.MetadataOptions{ForwardingNamespaces: &filterextproc.MetadataOptions_MetadataNamespaces{Untyped: []string{JWTNamespace}}}
+			o.MetadataOptions = &filterextproc.MetadataOptions{ForwardingNamespaces: &filterextproc.MetadataOptions_MetadataNamespaces{Untyped: []string{jwtNamespace}}}
 		}), []want{{routeAt(refundsIdx) + ".overrides.metadata_options.receiving_namespaces.untyped", `lacks "idempotency"`}}},
 		{"route request modifier", "", perRouteOverrides(refundsNamed, func(o *filterextproc.ExtProcOverrides) {
 			o.ProcessingRequestModifier = &corev3.TypedExtensionConfig{Name: "m", TypedConfig: any1(t, &structpb.Struct{})}
 		}), []want{{routeAt(refundsIdx) + ".overrides.processing_request_modifier", "may rename"}}},
 		{"route disabled", "", func(b *bootstrapv3.Bootstrap) error {
-			return MutateExtProcPerRoute(b, defaultRoute, func(c *filterextproc.ExtProcPerRoute) {
+			return checktest.MutateExtProcPerRoute(b, defaultRoute, func(c *filterextproc.ExtProcPerRoute) {
 				c.Override = &filterextproc.ExtProcPerRoute_Disabled{Disabled: true}
 			})
 		}, nil},
 		{"route config in a FilterConfig", "", func(b *bootstrapv3.Bootstrap) error {
-			return MutateRoute(b, defaultRoute, func(r *routev3.Route) error {
+			return checktest.MutateRoute(b, defaultRoute, func(r *routev3.Route) error {
 				r.TypedPerFilterConfig = map[string]*anypb.Any{extProcName: any1(t, &routev3.FilterConfig{Config: failOpenPerRoute(t)})}
 				return nil
 			})
 		}, []want{{routeAt(defaultIdx) + ".overrides.failure_mode_allow", "bypass idempotency"}}},
 		{"virtual host config", "", func(b *bootstrapv3.Bootstrap) error {
-			return MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
+			return checktest.MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
 				h.GetRouteConfig().GetVirtualHosts()[0].TypedPerFilterConfig = map[string]*anypb.Any{extProcName: failOpenPerRoute(t)}
 				return nil
 			})
 		}, []want{{"route_config.virtual_hosts[0].typed_per_filter_config[envoy.filters.http.ext_proc].overrides.failure_mode_allow", "bypass idempotency"}}},
 		{"weighted cluster config", "", func(b *bootstrapv3.Bootstrap) error {
-			return MutateRoute(b, defaultRoute, func(r *routev3.Route) error {
+			return checktest.MutateRoute(b, defaultRoute, func(r *routev3.Route) error {
 				r.GetRoute().ClusterSpecifier = &routev3.RouteAction_WeightedClusters{WeightedClusters: &routev3.WeightedCluster{
 					Clusters: []*routev3.WeightedCluster_ClusterWeight{{
 						Name: "upstream_app", Weight: wrapperspb.UInt32(1),
@@ -484,7 +486,7 @@ func TestCheckProtectionRefuses(t *testing.T) {
 		{"route retrying a released status", "", routeRetry(defaultRoute, &routev3.RetryPolicy{RetryOn: "retriable-status-codes,retriable-4xx", RetriableStatusCodes: []uint32{503}}), nil},
 		{"retrying a disabled route", "", routeRetry("healthz", &routev3.RetryPolicy{RetryOn: "5xx"}), nil},
 		{"virtual host retrying on gateway errors", "", func(b *bootstrapv3.Bootstrap) error {
-			return MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
+			return checktest.MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
 				h.GetRouteConfig().GetVirtualHosts()[0].RetryPolicy = &routev3.RetryPolicy{RetryOn: "gateway-error"}
 				return nil
 			})
@@ -492,7 +494,7 @@ func TestCheckProtectionRefuses(t *testing.T) {
 			{"route_config.virtual_hosts[0].retry_policy.retry_on", `has "gateway-error"`},
 		}},
 		{"a route's own policy replaces its virtual host's", "", func(b *bootstrapv3.Bootstrap) error {
-			err := MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
+			err := checktest.MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
 				vh := h.GetRouteConfig().GetVirtualHosts()[0]
 				vh.RetryPolicy = &routev3.RetryPolicy{RetryOn: "gateway-error"}
 				// Keep the virtual host's policy on one route only: the others get their own.
@@ -506,7 +508,7 @@ func TestCheckProtectionRefuses(t *testing.T) {
 			return err
 		}, []want{{"route_config.virtual_hosts[0].retry_policy.retry_on", `has "gateway-error"`}}},
 		{"a route's hedge policy leaves its virtual host's retries in force", "", func(b *bootstrapv3.Bootstrap) error {
-			return MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
+			return checktest.MutateHCM(b, func(h *hcmv3.HttpConnectionManager) error {
 				vh := h.GetRouteConfig().GetVirtualHosts()[0]
 				vh.RetryPolicy = &routev3.RetryPolicy{RetryOn: "5xx"}
 				for _, r := range vh.GetRoutes() {
@@ -518,7 +520,7 @@ func TestCheckProtectionRefuses(t *testing.T) {
 			})
 		}, []want{{"route_config.virtual_hosts[0].retry_policy.retry_on", `has "5xx"`}}},
 		{"hedging on per-try timeouts", "", func(b *bootstrapv3.Bootstrap) error {
-			return MutateRoute(b, defaultRoute, func(r *routev3.Route) error {
+			return checktest.MutateRoute(b, defaultRoute, func(r *routev3.Route) error {
 				r.GetRoute().HedgePolicy = &routev3.HedgePolicy{HedgeOnPerTryTimeout: true}
 				return nil
 			})
@@ -532,7 +534,7 @@ func TestCheckProtectionRefuses(t *testing.T) {
 		}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			b, err := Load(envoyFile(t, "envoy.yaml"))
+			b, err := load(envoyFile(t, "envoy.yaml"))
 			require.NoError(t, err)
 			require.NoError(t, tc.change(b))
 			p := shippedPolicy(t)
@@ -540,7 +542,7 @@ func TestCheckProtectionRefuses(t *testing.T) {
 				p, err = policy.Parse([]byte(tc.policy))
 				require.NoError(t, err)
 			}
-			d, err := BootstrapDeployment(b, "envoy.yaml")
+			d, err := bootstrapDeployment(b, "envoy.yaml")
 			require.NoError(t, err)
 			err = CheckProtection(d, p)
 			if tc.want == nil {
@@ -549,7 +551,7 @@ func TestCheckProtectionRefuses(t *testing.T) {
 			}
 			require.Error(t, err)
 			t.Log(err)
-			got := Refusals(err)
+			got := refusalsIn(err)
 			var fields []string
 			for _, r := range got {
 				require.Equal(t, "envoy.yaml", r.Source)
@@ -590,21 +592,21 @@ func TestCheckProtectionFutureNeeds(t *testing.T) {
 			f.MetadataOptions.ForwardingNamespaces = nil
 		}), filterPath + ".metadata_options.forwarding_namespaces.untyped", `lacks "envoy.filters.http.jwt_authn"`},
 		{"route metadata options without the JWT payload", perRouteOverrides(refundsNamed, func(o *filterextproc.ExtProcOverrides) {
-			o.MetadataOptions = &filterextproc.MetadataOptions{ReceivingNamespaces: &filterextproc.MetadataOptions_MetadataNamespaces{Untyped: []string{OutcomeNamespace}}}
+			o.MetadataOptions = &filterextproc.MetadataOptions{ReceivingNamespaces: &filterextproc.MetadataOptions_MetadataNamespaces{Untyped: []string{defaultOutcomeNamespace}}}
 		}), routeAt(refundsIdx) + ".overrides.metadata_options.forwarding_namespaces.untyped", "JWT claims"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			b, err := Load(envoyFile(t, "envoy.yaml"))
+			b, err := load(envoyFile(t, "envoy.yaml"))
 			require.NoError(t, err)
 			require.NoError(t, tc.change(b))
-			d, err := BootstrapDeployment(b, "envoy.yaml")
+			d, err := bootstrapDeployment(b, "envoy.yaml")
 			require.NoError(t, err)
-			got := Refusals(checkProtection(d, n))
+			got := refusalsIn(checkProtection(d, n))
 			require.Len(t, got, 1)
 			require.Equal(t, tc.field, got[0].Field)
 			require.Contains(t, got[0].Reason, tc.reason)
 			if tc.name != "no peer identity" {
-				shipped := Refusals(CheckProtection(d, shippedPolicy(t)))
+				shipped := refusalsIn(CheckProtection(d, shippedPolicy(t)))
 				require.Len(t, shipped, 1, "the shipped policy reads it")
 				require.Equal(t, tc.field, shipped[0].Field)
 			}
@@ -646,7 +648,7 @@ routes:
 	require.Equal(t, map[string]bool{"a": false, "hashed": true, "off": false, "default": true}, n.routes)
 	require.True(t, n.anyBody)
 	require.Equal(t, []string{"x-idempotency-replayed", "x-replayed"}, n.replayHeaders)
-	require.Equal(t, OutcomeNamespace, n.outcomeNamespace)
+	require.Equal(t, defaultOutcomeNamespace, n.outcomeNamespace)
 	require.False(t, n.routeNameAttribute || n.peerIdentity || len(n.jwtKeys) > 0, "today's policy fields read none of them")
 
 	p, err = policy.Parse([]byte("defaults:\n  fingerprint: [method, path]\n"))
@@ -724,10 +726,10 @@ func TestRuleEvaluation(t *testing.T) {
 }
 
 func TestRefusals(t *testing.T) {
-	a, b := &Refusal{Field: "a", Reason: "x"}, &Refusal{Source: "s", Field: "b", Reason: "y"}
+	a, b := &refusal{Field: "a", Reason: "x"}, &refusal{Source: "s", Field: "b", Reason: "y"}
 	err := errors.Join(errors.New("other"), fmt.Errorf("wrapped: %w", a), errors.Join(b))
-	require.Equal(t, []*Refusal{a, b}, Refusals(err))
-	require.Nil(t, Refusals(nil))
+	require.Equal(t, []*refusal{a, b}, refusalsIn(err))
+	require.Nil(t, refusalsIn(nil))
 	require.Equal(t, "a: x", a.Error())
 	require.Equal(t, "s: b: y", b.Error())
 }

@@ -14,11 +14,11 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 )
 
-// PassThroughMode and NoStoreMode are the two mode_override values the processor sends:
+// passThroughMode and noStoreMode are the two mode_override values the processor sends:
 // allowed_override_modes must list exactly these.
 var (
-	PassThroughMode = extproc.PassThroughMode
-	NoStoreMode     = extproc.NoStoreMode
+	passThroughMode = extproc.PassThroughMode
+	noStoreMode     = extproc.NoStoreMode
 )
 
 // The response attributes the processor reads: response.code_details tells an Envoy-made
@@ -27,7 +27,7 @@ var (
 var requiredResponseAttributes = []string{"response.code_details", "upstream.request_attempt_count"}
 
 // CheckSpec returns every way f departs from the Envoy side of the contract (the filter settings
-// the processor relies on, with the body modes it claims requests under), each a *SpecError,
+// the processor relies on, with the body modes it claims requests under), each a *specError,
 // joined with errors.Join, or nil. Each error names the field. The rules:
 //
 //   - processing_mode spells out every field (DEFAULT is reported: the project spells every
@@ -66,7 +66,7 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	}
 	var errs []error
 	bad := func(kind Kind, field, problem, breaks, fix string) {
-		errs = append(errs, &SpecError{Kind: kind, Field: field, Problem: problem, Breaks: breaks, Fix: fix})
+		errs = append(errs, &specError{Kind: kind, Field: field, Problem: problem, Breaks: breaks, Fix: fix})
 	}
 
 	if f.GetGrpcService() == nil {
@@ -112,8 +112,8 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	}
 	fullDuplex := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
 	if m := pm.GetRequestTrailerMode(); m != filterextproc.ProcessingMode_SEND {
-		errs = append(errs, &SpecError{Kind: KindRequestTrailerMode, Field: "processing_mode.request_trailer_mode", Problem: fmt.Sprintf("is %s, want SEND (%s)", m, trailerWhy),
-			Fix: "set SEND", wrapped: ErrRequestTrailersSkipped})
+		errs = append(errs, &specError{Kind: KindRequestTrailerMode, Field: "processing_mode.request_trailer_mode", Problem: fmt.Sprintf("is %s, want SEND (%s)", m, trailerWhy),
+			Fix: "set SEND", wrapped: errRequestTrailersSkipped})
 	}
 	// SEND lets the processor see the end of a STREAMED response whose upstream sends trailers:
 	// its last chunk then has end_of_stream false.
@@ -163,8 +163,8 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	return errors.Join(errs...)
 }
 
-// SpecError is one way a filter departs from the contract (CheckSpec).
-type SpecError struct {
+// specError is one way a filter departs from the contract (CheckSpec).
+type specError struct {
 	// Kind names what is wrong, whatever the field's value.
 	Kind Kind
 	// Field is the field's path in the ExternalProcessor.
@@ -176,7 +176,7 @@ type SpecError struct {
 	wrapped error
 }
 
-func (e *SpecError) Error() string {
+func (e *specError) Error() string {
 	msg := e.Field + " " + e.Problem
 	if e.wrapped != nil {
 		msg += ": " + e.wrapped.Error()
@@ -184,15 +184,15 @@ func (e *SpecError) Error() string {
 	return msg
 }
 
-func (e *SpecError) Unwrap() error { return e.wrapped }
+func (e *specError) Unwrap() error { return e.wrapped }
 
-// SpecErrors returns every *SpecError in err, in order.
-func SpecErrors(err error) []*SpecError { return collect[*SpecError](err) }
+// specErrors returns every *specError in err, in order.
+func specErrors(err error) []*specError { return collect[*specError](err) }
 
-// ErrRequestTrailersSkipped is wrapped by CheckSpec's refusal of a request_trailer_mode other
+// errRequestTrailersSkipped is wrapped by CheckSpec's refusal of a request_trailer_mode other
 // than SEND. Envoy Gateway cannot express SEND except under FullDuplexStreamed, so
 // WithoutGatewayGaps drops it from the verdict on Envoy Gateway's configs.
-var ErrRequestTrailersSkipped = errors.New("request trailers skip the processor")
+var errRequestTrailersSkipped = errors.New("request trailers skip the processor")
 
 // trailerWhy says what request_trailer_mode SKIP costs a route that needs the request body.
 const trailerWhy = "under SKIP a request with trailers and no body skips the body phase (Filter::onTrailers continues without a message), so it reaches the upstream before its key is claimed, and may run twice"
@@ -222,7 +222,7 @@ func checkOverrideModes(modes []*filterextproc.ProcessingMode) []error {
 	want := []struct {
 		name string
 		mode *filterextproc.ProcessingMode
-	}{{"pass-through", PassThroughMode()}, {"no-store", NoStoreMode()}}
+	}{{"pass-through", passThroughMode()}, {"no-store", noStoreMode()}}
 	var errs []error
 	seen := make([]bool, len(want)) // an entry equals want[j]
 	near := make([]bool, len(want)) // a broken entry is closest to want[j], already reported
@@ -241,19 +241,19 @@ func checkOverrideModes(modes []*filterextproc.ProcessingMode) []error {
 		}
 		if bestDiff != nil {
 			near[best] = true
-			errs = append(errs, &SpecError{Kind: KindOverrideModes, Field: fmt.Sprintf("allowed_override_modes[%d]", i),
+			errs = append(errs, &specError{Kind: KindOverrideModes, Field: fmt.Sprintf("allowed_override_modes[%d]", i),
 				Problem: fmt.Sprintf("is not one of the processor's modes: %s (closest: the %s mode)", strings.Join(bestDiff, ", "), want[best].name),
 				Breaks:  "Envoy refuses the processor's mode_override", Fix: overrideModesFix})
 		}
 	}
 	for j, w := range want {
 		if !seen[j] && !near[j] {
-			errs = append(errs, &SpecError{Kind: KindOverrideModes, Field: "allowed_override_modes", Problem: fmt.Sprintf("lacks the %s mode %s", w.name, formatMode(w.mode)),
+			errs = append(errs, &specError{Kind: KindOverrideModes, Field: "allowed_override_modes", Problem: fmt.Sprintf("lacks the %s mode %s", w.name, formatMode(w.mode)),
 				Breaks: "Envoy refuses the processor's mode_override", Fix: overrideModesFix})
 		}
 	}
 	if len(modes) > len(want) && len(errs) == 0 {
-		errs = append(errs, &SpecError{Kind: KindOverrideModes, Field: "allowed_override_modes", Problem: fmt.Sprintf("has %d entries, want exactly the processor's two modes", len(modes)),
+		errs = append(errs, &specError{Kind: KindOverrideModes, Field: "allowed_override_modes", Problem: fmt.Sprintf("has %d entries, want exactly the processor's two modes", len(modes)),
 			Fix: overrideModesFix})
 	}
 	return errs

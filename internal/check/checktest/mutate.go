@@ -1,4 +1,4 @@
-package check
+package checktest
 
 import (
 	"errors"
@@ -13,7 +13,7 @@ import (
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 )
 
-// Edits of a parsed bootstrap, in place, for the tests of this package and of the Envoy emulator
+// Edits of a parsed bootstrap, in place, for the tests of internal/check and of the Envoy emulator
 // (e2e/envoyconf), which run the shipped files with one setting changed.
 
 // MutateHCM applies fn to the first HTTP connection manager of the first listener of b, in
