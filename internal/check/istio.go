@@ -132,61 +132,90 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 	d = Deployment{Source: ef.File + ": " + ef.ref(), File: ef.File, Resource: ef.ref(), Platform: platformIstio}
 	var routePatches []int
 	var filterContext string // the ext_proc patch's match context
-	for i, cp := range spec.ConfigPatches {
-		if cp.ApplyTo == "HTTP_ROUTE" {
+	for i := range spec.ConfigPatches {
+		cp := &spec.ConfigPatches[i]
+		switch {
+		case cp.ApplyTo == "HTTP_ROUTE":
 			routePatches = append(routePatches, i)
-			continue
-		}
-		if cp.ApplyTo == "NETWORK_FILTER" && cp.Patch.Operation == "MERGE" {
+		case cp.ApplyTo == "NETWORK_FILTER" && cp.Patch.Operation == "MERGE":
 			// A MERGE into the connection manager Istio generates may give it a
 			// local_reply_config.
-			hcm, err := istioHCMPatch(&cp)
+			hcm, err := istioHCMPatch(cp)
 			if err != nil {
 				return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
 			}
 			if lr := hcm.GetLocalReplyConfig(); lr != nil {
 				d.LocalReply, d.HCMPath = lr, fmt.Sprintf("configPatches[%d].patch.value.typed_config", i)
 			}
-			continue
+		case cp.ApplyTo == "HTTP_FILTER":
+			isExtProc, err := istioFilterPatch(i, cp, &d)
+			if err != nil {
+				return Deployment{}, false, err
+			}
+			if isExtProc {
+				filterContext = cp.Match.Context
+			}
 		}
-		if cp.ApplyTo != "HTTP_FILTER" {
-			continue
-		}
-		hf := &hcmv3.HttpFilter{}
-		if err := decodePatch(&cp, hf); err != nil {
-			return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
-		}
-		if !hf.GetTypedConfig().MessageIs(&filterextproc.ExternalProcessor{}) {
-			continue
-		}
-		if d.Filter != nil {
-			return Deployment{}, false, errors.New("more than one ext_proc patch")
-		}
-		l := cp.Match.Listener
-		if l == nil || l.FilterChain.Filter.Name != "envoy.filters.network.http_connection_manager" {
-			return Deployment{}, false, fmt.Errorf("configPatches[%d] does not match the http_connection_manager", i)
-		}
-		switch op := cp.Patch.Operation; {
-		case op == "INSERT_FIRST":
-		case op == "INSERT_BEFORE" && l.FilterChain.Filter.SubFilter.Name == "envoy.filters.http.router":
-		default:
-			return Deployment{}, false, fmt.Errorf("configPatches[%d] must INSERT_BEFORE envoy.filters.http.router (or INSERT_FIRST), have %s %q",
-				i, op, l.FilterChain.Filter.SubFilter.Name)
-		}
-		d.Filter = &filterextproc.ExternalProcessor{}
-		if err := hf.GetTypedConfig().UnmarshalTo(d.Filter); err != nil {
-			return Deployment{}, false, fmt.Errorf("configPatches[%d]: %w", i, err)
-		}
-		d.FilterName = hf.GetName()
-		d.FilterDisabled = hf.GetDisabled()
-		d.FilterPath = fmt.Sprintf("configPatches[%d].patch.value.typed_config", i)
-		filterContext = cp.Match.Context
 	}
 	if d.Filter == nil {
 		return Deployment{}, false, nil
 	}
-	// A processor next to Envoy (in the gateway pod, on a unix socket) is a cluster the
-	// EnvoyFilter adds itself, with a pipe address: its circuit breakers are the processor's.
+	if d.Processor, err = patchedProcessorLimits(ef, spec, d.Filter.GetGrpcService().GetEnvoyGrpc().GetClusterName()); err != nil {
+		return Deployment{}, false, err
+	}
+	buffer := istioBufferLimit(objs)
+	vsRoutes, err := virtualServiceRoutes(objs, filterContext, buffer)
+	if err != nil {
+		return Deployment{}, false, err
+	}
+	patched, err := routePatchEntries(spec, routePatches, d.FilterName, buffer)
+	if err != nil {
+		return Deployment{}, false, err
+	}
+	d.Routes = append(append(d.Routes, vsRoutes...), patched...)
+	return d, true, nil
+}
+
+// istioFilterPatch reads the HTTP_FILTER patch cp, the i-th, into d when it patches in an
+// ext_proc filter, which it reports; it refuses a second ext_proc patch and one that does not
+// insert the filter ahead of the router in the connection manager.
+func istioFilterPatch(i int, cp *istioPatch, d *Deployment) (bool, error) {
+	hf := &hcmv3.HttpFilter{}
+	if err := decodePatch(cp, hf); err != nil {
+		return false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
+	}
+	if !hf.GetTypedConfig().MessageIs(&filterextproc.ExternalProcessor{}) {
+		return false, nil
+	}
+	if d.Filter != nil {
+		return false, errors.New("more than one ext_proc patch")
+	}
+	l := cp.Match.Listener
+	if l == nil || l.FilterChain.Filter.Name != "envoy.filters.network.http_connection_manager" {
+		return false, fmt.Errorf("configPatches[%d] does not match the http_connection_manager", i)
+	}
+	switch op := cp.Patch.Operation; {
+	case op == "INSERT_FIRST":
+	case op == "INSERT_BEFORE" && l.FilterChain.Filter.SubFilter.Name == "envoy.filters.http.router":
+	default:
+		return false, fmt.Errorf("configPatches[%d] must INSERT_BEFORE envoy.filters.http.router (or INSERT_FIRST), have %s %q",
+			i, op, l.FilterChain.Filter.SubFilter.Name)
+	}
+	d.Filter = &filterextproc.ExternalProcessor{}
+	if err := hf.GetTypedConfig().UnmarshalTo(d.Filter); err != nil {
+		return false, fmt.Errorf("configPatches[%d]: %w", i, err)
+	}
+	d.FilterName = hf.GetName()
+	d.FilterDisabled = hf.GetDisabled()
+	d.FilterPath = fmt.Sprintf("configPatches[%d].patch.value.typed_config", i)
+	return true, nil
+}
+
+// patchedProcessorLimits is the circuit breaker thresholds of the processor's cluster, named name, when
+// ef adds it itself (a processor next to Envoy, in the gateway pod on a unix socket, is a
+// cluster with a pipe address); nil when it does not.
+func patchedProcessorLimits(ef *object, spec istioSpec, name string) (*processorLimits, error) {
+	var limits *processorLimits
 	for i := range spec.ConfigPatches {
 		cp := &spec.ConfigPatches[i]
 		if cp.ApplyTo != "CLUSTER" || cp.Patch.Operation != "ADD" {
@@ -194,30 +223,28 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 		}
 		c := &clusterv3.Cluster{}
 		if err := decodePatch(cp, c); err != nil {
-			return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
+			return nil, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
 		}
-		if c.GetName() == d.Filter.GetGrpcService().GetEnvoyGrpc().GetClusterName() {
-			d.Processor = &processorLimits{Thresholds: ClusterThresholds(c), File: ef.File, Resource: ef.ref(),
+		if c.GetName() == name {
+			limits = &processorLimits{Thresholds: ClusterThresholds(c), File: ef.File, Resource: ef.ref(),
 				Field: fmt.Sprintf("configPatches[%d].patch.value.circuit_breakers.thresholds", i), Default: c.GetCircuitBreakers() == nil}
 		}
 	}
-	buffer := istioBufferLimit(objs)
+	return limits, nil
+}
 
+// virtualServiceRoutes are the routes the VirtualServices of objs give Envoy, each with the
+// retries the router applies on it: none when the filter runs in the inbound sidecar
+// (filterContext SIDECAR_INBOUND), where the caller's outbound sidecar retries instead.
+func virtualServiceRoutes(objs []*object, filterContext string, buffer *limitSetting) ([]routeEntry, error) {
+	var out []routeEntry
 	for _, vs := range objs {
 		if !vs.is(istioGroup, "VirtualService") {
 			continue
 		}
-		vsSpec, err := decodeLoose[struct {
-			HTTP []struct {
-				Name  string `yaml:"name"`
-				Match []struct {
-					Name string `yaml:"name"`
-				} `yaml:"match"`
-				Retries *istioRetries `yaml:"retries"`
-			} `yaml:"http"`
-		}](vs)
+		vsSpec, err := decodeLoose[istioVirtualService](vs)
 		if err != nil {
-			return Deployment{}, false, fmt.Errorf("VirtualService %s: %w", vs.Name, err)
+			return nil, fmt.Errorf("VirtualService %s: %w", vs.Name, err)
 		}
 		for i, h := range vsSpec.HTTP {
 			at := fmt.Sprintf("%s http[%d]", vs.ref(), i)
@@ -230,45 +257,73 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 				// reaches this filter as a new request with the same key (a duplicate).
 				retry, retryAt = nil, ""
 			}
-			entry := func(name string) routeEntry {
-				return routeEntry{Name: name, Path: at, Retry: retry, RetryPath: retryAt, RetryResource: vs.ref(), RetryFile: vs.File,
-					ResponseBuffer: buffer}
-			}
-			named := false
-			for _, m := range h.Match {
-				if m.Name != "" {
-					d.Routes = append(d.Routes, entry(h.Name+"."+m.Name))
-				} else if !named {
-					d.Routes = append(d.Routes, entry(h.Name))
-					named = true
-				}
-			}
-			if len(h.Match) == 0 {
-				d.Routes = append(d.Routes, entry(h.Name))
+			for _, name := range h.routeNames() {
+				out = append(out, routeEntry{Name: name, Path: at, Retry: retry, RetryPath: retryAt, RetryResource: vs.ref(), RetryFile: vs.File,
+					ResponseBuffer: buffer})
 			}
 		}
 	}
+	return out, nil
+}
 
-	for _, i := range routePatches {
+// istioVirtualService is what the check reads of a VirtualService's spec.
+type istioVirtualService struct {
+	HTTP []istioHTTPRoute `yaml:"http"`
+}
+
+// istioHTTPRoute is one http route of a VirtualService.
+type istioHTTPRoute struct {
+	Name  string `yaml:"name"`
+	Match []struct {
+		Name string `yaml:"name"`
+	} `yaml:"match"`
+	Retries *istioRetries `yaml:"retries"`
+}
+
+// routeNames are the Envoy route names Istio gives h (translateRoute): name.matchName for each
+// match with a name, and the route's name once for the matches without one (or no match).
+func (h istioHTTPRoute) routeNames() []string {
+	var names []string
+	named := false
+	for _, m := range h.Match {
+		if m.Name != "" {
+			names = append(names, h.Name+"."+m.Name)
+		} else if !named {
+			names = append(names, h.Name)
+			named = true
+		}
+	}
+	if len(h.Match) == 0 {
+		names = append(names, h.Name)
+	}
+	return names
+}
+
+// routePatchEntries are the routes of the HTTP_ROUTE patches of spec (at indexes patches), each
+// with its per-route config of the filter named filterName.
+func routePatchEntries(spec istioSpec, patches []int, filterName string, buffer *limitSetting) ([]routeEntry, error) {
+	var out []routeEntry
+	for _, i := range patches {
 		cp := &spec.ConfigPatches[i]
 		rc := cp.Match.RouteConfiguration
 		if rc == nil || rc.Vhost == nil || rc.Vhost.Route == nil || rc.Vhost.Route.Name == "" {
-			return Deployment{}, false, fmt.Errorf("configPatches[%d]: an HTTP_ROUTE patch must match routeConfiguration.vhost.route.name", i)
+			return nil, fmt.Errorf("configPatches[%d]: an HTTP_ROUTE patch must match routeConfiguration.vhost.route.name", i)
 		}
 		r := &routev3.Route{}
 		if err := decodePatch(cp, r); err != nil {
-			return Deployment{}, false, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
+			return nil, within(fmt.Sprintf("spec.configPatches[%d].patch.value", i), err)
 		}
 		e := routeEntry{Name: rc.Vhost.Route.Name, Path: fmt.Sprintf("configPatches[%d].patch.value", i), ResponseBuffer: buffer}
-		if a, ok := r.GetTypedPerFilterConfig()[d.FilterName]; ok {
-			e.Path += ".typed_per_filter_config[" + d.FilterName + "]"
+		if a, ok := r.GetTypedPerFilterConfig()[filterName]; ok {
+			e.Path += ".typed_per_filter_config[" + filterName + "]"
+			var err error
 			if e.Config, err = deployedPerRoute(a); err != nil {
-				return Deployment{}, false, fmt.Errorf("%s: %w", e.Path, err)
+				return nil, fmt.Errorf("%s: %w", e.Path, err)
 			}
 		}
-		d.Routes = append(d.Routes, e)
+		out = append(out, e)
 	}
-	return d, true, nil
+	return out, nil
 }
 
 // istioBufferLimit is the upstream buffer limit of Istio's clusters: Envoy's default, which
