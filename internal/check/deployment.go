@@ -184,6 +184,40 @@ func hcmDeployment(d *Deployment, b *bootstrapv3.Bootstrap, hcm *hcmv3.HttpConne
 	}
 	d.LocalReply = hcm.GetLocalReplyConfig()
 	d.HCMPath = hcmPath
+	if err := d.otherFilters(hcm, hf, hcmPath); err != nil {
+		return err
+	}
+	if name := f.GetGrpcService().GetEnvoyGrpc().GetClusterName(); name != "" {
+		if c := staticCluster(b, name); c != nil {
+			d.Processor = &processorLimits{Thresholds: ClusterThresholds(c), File: d.File, Resource: "cluster " + strconv.Quote(name),
+				Field: "circuit_breakers.thresholds", Default: c.GetCircuitBreakers() == nil}
+		}
+	}
+	rc := hcm.GetRouteConfig()
+	if rc == nil {
+		d.RoutesUnknown = "the connection manager's routes come from RDS (" + hcm.GetRds().GetRouteConfigName() + ")"
+		return nil
+	}
+	rcPath := "route_config"
+	if hcmPath != "http_connection_manager" {
+		rcPath = hcmPath + ".route_config"
+	}
+	w := routeWalk{d: d, b: b}
+	if err := w.add("", rcPath, rc.GetTypedPerFilterConfig(), routeEntry{}); err != nil {
+		return err
+	}
+	rcEnables := enablesFilter(rc.GetTypedPerFilterConfig()[d.FilterName], false)
+	for i, vh := range rc.GetVirtualHosts() {
+		if err := w.virtualHost(vh, rcPath+".virtual_hosts["+strconv.Itoa(i)+"]", rcEnables); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// otherFilters reads the HTTP filters of hcm around the ext_proc filter hf: those after it, and
+// the first jwt_authn filter before it.
+func (d *Deployment) otherFilters(hcm *hcmv3.HttpConnectionManager, hf *hcmv3.HttpFilter, hcmPath string) error {
 	seen := false
 	for _, other := range hcm.GetHttpFilters() {
 		switch {
@@ -202,83 +236,79 @@ func hcmDeployment(d *Deployment, b *bootstrapv3.Bootstrap, hcm *hcmv3.HttpConne
 			}
 		}
 	}
-	if name := f.GetGrpcService().GetEnvoyGrpc().GetClusterName(); name != "" {
-		if c := staticCluster(b, name); c != nil {
-			d.Processor = &processorLimits{Thresholds: ClusterThresholds(c), File: d.File, Resource: "cluster " + strconv.Quote(name),
-				Field: "circuit_breakers.thresholds", Default: c.GetCircuitBreakers() == nil}
-		}
+	return nil
+}
+
+// enablesFilter says whether the per-route config a enables a filter disabled by default: a
+// route's own config, or else its virtual host's, or else its route configuration's (parent,
+// what the level above says) does.
+func enablesFilter(a *anypb.Any, parent bool) bool {
+	if a == nil {
+		return parent
 	}
-	rc := hcm.GetRouteConfig()
-	if rc == nil {
-		d.RoutesUnknown = "the connection manager's routes come from RDS (" + hcm.GetRds().GetRouteConfigName() + ")"
-		return nil
-	}
-	rcPath := "route_config"
-	if hcmPath != "http_connection_manager" {
-		rcPath = hcmPath + ".route_config"
-	}
-	add := func(name, path string, tpfc map[string]*anypb.Any, retry routeEntry) error {
-		e := routeEntry{Name: name, Path: path, Retry: retry.Retry, Hedge: retry.Hedge, RetryPath: retry.RetryPath, HedgePath: retry.HedgePath,
-			ResponseBuffer: retry.ResponseBuffer, Config: retry.Config}
-		if a, ok := tpfc[d.FilterName]; ok {
-			e.Path = path + ".typed_per_filter_config[" + d.FilterName + "]"
-			c, err := deployedPerRoute(a)
-			if err != nil {
-				return fmt.Errorf("%s: %w", e.Path, err)
-			}
-			e.Config = c
-		} else if name == "" {
-			return nil // a virtual host that leaves the filter alone
-		}
-		d.Routes = append(d.Routes, e)
-		return nil
-	}
-	// A filter disabled by default runs on a route whose own per-route config, or else its
-	// virtual host's, or else its route configuration's, enables it.
-	enables := func(a *anypb.Any, parent bool) bool {
-		if a == nil {
-			return parent
-		}
+	c, err := deployedPerRoute(a)
+	return err == nil && !c.GetDisabled()
+}
+
+// routeWalk adds the routes of an inline route configuration to d.
+type routeWalk struct {
+	d *Deployment
+	b *bootstrapv3.Bootstrap
+}
+
+// add adds the route named name at path with its per-route config of the filter in tpfc, over
+// what base says of it; a virtual host or route configuration (name "") is added only when it
+// configures the filter.
+func (w routeWalk) add(name, path string, tpfc map[string]*anypb.Any, base routeEntry) error {
+	e := routeEntry{Name: name, Path: path, Retry: base.Retry, Hedge: base.Hedge, RetryPath: base.RetryPath, HedgePath: base.HedgePath,
+		ResponseBuffer: base.ResponseBuffer, Config: base.Config}
+	if a, ok := tpfc[w.d.FilterName]; ok {
+		e.Path = path + ".typed_per_filter_config[" + w.d.FilterName + "]"
 		c, err := deployedPerRoute(a)
-		return err == nil && !c.GetDisabled()
+		if err != nil {
+			return fmt.Errorf("%s: %w", e.Path, err)
+		}
+		e.Config = c
+	} else if name == "" {
+		return nil // a virtual host that leaves the filter alone
 	}
-	rcEnables := enables(rc.GetTypedPerFilterConfig()[d.FilterName], false)
-	if err := add("", rcPath, rc.GetTypedPerFilterConfig(), routeEntry{}); err != nil {
+	w.d.Routes = append(w.d.Routes, e)
+	return nil
+}
+
+// virtualHost adds the virtual host vh at vp and its routes; rcEnables says whether its route
+// configuration enables a filter disabled by default.
+func (w routeWalk) virtualHost(vh *routev3.VirtualHost, vp string, rcEnables bool) error {
+	if err := w.add("", vp, vh.GetTypedPerFilterConfig(), routeEntry{}); err != nil {
 		return err
 	}
-	for i, vh := range rc.GetVirtualHosts() {
-		vp := rcPath + ".virtual_hosts[" + strconv.Itoa(i) + "]"
-		if err := add("", vp, vh.GetTypedPerFilterConfig(), routeEntry{}); err != nil {
+	vhEnables := enablesFilter(vh.GetTypedPerFilterConfig()[w.d.FilterName], rcEnables)
+	for j, r := range vh.GetRoutes() {
+		rp := vp + ".routes[" + strconv.Itoa(j) + "]"
+		// A route's retry_policy replaces its virtual host's whole, and so does its
+		// hedge_policy, each on its own (route_components.proto).
+		base := routeEntry{Retry: vh.GetRetryPolicy(), Hedge: vh.GetHedgePolicy(), RetryPath: vp, HedgePath: vp,
+			ResponseBuffer: routeBufferLimit(w.b, w.d.File, r.GetRoute())}
+		ra := r.GetRoute()
+		if ra.GetRetryPolicy() != nil {
+			base.Retry, base.RetryPath = ra.GetRetryPolicy(), rp+".route"
+		}
+		if ra.GetHedgePolicy() != nil {
+			base.Hedge, base.HedgePath = ra.GetHedgePolicy(), rp+".route"
+		}
+		if w.d.FilterDisabled && vhEnables {
+			base.Config = &filterextproc.ExtProcPerRoute{} // enabled above the route
+		}
+		if err := w.add(r.GetName(), rp, r.GetTypedPerFilterConfig(), base); err != nil {
 			return err
 		}
-		vhEnables := enables(vh.GetTypedPerFilterConfig()[d.FilterName], rcEnables)
-		for j, r := range vh.GetRoutes() {
-			rp := vp + ".routes[" + strconv.Itoa(j) + "]"
-			// A route's retry_policy replaces its virtual host's whole, and so does its
-			// hedge_policy, each on its own (route_components.proto).
-			retry := routeEntry{Retry: vh.GetRetryPolicy(), Hedge: vh.GetHedgePolicy(), RetryPath: vp, HedgePath: vp,
-				ResponseBuffer: routeBufferLimit(b, d.File, r.GetRoute())}
-			ra := r.GetRoute()
-			if ra.GetRetryPolicy() != nil {
-				retry.Retry, retry.RetryPath = ra.GetRetryPolicy(), rp+".route"
+		for k, cw := range ra.GetWeightedClusters().GetClusters() {
+			if _, ok := cw.GetTypedPerFilterConfig()[w.d.FilterName]; !ok {
+				continue
 			}
-			if ra.GetHedgePolicy() != nil {
-				retry.Hedge, retry.HedgePath = ra.GetHedgePolicy(), rp+".route"
-			}
-			if d.FilterDisabled && vhEnables {
-				retry.Config = &filterextproc.ExtProcPerRoute{} // enabled above the route
-			}
-			if err := add(r.GetName(), rp, r.GetTypedPerFilterConfig(), retry); err != nil {
+			cp := rp + ".route.weighted_clusters.clusters[" + strconv.Itoa(k) + "]"
+			if err := w.add(r.GetName(), cp, cw.GetTypedPerFilterConfig(), routeEntry{}); err != nil {
 				return err
-			}
-			for k, cw := range r.GetRoute().GetWeightedClusters().GetClusters() {
-				cp := rp + ".route.weighted_clusters.clusters[" + strconv.Itoa(k) + "]"
-				if _, ok := cw.GetTypedPerFilterConfig()[d.FilterName]; !ok {
-					continue
-				}
-				if err := add(r.GetName(), cp, cw.GetTypedPerFilterConfig(), routeEntry{}); err != nil {
-					return err
-				}
 			}
 		}
 	}
