@@ -64,41 +64,61 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	if f == nil {
 		return errors.New("no ext_proc filter config")
 	}
-	var errs []error
-	bad := func(kind Kind, field, problem, breaks, fix string) {
-		errs = append(errs, &specError{Kind: kind, Field: field, Problem: problem, Breaks: breaks, Fix: fix})
-	}
-
+	var rs specRefusals
 	if f.GetGrpcService() == nil {
-		bad(KindGRPCServiceMissing, "grpc_service", "is not set (http_service cannot carry bodies)", "",
+		rs.bad(KindGRPCServiceMissing, "grpc_service", "is not set (http_service cannot carry bodies)", "",
 			"set grpc_service (envoy_grpc to the processor's cluster)")
 	}
 	pm := f.GetProcessingMode()
 	if pm == nil {
-		bad(KindProcessingModeMissing, "processing_mode", "is not set", "", "spell out processing_mode as envoy/envoy.yaml does")
+		rs.bad(KindProcessingModeMissing, "processing_mode", "is not set", "", "spell out processing_mode as envoy/envoy.yaml does")
 		pm = &filterextproc.ProcessingMode{}
 	}
+	rs.headerModes(pm)
+	rs.bodyModes(pm)
+	rs.trailerModes(pm)
+	rs.overrides(f)
+	rs.answers(f, storeTimeout)
+	return errors.Join(rs...)
+}
+
+// specRefusals are CheckSpec's refusals, in the order of its rules.
+type specRefusals []error
+
+// bad adds the refusal of field, of kind, with what is wrong with it, what that breaks and the
+// fix.
+func (rs *specRefusals) bad(kind Kind, field, problem, breaks, fix string) {
+	*rs = append(*rs, &specError{Kind: kind, Field: field, Problem: problem, Breaks: breaks, Fix: fix})
+}
+
+// headerModes refuses header modes other than SEND: the processor claims at the request's
+// headers and settles at the response's.
+func (rs *specRefusals) headerModes(pm *filterextproc.ProcessingMode) {
 	if m := pm.GetRequestHeaderMode(); m == filterextproc.ProcessingMode_DEFAULT {
-		bad(KindHeaderModeDefault, "processing_mode.request_header_mode", "is DEFAULT, which Envoy reads as SEND",
+		rs.bad(KindHeaderModeDefault, "processing_mode.request_header_mode", "is DEFAULT, which Envoy reads as SEND",
 			"", "spell it out: set SEND")
 	} else if m != filterextproc.ProcessingMode_SEND {
-		bad(KindRequestHeaderMode, "processing_mode.request_header_mode", fmt.Sprintf("is %s, want SEND", m),
+		rs.bad(KindRequestHeaderMode, "processing_mode.request_header_mode", fmt.Sprintf("is %s, want SEND", m),
 			"the processor would see no request, and covered requests would run unprotected", "set SEND")
 	}
 	if m := pm.GetResponseHeaderMode(); m == filterextproc.ProcessingMode_DEFAULT {
-		bad(KindHeaderModeDefault, "processing_mode.response_header_mode", "is DEFAULT, which Envoy reads as SEND",
+		rs.bad(KindHeaderModeDefault, "processing_mode.response_header_mode", "is DEFAULT, which Envoy reads as SEND",
 			"", "spell it out: set SEND")
 	} else if m != filterextproc.ProcessingMode_SEND {
-		bad(KindResponseHeaderMode, "processing_mode.response_header_mode", fmt.Sprintf("is %s, want SEND", m),
+		rs.bad(KindResponseHeaderMode, "processing_mode.response_header_mode", fmt.Sprintf("is %s, want SEND", m),
 			"the processor would see no response: each stream ends with the outcome unknown, so a retry runs again (unknown_outcome: release) or gets 409 until lock_ttl ends (keep)", "set SEND")
 	}
+}
 
+// bodyModes refuses the body modes under which the processor cannot see a request's body or
+// store a response's.
+func (rs *specRefusals) bodyModes(pm *filterextproc.ProcessingMode) {
 	reqBody, respBody := pm.GetRequestBodyMode(), pm.GetResponseBodyMode()
 	switch reqBody {
 	case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED,
 		filterextproc.ProcessingMode_BUFFERED_PARTIAL, filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
 	default:
-		bad(KindRequestBodyMode, "processing_mode.request_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED", reqBody),
+		rs.bad(KindRequestBodyMode, "processing_mode.request_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED", reqBody),
 			"the processor cannot claim a covered request with a body: it gets 500 body-not-available",
 			"set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED); routes whose fingerprint omits the body may set NONE per route")
 	}
@@ -106,43 +126,56 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED,
 		filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
 	default:
-		bad(KindResponseBodyMode, "processing_mode.response_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED or FULL_DUPLEX_STREAMED", respBody),
+		rs.bad(KindResponseBodyMode, "processing_mode.response_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED or FULL_DUPLEX_STREAMED", respBody),
 			"responses are stored without their body: duplicates get 409 response-not-replayable instead of a replay",
 			"set BUFFERED, or STREAMED for responses that can outgrow the buffer limit")
 	}
-	fullDuplex := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+}
+
+// trailerModes refuses request trailers the processor does not see and response trailer modes
+// Envoy reads otherwise than written or refuses.
+func (rs *specRefusals) trailerModes(pm *filterextproc.ProcessingMode) {
+	fullDuplex, respBody := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED, pm.GetResponseBodyMode()
 	if m := pm.GetRequestTrailerMode(); m != filterextproc.ProcessingMode_SEND {
-		errs = append(errs, &specError{Kind: KindRequestTrailerMode, Field: "processing_mode.request_trailer_mode", Problem: fmt.Sprintf("is %s, want SEND (%s)", m, trailerWhy),
+		*rs = append(*rs, &specError{Kind: KindRequestTrailerMode, Field: "processing_mode.request_trailer_mode", Problem: fmt.Sprintf("is %s, want SEND (%s)", m, trailerWhy),
 			Fix: "set SEND", wrapped: errRequestTrailersSkipped})
 	}
 	// SEND lets the processor see the end of a STREAMED response whose upstream sends trailers:
 	// its last chunk then has end_of_stream false.
 	switch m := pm.GetResponseTrailerMode(); {
 	case respBody == fullDuplex && m != filterextproc.ProcessingMode_SEND:
-		bad(KindDuplexTrailerMode, "processing_mode.response_trailer_mode", fmt.Sprintf("is %s, want SEND with response_body_mode FULL_DUPLEX_STREAMED", m),
+		rs.bad(KindDuplexTrailerMode, "processing_mode.response_trailer_mode", fmt.Sprintf("is %s, want SEND with response_body_mode FULL_DUPLEX_STREAMED", m),
 			"Envoy refuses FULL_DUPLEX_STREAMED without it", "set SEND")
 	case m != filterextproc.ProcessingMode_SKIP && m != filterextproc.ProcessingMode_SEND:
-		bad(KindResponseTrailerDefault, "processing_mode.response_trailer_mode", fmt.Sprintf("is %s, which Envoy reads as SKIP", m), "", "set SKIP, or SEND for upstreams that send trailers")
+		rs.bad(KindResponseTrailerDefault, "processing_mode.response_trailer_mode", fmt.Sprintf("is %s, which Envoy reads as SKIP", m), "", "set SKIP, or SEND for upstreams that send trailers")
 	}
+}
 
+// overrides refuses the settings that keep Envoy from honouring the processor's mode_override.
+func (rs *specRefusals) overrides(f *filterextproc.ExternalProcessor) {
 	if !f.GetAllowModeOverride() {
-		bad(KindModeOverrideRefused, "allow_mode_override", "is false, want true (Envoy would ignore the processor's mode_override)",
+		rs.bad(KindModeOverrideRefused, "allow_mode_override", "is false, want true (Envoy would ignore the processor's mode_override)",
 			"requests the processor passes through still stream their bodies to it, and responses it will not store are still buffered", "set true")
 	}
 	if f.GetSendBodyWithoutWaitingForHeaderResponse() {
-		bad(KindBodyWithoutHeaderAnswer, "send_body_without_waiting_for_header_response", "is true (Envoy would ignore mode_override)",
+		rs.bad(KindBodyWithoutHeaderAnswer, "send_body_without_waiting_for_header_response", "is true (Envoy would ignore mode_override)",
 			"requests the processor passes through still stream their bodies to it", "set false")
 	}
-	errs = append(errs, checkOverrideModes(f.GetAllowedOverrideModes())...)
+	*rs = append(*rs, checkOverrideModes(f.GetAllowedOverrideModes())...)
+}
 
+// answers refuses the settings that keep the processor's answers from counting: attributes it
+// needs missing, failing open, a message_timeout at or below storeTimeout, Envoy ignoring or
+// unable to send its answers.
+func (rs *specRefusals) answers(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) {
 	for _, a := range requiredResponseAttributes {
 		if !slices.Contains(f.GetResponseAttributes(), a) {
-			bad(attributeKind[a], "response_attributes", fmt.Sprintf("lacks %q (%s)", a, attributeWhy[a]), "",
+			rs.bad(attributeKind[a], "response_attributes", fmt.Sprintf("lacks %q (%s)", a, attributeWhy[a]), "",
 				fmt.Sprintf("add %q to response_attributes", a))
 		}
 	}
 	if f.GetFailureModeAllow() {
-		bad(KindFailureModeAllow, "failure_mode_allow", "is true, want false (requests would bypass idempotency when the processor fails)",
+		rs.bad(KindFailureModeAllow, "failure_mode_allow", "is true, want false (requests would bypass idempotency when the processor fails)",
 			"a covered request may run twice", "set false")
 	}
 	mt := defaultMessageTimeout
@@ -150,17 +183,16 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 		mt = d.AsDuration()
 	}
 	if mt <= storeTimeout {
-		bad(KindMessageTimeout, "message_timeout", fmt.Sprintf("%v is not above store_timeout %v", mt, storeTimeout),
+		rs.bad(KindMessageTimeout, "message_timeout", fmt.Sprintf("%v is not above store_timeout %v", mt, storeTimeout),
 			"Envoy gives up on the processor's answer before a slow store call ends: the client gets 504 and the key's outcome is unknown",
 			fmt.Sprintf("raise message_timeout above %v (Envoy's default is 200ms)", storeTimeout))
 	}
 	if f.GetObservabilityMode() {
-		bad(KindObservabilityMode, "observability_mode", "is true (Envoy ignores the processor's answers)", "duplicates run again instead of being replayed", "set false")
+		rs.bad(KindObservabilityMode, "observability_mode", "is true (Envoy ignores the processor's answers)", "duplicates run again instead of being replayed", "set false")
 	}
 	if f.GetDisableImmediateResponse() {
-		bad(KindImmediateResponseOff, "disable_immediate_response", "is true (replays and errors could not be sent)", "duplicates run again instead of being replayed", "set false")
+		rs.bad(KindImmediateResponseOff, "disable_immediate_response", "is true (replays and errors could not be sent)", "duplicates run again instead of being replayed", "set false")
 	}
-	return errors.Join(errs...)
 }
 
 // specError is one way a filter departs from the contract (CheckSpec).
