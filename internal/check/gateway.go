@@ -225,62 +225,26 @@ func EnvoyGateway(path string) ([]EGPolicy, EGLimits, error) {
 // other policies are still translated. What Envoy Gateway refuses outright (its backends) stays
 // an error of the input.
 func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, []Finding, error) {
-	var unread []Finding
 	routes, err := egHTTPRoutes(objs)
 	if err != nil {
 		return nil, EGLimits{}, nil, err
 	}
 	var out []EGPolicy
 	var targets [][]egTargetRef
+	var unread []Finding
 	for _, o := range objs {
 		if !o.is(egGroup, "EnvoyExtensionPolicy") {
 			continue
 		}
-		name := o.Namespace + "/" + o.Name
-		spec, err := decodeSpec[egPolicySpec](o)
+		pols, refs, bad, err := egPolicyEntries(o, strict)
 		if err != nil {
-			return nil, EGLimits{}, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: %w", name, err)}
+			return nil, EGLimits{}, nil, err
 		}
-		if strict && len(spec.ExtProc) != 1 {
-			return nil, EGLimits{}, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: want exactly one extProc entry, have %d", name, len(spec.ExtProc))}
-		}
-		refs := spec.TargetRefs
-		if spec.TargetRef != nil {
-			refs = append(refs, *spec.TargetRef)
-		}
-		if strict && len(refs) == 0 {
-			return nil, EGLimits{}, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: no targetRefs (targetSelectors are not modelled)", name)}
-		}
-		for i, ep := range spec.ExtProc {
-			f, cb, err := translateEG(ep, o.Namespace, o.Name, i)
-			if err != nil && !strict && (strings.HasPrefix(err.Error(), "messageTimeout:") || strings.HasPrefix(err.Error(), "processingMode.")) {
-				field, _, _ := strings.Cut(err.Error(), ":")
-				unread = append(unread, Finding{File: o.File, Resource: o.ref(), Field: fmt.Sprintf("extProc[%d].%s", i, field), Kind: KindUnreadable,
-					Problem: "cannot be read (" + err.Error() + "): the filter of this entry was not checked, and Envoy Gateway would refuse a value it cannot read either, leaving covered requests without it",
-					Fix:     "write the value as the field's type wants it"})
-				continue
-			}
-			if err != nil {
-				return nil, EGLimits{}, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: extProc[%d]: %w", name, i, err)}
-			}
-			cbSet := ep.BackendSettings.CircuitBreaker != nil
-			out = append(out, EGPolicy{
-				Name:           name,
-				CircuitBreaker: cb,
-				Deployment: Deployment{
-					Processor: &processorLimits{Thresholds: cb, File: o.File, Resource: o.ref(),
-						Field: fmt.Sprintf("extProc[%d].backendSettings.circuitBreaker", i), Default: !cbSet},
-					Source:     o.File + ": EnvoyExtensionPolicy " + name,
-					File:       o.File,
-					Resource:   o.ref(),
-					Platform:   platformEnvoyGateway,
-					Filter:     f,
-					FilterPath: fmt.Sprintf("extProc[%d]", i),
-					FilterName: fmt.Sprintf("envoy.filters.http.ext_proc/envoyextensionpolicy/%s/extproc/%d", name, i),
-				},
-			})
+		for range pols {
 			targets = append(targets, refs)
 		}
+		out = append(out, pols...)
+		unread = append(unread, bad...)
 	}
 	if strict && len(out) == 0 {
 		return nil, EGLimits{}, nil, errors.New("no EnvoyExtensionPolicy")
@@ -288,35 +252,91 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, []Finding,
 	if err := egAttach(out, targets, routes, strict); err != nil {
 		return nil, EGLimits{}, nil, err
 	}
+	limits, btps, err := egTrafficPolicies(objs, routes, strict)
+	if err != nil {
+		return nil, EGLimits{}, nil, err
+	}
+	for i := range out {
+		for j := range out[i].Deployment.Routes {
+			egApplyBackendPolicy(&out[i].Deployment.Routes[j], btps)
+		}
+	}
+	return out, limits, unread, nil
+}
 
+// egPolicyEntries translates the extProc entries of the EnvoyExtensionPolicy o, one EGPolicy
+// each, and returns the policy's target references. Not strict, an entry with a value that
+// cannot be read is left out and returned as a finding.
+func egPolicyEntries(o *object, strict bool) ([]EGPolicy, []egTargetRef, []Finding, error) {
+	name := o.Namespace + "/" + o.Name
+	spec, err := decodeSpec[egPolicySpec](o)
+	if err != nil {
+		return nil, nil, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: %w", name, err)}
+	}
+	if strict && len(spec.ExtProc) != 1 {
+		return nil, nil, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: want exactly one extProc entry, have %d", name, len(spec.ExtProc))}
+	}
+	refs := spec.TargetRefs
+	if spec.TargetRef != nil {
+		refs = append(refs, *spec.TargetRef)
+	}
+	if strict && len(refs) == 0 {
+		return nil, nil, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: no targetRefs (targetSelectors are not modelled)", name)}
+	}
+	var out []EGPolicy
+	var unread []Finding
+	for i, ep := range spec.ExtProc {
+		f, cb, err := translateEG(ep, o.Namespace, o.Name, i)
+		if err != nil && !strict && (strings.HasPrefix(err.Error(), "messageTimeout:") || strings.HasPrefix(err.Error(), "processingMode.")) {
+			field, _, _ := strings.Cut(err.Error(), ":")
+			unread = append(unread, Finding{File: o.File, Resource: o.ref(), Field: fmt.Sprintf("extProc[%d].%s", i, field), Kind: KindUnreadable,
+				Problem: "cannot be read (" + err.Error() + "): the filter of this entry was not checked, and Envoy Gateway would refuse a value it cannot read either, leaving covered requests without it",
+				Fix:     "write the value as the field's type wants it"})
+			continue
+		}
+		if err != nil {
+			return nil, nil, nil, &inFile{o.File, fmt.Errorf("EnvoyExtensionPolicy %s: extProc[%d]: %w", name, i, err)}
+		}
+		cbSet := ep.BackendSettings.CircuitBreaker != nil
+		out = append(out, EGPolicy{
+			Name:           name,
+			CircuitBreaker: cb,
+			Deployment: Deployment{
+				Processor: &processorLimits{Thresholds: cb, File: o.File, Resource: o.ref(),
+					Field: fmt.Sprintf("extProc[%d].backendSettings.circuitBreaker", i), Default: !cbSet},
+				Source:     o.File + ": EnvoyExtensionPolicy " + name,
+				File:       o.File,
+				Resource:   o.ref(),
+				Platform:   platformEnvoyGateway,
+				Filter:     f,
+				FilterPath: fmt.Sprintf("extProc[%d]", i),
+				FilterName: fmt.Sprintf("envoy.filters.http.ext_proc/envoyextensionpolicy/%s/extproc/%d", name, i),
+			},
+		})
+	}
+	return out, refs, unread, nil
+}
+
+// egTrafficPolicies reads the ClientTrafficPolicies and BackendTrafficPolicies of objs: the
+// smallest buffer limit each kind sets (Envoy Gateway's default where none does), and the
+// BackendTrafficPolicies as they apply to the routes.
+func egTrafficPolicies(objs []*object, routes map[string]*egHTTPRoute, strict bool) (EGLimits, []egBackendPolicy, error) {
 	limits := EGLimits{ClientBufferLimit: egDefaultBufferLimit, BackendBufferLimit: egDefaultBufferLimit}
 	var btps []egBackendPolicy
 	for _, kind := range []string{"ClientTrafficPolicy", "BackendTrafficPolicy"} {
-		var docs []*object
-		if strict {
-			d, err := only(objs, egGroup, kind)
-			if err != nil {
-				return nil, EGLimits{}, nil, err
-			}
-			if d != nil {
-				docs = append(docs, d)
-			}
-		} else {
-			for _, o := range objs {
-				if o.is(egGroup, kind) {
-					docs = append(docs, o)
-				}
-			}
+		docs, err := egPolicyDocs(objs, kind, strict)
+		if err != nil {
+			return EGLimits{}, nil, err
 		}
 		for i, d := range docs {
 			tp, err := decodeLoose[egTrafficPolicy](d)
 			if err != nil {
-				return nil, EGLimits{}, nil, &inFile{d.File, fmt.Errorf("%s: %w", d.ref(), err)}
+				return EGLimits{}, nil, &inFile{d.File, fmt.Errorf("%s: %w", d.ref(), err)}
 			}
 			limit := uint32(egDefaultBufferLimit)
 			if tp.Connection.BufferLimit != "" {
 				if limit, err = parseQuantity(tp.Connection.BufferLimit); err != nil {
-					return nil, EGLimits{}, nil, &inFile{d.File, fmt.Errorf("%s: spec.connection.bufferLimit: %w", d.ref(), err)}
+					return EGLimits{}, nil, &inFile{d.File, fmt.Errorf("%s: spec.connection.bufferLimit: %w", d.ref(), err)}
 				}
 			}
 			dst := &limits.ClientBufferLimit
@@ -324,7 +344,7 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, []Finding,
 				dst = &limits.BackendBufferLimit
 				p := egBackendPolicy{obj: d, retry: egRetryPolicy(tp), limit: limit, limitSet: tp.Connection.BufferLimit != ""}
 				if p.targets, err = egPolicyTargets(d, tp.TargetRefs, routes, strict && p.retry != nil); err != nil {
-					return nil, EGLimits{}, nil, &inFile{d.File, fmt.Errorf("%s: %w", d.ref(), err)}
+					return EGLimits{}, nil, &inFile{d.File, fmt.Errorf("%s: %w", d.ref(), err)}
 				}
 				btps = append(btps, p)
 			}
@@ -333,12 +353,25 @@ func envoyGateway(objs []*object, strict bool) ([]EGPolicy, EGLimits, []Finding,
 			}
 		}
 	}
-	for i := range out {
-		for j := range out[i].Deployment.Routes {
-			egApplyBackendPolicy(&out[i].Deployment.Routes[j], btps)
+	return limits, btps, nil
+}
+
+// egPolicyDocs are the objects of kind in objs: strict, at most one, which it refuses more than.
+func egPolicyDocs(objs []*object, kind string, strict bool) ([]*object, error) {
+	if strict {
+		d, err := only(objs, egGroup, kind)
+		if err != nil || d == nil {
+			return nil, err
+		}
+		return []*object{d}, nil
+	}
+	var docs []*object
+	for _, o := range objs {
+		if o.is(egGroup, kind) {
+			docs = append(docs, o)
 		}
 	}
-	return out, limits, unread, nil
+	return docs, nil
 }
 
 // egBackendPolicy is a BackendTrafficPolicy as it applies to xDS routes: the router's
