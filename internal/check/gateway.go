@@ -603,19 +603,8 @@ func egRouteNames(r *egHTTPRoute, i int) []string {
 var egAttribute = regexp.MustCompile(`^(connection\.|source\.|destination\.|request\.|response\.|upstream\.|xds\.route_)[a-z_1-9]*$`)
 
 func translateEG(ep egExtProc, namespace, name string, index int) (*filterextproc.ExternalProcessor, Thresholds, error) {
-	if ep.BackendRef != nil {
-		return nil, Thresholds{}, errors.New("backendRef is not supported, use backendRefs")
-	}
-	if len(ep.BackendRefs) != 1 {
-		return nil, Thresholds{}, fmt.Errorf("want exactly one backendRef, have %d", len(ep.BackendRefs))
-	}
-	// A Backend (gateway.envoyproxy.io) needs no port: its endpoints may be a unix socket, the
-	// processor next to Envoy (Envoy Gateway's validateBackendPort in internal/gatewayapi).
-	switch br := ep.BackendRefs[0]; {
-	case br.Kind == "Backend" && br.Group != egGroup:
-		return nil, Thresholds{}, fmt.Errorf("backendRefs[0]: a Backend is in group %s, have %q", egGroup, br.Group)
-	case br.Name == "" || (br.Port == 0 && br.Kind != "Backend"):
-		return nil, Thresholds{}, errors.New("backendRefs[0] needs a name and a port (a Backend needs no port)")
+	if err := egCheckBackend(ep); err != nil {
+		return nil, Thresholds{}, err
 	}
 	f := &filterextproc.ExternalProcessor{
 		GrpcService: &corev3.GrpcService{
@@ -650,60 +639,102 @@ func translateEG(ep egExtProc, namespace, name string, index int) (*filterextpro
 		f.MessageTimeout = durationpb.New(d)
 	}
 	if pm := ep.ProcessingMode; pm != nil {
-		f.AllowModeOverride = pm.AllowModeOverride
-		for _, dir := range []struct {
-			field string
-			opts  *egModeOptions
-			body  *filterextproc.ProcessingMode_BodySendMode
-			hdr   *filterextproc.ProcessingMode_HeaderSendMode
-			trl   *filterextproc.ProcessingMode_HeaderSendMode
-			attrs *[]string
-		}{
-			{"request", pm.Request, &f.ProcessingMode.RequestBodyMode, &f.ProcessingMode.RequestHeaderMode, &f.ProcessingMode.RequestTrailerMode, &f.RequestAttributes},
-			{"response", pm.Response, &f.ProcessingMode.ResponseBodyMode, &f.ProcessingMode.ResponseHeaderMode, &f.ProcessingMode.ResponseTrailerMode, &f.ResponseAttributes},
-		} {
-			if dir.opts == nil {
-				continue
-			}
-			mode, err := egBodyMode(dir.opts.Body)
-			if err != nil {
-				return nil, Thresholds{}, fmt.Errorf("processingMode.%s.body: %w", dir.field, err)
-			}
-			*dir.hdr = filterextproc.ProcessingMode_SEND
-			*dir.body = mode
-			if mode == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED {
-				*dir.trl = filterextproc.ProcessingMode_SEND
-				if f.FailureModeAllow {
-					return nil, Thresholds{}, fmt.Errorf("processingMode.%s.body: FullDuplexStreamed needs failOpen false", dir.field)
-				}
-			}
-			for i, a := range dir.opts.Attributes {
-				if !egAttribute.MatchString(a) {
-					return nil, Thresholds{}, fmt.Errorf("processingMode.%s.attributes[%d]: %q does not match %s", dir.field, i, a, egAttribute)
-				}
-			}
-			*dir.attrs = dir.opts.Attributes
+		if err := egApplyProcessingMode(f, pm); err != nil {
+			return nil, Thresholds{}, err
 		}
 	}
 	if md := ep.Metadata; md != nil {
-		if len(md.WritableNamespaces) > 8 {
-			return nil, Thresholds{}, errors.New("metadata.writableNamespaces: at most 8")
-		}
-		for i, ns := range md.WritableNamespaces {
-			if strings.HasPrefix(ns, "envoy.filters.http") {
-				return nil, Thresholds{}, fmt.Errorf("metadata.writableNamespaces[%d]: %q: well-known Envoy HTTP filter namespaces are refused", i, ns)
-			}
-		}
-		f.MetadataOptions = &filterextproc.MetadataOptions{}
-		if md.AccessibleNamespaces != nil {
-			f.MetadataOptions.ForwardingNamespaces = &filterextproc.MetadataOptions_MetadataNamespaces{Untyped: md.AccessibleNamespaces}
-		}
-		if md.WritableNamespaces != nil {
-			f.MetadataOptions.ReceivingNamespaces = &filterextproc.MetadataOptions_MetadataNamespaces{Untyped: md.WritableNamespaces}
+		if err := egApplyMetadata(f, md); err != nil {
+			return nil, Thresholds{}, err
 		}
 	}
+	return f, egThresholds(ep.BackendSettings.CircuitBreaker), nil
+}
+
+// egCheckBackend refuses the backends Envoy Gateway refuses: the deprecated backendRef, other
+// than one backendRefs entry, a Backend outside its group, a Service without a port.
+func egCheckBackend(ep egExtProc) error {
+	if ep.BackendRef != nil {
+		return errors.New("backendRef is not supported, use backendRefs")
+	}
+	if len(ep.BackendRefs) != 1 {
+		return fmt.Errorf("want exactly one backendRef, have %d", len(ep.BackendRefs))
+	}
+	// A Backend (gateway.envoyproxy.io) needs no port: its endpoints may be a unix socket, the
+	// processor next to Envoy (Envoy Gateway's validateBackendPort in internal/gatewayapi).
+	switch br := ep.BackendRefs[0]; {
+	case br.Kind == "Backend" && br.Group != egGroup:
+		return fmt.Errorf("backendRefs[0]: a Backend is in group %s, have %q", egGroup, br.Group)
+	case br.Name == "" || (br.Port == 0 && br.Kind != "Backend"):
+		return errors.New("backendRefs[0] needs a name and a port (a Backend needs no port)")
+	}
+	return nil
+}
+
+// egApplyProcessingMode sets f's modes and attributes from pm as Envoy Gateway translates them:
+// headers sent in a direction pm names, with its body mode and attributes.
+func egApplyProcessingMode(f *filterextproc.ExternalProcessor, pm *egProcessingMode) error {
+	f.AllowModeOverride = pm.AllowModeOverride
+	for _, dir := range []struct {
+		field string
+		opts  *egModeOptions
+		body  *filterextproc.ProcessingMode_BodySendMode
+		hdr   *filterextproc.ProcessingMode_HeaderSendMode
+		trl   *filterextproc.ProcessingMode_HeaderSendMode
+		attrs *[]string
+	}{
+		{"request", pm.Request, &f.ProcessingMode.RequestBodyMode, &f.ProcessingMode.RequestHeaderMode, &f.ProcessingMode.RequestTrailerMode, &f.RequestAttributes},
+		{"response", pm.Response, &f.ProcessingMode.ResponseBodyMode, &f.ProcessingMode.ResponseHeaderMode, &f.ProcessingMode.ResponseTrailerMode, &f.ResponseAttributes},
+	} {
+		if dir.opts == nil {
+			continue
+		}
+		mode, err := egBodyMode(dir.opts.Body)
+		if err != nil {
+			return fmt.Errorf("processingMode.%s.body: %w", dir.field, err)
+		}
+		*dir.hdr = filterextproc.ProcessingMode_SEND
+		*dir.body = mode
+		if mode == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED {
+			*dir.trl = filterextproc.ProcessingMode_SEND
+			if f.FailureModeAllow {
+				return fmt.Errorf("processingMode.%s.body: FullDuplexStreamed needs failOpen false", dir.field)
+			}
+		}
+		for i, a := range dir.opts.Attributes {
+			if !egAttribute.MatchString(a) {
+				return fmt.Errorf("processingMode.%s.attributes[%d]: %q does not match %s", dir.field, i, a, egAttribute)
+			}
+		}
+		*dir.attrs = dir.opts.Attributes
+	}
+	return nil
+}
+
+// egApplyMetadata sets f's metadata options from md, refusing what Envoy Gateway refuses.
+func egApplyMetadata(f *filterextproc.ExternalProcessor, md *egExtProcMetadata) error {
+	if len(md.WritableNamespaces) > 8 {
+		return errors.New("metadata.writableNamespaces: at most 8")
+	}
+	for i, ns := range md.WritableNamespaces {
+		if strings.HasPrefix(ns, "envoy.filters.http") {
+			return fmt.Errorf("metadata.writableNamespaces[%d]: %q: well-known Envoy HTTP filter namespaces are refused", i, ns)
+		}
+	}
+	f.MetadataOptions = &filterextproc.MetadataOptions{}
+	if md.AccessibleNamespaces != nil {
+		f.MetadataOptions.ForwardingNamespaces = &filterextproc.MetadataOptions_MetadataNamespaces{Untyped: md.AccessibleNamespaces}
+	}
+	if md.WritableNamespaces != nil {
+		f.MetadataOptions.ReceivingNamespaces = &filterextproc.MetadataOptions_MetadataNamespaces{Untyped: md.WritableNamespaces}
+	}
+	return nil
+}
+
+// egThresholds are the circuit breaker thresholds c sets, Envoy Gateway's default for the rest.
+func egThresholds(c *egCircuitBreaker) Thresholds {
 	cb := Thresholds{egDefaultThreshold, egDefaultThreshold, egDefaultThreshold, egDefaultThreshold}
-	if c := ep.BackendSettings.CircuitBreaker; c != nil {
+	if c != nil {
 		for dst, v := range map[*uint32]*uint32{
 			&cb.MaxConnections:     c.MaxConnections,
 			&cb.MaxPendingRequests: c.MaxPendingRequests,
@@ -715,7 +746,7 @@ func translateEG(ep egExtProc, namespace, name string, index int) (*filterextpro
 			}
 		}
 	}
-	return f, cb, nil
+	return cb
 }
 
 func egBodyMode(s string) (filterextproc.ProcessingMode_BodySendMode, error) {
