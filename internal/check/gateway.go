@@ -479,99 +479,140 @@ func egHTTPRoutes(objs []*object) (map[string]*egHTTPRoute, error) {
 // targets on the rules no rule target took. Strict refuses targets it cannot resolve; otherwise
 // each gets one entry standing for the routes it takes.
 func egAttach(pols []EGPolicy, targets [][]egTargetRef, routes map[string]*egHTTPRoute, strict bool) error {
-	type ruleKey struct {
-		route string
-		rule  int
-	}
-	// The entries of one EnvoyExtensionPolicy share its targets: rules are owned by resources.
-	owner := map[ruleKey]int{}
-	whole := map[string]int{}     // HTTPRoute → the policy targeting all of it
-	attached := map[string]bool{} // policy index, HTTPRoute, rule index
-	same := func(p, q int) bool { return pols[p].Deployment.Resource == pols[q].Deployment.Resource }
-	attach := func(p int, route *egHTTPRoute, rule int, why string) {
-		k := fmt.Sprintf("%d %s/%s %d", p, route.namespace, route.name, rule)
-		if attached[k] && why == "the whole HTTPRoute" {
-			return
-		}
-		attached[k] = true
-		for _, n := range egRouteNames(route, rule) {
-			pols[p].Deployment.Routes = append(pols[p].Deployment.Routes, routeEntry{
-				Name:   n,
-				Path:   fmt.Sprintf("HTTPRoute %s/%s rules[%d] (%s)", route.namespace, route.name, rule, why),
-				Config: &filterextproc.ExtProcPerRoute{},
-			})
-		}
-	}
-	unresolved := func(p int, name, why string) {
-		e := routeEntry{Name: name, Path: why, Config: &filterextproc.ExtProcPerRoute{}, Partial: true}
-		if !slices.ContainsFunc(pols[p].Deployment.Routes, func(r routeEntry) bool { return r.Path == e.Path }) {
-			pols[p].Deployment.Routes = append(pols[p].Deployment.Routes, e)
-		}
-	}
+	at := egAttachment{pols: pols, routes: routes, strict: strict, owner: map[egRuleKey]int{}, whole: map[string]int{}, attached: map[string]bool{}}
 	for p, refs := range targets {
 		if len(refs) == 0 {
-			unresolved(p, "", "targetSelectors (the routes they select were not read)")
+			at.unresolved(p, "", "targetSelectors (the routes they select were not read)")
 		}
 	}
 	for pass := 0; pass < 2; pass++ {
 		for p, refs := range targets {
-			ns, _, _ := strings.Cut(pols[p].Name, "/")
 			for _, ref := range refs {
 				if (ref.SectionName != "") != (pass == 0) {
 					continue
 				}
-				if ref.Kind == "GRPCRoute" && !strict && (ref.Group == "" || ref.Group == gwGroup) {
-					// Its rules are not translated: one entry stands for them (gatewayRetryFindings
-					// reads its retries).
-					unresolved(p, "grpcroute/"+ns+"/"+ref.Name+"/", fmt.Sprintf("GRPCRoute %s/%s (its rules were not read)", ns, ref.Name))
-					continue
-				}
-				if ref.Kind != "HTTPRoute" || (ref.Group != "" && ref.Group != gwGroup) {
-					if strict {
-						return &inFile{pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: target %s %s: only HTTPRoute targets are modelled", pols[p].Name, ref.Kind, ref.Name)}
-					}
-					unresolved(p, "", fmt.Sprintf("%s %s/%s (every route under it)", ref.Kind, ns, ref.Name))
-					continue
-				}
-				key := ns + "/" + ref.Name
-				route := routes[key]
-				if route == nil {
-					if strict {
-						return &inFile{pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: HTTPRoute %s is not in the file", pols[p].Name, key)}
-					}
-					unresolved(p, "httproute/"+key+"/", fmt.Sprintf("HTTPRoute %s (not in the inputs: its rules were not read)", key))
-					continue
-				}
-				if ref.SectionName == "" {
-					if q, taken := whole[key]; taken && !same(p, q) {
-						return &inFile{pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s and %s both target HTTPRoute %s", pols[q].Name, pols[p].Name, key)}
-					}
-					whole[key] = p
-					for i := range route.Rules {
-						if q, taken := owner[ruleKey{key, i}]; !taken || same(p, q) {
-							owner[ruleKey{key, i}] = p
-							attach(p, route, i, "the whole HTTPRoute")
-						}
-					}
-					continue
-				}
-				found := false
-				for i, rule := range route.Rules {
-					if rule.Name != ref.SectionName {
-						continue
-					}
-					found = true
-					if q, taken := owner[ruleKey{key, i}]; taken && !same(p, q) {
-						return &inFile{pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s and %s both target rule %q of HTTPRoute %s", pols[q].Name, pols[p].Name, rule.Name, key)}
-					}
-					owner[ruleKey{key, i}] = p
-					attach(p, route, i, "sectionName "+ref.SectionName)
-				}
-				if !found {
-					return &inFile{pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: sectionName %q names no rule of HTTPRoute %s", pols[p].Name, ref.SectionName, key)}
+				if err := at.target(p, ref); err != nil {
+					return err
 				}
 			}
 		}
+	}
+	return nil
+}
+
+// egRuleKey is a rule of an HTTPRoute: its namespace/name and the rule's index.
+type egRuleKey struct {
+	route string
+	rule  int
+}
+
+// egAttachment is egAttach's work: the policies whose routes it fills, the HTTPRoutes read, and
+// which policy owns each rule and each whole HTTPRoute. The entries of one
+// EnvoyExtensionPolicy share its targets: rules are owned by resources.
+type egAttachment struct {
+	pols     []EGPolicy
+	routes   map[string]*egHTTPRoute
+	strict   bool
+	owner    map[egRuleKey]int
+	whole    map[string]int  // HTTPRoute → the policy targeting all of it
+	attached map[string]bool // policy index, HTTPRoute, rule index
+}
+
+// same says whether policies p and q are entries of one EnvoyExtensionPolicy.
+func (at *egAttachment) same(p, q int) bool {
+	return at.pols[p].Deployment.Resource == at.pols[q].Deployment.Resource
+}
+
+// attach adds the xDS routes of rule of route to policy p, why naming the target that took it.
+func (at *egAttachment) attach(p int, route *egHTTPRoute, rule int, why string) {
+	k := fmt.Sprintf("%d %s/%s %d", p, route.namespace, route.name, rule)
+	if at.attached[k] && why == "the whole HTTPRoute" {
+		return
+	}
+	at.attached[k] = true
+	for _, n := range egRouteNames(route, rule) {
+		at.pols[p].Deployment.Routes = append(at.pols[p].Deployment.Routes, routeEntry{
+			Name:   n,
+			Path:   fmt.Sprintf("HTTPRoute %s/%s rules[%d] (%s)", route.namespace, route.name, rule, why),
+			Config: &filterextproc.ExtProcPerRoute{},
+		})
+	}
+}
+
+// unresolved adds to policy p one entry standing for the routes of a target not read, once.
+func (at *egAttachment) unresolved(p int, name, why string) {
+	e := routeEntry{Name: name, Path: why, Config: &filterextproc.ExtProcPerRoute{}, Partial: true}
+	if !slices.ContainsFunc(at.pols[p].Deployment.Routes, func(r routeEntry) bool { return r.Path == e.Path }) {
+		at.pols[p].Deployment.Routes = append(at.pols[p].Deployment.Routes, e)
+	}
+}
+
+// target attaches policy p to the target ref: an HTTPRoute read, whole or one rule; any other
+// target (strict refuses it) gets one entry.
+func (at *egAttachment) target(p int, ref egTargetRef) error {
+	pol := at.pols[p]
+	ns, _, _ := strings.Cut(pol.Name, "/")
+	if ref.Kind == "GRPCRoute" && !at.strict && (ref.Group == "" || ref.Group == gwGroup) {
+		// Its rules are not translated: one entry stands for them (gatewayRetryFindings
+		// reads its retries).
+		at.unresolved(p, "grpcroute/"+ns+"/"+ref.Name+"/", fmt.Sprintf("GRPCRoute %s/%s (its rules were not read)", ns, ref.Name))
+		return nil
+	}
+	if ref.Kind != "HTTPRoute" || (ref.Group != "" && ref.Group != gwGroup) {
+		if at.strict {
+			return &inFile{pol.Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: target %s %s: only HTTPRoute targets are modelled", pol.Name, ref.Kind, ref.Name)}
+		}
+		at.unresolved(p, "", fmt.Sprintf("%s %s/%s (every route under it)", ref.Kind, ns, ref.Name))
+		return nil
+	}
+	key := ns + "/" + ref.Name
+	route := at.routes[key]
+	if route == nil {
+		if at.strict {
+			return &inFile{pol.Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: HTTPRoute %s is not in the file", pol.Name, key)}
+		}
+		at.unresolved(p, "httproute/"+key+"/", fmt.Sprintf("HTTPRoute %s (not in the inputs: its rules were not read)", key))
+		return nil
+	}
+	if ref.SectionName == "" {
+		return at.wholeRoute(p, key, route)
+	}
+	return at.rule(p, key, route, ref.SectionName)
+}
+
+// wholeRoute attaches policy p to every rule of route (key) that no other policy's rule target
+// took; two policies may not both target the whole route.
+func (at *egAttachment) wholeRoute(p int, key string, route *egHTTPRoute) error {
+	if q, taken := at.whole[key]; taken && !at.same(p, q) {
+		return &inFile{at.pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s and %s both target HTTPRoute %s", at.pols[q].Name, at.pols[p].Name, key)}
+	}
+	at.whole[key] = p
+	for i := range route.Rules {
+		if q, taken := at.owner[egRuleKey{key, i}]; !taken || at.same(p, q) {
+			at.owner[egRuleKey{key, i}] = p
+			at.attach(p, route, i, "the whole HTTPRoute")
+		}
+	}
+	return nil
+}
+
+// rule attaches policy p to the rules of route (key) named section; two policies may not both
+// target one rule, and section must name one.
+func (at *egAttachment) rule(p int, key string, route *egHTTPRoute, section string) error {
+	found := false
+	for i, rule := range route.Rules {
+		if rule.Name != section {
+			continue
+		}
+		found = true
+		if q, taken := at.owner[egRuleKey{key, i}]; taken && !at.same(p, q) {
+			return &inFile{at.pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s and %s both target rule %q of HTTPRoute %s", at.pols[q].Name, at.pols[p].Name, rule.Name, key)}
+		}
+		at.owner[egRuleKey{key, i}] = p
+		at.attach(p, route, i, "sectionName "+section)
+	}
+	if !found {
+		return &inFile{at.pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: sectionName %q names no rule of HTTPRoute %s", at.pols[p].Name, section, key)}
 	}
 	return nil
 }
