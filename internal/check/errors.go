@@ -310,37 +310,8 @@ func describe(n *yaml.Node) string {
 // jsonPathAt returns the path (object keys as strings, array indexes as ints) of the key or value
 // that starts at byte offset off of the JSON document js; nil when none does.
 func jsonPathAt(js []byte, off int) []any {
-	type frame struct {
-		object    bool
-		key       string
-		index     int
-		expectKey bool
-	}
 	dec := json.NewDecoder(bytes.NewReader(js))
-	var stack []*frame
-	pathOf := func(stack []*frame) []any {
-		var p []any
-		for _, f := range stack {
-			if f.object {
-				p = append(p, f.key)
-			} else {
-				p = append(p, f.index)
-			}
-		}
-		return p
-	}
-	path := func() []any { return pathOf(stack) }
-	advance := func() {
-		if len(stack) == 0 {
-			return
-		}
-		top := stack[len(stack)-1]
-		if top.object {
-			top.expectKey = true
-		} else {
-			top.index++
-		}
-	}
+	var st jsonPathStack
 	for {
 		before := int(dec.InputOffset())
 		tok, err := dec.Token()
@@ -349,11 +320,11 @@ func jsonPathAt(js []byte, off int) []any {
 		}
 		after := int(dec.InputOffset())
 		hit := off >= before && off < after
-		if n := len(stack); n > 0 && stack[n-1].object && stack[n-1].expectKey {
+		if top := st.top(); top != nil && top.object && top.expectKey {
 			if key, ok := tok.(string); ok {
-				stack[n-1].key, stack[n-1].expectKey = key, false
+				top.key, top.expectKey = key, false
 				if hit {
-					return path()
+					return st.path()
 				}
 				continue
 			}
@@ -361,22 +332,66 @@ func jsonPathAt(js []byte, off int) []any {
 		switch tok {
 		case json.Delim('}'), json.Delim(']'):
 			if hit { // an error about the object or array as a whole: it is missing something
-				return pathOf(stack[:len(stack)-1])
+				return st[:len(st)-1].path()
 			}
-			stack = stack[:len(stack)-1]
-			advance()
+			st = st[:len(st)-1]
+			st.advance()
 			continue
 		}
 		if hit {
-			return path()
+			return st.path()
 		}
 		switch tok {
 		case json.Delim('{'):
-			stack = append(stack, &frame{object: true, expectKey: true})
+			st = append(st, &jsonFrame{object: true, expectKey: true})
 		case json.Delim('['):
-			stack = append(stack, &frame{})
+			st = append(st, &jsonFrame{})
 		default:
-			advance()
+			st.advance()
+		}
+	}
+}
+
+// jsonFrame is an object or array jsonPathAt is in: the key it is at (expectKey while the next
+// token is a key) or the index.
+type jsonFrame struct {
+	object    bool
+	key       string
+	index     int
+	expectKey bool
+}
+
+// jsonPathStack are the frames jsonPathAt is in, outermost first.
+type jsonPathStack []*jsonFrame
+
+// top is the innermost frame, nil at the top level.
+func (st jsonPathStack) top() *jsonFrame {
+	if len(st) == 0 {
+		return nil
+	}
+	return st[len(st)-1]
+}
+
+// path is the path of the frames: keys and indexes.
+func (st jsonPathStack) path() []any {
+	var p []any
+	for _, f := range st {
+		if f.object {
+			p = append(p, f.key)
+		} else {
+			p = append(p, f.index)
+		}
+	}
+	return p
+}
+
+// advance moves the innermost frame past a value: to its next key or index.
+func (st jsonPathStack) advance() {
+	if top := st.top(); top != nil {
+		if top.object {
+			top.expectKey = true
+		} else {
+			top.index++
 		}
 	}
 }
