@@ -527,7 +527,7 @@ func TestCheckProtectionRefuses(t *testing.T) {
 		}, []want{{routeOnly(defaultIdx) + ".route.hedge_policy", "may run twice"}}},
 		// The router reads only hedge_on_per_try_timeout (FilterUtility::finalHedgingParams).
 		{"initial_requests, which Envoy does not implement", "", func(b *bootstrapv3.Bootstrap) error {
-			return MutateRoute(b, defaultRoute, func(r *routev3.Route) error {
+			return checktest.MutateRoute(b, defaultRoute, func(r *routev3.Route) error {
 				r.GetRoute().HedgePolicy = &routev3.HedgePolicy{InitialRequests: wrapperspb.UInt32(3)}
 				return nil
 			})
