@@ -1,6 +1,6 @@
 // Package checktest holds what the tests of the configuration checks (internal/check) and of the
-// Envoy emulator's configuration (e2e/envoyconf) share: the shipped files, a minimal bootstrap
-// and a checked text edit.
+// Envoy emulator's configuration (e2e/envoyconf) share: the shipped files, a minimal bootstrap,
+// a checked text edit, and the walks and edits of a parsed bootstrap of the shipped shape.
 package checktest
 
 import (
