@@ -29,7 +29,7 @@ const (
 )
 
 // answer is one message the processor sends Envoy. The answers are a closed set of small types,
-// each turned into Envoy's message by stream.render, the one place where that happens.
+// each turned into Envoy's message by render, the one place where that happens.
 type answer interface {
 	// answers returns the kind of message the answer is for; anyMessage for an
 	// ImmediateResponse, which Envoy takes in answer to any message and which ends the exchange.
@@ -85,13 +85,10 @@ func (untouched) answers() msgKind { return kindResponseHeaders }
 func (refuse) answers() msgKind    { return anyMessage }
 func (replay) answers() msgKind    { return anyMessage }
 
-// render turns a into Envoy's message. The first answer sent once the request's outcome is
-// settled carries its dynamic metadata, on a message of its own: an answer that never varies is
-// built once and shared, and a shared message is never changed.
-func (st *stream) render(a answer) *extprocv3.ProcessingResponse {
-	r := st.route
-	var resp *extprocv3.ProcessingResponse
-	own := false // resp was built for this answer alone
+// render turns a, an answer of a request on route r, into Envoy's message; own reports whether
+// the message was built for this answer alone. An answer that never varies is built once and
+// shared, and a shared message is never changed (withMetadata copies it).
+func render(r *route, a answer) (resp *extprocv3.ProcessingResponse, own bool) {
 	switch a := a.(type) {
 	case proceed:
 		resp = continues[a]
@@ -118,11 +115,7 @@ func (st *stream) render(a answer) *extprocv3.ProcessingResponse {
 	case replay:
 		resp, own = replayResponse(a.rec, r.Route, a.waited), true
 	}
-	if r == nil || st.metadataSent || (st.state != stateSettled && st.state != statePass) {
-		return resp
-	}
-	st.metadataSent = true
-	return withMetadata(resp, own, r.metadata.encode(st.outcome, st.releaseReason, st.keyHash))
+	return resp, own
 }
 
 // The two mode_override values the processor sends (envoy/envoy.yaml's allowed_override_modes

@@ -69,14 +69,15 @@ type pendingCompletion struct {
 	// until is when a record written now would have expired: retrying past it is pointless.
 	until time.Time
 	// The identity its log lines carry, as the stream's did.
-	requestID, route, keyHash string
+	requestID, keyHash string
+	route              *route
 }
 
 func (p *pendingCompletion) event(e *zerolog.Event) *zerolog.Event {
 	if e == nil {
 		return nil
 	}
-	return e.Str("request_id", p.requestID).Str("route", p.route).Str("key_hash", p.keyHash)
+	return e.Str("request_id", p.requestID).Str("route", p.route.Name).Str("key_hash", p.keyHash)
 }
 
 // retry takes over a record whose write failed with a store error (not a lost lease). It
@@ -124,6 +125,8 @@ func (c *completions) run(p pendingCompletion) {
 	s, m := c.s, c.s.metrics
 	ren := s.renewEvery(&renewal{}, renewalOwner{ctx: c.ctx, log: p.event}, p.hold)
 	defer ren.stop()
+	// The writes' own store calls, made as a request's are.
+	call := &leaseCall{s: s, req: &admitted{id: p.requestID, route: p.route}, ctx: context.Background(), keyHash: p.keyHash, hold: p.hold}
 	wait := retryFirst
 	for attempt := 1; ; attempt++ {
 		// Half the wait, plus up to as much again at random: replicas that lost the store
@@ -140,7 +143,7 @@ func (c *completions) run(p pendingCompletion) {
 		}
 		// Not under c.ctx: a write under way when Shutdown gives up still gets its answer, within
 		// the store's own timeout.
-		err := s.completeHeld(context.Background(), nil, p.event, p.hold, p.resp)
+		err := call.completeHeld(context.Background(), p.resp)
 		switch {
 		case err == nil:
 			m.completionRetries.WithLabelValues("landed").Inc()

@@ -1,6 +1,7 @@
 package extproc
 
 import (
+	"errors"
 	"time"
 
 	"google.golang.org/protobuf/types/known/structpb"
@@ -177,4 +178,100 @@ func judgeResponse(r *policy.Route, resp response) (s settlement, releaseReason 
 		return settleRecord, "", true
 	}
 	return settleCapture, "", false
+}
+
+// claimResult is what one claim found, as plain values.
+type claimResult struct {
+	// err is the store's failure (cache.ErrCorrupt: the record is there but cannot be read), or
+	// errDurabilityUnmet when no claim was made; gone: the stream ended during the call.
+	err  error
+	gone bool
+	// rec is the record that holds the key: the store's, or this replica's own hold on it
+	// (hold.record). nil, with no err: the lease is the request's.
+	rec *cache.Record
+	// mayWait: a duplicate of a request in flight may wait for its replay (the route's
+	// in_flight_wait, or the client's Prefer: wait, is not spent).
+	mayWait bool
+}
+
+// action is what the stream does with a claimed request.
+type action uint8
+
+const (
+	actRun         action = iota // the key was free: the request goes upstream under its lease
+	actReplay                    // the stored response answers it
+	actRefuse                    // the verdict's problem answers it
+	actWait                      // the first request is in flight: claim again after a wait
+	actUnprotected               // fail_mode: open: it goes upstream without a lease
+	actShadow                    // shadow mode: it goes on untouched; would is what enforcement would have answered
+	actNone                      // the stream ended: nobody waits for an answer
+)
+
+// verdict is what a claim's result means for the request.
+type verdict struct {
+	act     action
+	problem *problem // actRefuse
+	would   Outcome  // actShadow
+}
+
+// judgeClaim decides what a claim's result means for a request of route r with fingerprint fp:
+// run it, replay the record, refuse it (409 in progress, 422 reused, 409 outcome-unknown or
+// not-replayable, 503 store-unavailable or durability-unmet), wait for the first request, or let
+// it go on without a lease (fail_mode: open, failOpen) or untouched (shadow mode). A record that
+// cannot be read answers 409 whatever the fail mode: the request ran once already.
+func judgeClaim(r *policy.Route, fp []byte, shadow, failOpen bool, c claimResult) verdict {
+	refuse := func(p *problem) verdict {
+		if shadow {
+			return verdict{act: actShadow, would: p.outcome}
+		}
+		return verdict{act: actRefuse, problem: p}
+	}
+	switch {
+	case c.gone:
+		return verdict{act: actNone}
+	case errors.Is(c.err, cache.ErrCorrupt):
+		return refuse(problemNotReplayable)
+	case c.err != nil:
+		p := problemStoreUnavailable
+		if errors.Is(c.err, errDurabilityUnmet) {
+			p = problemDurabilityUnmet
+		}
+		if failOpen && !shadow {
+			return verdict{act: actUnprotected}
+		}
+		return refuse(p)
+	case c.rec == nil:
+		return verdict{act: actRun}
+	}
+	p, inFlight := judgeRecord(r, fp, c.rec)
+	switch {
+	case inFlight && c.mayWait && !shadow:
+		return verdict{act: actWait}
+	case p != nil:
+		return refuse(p)
+	case shadow:
+		return verdict{act: actShadow, would: Replayed}
+	}
+	return verdict{act: actReplay}
+}
+
+// settle returns the outcome of a request, from the move that settles it: e, from the state
+// from; answered is the outcome of the ImmediateResponse sent with it ("" for none), and failed
+// the first failure of its store calls (errDurabilityUnmet when its claim was not made).
+func settle(e event, from state, answered Outcome, failed error) Outcome {
+	switch {
+	case e == evAnswer && answered != "":
+		return answered
+	case e != evSettle:
+		// Passed on (not covered, or shadow mode), or given up with nobody waiting.
+		return Passthrough
+	case errors.Is(failed, errDurabilityUnmet):
+		return DurabilityUnmet
+	case failed != nil:
+		return StoreError
+	case from == stateRunning || from == stateCapture:
+		return Executed
+	}
+	// It went upstream without a lease: its body never reached the processor.
+	return Passthrough
 }

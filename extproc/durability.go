@@ -2,8 +2,6 @@ package extproc
 
 import (
 	"time"
-
-	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
 // durabilityLogInterval is the least time between two log lines saying why covered requests get
@@ -26,25 +24,21 @@ func (s *Server) durabilityUnmet(need int) bool {
 	return seen > 0 && seen-1 < int64(need)
 }
 
-// refuseUndurable settles a covered request whose route asks for more replicas than the store
-// has: as a failed claim does, with its own outcome, and logs the cause at most once per
-// durabilityLogInterval.
-func (st *stream) refuseUndurable() {
-	s, need := st.s, st.route.Durability.Replicas
+// undurable reports whether the store is known to have fewer replicas than need, and then keeps
+// errDurabilityUnmet as the claim's failure (the request's outcome is durability_unmet) and logs
+// the cause at most once per durabilityLogInterval.
+func (c *leaseCall) undurable(need int) bool {
+	s := c.s
+	if !s.durabilityUnmet(need) {
+		return false
+	}
 	now := s.clock.Now().UnixNano()
 	if last := s.durabilityLogged.Load(); (last == 0 || now-last >= int64(durabilityLogInterval)) && s.durabilityLogged.CompareAndSwap(last, now) {
-		st.event(s.log.Warn()).Int("durability_replicas", need).Int64("replicas_seen", s.replicasSeen.Load()-1).
+		c.event(s.log.Warn()).Int("durability_replicas", need).Int64("replicas_seen", s.replicasSeen.Load()-1).
 			Msg("durability.replicas asks for more replicas than the store has: covered requests of this route get durability-unmet until a replica is attached (logged at most every 10s)")
 	}
-	st.outcome = DurabilityUnmet
-	switch {
-	case st.route.shadow:
-		st.shadowed(DurabilityUnmet)
-	case s.policy.FailMode == policy.FailOpen:
-		// Its response headers still come, for the replay header.
-		st.fire(evUnprotected)
-		st.flush()
-	default:
-		st.reject(problemDurabilityUnmet)
+	if c.err == nil {
+		c.err = errDurabilityUnmet
 	}
+	return true
 }

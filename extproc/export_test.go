@@ -1,6 +1,7 @@
 package extproc
 
 import (
+	"context"
 	"slices"
 
 	"github.com/rs/zerolog"
@@ -60,9 +61,10 @@ func withMetadataOf(resp *extprocv3.ProcessingResponse) *extprocv3.ProcessingRes
 func LogRequestLines(log *zerolog.Logger, n int) {
 	s := &Server{log: *log}
 	r := &route{Route: &policy.Route{Name: "default"}}
-	st := &stream{s: s, route: r, requestID: "0f6b6a4e-6c1e-4a3c-9a55-2f0c8a7f1d21", keyHash: "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-		outcome: Executed, recorded: true, req: requestInfo{method: []byte("POST")}}
-	st.resp.Status = 201
+	st := newStream(s, context.Background())
+	st.req.route, st.req.id, st.req.info.method = r, "0f6b6a4e-6c1e-4a3c-9a55-2f0c8a7f1d21", []byte("POST")
+	st.call.keyHash, st.call.recorded, st.call.resp.Status = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef", true, 201
+	st.outcome = Executed
 	for range n {
 		st.logRequest()
 	}

@@ -240,27 +240,3 @@ func (s *Server) reassert(ctx context.Context, sp trace.Span, h *hold, id func(*
 	}
 	return err
 }
-
-// completeHeld writes h's completed record. A lease the store let expire while it was away is
-// re-asserted first; one that was removed, or that another request took, is counted as lost.
-func (s *Server) completeHeld(ctx context.Context, st *stream, id func(*zerolog.Event) *zerolog.Event, h *hold, resp cache.Response) error {
-	err := s.completeCall(ctx, st, id, h.lease, resp)
-	if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(s.clock.Now()) {
-		if st != nil {
-			st.inStore = true
-		}
-		sent := s.clock.Now()
-		err = s.reassert(ctx, nil, h, id)
-		if st != nil {
-			st.inStore = false
-		}
-		if err == nil {
-			h.reachedAt(sent)
-			err = s.completeCall(ctx, st, id, h.lease, resp)
-		}
-	}
-	if errors.Is(err, cache.ErrLeaseLost) {
-		s.leaseLost(h, id, "completion")
-	}
-	return err
-}

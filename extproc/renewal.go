@@ -91,14 +91,9 @@ func (s *Server) renewEvery(r *renewal, o renewalOwner, h *hold) *renewal {
 		}
 	}
 	r.mu.Lock()
+	defer r.mu.Unlock() // a clock that panics leaves r usable: its owner's finish stops it
 	r.timer = s.clock.AfterFunc(interval, tick)
-	r.mu.Unlock()
 	return r
-}
-
-// startRenewal starts renewing the stream's lease.
-func (st *stream) startRenewal() {
-	st.renewal = st.s.renewEvery(&st.hold.renewal, renewalOwner{ctx: st.ctx, span: st.storeSpan, log: st.event}, st.hold)
 }
 
 // stop prevents further renewals and cuts short one in flight, without waiting for it: the

@@ -8,7 +8,6 @@ import (
 
 	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-	"github.com/rs/zerolog"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/structpb"
@@ -120,34 +119,34 @@ func next(from state, e event) (state, bool) {
 }
 
 // withheld is what the stream owes Envoy for a request whose claim waits for the body's end,
-// and what it holds of that body. flush pays it, in Envoy's order.
+// and what it holds of that body. flush pays it, in Envoy's order; whether the request headers'
+// answer is owed follows from where the stream was and the body mode (flush).
 type withheld struct {
-	// The answers owed: the request headers' (when Envoy sends the body without waiting for
-	// it), the body chunks', the trailers'.
-	headers  bool
-	chunks   int
-	trailers bool
-	// body is the body collected so far (STREAMED, FULL_DUPLEX_STREAMED); ended says whether its
-	// last chunk came.
-	body  []byte
-	ended bool
-	// held: Envoy holds the request's headers until the body's answer, so nothing of the request
-	// has reached the upstream yet (holdsHeaders). Only a request that announces body bytes
-	// (content-length above 0) is known to get a body message: one with trailers and no data
-	// gets none, and under request_trailer_mode SKIP Envoy sends it upstream without another
-	// message (Filter::onTrailers in ext_proc.cc).
-	held bool
+	// chunks is how many body chunks' answers are owed.
+	chunks int
+	// body is the body collected so far (STREAMED, FULL_DUPLEX_STREAMED).
+	body []byte
+	// end is how far the request's body has come.
+	end bodyEnd
 }
 
-// modes are the body modes Envoy announced in the stream's first message (protocol_config,
-// per-route overrides included); when it announced none (Envoy before 1.32), the shipped
-// BUFFERED modes are assumed.
-type modes struct {
-	known             bool
-	request, response filterextproc.ProcessingMode_BodySendMode
-	// bodyFirst is send_body_without_waiting_for_header_response.
-	bodyFirst bool
-}
+// bodyEnd is how far a covered request's body has come, as far as the stream needs to know.
+type bodyEnd uint8
+
+const (
+	// bodyOpen: more may come, or none will.
+	bodyOpen bodyEnd = iota
+	// bodyEnded: its last chunk came (end_of_stream).
+	bodyEnded
+	// bodyTrailers: trailers ended it; their answer is owed with the body's.
+	bodyTrailers
+	// bodyHeld: the request was claimed at its headers, and Envoy holds them until the body's
+	// answer, so nothing of it has reached the upstream yet (holdsHeaders). Only a request that
+	// announces body bytes (content-length above 0) is known to get a body message: one with
+	// trailers and no data gets none, and under request_trailer_mode SKIP Envoy sends it
+	// upstream without another message (Filter::onTrailers in ext_proc.cc).
+	bodyHeld
+)
 
 // requestBodyRow is how the Envoy side takes a covered request's body in one request body mode.
 // The decision never sees the mode: it gets the whole body, or a 413.
@@ -196,85 +195,107 @@ const (
 // body (Envoy's ext_proc documentation recommends at most 64 KiB per streamed_response).
 const maxStreamedChunk = 64 << 10
 
-// stream is one HTTP request. Its methods run on the stream's goroutine, except the renewal,
-// which shares only the lease and is stopped before the lease changes.
-type stream struct {
-	s     *Server
-	ctx   context.Context
+// admitted is what the request headers fixed, once: the route, the request's identity, what the
+// decision admitted, and the request's trace span. The stream and its leaseCall point to it;
+// nothing changes it after the request headers.
+type admitted struct {
+	route *route
+	// id is the request's x-request-id, cut to maxLoggedRequestID.
+	id    string
+	info  requestInfo
+	adm   admission
 	start time.Time
+	// span is the request's trace span; nil without a tracer, or for a request not covered.
+	span trace.Span
+}
+
+// stream is one HTTP request: what it needs to answer Envoy's next message. Its methods run on
+// the stream's goroutine, except the renewal (renewal.go), which shares only the hold.
+type stream struct {
+	s *Server
+	// call owns the request's store calls and knows what became of them (leasecall.go); req is
+	// what the request headers fixed (route nil until they came).
+	call *leaseCall
+	req  *admitted
 
 	state state
-	w     withheld
-	modes modes
+	// pc is the protocol_config of the stream's first message: the body modes Envoy announced,
+	// per-route overrides included. nil when it announced none (Envoy before 1.32): the shipped
+	// BUFFERED modes.
+	pc *extprocv3.ProtocolConfiguration
+	w  withheld
 	// out collects the answers of the message being handled, in order.
 	out []*extprocv3.ProcessingResponse
 
-	// The request, as the headers gave it and the decision admitted it.
-	route     *route
-	requestID string
-	req       requestInfo
-	adm       admission
-	outcome   Outcome
-	storeKey  string
-	keyHash   string
-	lease     cache.Lease
-	renewal   *renewal
-	// hold is this replica's hold on the key while the lease is the stream's (hold.go).
-	hold *hold
-
-	// The response: what is recorded of it, and what became of the lease.
-	resp          cache.Response
-	recorded      bool
-	releaseReason string
-
+	// outcome is settled once, by the move into pass or settled (move), and metadata is its
+	// dynamic metadata, owed to the next answer.
+	outcome  Outcome
+	metadata []byte
 	// sentOverride is the mode_override this stream sent, to tell when Envoy refused it.
 	sentOverride *filterextproc.ProcessingMode
-	// metadataSent: the answer that settled the request carried its dynamic metadata.
-	metadataSent bool
-	// inStore is set while a store call runs on the stream's goroutine: a panic that leaves it
-	// set came from inside the store (see Server.StreamInterceptor).
-	inStore bool
-	// span is the request's trace span and spanCtx its context; nil without a tracer.
-	span    trace.Span
-	spanCtx context.Context
 }
 
 func newStream(s *Server, ctx context.Context) *stream {
-	return &stream{s: s, ctx: ctx, start: time.Now(), outcome: Passthrough}
+	// One allocation for the stream, its store calls and its request.
+	b := &struct {
+		st   stream
+		call leaseCall
+		req  admitted
+	}{}
+	b.call = leaseCall{s: s, req: &b.req, ctx: ctx}
+	b.st = stream{s: s, call: &b.call, req: &b.req}
+	return &b.st
 }
 
 // fire moves the stream on e, following transitions.
-func (st *stream) fire(e event) {
-	to, ok := next(st.state, e)
+func (st *stream) fire(e event) { st.move(e, nil) }
+
+// answerWith settles the request with a, an ImmediateResponse (refuse, replay), or with no
+// answer when nobody waits for one (a nil).
+func (st *stream) answerWith(a answer) {
+	st.move(evAnswer, a)
+	if a != nil {
+		st.send(a)
+	}
+}
+
+// move moves the stream on e, a the answer that goes with it. The move into pass or settled
+// settles the request's outcome, here and only here: the metric, the log line, the span and the
+// dynamic metadata all read it. A move not in the table is a bug: it is counted, logged, and
+// settles the request.
+func (st *stream) move(e event, a answer) {
+	from := st.state
+	to, ok := next(from, e)
 	if !ok {
 		st.s.metrics.internalErrors.WithLabelValues(internalIllegalTransition).Inc()
-		st.event(st.s.log.Error()).Stringer("state", st.state).Stringer("event", e).Msg("stream state machine: move not in the table; the request is settled")
+		st.call.event(st.s.log.Error()).Stringer("state", from).Stringer("event", e).Msg("stream state machine: move not in the table; the request is settled")
 	}
 	st.state = to
+	if st.outcome != "" || (to != statePass && to != stateSettled) {
+		return
+	}
+	var answered Outcome
+	switch a := a.(type) {
+	case refuse:
+		answered = a.p.outcome
+	case replay:
+		answered = Replayed
+	}
+	st.outcome = settle(e, from, answered, st.call.err)
+	st.metadata = st.req.route.metadata.encode(st.outcome, st.call.released, st.call.keyHash)
 }
 
-// event adds the request's identity to a log event: its request id, route and the hash of its
-// stored key, never the key itself. It is safe on a disabled (nil) event.
-func (st *stream) event(e *zerolog.Event) *zerolog.Event {
-	if e == nil {
-		return nil
-	}
-	e = e.Str("request_id", st.requestID)
-	if st.route != nil {
-		e = e.Str("route", st.route.Name)
-	}
-	if st.keyHash != "" {
-		e = e.Str("key_hash", st.keyHash)
-	}
-	return e
-}
-
-// send queues the answer a.
+// send queues the answer a, with the dynamic metadata the request's outcome owes.
 func (st *stream) send(a answer) {
-	if k := a.answers(); k == kindRequestBody || k == kindRequestTrailers {
-		st.w.held = false
+	if k := a.answers(); (k == kindRequestBody || k == kindRequestTrailers) && st.w.end == bodyHeld {
+		st.w.end = bodyOpen // Envoy sends the request on
 	}
-	st.out = append(st.out, st.render(a))
+	resp, own := render(st.req.route, a)
+	if st.metadata != nil {
+		resp = withMetadata(resp, own, st.metadata)
+		st.metadata = nil
+	}
+	st.out = append(st.out, resp)
 }
 
 // handle answers one message: zero answers (withheld until the claim), one, or several (the
@@ -282,14 +303,10 @@ func (st *stream) send(a answer) {
 // kind gets ok false, which ends the stream.
 func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3.ProcessingResponse, ok bool) {
 	st.out = st.out[:0]
-	if !st.modes.known {
+	if st.pc == nil {
 		// protocol_config comes on the stream's first message only (Filter::sendRequest in
 		// ext_proc.cc).
-		st.modes = modes{known: true, request: filterextproc.ProcessingMode_BUFFERED, response: filterextproc.ProcessingMode_BUFFERED}
-		if pc := req.GetProtocolConfig(); pc != nil {
-			st.modes.request, st.modes.response = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
-			st.modes.bodyFirst = pc.GetSendBodyWithoutWaitingForHeaderResponse()
-		}
+		st.pc = req.GetProtocolConfig()
 	}
 	switch r := req.GetRequest().(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
@@ -306,7 +323,7 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3
 		if st.state == stateCapture {
 			// Trailers end the body of a streamed response: the record is written before their
 			// answer lets the response's end go on.
-			st.complete()
+			st.call.complete()
 			st.fire(evSettle)
 		}
 		st.send(proceed(kindResponseTrailers))
@@ -316,13 +333,36 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3
 	return st.out, true
 }
 
+// requestMode and responseMode are the body modes Envoy announced.
+func (st *stream) requestMode() filterextproc.ProcessingMode_BodySendMode {
+	if st.pc == nil {
+		return filterextproc.ProcessingMode_BUFFERED
+	}
+	return st.pc.GetRequestBodyMode()
+}
+
+func (st *stream) responseMode() filterextproc.ProcessingMode_BodySendMode {
+	if st.pc == nil {
+		return filterextproc.ProcessingMode_BUFFERED
+	}
+	return st.pc.GetResponseBodyMode()
+}
+
 // fullDuplex reports whether a direction's body travels in FULL_DUPLEX_STREAMED mode.
 func (st *stream) fullDuplex(k msgKind) bool {
-	mode := st.modes.request
+	mode := st.requestMode()
 	if k >= kindResponseHeaders {
-		mode = st.modes.response
+		mode = st.responseMode()
 	}
 	return mode == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+}
+
+// withholdsHeaders reports whether the answer to a covered request's headers waits for the claim
+// at the body's end: Envoy sends the body without waiting for it (FULL_DUPLEX_STREAMED, or
+// STREAMED with send_body_without_waiting_for_header_response).
+func (st *stream) withholdsHeaders() bool {
+	row := requestBodyRows[st.requestMode()]
+	return row.withholdHeaders || (row.withholdIfBodyFirst && st.pc.GetSendBodyWithoutWaitingForHeaderResponse())
 }
 
 // pass answers a message that needs nothing from the processor: CONTINUE, or the same chunk
@@ -341,47 +381,17 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 		return
 	}
 	h := headers(m.GetHeaders().GetHeaders())
-	st.requestID = cut(string(h.get("x-request-id")), maxLoggedRequestID)
-	attrs := req.GetAttributes()
-	st.req = requestInfo{headers: h, method: h.get(":method"), path: h.get(":path")}
-	sel := policy.Selector{Path: string(splitPath(st.req.path))}
-	sel.RouteName, _ = stringAttribute(attrs, attrRouteName)
-	// ValueFromIncomingContext reads the one key; FromIncomingContext would copy the stream's
-	// whole metadata on every request.
-	if v := metadata.ValueFromIncomingContext(st.ctx, namedRouteHeader); len(v) > 0 {
-		sel.Named = v[0]
-	}
-	r, params, err := st.s.policy.Select(sel)
-	if err != nil {
-		st.unknownRoute(sel.Named, err)
-		return
-	}
-	st.route, st.req.params = st.s.routes[r], params
-	st.req.peer, _ = stringAttribute(attrs, attrPeerIdentity)
-	if st.route.claims {
-		st.req.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
-	}
-	st.adm = admit(st.route, st.req)
-	switch {
-	case !st.adm.covered:
-		st.passThrough()
-		return
-	case st.adm.problem == problemScopeAmbiguous:
-		st.s.misconfigured(MisconfigScopeAmbiguous, func() {
-			st.event(st.s.log.Error()).Msg("jwt_authn forwarded several payloads and the route scopes by jwt_claim without jwt_payload_key; name the payload (the provider's payload_in_metadata) in jwt_payload_key")
-		})
-		fallthrough
-	case st.adm.problem != nil:
-		st.reject(st.adm.problem)
+	if !st.admit(req, h) {
 		return
 	}
 	st.beginSpan()
-	row := requestBodyRows[st.modes.request]
-	if m.GetEndOfStream() || !st.adm.needsBody {
+	row := requestBodyRows[st.requestMode()]
+	if m.GetEndOfStream() || !st.req.adm.needsBody {
 		// Nothing to wait for: claim now, so that a duplicate's answer comes before its body is
 		// uploaded.
-		st.w.held = !m.GetEndOfStream() && contentLength(h) > 0 && row.holdsHeaders
-		st.w.headers = true
+		if !m.GetEndOfStream() && contentLength(h) > 0 && row.holdsHeaders {
+			st.w.end = bodyHeld
+		}
 		st.claim(nil)
 		return
 	}
@@ -389,12 +399,54 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 		st.bodyNotAvailable()
 		return
 	}
-	st.w.headers = row.withholdHeaders || (row.withholdIfBodyFirst && st.modes.bodyFirst)
 	st.fire(evAwaitBody)
-	if !st.w.headers {
+	if !st.withholdsHeaders() {
 		// Envoy sends the body only after this answer.
 		st.send(proceed(kindRequestHeaders))
 	}
+}
+
+// admit reads the request headers h into the request (its route, identity and admission), and
+// answers a request that is not to be claimed: not covered, or refused at once. It reports
+// whether a claim follows.
+func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
+	a := st.req
+	a.start = time.Now()
+	a.id = cut(string(h.get("x-request-id")), maxLoggedRequestID)
+	attrs := req.GetAttributes()
+	a.info = requestInfo{headers: h, method: h.get(":method"), path: h.get(":path")}
+	sel := policy.Selector{Path: string(splitPath(a.info.path))}
+	sel.RouteName, _ = stringAttribute(attrs, attrRouteName)
+	// ValueFromIncomingContext reads the one key; FromIncomingContext would copy the stream's
+	// whole metadata on every request.
+	if v := metadata.ValueFromIncomingContext(st.call.ctx, namedRouteHeader); len(v) > 0 {
+		sel.Named = v[0]
+	}
+	r, params, err := st.s.policy.Select(sel)
+	if err != nil {
+		st.unknownRoute(sel.Named, err)
+		return false
+	}
+	a.route, a.info.params = st.s.routes[r], params
+	a.info.peer, _ = stringAttribute(attrs, attrPeerIdentity)
+	if a.route.claims {
+		a.info.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
+	}
+	a.adm = admit(a.route, a.info)
+	switch {
+	case !a.adm.covered:
+		st.passThrough()
+		return false
+	case a.adm.problem == problemScopeAmbiguous:
+		st.s.misconfigured(MisconfigScopeAmbiguous, func() {
+			st.call.event(st.s.log.Error()).Msg("jwt_authn forwarded several payloads and the route scopes by jwt_claim without jwt_payload_key; name the payload (the provider's payload_in_metadata) in jwt_payload_key")
+		})
+		fallthrough
+	case a.adm.problem != nil:
+		st.reject(a.adm.problem)
+		return false
+	}
+	return true
 }
 
 // unknownRoute answers a request whose Envoy route names a policy route that does not exist, or
@@ -402,15 +454,16 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 // would protect it under another route's scope and settings. Each name is logged once while
 // remembered.
 func (st *stream) unknownRoute(name string, err error) {
-	st.route = st.s.routes[st.s.policy.Default]
+	st.req.route = st.s.routes[st.s.policy.Default]
 	st.s.misconfigured(MisconfigUnknownRoute, nil)
 	if st.s.firstUnknownRoute(name) {
-		st.event(st.s.log.Error()).Str("named_route", cut(name, maxLoggedRouteName)).Err(err).Msg("x-idempotency-route names a route the policy cannot apply to this request; answering 500 unknown-idempotency-route")
+		st.call.event(st.s.log.Error()).Str("named_route", cut(name, maxLoggedRouteName)).Err(err).Msg("x-idempotency-route names a route the policy cannot apply to this request; answering 500 unknown-idempotency-route")
 	}
 	p := problemUnknownRoute
 	if errors.Is(err, policy.ErrPathParams) {
 		p = problemRouteMismatch
 	}
+	st.req.adm = admission{covered: true, problem: p}
 	st.reject(p)
 }
 
@@ -445,10 +498,9 @@ func isGRPC(h headers) bool {
 // (request_body_mode NONE): 500, or unprotected under fail_mode: open.
 func (st *stream) bodyNotAvailable() {
 	st.s.misconfigured(MisconfigBodyNotAvailable, func() {
-		st.event(st.s.log.Error()).Msg("request_body_mode is NONE, so the processor never sees the bodies of covered requests that need them (fingerprint: body, or missing_key: body-hash); set request_body_mode BUFFERED, or drop body from this route's fingerprint")
+		st.call.event(st.s.log.Error()).Msg("request_body_mode is NONE, so the processor never sees the bodies of covered requests that need them (fingerprint: body, or missing_key: body-hash); set request_body_mode BUFFERED, or drop body from this route's fingerprint")
 	})
-	if st.s.policy.FailMode == policy.FailOpen && !st.route.shadow {
-		st.outcome = Passthrough
+	if st.s.policy.FailMode == policy.FailOpen && !st.req.route.shadow {
 		st.fire(evUnprotected)
 		st.send(proceed(kindRequestHeaders))
 		return
@@ -461,7 +513,7 @@ func (st *stream) requestBody(chunk []byte, eos bool) {
 		st.pass(kindRequestBody, chunk, eos)
 		return
 	}
-	if row := requestBodyRows[st.modes.request]; row.oneMessage {
+	if row := requestBodyRows[st.requestMode()]; row.oneMessage {
 		// A partial buffer can neither fingerprint the request nor stand for its key. Trailers
 		// also make end_of_stream false: such requests are refused too, rather than let one run
 		// unclaimed. (In shadow mode the buffer's answer is owed, and sent.)
@@ -476,9 +528,11 @@ func (st *stream) requestBody(chunk []byte, eos bool) {
 	// Envoy may send the body as one message or as many, pipelined (a body complete during the
 	// header call comes whole: Filter::handleCompleteBodyAvailable). Collect it, withholding
 	// every answer, and claim at its end.
-	st.w.ended = eos
-	if len(st.w.body)+len(chunk) > st.route.MaxRequestBytes {
-		if st.route.shadow {
+	if eos {
+		st.w.end = bodyEnded
+	}
+	if len(st.w.body)+len(chunk) > st.req.route.MaxRequestBytes {
+		if st.req.route.shadow {
 			// The request goes on untouched: this chunk's answer is owed too, and in
 			// FULL_DUPLEX_STREAMED the chunk itself, streamed back with what came before it.
 			st.w.body = append(st.w.body, chunk...)
@@ -503,7 +557,7 @@ func (st *stream) requestTrailers() {
 	}
 	// Trailers end the body: in the streamed modes after its chunks, and in the buffered modes
 	// for a request that had trailers and no data.
-	st.w.trailers = true
+	st.w.end = bodyTrailers
 	st.claim(st.w.body)
 }
 
@@ -511,7 +565,6 @@ func (st *stream) requestTrailers() {
 // FULL_DUPLEX_STREAMED request Envoy ignores mode_override (Filter::onHeaders in ext_proc.cc
 // merges it only outside that mode): none is sent, and every later message is answered.
 func (st *stream) passThrough() {
-	st.outcome = Passthrough
 	st.fire(evPass)
 	if st.fullDuplex(kindRequestBody) || st.fullDuplex(kindResponseBody) {
 		st.send(proceed(kindRequestHeaders))
@@ -524,22 +577,21 @@ func (st *stream) passThrough() {
 // reject settles a covered request with a problem answered by the server (in shadow mode, it only
 // counts it).
 func (st *stream) reject(p *problem) {
-	st.adm.covered = true
 	st.beginSpan()
-	if st.route.shadow {
+	if st.req.route.shadow {
 		st.shadowed(p.outcome)
 		return
 	}
-	st.outcome = p.outcome
-	st.fire(evAnswer)
-	st.send(refuse{p})
+	st.answerWith(refuse{p})
 }
 
-// flush sends the answers the claim withheld, in Envoy's order: the headers, the body (the
-// chunks' answers, or in FULL_DUPLEX_STREAMED the body itself, streamed back), the trailers.
-func (st *stream) flush() {
+// flush sends the answers the claim withheld, in Envoy's order, once the stream moved on from
+// from: the headers (owed when the claim came at them, or when Envoy sent the body without
+// waiting for their answer), the body (the chunks' answers, or in FULL_DUPLEX_STREAMED the body
+// itself, streamed back), the trailers.
+func (st *stream) flush(from state) {
 	w := &st.w
-	if w.headers {
+	if from == stateStart || st.withholdsHeaders() {
 		st.send(proceed(kindRequestHeaders))
 	}
 	if st.fullDuplex(kindRequestBody) && w.chunks > 0 {
@@ -549,7 +601,7 @@ func (st *stream) flush() {
 		for {
 			n := min(len(body), maxStreamedChunk)
 			last := n == len(body)
-			st.send(echo{k: kindRequestBody, chunk: body[:n], eos: last && w.ended && !w.trailers})
+			st.send(echo{k: kindRequestBody, chunk: body[:n], eos: last && w.end == bodyEnded})
 			body = body[n:]
 			if last {
 				break
@@ -563,126 +615,114 @@ func (st *stream) flush() {
 			st.send(proceed(kindRequestBody))
 		}
 	}
-	if w.trailers {
+	if w.end == bodyTrailers {
 		st.send(proceed(kindRequestTrailers))
 	}
-	w.headers, w.chunks, w.trailers = false, 0, false
+	w.chunks = 0
 }
 
-// claim makes the one store round trip of a covered request and carries out the decision: 422,
-// 409, a replay, or running it under a fresh lease.
+// claim makes the claims of a covered request (claimOnce), judges each result (judgeClaim), and
+// carries out the verdict: 422, 409, a replay, a wait and another claim, or running it under a
+// fresh lease.
 func (st *stream) claim(body []byte) {
-	r := st.route
-	d := st.s.digests.Get().(*digest)
-	if st.adm.bodyHash {
-		st.adm.key = d.bodyHashKey(st.req.method, st.req.path, body)
-	}
-	st.storeKey, st.keyHash = d.storeKey(r.Route, st.adm.scope, st.adm.key)
-	fp := d.fingerprint(r.Route, st.req.method, st.req.path, body, st.req.headers)
-	st.s.digests.Put(d)
+	r := st.req.route
+	key, fp := st.keys(body)
 	if !st.fullDuplex(kindRequestBody) {
 		st.w.body = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
 	}
-	if r.Durability.Replicas > 0 && st.s.durabilityUnmet(r.Durability.Replicas) {
-		st.refuseUndurable()
-		return
-	}
-
-	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.adm.ttl, Route: r.Name,
+	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.req.adm.ttl, Route: r.Name,
 		Replicas: r.Durability.Replicas, ReplicaTimeout: r.Durability.Timeout}
+	failOpen := st.s.policy.FailMode == policy.FailOpen
 	wait, preferred := st.waitBudget()
 	var deadline time.Time
 	calls := 0
-	for {
-		// A key this replica is itself running or completing is answered without the store:
-		// whatever the store says (a record it lost in an outage, a purge), the request is not
-		// started twice here.
-		p, inFlight, local := st.s.heldLocally(r.Route, st.storeKey, fp)
-		var rec *cache.Record
-		if !local {
-			if calls++; calls > 1 {
-				r.waitCalls.Inc()
-			}
-			var done bool
-			if rec, done = st.acquire(c); done {
-				return
-			}
-			p, inFlight = judgeRecord(r.Route, fp, rec)
-		}
-		if inFlight && wait > 0 && !r.shadow {
-			// In flight: wait for the first request to complete rather than answer 409 at once,
-			// polling no faster than every waitPoll.
-			now := st.s.clock.Now()
-			if deadline.IsZero() {
+	for rounds := 0; ; rounds++ {
+		res := st.claimOnce(key, c, rounds, &calls)
+		var now time.Time
+		if wait > 0 {
+			if now = st.s.clock.Now(); deadline.IsZero() {
 				deadline = now.Add(wait)
 			}
-			if now.Before(deadline) {
-				if !st.sleep(min(waitPoll, deadline.Sub(now))) {
-					st.fire(evAnswer) // Envoy gave up on the request: nobody waits for an answer
-					return
-				}
-				continue
-			}
+			res.mayWait = now.Before(deadline)
 		}
-		switch {
-		case p != nil:
-			st.reject(p)
-		case r.shadow:
-			st.shadowed(Replayed)
-		default:
+		v := judgeClaim(r.Route, fp, r.shadow, failOpen, res)
+		if v.act != actWait {
 			waited := ""
-			if preferred && !deadline.IsZero() {
+			if preferred && rounds > 0 {
 				// RFC 7240 counts whole seconds: the budget rounded up, never above the client's N.
 				waited = "wait=" + strconv.Itoa(int((wait+time.Second-1)/time.Second))
 			}
-			st.outcome = Replayed
-			st.fire(evAnswer)
-			st.send(replay{rec: rec, waited: waited})
+			st.carryOut(v, res.rec, waited)
+			return
 		}
-		return
+		// In flight: wait for the first request to complete rather than answer 409 at once,
+		// polling no faster than every waitPoll.
+		if !st.sleep(min(waitPoll, deadline.Sub(now))) {
+			st.answerWith(nil) // Envoy gave up on the request: nobody waits for an answer
+			return
+		}
 	}
 }
 
-// acquire makes the claim's store call and carries out what needs no judging of a record: a
-// store failure, or running the request under its new lease (done is then true). Otherwise it
-// returns the record found.
-func (st *stream) acquire(c cache.Claim) (rec *cache.Record, done bool) {
-	r := st.route
-	sent := st.s.clock.Now()
-	lease, rec, err := st.s.acquire(st, c)
-	switch {
-	case err != nil && st.ctx.Err() != nil:
-		// Envoy ended the stream during the call (the client went away): not the store's
-		// failure, and nobody waits for an answer. The request never went upstream.
-		st.event(st.s.log.Debug()).Err(err).Msg("stream ended during the store call")
-		st.fire(evAnswer)
-		return nil, true
-	case errors.Is(err, cache.ErrCorrupt):
-		// The record is there but cannot be read (a tampered or unknown-key sealed record, a
-		// layout this build does not know): the request ran once, so it must not run again,
-		// whatever fail_mode says.
-		r.unreadable.Inc()
-		st.event(st.s.log.Error()).Err(err).Msg("stored record cannot be read; answering response-not-replayable")
-		st.reject(problemNotReplayable)
-		return nil, true
-	case err != nil:
-		st.storeFailed("acquire", err)
-		switch {
-		case r.shadow:
-			st.shadowed(StoreError)
-		case st.s.policy.FailMode == policy.FailOpen:
-			// Its response headers still come, for the replay header.
-			st.fire(evUnprotected)
-			st.flush()
-		default:
-			st.reject(problemStoreUnavailable)
-		}
-		return nil, true
-	case rec == nil:
-		st.run(lease, c, sent)
-		return nil, true
+// keys returns the request's stored key and fingerprint, body being its whole body, and gives
+// the key's hash to the request's store calls.
+func (st *stream) keys(body []byte) (key string, fp []byte) {
+	a, r := st.req, st.req.route
+	d := st.s.digests.Get().(*digest)
+	k := a.adm.key
+	if a.adm.bodyHash {
+		k = d.bodyHashKey(a.info.method, a.info.path, body)
 	}
-	return rec, false
+	key, st.call.keyHash = d.storeKey(r.Route, a.adm.scope, k)
+	fp = d.fingerprint(r.Route, a.info.method, a.info.path, body, a.info.headers)
+	st.s.digests.Put(d)
+	return key, fp
+}
+
+// claimOnce makes one claim of key with c, in the round-th round: none when the route asks for
+// more replicas than the store has (the first round only, as the verdict then ends the claim);
+// none when this replica holds the key itself, whose hold answers as the pending record it is
+// (whatever the store says, a record it lost in an outage, a purge, the request is not started
+// twice here); else the store's, counted in calls.
+func (st *stream) claimOnce(key string, c cache.Claim, round int, calls *int) claimResult {
+	r := st.req.route
+	if round == 0 && r.Durability.Replicas > 0 && st.call.undurable(r.Durability.Replicas) {
+		return claimResult{err: errDurabilityUnmet}
+	}
+	if h := st.s.held(key); h != nil {
+		return claimResult{rec: h.record()}
+	}
+	if *calls++; *calls > 1 {
+		r.waitCalls.Inc()
+	}
+	rec, err := st.call.acquire(key, c)
+	return claimResult{err: err, gone: err != nil && st.call.ctx.Err() != nil, rec: rec}
+}
+
+// carryOut turns a claim's verdict into the stream's move and answers; rec is the record a replay
+// sends, waited the Preference-Applied of a duplicate that waited for it.
+func (st *stream) carryOut(v verdict, rec *cache.Record, waited string) {
+	from := st.state
+	switch v.act {
+	case actRun:
+		if st.req.route.shadow {
+			st.req.route.shadowCounts[Executed].Inc()
+		}
+		st.fire(evRun)
+		st.flush(from)
+	case actUnprotected:
+		// Its response headers still come, for the replay header.
+		st.fire(evUnprotected)
+		st.flush(from)
+	case actReplay:
+		st.answerWith(replay{rec: rec, waited: waited})
+	case actRefuse:
+		st.answerWith(refuse{v.problem})
+	case actShadow:
+		st.shadowed(v.would)
+	default:
+		st.answerWith(nil) // the stream ended: nobody waits for an answer
+	}
 }
 
 // waitPoll is the least time between two store calls of a waiting duplicate.
@@ -692,116 +732,111 @@ const waitPoll = 50 * time.Millisecond
 // route's in_flight_wait, or less when the client's Prefer: wait=N asks for less (RFC 7240);
 // preferred reports whether the client asked.
 func (st *stream) waitBudget() (wait time.Duration, preferred bool) {
-	wait = st.route.InFlightWait
+	wait = st.req.route.InFlightWait
 	if wait == 0 {
 		return 0, false
 	}
-	if n, ok := preferWait(st.req.headers); ok {
+	if n, ok := preferWait(st.req.info.headers); ok {
 		return min(wait, time.Duration(n)*time.Second), true
 	}
 	return wait, false
 }
 
 // sleep waits d on the server's clock, and reports false when the stream ended first.
-func (st *stream) sleep(d time.Duration) bool { return sleep(st.s.clock, st.ctx, d) }
-
-// run lets the claimed request go upstream under its lease, claimed with c by a call sent at
-// sent.
-func (st *stream) run(lease cache.Lease, c cache.Claim, sent time.Time) {
-	st.lease = lease
-	st.hold = st.s.hold(lease, c, sent)
-	st.outcome = Executed
-	st.s.metrics.inflight.Inc()
-	st.startRenewal()
-	if st.route.shadow {
-		st.route.shadowCounts[Executed].Inc()
-	}
-	st.fire(evRun)
-	st.flush()
-}
+func (st *stream) sleep(d time.Duration) bool { return sleep(st.s.clock, st.call.ctx, d) }
 
 // shadowed counts and logs what enforcement would have answered, and lets the request go on
 // untouched instead.
 func (st *stream) shadowed(would Outcome) {
-	st.route.shadowCounts[would].Inc()
-	st.event(st.s.log.Info()).Str("would", string(would)).Msg("shadow mode: enforcement would have answered this request; it goes on untouched")
-	st.outcome = Passthrough
+	st.req.route.shadowCounts[would].Inc()
+	st.call.event(st.s.log.Info()).Str("would", string(would)).Msg("shadow mode: enforcement would have answered this request; it goes on untouched")
 	if st.state == stateStart {
-		st.w.headers = false
 		st.passThrough()
 		return
 	}
+	from := st.state
 	st.fire(evPass)
-	st.flush()
+	st.flush(from)
 }
 
 func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*structpb.Struct) {
 	switch st.state {
 	case stateRunning:
+		st.respond(m, attrs)
 	case stateCollect:
 		st.earlyResponse(attrs)
 		st.fire(evSettle)
 		st.markResponse(false, false)
-		return
 	case stateUnprotected:
 		st.fire(evSettle)
 		st.markResponse(false, false)
-		return
 	case statePass:
 		if st.sentOverride == passThroughMode {
 			st.overrideRefused()
 		}
 		st.pass(kindResponseHeaders, nil, false)
-		return
 	default:
 		st.pass(kindResponseHeaders, nil, false)
-		return
 	}
-	r := st.route
+}
+
+// respond carries out what the response to a request that runs under its lease does to the
+// lease (judgeResponse): release it, follow unknown_outcome, record the response now, or capture
+// its body.
+func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.Struct) {
+	r, c := st.req.route, st.call
 	h := headers(m.GetHeaders().GetHeaders())
 	status := parseStatus(h.get(":status"))
-	o := originOf(attrs)
-	if !o.detailsKnown {
-		st.s.misconfigured(MisconfigCodeDetailsMissing, func() {
-			st.event(st.s.log.Warn()).Msg("a response came without response.code_details; add it to the ext_proc filter's response_attributes, or responses that would release the key are treated as possibly Envoy's (unknown outcomes)")
-		})
-	}
-	if o.attemptsKnown && o.attempts > 1 {
-		// Not a misconfiguration by itself: retries on connect-failure or refused-stream (Istio's
-		// default policy has them) never reached the upstream. The config checks refuse the
-		// retry conditions that may run a request twice.
-		r.retried.Inc()
-		st.s.retriedLog.Do(func() {
-			st.event(st.s.log.Info()).Int64("attempts", o.attempts).Msg("Envoy's router sent a covered request upstream more than once (retry_policy or hedge_policy): harmless after connect-failure or refused-stream, a possible second execution after reset, 5xx or a per-try timeout; counted in idempotency_upstream_retries_total")
-		})
-	}
-	bodySent := st.modes.response != filterextproc.ProcessingMode_NONE
-	settle, reason, omitted := judgeResponse(r.Route, response{status: status, origin: o, endOfStream: m.GetEndOfStream(), bodySent: bodySent})
-	st.resp.Status = status
-	switch settle {
+	o := st.origin(attrs)
+	bodySent := st.responseMode() != filterextproc.ProcessingMode_NONE
+	what, reason, omitted := judgeResponse(r.Route, response{status: status, origin: o, endOfStream: m.GetEndOfStream(), bodySent: bodySent})
+	c.resp.Status = status
+	switch what {
 	case settleRelease:
-		st.release(reason)
+		c.release(reason)
 	case settleUnknown:
 		if !o.attemptsKnown {
 			st.s.misconfigured(MisconfigAttemptCountMissing, func() {
-				st.event(st.s.log.Warn()).Msg("an Envoy-made response came without upstream.request_attempt_count; add it to the ext_proc filter's response_attributes, or every such response is treated as an unknown outcome")
+				c.event(st.s.log.Warn()).Msg("an Envoy-made response came without upstream.request_attempt_count; add it to the ext_proc filter's response_attributes, or every such response is treated as an unknown outcome")
 			})
 		}
 		st.unknownOutcome(status)
 	case settleRecord:
-		st.resp.Headers, st.resp.BodyOmitted = replayableHeaders(h, r.Route), omitted
-		st.complete()
+		c.resp.Headers, c.resp.BodyOmitted = replayableHeaders(h, r.Route), omitted
+		c.complete()
 		st.fire(evSettle)
-		st.markResponse(!omitted || !bodySent, st.recorded)
+		st.markResponse(!omitted || !bodySent, c.recorded)
 		return
 	case settleCapture:
-		st.resp.Headers = replayableHeaders(h, r.Route)
+		c.resp.Headers = replayableHeaders(h, r.Route)
 		st.fire(evStore)
 		st.markResponse(true, true)
 		return
 	}
 	st.fire(evSettle)
 	st.markResponse(false, false)
+}
+
+// origin reads where a response came from (originOf), and counts what its attributes show of
+// Envoy's configuration: response.code_details missing, or a request the router sent upstream
+// more than once.
+func (st *stream) origin(attrs map[string]*structpb.Struct) origin {
+	o := originOf(attrs)
+	if !o.detailsKnown {
+		st.s.misconfigured(MisconfigCodeDetailsMissing, func() {
+			st.call.event(st.s.log.Warn()).Msg("a response came without response.code_details; add it to the ext_proc filter's response_attributes, or responses that would release the key are treated as possibly Envoy's (unknown outcomes)")
+		})
+	}
+	if o.attemptsKnown && o.attempts > 1 {
+		// Not a misconfiguration by itself: retries on connect-failure or refused-stream (Istio's
+		// default policy has them) never reached the upstream. The config checks refuse the
+		// retry conditions that may run a request twice.
+		st.req.route.retried.Inc()
+		st.s.retriedLog.Do(func() {
+			st.call.event(st.s.log.Info()).Int64("attempts", o.attempts).Msg("Envoy's router sent a covered request upstream more than once (retry_policy or hedge_policy): harmless after connect-failure or refused-stream, a possible second execution after reset, 5xx or a per-try timeout; counted in idempotency_upstream_retries_total")
+		})
+	}
+	return o
 }
 
 // earlyResponse handles response headers that came before the request's end reached the
@@ -815,19 +850,20 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 // before the body ends. What was withheld is answered first.
 func (st *stream) earlyResponse(attrs map[string]*structpb.Struct) {
 	if o := originOf(attrs); !o.envoyMade || !o.attemptsKnown || o.attempts > 0 {
-		if requestBodyRows[st.modes.request].holdsHeaders {
+		if requestBodyRows[st.requestMode()].holdsHeaders {
 			st.s.misconfigured(MisconfigUnclaimedRequest, func() {
-				st.event(st.s.log.Warn()).Msg("the upstream answered a covered request whose end the processor never saw, so it ran without a lease; set request_trailer_mode: SEND in the ext_proc filter's processing_mode (requests with trailers and no body otherwise skip the body phase)")
+				st.call.event(st.s.log.Warn()).Msg("the upstream answered a covered request whose end the processor never saw, so it ran without a lease; set request_trailer_mode: SEND in the ext_proc filter's processing_mode (requests with trailers and no body otherwise skip the body phase)")
 			})
 		} else {
 			st.s.earlyAnswerLog.Do(func() {
-				st.event(st.s.log.Info()).Msg("the upstream answered a streamed request before its body ended (Envoy sends a STREAMED request's headers on before the claim), so it ran without a lease; its outcome is passthrough")
+				st.call.event(st.s.log.Info()).Msg("the upstream answered a streamed request before its body ended (Envoy sends a STREAMED request's headers on before the claim), so it ran without a lease; its outcome is passthrough")
 			})
 		}
-		st.event(st.s.log.Debug()).Msg("the response began before the request body reached the processor whole; this request ran unprotected")
+		st.call.event(st.s.log.Debug()).Msg("the response began before the request body reached the processor whole; this request ran unprotected")
 	}
+	from := st.state
 	st.fire(evUnprotected)
-	st.flush()
+	st.flush(from)
 }
 
 // markResponse answers response headers of a covered request: the replay header set to false
@@ -836,17 +872,17 @@ func (st *stream) earlyResponse(attrs map[string]*structpb.Struct) {
 // the override (FULL_DUPLEX_STREAMED) or sends no body anyway. In shadow mode the response goes
 // on untouched.
 func (st *stream) markResponse(wantBody, stored bool) {
-	noBody := !wantBody && !st.fullDuplex(kindResponseBody) && st.modes.response != filterextproc.ProcessingMode_NONE
+	noBody := !wantBody && !st.fullDuplex(kindResponseBody) && st.responseMode() != filterextproc.ProcessingMode_NONE
 	if noBody {
 		st.sentOverride = noStoreMode
 	}
-	if st.route.shadow {
+	if st.req.route.shadow {
 		st.send(untouched{noBody: noBody})
 		return
 	}
 	var expires time.Time
-	if stored && st.route.ExpiresHeader != "" {
-		expires = st.s.clock.Now().Add(st.adm.ttl)
+	if stored && st.req.route.ExpiresHeader != "" {
+		expires = st.s.clock.Now().Add(st.req.adm.ttl)
 	}
 	st.send(mark{expires: expires, noBody: noBody})
 }
@@ -856,7 +892,7 @@ func (st *stream) markResponse(wantBody, stored bool) {
 func (st *stream) overrideRefused() {
 	st.sentOverride = nil // once per stream
 	st.s.misconfigured(MisconfigModeOverrideRefused, func() {
-		st.event(st.s.log.Warn()).Msg("Envoy ignored this processor's mode_override: set allow_mode_override: true, list exactly the processor's two modes in allowed_override_modes (or none), and turn send_body_without_waiting_for_header_response off; until then every request's bodies go through the processor")
+		st.call.event(st.s.log.Warn()).Msg("Envoy ignored this processor's mode_override: set allow_mode_override: true, list exactly the processor's two modes in allowed_override_modes (or none), and turn send_body_without_waiting_for_header_response off; until then every request's bodies go through the processor")
 	})
 }
 
@@ -868,150 +904,90 @@ func (st *stream) responseBody(chunk []byte, eos bool) {
 		st.pass(kindResponseBody, chunk, eos)
 		return
 	}
-	last := eos
-	switch st.modes.response {
+	resp, last := &st.call.resp, eos
+	switch st.responseMode() {
 	case filterextproc.ProcessingMode_BUFFERED:
 		// The one message holds the whole body, even when trailers follow.
 		last = true
 	case filterextproc.ProcessingMode_BUFFERED_PARTIAL:
 		// A partial buffer that does not end the body means the rest passed unseen.
 		if !eos {
-			st.resp.BodyOmitted = true
+			resp.BodyOmitted = true
 		}
 		last = true
 	}
 	switch {
-	case st.resp.BodyOmitted:
-	case len(st.resp.Body)+len(chunk) > st.route.MaxResponseBytes:
-		st.resp.BodyOmitted, st.resp.Body = true, nil
-	case st.resp.Body == nil:
-		st.resp.Body = chunk
+	case resp.BodyOmitted:
+	case len(resp.Body)+len(chunk) > st.req.route.MaxResponseBytes:
+		resp.BodyOmitted, resp.Body = true, nil
+	case resp.Body == nil:
+		resp.Body = chunk
 	default:
-		st.resp.Body = append(st.resp.Body, chunk...)
+		resp.Body = append(resp.Body, chunk...)
 	}
 	if last {
 		// Durability: the record is written before Envoy may pass the response's end on.
-		st.complete()
+		st.call.complete()
 		st.fire(evSettle)
 	}
 	st.pass(kindResponseBody, chunk, eos)
 }
 
-// complete records the response and gives up the lease.
-func (st *stream) complete() {
-	st.recorded = st.record(st.resp)
-}
-
-// record writes the lease's completed (or outcome-unknown) record and gives up the lease. A
-// write the store fails goes on in the background (completions.go), the lease kept renewed, so
-// that a store that stalls or refuses writes for a while never lets a duplicate run again; the
-// request's outcome is still store_error. It reports whether the record was written now.
-func (st *stream) record(resp cache.Response) bool {
-	st.renewal.stop()
-	// The client may already be gone; the record must still be written.
-	err := st.s.completeHeld(context.WithoutCancel(st.ctx), st, st.event, st.hold, resp)
-	retried := err != nil && retryable(err) && st.s.completions.retry(pendingCompletion{
-		hold: st.hold, resp: resp, until: st.s.clock.Now().Add(st.adm.ttl),
-		requestID: st.requestID, route: st.route.Name, keyHash: st.keyHash,
-	})
-	if retried {
-		st.hold = nil // the retries hold the key now
-	}
-	st.dropLease()
-	if err != nil {
-		st.storeFailed("complete", err)
-		if retried {
-			st.event(st.s.log.Warn()).Msg("completion not written: retrying in the background, the lease kept, so duplicates get 409 until it lands")
-		}
-		return false
-	}
-	return true
-}
-
-// release frees the key so that a retry runs again.
-func (st *stream) release(reason string) {
-	st.renewal.stop()
-	err := st.s.release(st, context.WithoutCancel(st.ctx), st.lease)
-	st.dropLease()
-	if err != nil {
-		st.storeFailed("release", err)
-		return
-	}
-	st.releaseReason = reason
-	st.route.releases[reason].Inc()
-	st.event(st.s.log.Debug()).Str("reason", reason).Msg("lease released")
-}
-
 // unknownOutcome handles a lease whose request may or may not have run upstream, as the route's
 // unknown_outcome says; status is Envoy's, or 0 when no response was seen.
 func (st *stream) unknownOutcome(status int) {
-	r := st.route
+	r, c := st.req.route, st.call
 	r.unknown[r.UnknownOutcome].Inc()
 	switch r.UnknownOutcome {
 	case policy.UnknownOutcomeRelease:
-		st.release(ReleaseUnknownOutcome)
+		c.release(ReleaseUnknownOutcome)
 	case policy.UnknownOutcomeRecord:
-		if !st.record(cache.Response{Status: status, OutcomeUnknown: true}) {
-			return
+		c.resp = cache.Response{Status: status, OutcomeUnknown: true}
+		if c.complete() {
+			c.event(st.s.log.Info()).Int("status", status).Msg("outcome unknown; recorded so that duplicates get 409 outcome-unknown")
 		}
-		st.event(st.s.log.Info()).Int("status", status).Msg("outcome unknown; recorded so that duplicates get 409 outcome-unknown")
 	default:
-		st.renewal.stop()
-		st.dropLease()
-		st.event(st.s.log.Info()).Dur("lock_ttl", r.LockTTL).Int("status", status).Msg("outcome unknown; lease kept until it expires")
+		c.leave()
+		c.event(st.s.log.Info()).Dur("lock_ttl", r.LockTTL).Int("status", status).Msg("outcome unknown; lease kept until it expires")
 	}
-}
-
-func (st *stream) dropLease() {
-	st.s.unhold(st.hold)
-	st.hold = nil
-	if st.lease.Held() {
-		st.lease = cache.Lease{}
-		st.s.metrics.inflight.Dec()
-	}
-}
-
-// storeFailed logs a failed store operation and makes store_error the request's outcome.
-func (st *stream) storeFailed(op string, err error) {
-	st.outcome = StoreError
-	ev := st.s.log.Error()
-	if errors.Is(err, cache.ErrLeaseLost) {
-		ev = st.s.log.Warn()
-	}
-	ev = st.event(ev)
-	ev.Str("op", op).Err(err).Msg("store operation failed")
 }
 
 // finish runs when the stream ends, however it ends. A lease still held means the response was
 // not seen whole: with storable response headers seen, the request ran and its record is
-// completed without a body; with none, its outcome is unknown.
+// completed without a body; with none, its outcome is unknown. A request not yet settled is
+// settled now; then its outcome is counted, its span ended and its line logged.
 func (st *stream) finish() {
-	if st.inStore {
-		// The stream's goroutine is unwinding a panic from inside the store: make no further
-		// store call (Server.StreamInterceptor lets the panic end the process).
-		st.s.storeBroken.Store(true)
+	c := st.call
+	if c.broken() {
 		return
 	}
-	if st.lease.Held() {
+	if c.held() {
 		switch {
 		case st.state == stateCapture:
-			st.resp.BodyOmitted = true
-			st.complete()
-		case st.w.held:
+			c.resp.BodyOmitted = true
+			c.complete()
+		case st.w.end == bodyHeld:
 			// Envoy still held the request when the stream ended (the client left during a
 			// BUFFERED upload claimed at its headers): it never reached the upstream.
-			st.release(ReleaseNotSent)
+			c.release(ReleaseNotSent)
 		default:
 			st.unknownOutcome(0)
 		}
 		st.fire(evSettle)
 	}
-	if st.route == nil {
+	if st.req.route == nil {
 		return
 	}
+	switch {
+	case st.outcome != "":
+	case st.state == stateUnprotected:
+		st.fire(evSettle)
+	default:
+		st.answerWith(nil) // the client left before the request's end: nobody waits for an answer
+	}
 	st.endSpan()
-	st.route.outcomes[st.outcome].Inc()
-	if st.adm.covered {
+	st.req.route.outcomes[st.outcome].Inc()
+	if st.req.adm.covered {
 		st.logRequest()
 	}
 }
@@ -1026,19 +1002,20 @@ func (st *stream) logRequest() {
 	if ev == nil {
 		return
 	}
-	ev = st.event(ev).Str("outcome", string(st.outcome)).Bytes("method", st.req.method)
-	if st.resp.Status != 0 {
-		ev = ev.Int("status", st.resp.Status)
+	c := st.call
+	ev = c.event(ev).Str("outcome", string(st.outcome)).Bytes("method", st.req.info.method)
+	if c.resp.Status != 0 {
+		ev = ev.Int("status", c.resp.Status)
 	}
-	if st.outcome == Executed && !st.recorded {
+	if st.outcome == Executed && !c.recorded {
 		ev = ev.Bool("response_seen", false)
-	} else if st.recorded && st.resp.BodyOmitted {
+	} else if c.recorded && c.resp.BodyOmitted {
 		ev = ev.Bool("body_kept", false)
 	}
-	if st.releaseReason != "" {
-		ev = ev.Str("release_reason", st.releaseReason)
+	if c.released != "" {
+		ev = ev.Str("release_reason", c.released)
 	}
-	ev.Float64("duration_ms", float64(time.Since(st.start).Microseconds())/1000).Msg("request")
+	ev.Float64("duration_ms", float64(time.Since(st.req.start).Microseconds())/1000).Msg("request")
 }
 
 func parseStatus(v []byte) int {

@@ -47,49 +47,42 @@ func (c metadataCarrier) Keys() []string {
 }
 
 // beginSpan starts the request's span, once it is known to be covered.
+// Its context becomes the context of the request's store calls, whose spans are its children.
 func (st *stream) beginSpan() {
-	if st.s.tracer == nil || st.span != nil {
+	a, c := st.req, st.call
+	if st.s.tracer == nil || a.span != nil {
 		return
 	}
-	ctx := st.ctx
+	ctx := c.ctx
 	if md, ok := metadata.FromIncomingContext(ctx); ok {
 		ctx = traceContext.Extract(ctx, metadataCarrier(md))
 	}
-	st.spanCtx, st.span = st.s.tracer.Start(ctx, "idempotency.request",
+	c.ctx, a.span = st.s.tracer.Start(ctx, "idempotency.request",
 		trace.WithSpanKind(trace.SpanKindServer),
-		trace.WithAttributes(attrTraceRoute.String(st.route.Name), attrTraceMethod.String(string(st.req.method))))
+		trace.WithAttributes(attrTraceRoute.String(a.route.Name), attrTraceMethod.String(string(a.info.method))))
 }
 
 // endSpan ends the request's span with its outcome.
 func (st *stream) endSpan() {
-	if st.span == nil {
+	sp, c := st.req.span, st.call
+	if sp == nil {
 		return
 	}
 	attrs := []attribute.KeyValue{attrTraceOutcome.String(string(st.outcome))}
-	if st.keyHash != "" {
-		attrs = append(attrs, attrTraceKeyHash.String(st.keyHash))
+	if c.keyHash != "" {
+		attrs = append(attrs, attrTraceKeyHash.String(c.keyHash))
 	}
-	if st.resp.Status != 0 {
-		attrs = append(attrs, attrTraceStatus.Int(st.resp.Status))
+	if c.resp.Status != 0 {
+		attrs = append(attrs, attrTraceStatus.Int(c.resp.Status))
 	}
-	if st.releaseReason != "" {
-		attrs = append(attrs, attrTraceReleaseReason.String(st.releaseReason))
+	if c.released != "" {
+		attrs = append(attrs, attrTraceReleaseReason.String(c.released))
 	}
-	st.span.SetAttributes(attrs...)
+	sp.SetAttributes(attrs...)
 	if st.outcome == StoreError {
-		st.span.SetStatus(codes.Error, "store operation failed")
+		sp.SetStatus(codes.Error, "store operation failed")
 	}
-	st.span.End()
-}
-
-// storeSpan starts the span of one store call, a child of the request's; it returns nil when
-// the request has none.
-func (st *stream) storeSpan(op string) trace.Span {
-	if st == nil || st.span == nil {
-		return nil
-	}
-	_, sp := st.s.tracer.Start(st.spanCtx, "idempotency.store."+op, trace.WithSpanKind(trace.SpanKindClient))
-	return sp
+	sp.End()
 }
 
 // endStoreSpan ends a store call's span, marking it failed when err is not nil.

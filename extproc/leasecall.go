@@ -1,0 +1,283 @@
+package extproc
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/rs/zerolog"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+)
+
+// leaseCall owns one request's store calls: the claim, the renewals, the completion or the
+// release, the hold on the key while the lease is this replica's (hold.go), and what became of
+// them. The stream asks it for a call and reads what it reports; nothing else calls the store for
+// a request. Each call is timed, counted when it fails, and traced; the store bounds each by its
+// own timeout.
+//
+// While a call runs, inStore is set, and only a call that returns clears it: a panic from inside
+// the store leaves it set, so that the stream's finish makes no further store call and
+// Server.StreamInterceptor lets the panic end the process. Nothing here recovers.
+type leaseCall struct {
+	s *Server
+	// req is the request, for the identity of log lines (its id and route).
+	req *admitted
+	// ctx bounds the calls: the stream's context, or the request span's once tracing began.
+	ctx context.Context
+	// keyHash is the hash of the stored key, the request's identity in logs, metadata and spans.
+	keyHash string
+	// hold is this replica's hold on the key while the lease is held; nil when none is.
+	hold    *hold
+	inStore bool
+	// What became of the calls: the first failure (errDurabilityUnmet when the claim was not
+	// made), the release reason, and whether the record was written.
+	err      error
+	released string
+	recorded bool
+	// resp is the response to record, as the response phases capture it.
+	resp cache.Response
+}
+
+// errDurabilityUnmet is a claim not made: the route asks for more replicas than the store has
+// (Server.durabilityUnmet).
+var errDurabilityUnmet = errors.New("the store has fewer replicas than the route's durability.replicas")
+
+// event adds the request's identity to a log event: its request id, route and the hash of its
+// stored key, never the key itself. It is safe on a disabled (nil) event.
+func (c *leaseCall) event(e *zerolog.Event) *zerolog.Event {
+	if e == nil {
+		return nil
+	}
+	e = e.Str("request_id", c.req.id)
+	if c.req.route != nil {
+		e = e.Str("route", c.req.route.Name)
+	}
+	if c.keyHash != "" {
+		e = e.Str("key_hash", c.keyHash)
+	}
+	return e
+}
+
+// storeSpan starts the span of one store call, a child of the request's; it returns nil when
+// the request has none.
+func (c *leaseCall) storeSpan(op string) trace.Span {
+	if c.req.span == nil {
+		return nil
+	}
+	_, sp := c.s.tracer.Start(c.ctx, "idempotency.store."+op, trace.WithSpanKind(trace.SpanKindClient))
+	return sp
+}
+
+// acquire claims key with cl. A free key is held from then on (hold, renewal); a taken one returns
+// its record. A failure is logged and kept as the request's (failed), except a record that
+// cannot be read (the caller answers it) and a call the stream's end cut short.
+func (c *leaseCall) acquire(key string, cl cache.Claim) (*cache.Record, error) {
+	s := c.s
+	sent := s.clock.Now()
+	start, sp := time.Now(), c.storeSpan("acquire")
+	c.inStore = true
+	lease, rec, err := s.store.Acquire(c.ctx, key, cl)
+	c.inStore = false
+	s.acquireObs.Observe(time.Since(start).Seconds())
+	// An unconfirmed claim is withdrawn: it is answered as any store failure, and the request
+	// does not run.
+	s.storeError("acquire", err)
+	endStoreSpan(sp, err)
+	switch {
+	case err != nil && c.ctx.Err() != nil:
+		// Envoy ended the stream during the call (the client went away): not the store's
+		// failure, and nobody waits for an answer. The request never went upstream.
+		c.event(s.log.Debug()).Err(err).Msg("stream ended during the store call")
+	case errors.Is(err, cache.ErrCorrupt):
+		// The record is there but cannot be read (a tampered or unknown-key sealed record, a
+		// layout this build does not know): the request ran once, so it must not run again.
+		c.req.route.unreadable.Inc()
+		c.event(s.log.Error()).Err(err).Msg("stored record cannot be read; answering response-not-replayable")
+	case err != nil:
+		c.failed("acquire", err)
+	case rec == nil:
+		c.hold = s.hold(lease, cl, sent)
+		s.metrics.inflight.Inc()
+		s.renewEvery(&c.hold.renewal, renewalOwner{ctx: c.ctx, span: c.storeSpan, log: c.event}, c.hold)
+	}
+	return rec, err
+}
+
+// held reports whether the request holds its key's lease.
+func (c *leaseCall) held() bool { return c.hold != nil }
+
+// complete records the response captured (resp) and gives up the lease. A write the store fails goes on in the
+// background (completions.go), the lease kept renewed, so that a store that stalls or refuses
+// writes for a while never lets a duplicate run again; the request's outcome is still
+// store_error. It reports whether the record was written now.
+func (c *leaseCall) complete() bool {
+	resp := c.resp
+	c.hold.renewal.stop()
+	// The client may already be gone; the record must still be written.
+	ctx := context.WithoutCancel(c.ctx)
+	err := c.completeHeld(ctx, resp)
+	retried := err != nil && retryable(err) && c.s.completions.retry(pendingCompletion{
+		hold: c.hold, resp: resp, until: c.s.clock.Now().Add(c.req.adm.ttl),
+		requestID: c.req.id, route: c.req.route, keyHash: c.keyHash,
+	})
+	if retried {
+		c.hold = nil // the retries hold the key now
+	}
+	c.drop()
+	if err != nil {
+		c.failed("complete", err)
+		if retried {
+			c.event(c.s.log.Warn()).Msg("completion not written: retrying in the background, the lease kept, so duplicates get 409 until it lands")
+		}
+		return false
+	}
+	c.recorded = true
+	return true
+}
+
+// completeHeld writes the hold's completed record. A lease the store let expire while it was
+// away is re-asserted first; one that was removed, or that another request took, is counted as
+// lost.
+func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error {
+	s, h := c.s, c.hold
+	c.inStore = true
+	err := s.completeCall(ctx, c.storeSpan("complete"), c.event, h.lease, resp)
+	if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(s.clock.Now()) {
+		sent := s.clock.Now()
+		if err = s.reassert(ctx, nil, h, c.event); err == nil {
+			h.reachedAt(sent)
+			err = s.completeCall(ctx, c.storeSpan("complete"), c.event, h.lease, resp)
+		}
+	}
+	c.inStore = false
+	if errors.Is(err, cache.ErrLeaseLost) {
+		s.leaseLost(h, c.event, "completion")
+	}
+	return err
+}
+
+// release frees the key so that a retry runs again.
+func (c *leaseCall) release(reason string) {
+	c.hold.renewal.stop()
+	s := c.s
+	start, sp := time.Now(), c.storeSpan("release")
+	c.inStore = true
+	err := s.store.Release(context.WithoutCancel(c.ctx), c.hold.lease)
+	c.inStore = false
+	s.releaseObs.Observe(time.Since(start).Seconds())
+	s.storeError("release", err)
+	endStoreSpan(sp, err)
+	c.drop()
+	if err != nil {
+		c.failed("release", err)
+		return
+	}
+	c.released = reason
+	c.req.route.releases[reason].Inc()
+	c.event(s.log.Debug()).Str("reason", reason).Msg("lease released")
+}
+
+// leave gives up the lease without a store call: it expires after lock_ttl.
+func (c *leaseCall) leave() {
+	c.hold.renewal.stop()
+	c.drop()
+}
+
+// drop forgets the hold: the key is this replica's no longer (unless the background retries
+// took it over).
+func (c *leaseCall) drop() {
+	c.s.unhold(c.hold)
+	c.hold = nil
+	c.s.metrics.inflight.Dec()
+}
+
+// failed logs a failed store operation and keeps the first failure: the request's outcome is
+// store_error.
+func (c *leaseCall) failed(op string, err error) {
+	if c.err == nil {
+		c.err = err
+	}
+	ev := c.s.log.Error()
+	if errors.Is(err, cache.ErrLeaseLost) {
+		ev = c.s.log.Warn()
+	}
+	c.event(ev).Str("op", op).Err(err).Msg("store operation failed")
+}
+
+// broken reports whether the stream's goroutine is unwinding a panic from inside the store, and
+// then marks the store broken: no further store call may be made (Server.StreamInterceptor lets
+// the panic end the process).
+func (c *leaseCall) broken() bool {
+	if c.inStore {
+		c.s.storeBroken.Store(true)
+	}
+	return c.inStore
+}
+
+// completeCall writes l's record; sp is its span (or nil) and id adds the request's identity to a
+// log line. A record written but not confirmed by enough replicas (durability) is done: it is
+// counted, logged, and nil is returned.
+func (s *Server) completeCall(ctx context.Context, sp trace.Span, id func(*zerolog.Event) *zerolog.Event, l cache.Lease, r cache.Response) error {
+	start := time.Now()
+	err := s.store.Complete(ctx, l, r)
+	s.completeObs.Observe(time.Since(start).Seconds())
+	s.storeError("complete", err)
+	endStoreSpan(sp, err)
+	if errors.Is(err, cache.ErrUnconfirmed) {
+		// The record is written and the lease spent: the completion is done. Only a failover
+		// before the replicas catch up could lose it.
+		id(s.log.Warn()).Err(err).Msg("completion not confirmed by the store's replicas; a failover before they catch up may lose the record")
+		return nil
+	}
+	return err
+}
+
+// renew runs on a renewal's timer goroutine, where a panic ends the process by itself; sp is its
+// span, or nil.
+func (s *Server) renew(ctx context.Context, sp trace.Span, l cache.Lease, d time.Duration) error {
+	start := time.Now()
+	err := s.store.Renew(ctx, l, d)
+	s.renewObs.Observe(time.Since(start).Seconds())
+	s.storeError("renew", err)
+	endStoreSpan(sp, err)
+	return err
+}
+
+// storeError counts a failed store call by operation and kind (storeErrorKind). A lost lease is
+// not the store's failure, nor is a call the stream's end cut short. A write the replicas did not
+// confirm (durability) is counted apart, in idempotency_durability_unconfirmed_total.
+func (s *Server) storeError(op string, err error) {
+	switch {
+	case err == nil, errors.Is(err, cache.ErrLeaseLost), errors.Is(err, context.Canceled):
+	case errors.Is(err, cache.ErrUnconfirmed) && op == "acquire":
+		s.unconfirmedClaims.Inc()
+	case errors.Is(err, cache.ErrUnconfirmed) && op == "complete":
+		s.unconfirmedCompletes.Inc()
+	default:
+		s.metrics.storeErrors.WithLabelValues(op, storeErrorKind(err)).Inc()
+	}
+}
+
+// The kinds of store failure, the kind label of idempotency_store_errors_total.
+const (
+	storeErrorOOM         = "oom"         // the store refuses writes: it is full (cache.ErrFull)
+	storeErrorTimeout     = "timeout"     // no answer within store_timeout
+	storeErrorCorrupt     = "corrupt"     // a record that cannot be read
+	storeErrorUnavailable = "unavailable" // anything else: refused or broken connections, errors
+)
+
+var storeErrorKinds = []string{storeErrorOOM, storeErrorTimeout, storeErrorCorrupt, storeErrorUnavailable}
+
+func storeErrorKind(err error) string {
+	switch {
+	case errors.Is(err, cache.ErrFull):
+		return storeErrorOOM
+	case errors.Is(err, context.DeadlineExceeded):
+		return storeErrorTimeout
+	case errors.Is(err, cache.ErrCorrupt):
+		return storeErrorCorrupt
+	}
+	return storeErrorUnavailable
+}
