@@ -1,6 +1,9 @@
 package extproc
 
 import (
+	"context"
+	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -191,6 +194,81 @@ func TestJudgeResponse(t *testing.T) {
 			require.Equal(t, c.want, s)
 			require.Equal(t, c.reason, reason)
 			require.Equal(t, c.omitted, omitted)
+		})
+	}
+}
+
+// TestJudgeClaim covers every verdict a claim's result can get: what runs, what is answered and
+// with which problem, what waits, and what fail_mode and shadow mode change.
+func TestJudgeClaim(t *testing.T) {
+	r := routeOf(t, "")
+	fp := []byte("fp")
+	pending := &cache.Record{State: cache.Pending, Fingerprint: fp, Route: r.Name}
+	done := &cache.Record{State: cache.Completed, Fingerprint: fp, Route: r.Name, Response: cache.Response{Status: 201}}
+	other := &cache.Record{State: cache.Completed, Fingerprint: []byte("other"), Route: r.Name}
+	unknown := &cache.Record{State: cache.Completed, Fingerprint: fp, Route: r.Name, Response: cache.Response{OutcomeUnknown: true}}
+	omitted := &cache.Record{State: cache.Completed, Fingerprint: fp, Route: r.Name, Response: cache.Response{Status: 201, BodyOmitted: true}}
+	down := errors.New("connection refused")
+	cases := []struct {
+		name             string
+		shadow, failOpen bool
+		res              claimResult
+		want             verdict
+	}{
+		{"the key is free: run", false, false, claimResult{}, verdict{act: actRun}},
+		{"shadow mode runs too", true, false, claimResult{}, verdict{act: actRun}},
+		{"a completed record: replay", false, false, claimResult{rec: done}, verdict{act: actReplay}},
+		{"another payload: 422", false, false, claimResult{rec: other}, verdict{act: actRefuse, problem: problemReused}},
+		{"another payload while in flight: 422, no wait", false, false, claimResult{rec: &cache.Record{State: cache.Pending, Fingerprint: []byte("other"), Route: r.Name}, mayWait: true}, verdict{act: actRefuse, problem: problemReused}},
+		{"in flight: 409", false, false, claimResult{rec: pending}, verdict{act: actRefuse, problem: problemInProgress}},
+		{"in flight with wait left: wait", false, false, claimResult{rec: pending, mayWait: true}, verdict{act: actWait}},
+		{"in flight in shadow mode: no wait", true, false, claimResult{rec: pending, mayWait: true}, verdict{act: actShadow, would: InProgress}},
+		{"outcome unknown: 409", false, false, claimResult{rec: unknown}, verdict{act: actRefuse, problem: problemOutcomeUnknown}},
+		{"body not kept: 409", false, false, claimResult{rec: omitted}, verdict{act: actRefuse, problem: problemNotReplayable}},
+		{"shadow mode would replay", true, false, claimResult{rec: done}, verdict{act: actShadow, would: Replayed}},
+		{"store down, fail closed: 503", false, false, claimResult{err: down}, verdict{act: actRefuse, problem: problemStoreUnavailable}},
+		{"store down, fail open: unprotected", false, true, claimResult{err: down}, verdict{act: actUnprotected}},
+		{"store down in shadow mode", true, true, claimResult{err: down}, verdict{act: actShadow, would: StoreError}},
+		{"a record that cannot be read: 409 whatever fail_mode says", false, true, claimResult{err: fmt.Errorf("open: %w", cache.ErrCorrupt)}, verdict{act: actRefuse, problem: problemNotReplayable}},
+		{"durability unmet, fail closed: 503", false, false, claimResult{err: errDurabilityUnmet}, verdict{act: actRefuse, problem: problemDurabilityUnmet}},
+		{"durability unmet, fail open: unprotected", false, true, claimResult{err: errDurabilityUnmet}, verdict{act: actUnprotected}},
+		{"durability unmet in shadow mode", true, false, claimResult{err: errDurabilityUnmet}, verdict{act: actShadow, would: DurabilityUnmet}},
+		{"the stream ended during the call: no answer", false, false, claimResult{err: context.Canceled, gone: true}, verdict{act: actNone}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			require.Equal(t, tc.want, judgeClaim(r, fp, tc.shadow, tc.failOpen, tc.res))
+		})
+	}
+}
+
+// TestSettle covers the outcome of every move that settles a request.
+func TestSettle(t *testing.T) {
+	down := errors.New("connection refused")
+	cases := []struct {
+		name     string
+		e        event
+		from     state
+		answered Outcome
+		failed   error
+		want     Outcome
+	}{
+		{"not covered", evPass, stateStart, "", nil, Passthrough},
+		{"shadow mode, whatever the store did", evPass, stateCollect, "", down, Passthrough},
+		{"a problem", evAnswer, stateCollect, Mismatch, nil, Mismatch},
+		{"a replay", evAnswer, stateStart, Replayed, nil, Replayed},
+		{"a 503 for the store", evAnswer, stateCollect, StoreError, down, StoreError},
+		{"nobody waits for an answer", evAnswer, stateCollect, "", nil, Passthrough},
+		{"ran and recorded", evSettle, stateCapture, "", nil, Executed},
+		{"ran and released", evSettle, stateRunning, "", nil, Executed},
+		{"ran, the completion failed", evSettle, stateCapture, "", down, StoreError},
+		{"unprotected: the store failed under fail_mode: open", evSettle, stateUnprotected, "", down, StoreError},
+		{"unprotected: durability unmet under fail_mode: open", evSettle, stateUnprotected, "", errDurabilityUnmet, DurabilityUnmet},
+		{"unprotected: the body never reached the processor", evSettle, stateUnprotected, "", nil, Passthrough},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			require.Equal(t, tc.want, settle(tc.e, tc.from, tc.answered, tc.failed))
 		})
 	}
 }

@@ -3,9 +3,10 @@
 //
 // A request's path through the package: Server.Process receives each ProcessingRequest and hands
 // it to its stream (stream.go), whose state moves along one transition table; the request
-// headers choose the route and key (request.go), the claim makes the one store round trip, the
-// response phases record the outcome, and every answer is rendered by one function
-// (answer.go). The lease of a running request is renewed in the background (renewal.go).
+// headers choose the route and key (request.go), the claim's result is judged by a pure function
+// (decide.go), every store call of the request is made by its leaseCall (leasecall.go), and
+// every answer is rendered by one function (answer.go). The lease of a running request is
+// renewed in the background (renewal.go).
 package extproc
 
 import (
@@ -82,7 +83,7 @@ type Server struct {
 	// The claims and completions too few replicas confirmed (route durability).
 	unconfirmedClaims, unconfirmedCompletes prometheus.Counter
 	// replicasSeen is the store's replicas as SetReplicas last gave them, plus one; 0 until then.
-	// durabilityLogged is when refuseUndurable last logged (Unix ns).
+	// durabilityLogged is when leaseCall.undurable last logged (Unix ns).
 	replicasSeen, durabilityLogged atomic.Int64
 
 	streams sync.WaitGroup
@@ -109,34 +110,9 @@ type Server struct {
 
 // NewServer returns a Server.
 func NewServer(opts Options) (*Server, error) {
-	if opts.Store == nil {
-		return nil, errors.New("extproc: a store is required")
-	}
-	if opts.Policy == nil {
-		opts.Policy = policy.Default()
-	}
-	if opts.Logger == nil {
-		nop := zerolog.Nop()
-		opts.Logger = &nop
-	}
-	if opts.Metrics == nil {
-		m, err := NewMetrics(prometheus.NewRegistry())
-		if err != nil {
-			return nil, err
-		}
-		opts.Metrics = m
-	}
-	if opts.Clock == nil {
-		opts.Clock = clock.Real{}
-	}
-	if opts.MaxStreams < 0 || opts.FirstMessageTimeout < 0 {
-		return nil, errors.New("extproc: MaxStreams and FirstMessageTimeout must not be negative")
-	}
-	if opts.MaxStreams == 0 {
-		opts.MaxStreams = DefaultMaxStreams
-	}
-	if opts.FirstMessageTimeout == 0 {
-		opts.FirstMessageTimeout = DefaultFirstMessageTimeout
+	opts, err := opts.withDefaults()
+	if err != nil {
+		return nil, err
 	}
 	s := &Server{
 		store:             opts.Store,
@@ -171,6 +147,40 @@ func NewServer(opts Options) (*Server, error) {
 	u := s.metrics.unconfirmed
 	s.unconfirmedClaims, s.unconfirmedCompletes = u.WithLabelValues(unconfirmedClaim), u.WithLabelValues(unconfirmedComplete)
 	return s, nil
+}
+
+// withDefaults returns o with every field left zero set to its default.
+func (o Options) withDefaults() (Options, error) {
+	if o.Store == nil {
+		return o, errors.New("extproc: a store is required")
+	}
+	if o.MaxStreams < 0 || o.FirstMessageTimeout < 0 {
+		return o, errors.New("extproc: MaxStreams and FirstMessageTimeout must not be negative")
+	}
+	if o.Policy == nil {
+		o.Policy = policy.Default()
+	}
+	if o.Logger == nil {
+		nop := zerolog.Nop()
+		o.Logger = &nop
+	}
+	if o.Metrics == nil {
+		m, err := NewMetrics(prometheus.NewRegistry())
+		if err != nil {
+			return o, err
+		}
+		o.Metrics = m
+	}
+	if o.Clock == nil {
+		o.Clock = clock.Real{}
+	}
+	if o.MaxStreams == 0 {
+		o.MaxStreams = DefaultMaxStreams
+	}
+	if o.FirstMessageTimeout == 0 {
+		o.FirstMessageTimeout = DefaultFirstMessageTimeout
+	}
+	return o, nil
 }
 
 // misconfigured counts a request that showed an Envoy misconfiguration of kind, and calls log
@@ -292,7 +302,7 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 // the process: grpc-go does not recover handlers, and the whole process, with its memory store
 // and every other stream's lease, must not go down with one request. The stream ends with
 // codes.Internal, and its lease is released or kept as for any stream cut short. A panic inside a
-// store call goes on and ends the process, and no further store call is made: the store may be
+// store call (leaseCall.broken tells it) goes on and ends the process, and no further store call is made: the store may be
 // left locked (the memory store's mutex) or half changed, and a process that went on would hang
 // or serve from a broken store. Install it on the gRPC server that serves s.
 func (s *Server) StreamInterceptor() grpc.StreamServerInterceptor {

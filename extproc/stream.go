@@ -20,10 +20,12 @@ import (
 // modes, the answers the claim withholds and then owes, mode_override, and which answer carries
 // the outcome. What the request is and what happens to its key is decided by the functions of
 // decide.go; the stream reads their inputs out of Envoy's messages and carries their verdicts
-// out as answers (answer.go) and store calls.
+// out as answers (answer.go) and as store calls, which its leaseCall makes (leasecall.go).
 
-// state is where one request is in its life. It is the stream's one value that steers what a
-// message does; what the stream withholds and owes Envoy is its withheld value.
+// state is where one request is in its life. It is the stream's one control value: what a
+// message does follows from it, and the request's outcome is settled by the move that leaves it
+// in pass or settled (stream.move). What the stream still owes Envoy (withheld) and what its
+// store calls did (leaseCall) are values, not flags beside it.
 type state uint8
 
 const (
@@ -80,14 +82,14 @@ func (e event) String() string { return eventNames[e] }
 //	start        run          running      request_headers: claimed (no body, or the route needs none)
 //	start        unprotected  unprotected  request_headers: store failed under fail_mode: open, or NONE body mode under open
 //	collect      pass         pass         shadow mode: the body's end, where enforcement would have answered
-//	collect      answer       settled      the body's end: 409/422/replay/503; 413 over max_request_bytes or partial
+//	collect      answer       settled      the body's end: 409/422/replay/503; 413 over max_request_bytes or partial; the stream ends first
 //	collect      run          running      the body's end: claimed
 //	collect      unprotected  unprotected  the body's end: store failed under fail_mode: open; response headers before the body's end
 //	running      store        capture      response_headers: a storable status via the upstream, body follows
 //	running      settle       settled      response_headers: stored whole (no body), or released, or an ambiguous outcome
 //	running      settle       settled      the stream ends before response headers: unknown_outcome
 //	capture      settle       settled      the body's end (or trailers): completed; the stream ends first: completed without body
-//	unprotected  settle       settled      response_headers
+//	unprotected  settle       settled      response_headers, or the stream ends first
 var transitions = []struct {
 	from state
 	on   event
