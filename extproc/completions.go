@@ -123,10 +123,10 @@ func (c *completions) run(p pendingCompletion) {
 		c.wg.Done()
 	}()
 	s, m := c.s, c.s.metrics
-	ren := s.renewEvery(&renewal{}, renewalOwner{ctx: c.ctx, log: p.event}, p.hold)
+	// The writes' store calls, made as a request's are: renewed until Shutdown gives up (c.ctx).
+	call := &leaseCall{s: s, req: &admitted{id: p.requestID, route: p.route}, ctx: c.ctx, keyHash: p.keyHash, hold: p.hold}
+	ren := s.renewEvery(&renewal{}, call, p.hold)
 	defer ren.stop()
-	// The writes' own store calls, made as a request's are.
-	call := &leaseCall{s: s, req: &admitted{id: p.requestID, route: p.route}, ctx: context.Background(), keyHash: p.keyHash, hold: p.hold}
 	wait := retryFirst
 	for attempt := 1; ; attempt++ {
 		// Half the wait, plus up to as much again at random: replicas that lost the store

@@ -100,7 +100,7 @@ func (c *leaseCall) acquire(key string, cl cache.Claim) (*cache.Record, error) {
 	case rec == nil:
 		c.hold = s.hold(lease, cl, sent)
 		s.metrics.inflight.Inc()
-		s.renewEvery(&c.hold.renewal, renewalOwner{ctx: c.ctx, span: c.storeSpan, log: c.event}, c.hold)
+		s.renewEvery(&c.hold.renewal, c, c.hold)
 	}
 	return rec, err
 }

@@ -6,9 +6,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/rs/zerolog"
-	"go.opentelemetry.io/otel/trace"
-
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
 )
@@ -26,14 +23,6 @@ type renewal struct {
 	cancel  context.CancelFunc // ends the renewal in flight, if any
 }
 
-// renewalOwner is what a renewal needs from its owner: the context that bounds it, the span of
-// each renewal (nil without tracing) and the identity its log lines carry.
-type renewalOwner struct {
-	ctx  context.Context
-	span func(op string) trace.Span
-	log  func(*zerolog.Event) *zerolog.Event
-}
-
 // maxAwayRetry bounds the wait between two tries to reach the store with a lease while it does
 // not answer: the time from the store's return to a lapsed claim's re-assertion is at most this
 // plus one store call.
@@ -45,9 +34,10 @@ func awayRetry(lockTTL time.Duration) time.Duration {
 	return max(min(lockTTL/6, maxAwayRetry), time.Millisecond)
 }
 
-// renewEvery starts r renewing h's lease every lock_ttl/3 until stop is called or the owner's
-// context ends, and returns r.
-func (s *Server) renewEvery(r *renewal, o renewalOwner, h *hold) *renewal {
+// renewEvery starts r renewing h's lease every lock_ttl/3 until stop is called or the context of
+// o, the store calls it renews for, ends; it returns r. Each renewal is one of o's calls: bounded
+// by its context, traced as its span, logged with its identity.
+func (s *Server) renewEvery(r *renewal, o *leaseCall, h *hold) *renewal {
 	interval := h.claim.LockTTL / 3
 	var tick func()
 	tick = func() {
@@ -64,23 +54,19 @@ func (s *Server) renewEvery(r *renewal, o renewalOwner, h *hold) *renewal {
 		// Outside the lock, so that stop never waits for a store call: a renewal that lands
 		// after the completion or release is refused by the store (the record is no longer
 		// pending), and one cut short by stop changes nothing.
-		var sp trace.Span
-		if o.span != nil {
-			sp = o.span("renew")
-		}
-		err := s.keep(ctx, sp, h, o.log)
+		err := s.keep(ctx, o.storeSpan("renew"), h, o.event)
 		next := interval
 		switch {
 		case ctx.Err() != nil:
 			return
 		case errors.Is(err, cache.ErrLeaseLost):
-			s.leaseLost(h, o.log, "renewal")
+			s.leaseLost(h, o.event, "renewal")
 			return
 		case errors.Is(err, errContested):
-			o.log(s.log.Warn()).Msg("re-asserting the claim found another owner's record; trying again until lock_ttl has passed")
+			o.event(s.log.Warn()).Msg("re-asserting the claim found another owner's record; trying again until lock_ttl has passed")
 			next = awayRetry(h.claim.LockTTL)
 		case err != nil:
-			o.log(s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
+			o.event(s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
 			next = awayRetry(h.claim.LockTTL)
 		}
 		r.mu.Lock()
