@@ -10,7 +10,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
-	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
 // A lease this replica holds is a hold, from the claim until its completion is written (or given
@@ -171,18 +170,6 @@ func (s *Server) unhold(h *hold) {
 
 // held returns this replica's hold on key, if any.
 func (s *Server) held(key string) *hold { return s.holds.get(key) }
-
-// heldLocally judges a covered request against this replica's own hold on its key, without the
-// store: ok is false when there is none. Otherwise p is 409 or 422, as judgeRecord says for a
-// pending record, and inFlight whether a wait may follow.
-func (s *Server) heldLocally(r *policy.Route, key string, fp []byte) (p *problem, inFlight, ok bool) {
-	h := s.held(key)
-	if h == nil {
-		return nil, false, false
-	}
-	p, inFlight = judgeRecord(r, fp, h.record())
-	return p, inFlight, true
-}
 
 // leaseLost counts and logs, once per hold, a lease lost while its request ran or its completion
 // was pending: the record was removed while the store answered, or another request claimed the
