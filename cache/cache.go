@@ -246,6 +246,9 @@ type Response struct {
 	// BodyOmitted marks a response whose body was not kept (too large, never seen whole, or not
 	// to be stored): the request ran and completed, but it cannot be replayed.
 	BodyOmitted bool
+	// Trailers are the response trailers to replay, in order (a gRPC response's grpc-status and
+	// grpc-message); nil for a response that had none.
+	Trailers []Header
 	// OutcomeUnknown marks a record of a request whose outcome nobody knows: it may or may not
 	// have run upstream (unknown_outcome: record, docs/guarantees.md#ambiguous-outcomes). Such a response has no headers and no
 	// body (BodyOmitted is set with it); Status is the status Envoy made, or 0 when the stream

@@ -44,6 +44,10 @@ func TestResponseRoundTrip(t *testing.T) {
 		{Status: 200, Body: bytes.Repeat([]byte{0, 0xff}, 70_000)},
 		{Status: 200, Headers: []Header{{Name: "h", Value: []byte("v")}}, BodyOmitted: true},
 		{Status: 999, Headers: []Header{{Name: strings.Repeat("n", 300), Value: bytes.Repeat([]byte{0x80}, 20_000)}}},
+		// A gRPC response: its message framed, its status in the trailers.
+		{Status: 200, Headers: []Header{{Name: "content-type", Value: []byte("application/grpc")}},
+			Body: []byte{0, 0, 0, 0, 2, 8, 1}, Trailers: []Header{{Name: "grpc-status", Value: []byte("0")}, {Name: "grpc-message"}}},
+		{Status: 200, Trailers: []Header{{Name: "grpc-status", Value: []byte("0")}}, BodyOmitted: true},
 	}
 	for _, want := range cases {
 		b := appendResponse(nil, want)
@@ -66,6 +70,10 @@ func TestDecodeResponseRejectsMalformed(t *testing.T) {
 		"truncated header": valid[:12],
 		"overlong varint":  {1, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01},
 		"omitted but body": {1, 0xc8, 0x01, 1, 0, 0, 'x'},
+		// flagTrailers (4) with a count of 0, and with outcome unknown (3).
+		"trailers flagged, none":     {1, 0xc8, 0x01, 4, 0, 0},
+		"trailers of an unknown one": {1, 0, 4 | 3, 0, 1, 1, 'a', 1, 'b'},
+		"huge trailer count":         {1, 0xc8, 0x01, 4, 0, 0xff, 0xff, 0xff, 0xff, 0x0f},
 	}
 	for name, b := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -81,6 +89,7 @@ func FuzzDecodeResponse(f *testing.F) {
 	f.Add(appendResponse(nil, goldenResponse()))
 	f.Add(appendResponse(nil, Response{Status: 200, BodyOmitted: true}))
 	f.Add([]byte{1, 0xc8, 0x01, 0})
+	f.Add(appendResponse(nil, Response{Status: 200, Body: []byte{0, 0, 0, 0, 0}, Trailers: []Header{{Name: "grpc-status", Value: []byte("0")}}}))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		r, err := decodeResponse(b)
 		if err != nil {
@@ -92,6 +101,7 @@ func FuzzDecodeResponse(f *testing.F) {
 		require.Equal(t, r.Status, again.Status)
 		require.Equal(t, r.BodyOmitted, again.BodyOmitted)
 		require.Equal(t, len(r.Headers), len(again.Headers))
+		require.Equal(t, len(r.Trailers), len(again.Trailers))
 		require.True(t, bytes.Equal(r.Body, again.Body))
 	})
 }

@@ -308,6 +308,8 @@ func testRoundTripExact(t *testing.T, h Harness) {
 			{Name: "x-latin1", Value: []byte{'c', 'a', 'f', 0xe9}},
 		},
 		Body: body,
+		// A gRPC response's status travels in its trailers.
+		Trailers: []cache.Header{{Name: "grpc-status", Value: []byte("0")}, {Name: "grpc-message", Value: []byte("caf\xe9")}},
 	}
 	fp := []byte{0, 1, 2, 0xff, 0xfe, 0}
 	l := mustOwn(t, s, "k", cache.Claim{Fingerprint: fp, LockTTL: h.lockTTL, TTL: h.ttl})
@@ -740,10 +742,15 @@ func requireResponse(t *testing.T, want, got cache.Response) {
 	require.Equal(t, want.Status, got.Status)
 	require.Equal(t, want.BodyOmitted, got.BodyOmitted)
 	require.True(t, bytes.Equal(want.Body, got.Body), "body differs: want %q, got %q", want.Body, got.Body)
-	require.Len(t, got.Headers, len(want.Headers))
-	for i := range want.Headers {
-		require.Equal(t, want.Headers[i].Name, got.Headers[i].Name, "header %d", i)
-		require.True(t, bytes.Equal(want.Headers[i].Value, got.Headers[i].Value), "header %d %s: want %q, got %q", i, want.Headers[i].Name, want.Headers[i].Value, got.Headers[i].Value)
+	for _, part := range []struct {
+		what      string
+		want, got []cache.Header
+	}{{"header", want.Headers, got.Headers}, {"trailer", want.Trailers, got.Trailers}} {
+		require.Len(t, part.got, len(part.want), part.what+"s")
+		for i := range part.want {
+			require.Equal(t, part.want[i].Name, part.got[i].Name, "%s %d", part.what, i)
+			require.True(t, bytes.Equal(part.want[i].Value, part.got[i].Value), "%s %d %s: want %q, got %q", part.what, i, part.want[i].Name, part.want[i].Value, part.got[i].Value)
+		}
 	}
 }
 
