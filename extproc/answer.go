@@ -53,6 +53,8 @@ type echo struct {
 	k     msgKind
 	chunk []byte
 	eos   bool
+	// noMessage: the body ends without a message (grpc-go's half-close, body mode GRPC).
+	noMessage bool
 }
 
 // mark answers the response headers of a covered request: the replay header set to false
@@ -96,6 +98,13 @@ func render(r *route, a answer) (resp *extprocv3.ProcessingResponse, own bool) {
 		resp = passThroughRequestHeaders
 	case echo:
 		resp, own = streamedBody(a.k, a.chunk, a.eos), true
+		if a.noMessage {
+			br := resp.GetRequestBody()
+			if br == nil {
+				br = resp.GetResponseBody()
+			}
+			br.GetResponse().GetBodyMutation().GetStreamedResponse().EndOfStreamWithoutMessage = true
+		}
 	case mark:
 		switch {
 		case !a.expires.IsZero():

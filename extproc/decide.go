@@ -2,6 +2,7 @@ package extproc
 
 import (
 	"errors"
+	"net/http"
 	"time"
 
 	"google.golang.org/protobuf/types/known/structpb"
@@ -40,17 +41,35 @@ type admission struct {
 	scope    scope
 	// needsBody: the claim waits for the whole body (it is fingerprinted, or is the key).
 	needsBody bool
+	// grpc: the request is a gRPC call (its content-type, or its route's grpc: true): its
+	// answers are gRPC statuses and its outcome is its grpc-status (grpc.go).
+	grpc bool
+	// proxyless: the call came through grpc-go's own ext_proc client (gRFC A93), which sends no
+	// :path (Envoy always does): it takes no streamed immediate response.
+	proxyless bool
 }
 
 // admit decides what a request on route r is: not covered, answered at once, or to be claimed.
 // What depends on the route alone (whether its scope reads claims, whether its fingerprint
 // reads the body) was compiled into r at load.
 func admit(r *route, req requestInfo) admission {
-	if !r.Enabled || !r.Covers(string(req.method)) || isGRPC(req.headers) {
-		// A gRPC request is never covered: Envoy turns every ImmediateResponse into a
-		// trailers-only gRPC reply, so a replay could not be faithful.
+	method := req.method
+	if len(method) == 0 && r.GRPC {
+		// grpc-go's ext_proc client sends the call's metadata only: a gRPC call is a POST.
+		method = []byte(http.MethodPost)
+	}
+	if !r.Enabled || !r.Covers(string(method)) {
 		return admission{}
 	}
+	a := admitCovered(r, req)
+	a.grpc = a.covered && (r.GRPC || isGRPC(req.headers))
+	_, hasPath := req.headers.lookup(":path")
+	a.proxyless = a.grpc && !hasPath
+	return a
+}
+
+// admitCovered decides a request whose route covers its method.
+func admitCovered(r *route, req requestInfo) admission {
 	key, present, err := parseKey(req.headers, r.KeyHeaders)
 	switch {
 	case err != nil:

@@ -62,7 +62,13 @@ func TestAdmit(t *testing.T) {
 		{"a GET is not covered", "", info("GET", "idempotency-key", "k"), admission{}},
 		{"no key under optional", "", info("POST"), admission{}},
 		{"a disabled route", "defaults: {enabled: false}", info("POST", "idempotency-key", "k"), admission{}},
-		{"gRPC is never covered", "", info("POST", "idempotency-key", "k", "content-type", "application/grpc"), admission{}},
+		{"gRPC by its content-type", "", info("POST", "idempotency-key", "k", "content-type", "application/grpc+proto"),
+			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true, grpc: true}},
+		{"gRPC by its route, without content-type", "routes: [{name: charge, match: {path_prefix: /}, grpc: true}]", info("POST", "idempotency-key", "k"),
+			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true, grpc: true}},
+		{"grpc-web is not gRPC", "", info("POST", "idempotency-key", "k", "content-type", "application/grpc-web"),
+			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true}},
+		{"a gRPC call without a key under optional", "", info("POST", "content-type", "application/grpc"), admission{}},
 		{"a key: claimed at the body", "", info("POST", "idempotency-key", "k"),
 			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true}},
 		{"a quoted key is unquoted", "", info("PUT", "idempotency-key", `"k"`),
@@ -122,6 +128,7 @@ func TestAdmit(t *testing.T) {
 				require.Equal(t, c.want.bodyHash, got.bodyHash)
 				require.Equal(t, c.want.ttl, got.ttl)
 				require.Equal(t, c.want.needsBody, got.needsBody)
+				require.Equal(t, c.want.grpc, got.grpc, "grpc")
 			}
 		})
 	}

@@ -17,7 +17,10 @@ import (
 // ImmediateResponse answers whatever is outstanding and ends the exchange. In a
 // FULL_DUPLEX_STREAMED direction the body goes back as streamed_response chunks of the
 // processor's own size, so the body's answers are counted in bytes: never more bytes back than
-// came, and none before they came.
+// came, and none before they came. A streamed immediate response starts only as the answer to
+// the request headers Envoy still waits for (DecodingProcessorState::startLocalResponse in
+// processor_state.cc), and its body and trailers follow only after its headers; its last part
+// ends the exchange.
 
 // ledger collects the violations of every stream of one harness.
 type ledger struct {
@@ -59,6 +62,7 @@ type ledgerStream struct {
 	respDuplex  bool
 	modesKnown  bool
 	ended       bool // an ImmediateResponse went
+	local       bool // a streamed immediate response started
 }
 
 func (s *ledgerStream) RecvMsg(m any) error {
@@ -105,6 +109,9 @@ func (s *ledgerStream) check(resp *extprocv3.ProcessingResponse) {
 		return
 	case k == "immediate_response":
 		s.ended, s.outstanding = true, nil
+		return
+	case k == "streamed_immediate_response":
+		s.checkLocal(resp.GetStreamedImmediateResponse())
 		return
 	case len(s.outstanding) == 0:
 		s.l.violate("%s sent, but Envoy has no message waiting for an answer", k)
@@ -161,4 +168,28 @@ func requestKind(req *extprocv3.ProcessingRequest) string {
 		return "response_trailers"
 	}
 	return "unknown"
+}
+
+// checkLocal holds one part of a streamed immediate response. s.mu is held.
+func (s *ledgerStream) checkLocal(r *extprocv3.StreamedImmediateResponse) {
+	switch part := r.GetResponse().(type) {
+	case *extprocv3.StreamedImmediateResponse_HeadersResponse:
+		if s.local || len(s.outstanding) == 0 || s.outstanding[0].kind != "request_headers" {
+			s.l.violate("a streamed immediate response started, but Envoy is not waiting for the request headers' answer")
+		}
+		s.local, s.outstanding = true, nil
+		s.ended = part.HeadersResponse.GetEndOfStream()
+	case *extprocv3.StreamedImmediateResponse_BodyResponse:
+		if !s.local {
+			s.l.violate("a streamed immediate response's body before its headers")
+		}
+		s.ended = part.BodyResponse.GetEndOfStream()
+	case *extprocv3.StreamedImmediateResponse_TrailersResponse:
+		if !s.local {
+			s.l.violate("a streamed immediate response's trailers before its headers")
+		}
+		s.ended = true
+	default:
+		s.l.violate("a streamed immediate response with no part")
+	}
 }

@@ -284,28 +284,25 @@ func TestFullDuplexBodyStreamedBackAfterTheClaim(t *testing.T) {
 	require.Equal(t, []int{64 << 10, 64 << 10, 22 << 10}, sizes)
 }
 
-// gRPC requests are never covered: Envoy would turn a replay into a trailers-only gRPC
-// error. They pass through untouched, counted as passthrough.
-func TestGRPCRequestsAreNotCovered(t *testing.T) {
-	// Envoy's Grpc::Common::hasGrpcContentType (source/common/grpc/common.cc): exactly
-	// application/grpc, or application/grpc+…; anything else is covered like any request, its
-	// local replies left as they are.
-	covered := map[string]bool{"application/grpc-web": true, "application/grpc;charset=utf-8": true, "application/grpcx": true, "Application/grpc": true}
+// A request is a gRPC call exactly when Envoy treats it as one (Grpc::Common::hasGrpcContentType
+// in source/common/grpc/common.cc: application/grpc, or application/grpc+…), and its problems
+// are then answered as gRPC statuses; any other content-type is answered as HTTP.
+func TestGRPCCallsByContentType(t *testing.T) {
+	grpcTypes := map[string]bool{"application/grpc": true, "application/grpc+proto": true, "application/grpc+json": true}
 	for _, ct := range []string{"application/grpc", "application/grpc+proto", "application/grpc+json", "application/grpc-web", "application/grpc;charset=utf-8", "application/grpcx", "Application/grpc"} {
 		t.Run(ct, func(t *testing.T) {
 			h := newHarness(t, harnessOptions{policy: "defaults: {missing_key: required}"})
-			req := post("/pkg.Service/Method", "k", "\x00\x00\x00\x00\x02hi", "content-type", ct)
-			res := h.do(req, created)
-			if covered[ct] {
-				require.Equal(t, []string{"false"}, res.header(replayed))
-				require.False(t, h.do(req, created).executed, "replayed")
+			st := h.open()
+			ir := st.send(requestHeaders(post("/pkg.Service/Method", "", "\x00\x00\x00\x00\x02hi", "content-type", ct))).GetImmediateResponse()
+			require.NotNil(t, ir, "a covered request without a key is refused")
+			if grpcTypes[ct] {
+				require.Equal(t, uint32(3), ir.GetGrpcStatus().GetStatus(), "INVALID_ARGUMENT")
+				require.Equal(t, "missing-idempotency-key", string(ir.GetBody()), "the code, which Envoy sends as grpc-message")
 				return
 			}
-			require.True(t, res.executed)
-			require.Empty(t, res.header(replayed), "untouched")
-			require.True(t, h.do(req, created).executed, "and again")
-			h.waitIdle(t)
-			require.Equal(t, 2.0, h.counter("idempotency_requests_total", "route", "default", "outcome", "passthrough"))
+			require.Nil(t, ir.GetGrpcStatus())
+			require.Equal(t, 400, int(ir.GetStatus().GetCode()))
+			require.Contains(t, string(ir.GetBody()), `"code":"missing-idempotency-key"`)
 		})
 	}
 }

@@ -11,7 +11,7 @@ type Outcome string
 
 // The outcomes (docs/outcomes.md has the table).
 const (
-	// Passthrough: not covered (or no key under missing_key: optional, or a gRPC request);
+	// Passthrough: not covered (or no key under missing_key: optional);
 	// nothing was stored.
 	Passthrough Outcome = "passthrough"
 	// Executed: the request ran upstream under a lease.
@@ -128,6 +128,8 @@ var (
 		"This endpoint requires an authenticated caller for idempotent requests.", false)
 	problemScopeAmbiguous = newProblem(Misconfigured, http.StatusInternalServerError, "scope-ambiguous",
 		"The caller's identity cannot be told apart for idempotency on this route.", false)
+	problemGRPCNotUnary = newProblem(Invalid, http.StatusBadRequest, "grpc-not-unary",
+		"The gRPC call sent more than one message; only unary calls are protected on this method.", false)
 	// 400, not 401: the token is valid, and a new one would carry the same claim, so a client
 	// that refreshes its token on 401 would only send the same request again.
 	problemScopeClaimAmbiguous = newProblem(ScopeClaimAmbiguous, http.StatusBadRequest, "scope-claim-ambiguous",
@@ -138,7 +140,7 @@ var problems = []*problem{
 	problemMissingKey, problemInvalidKey, problemInvalidTTL, problemInProgress, problemReused,
 	problemNotReplayable, problemOutcomeUnknown, problemTooLarge, problemBodyNotAvailable,
 	problemStoreUnavailable, problemDurabilityUnmet, problemUnknownRoute, problemRouteMismatch, problemScopeMissing,
-	problemScopeAmbiguous, problemScopeClaimAmbiguous,
+	problemScopeAmbiguous, problemScopeClaimAmbiguous, problemGRPCNotUnary,
 }
 
 // Release reasons, the reason label of idempotency_releases_total.

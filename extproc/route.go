@@ -35,6 +35,8 @@ type route struct {
 	// stored (when no expiry header is written); notStored also turns its body phase off.
 	stored, notStored *extprocv3.ProcessingResponse
 	problems          map[*problem]*extprocv3.ProcessingResponse
+	// grpcProblems are the problems' answers to gRPC calls (grpcProblemResponse).
+	grpcProblems map[*problem]*extprocv3.ProcessingResponse
 	// fresh is the answer to a stored response's headers with the expiry of the second it
 	// holds: every response stored within one second carries the same HTTP-date.
 	fresh atomic.Pointer[freshAnswer]
@@ -61,6 +63,7 @@ func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error)
 		stored:          markResponseHeaders(r, nil, time.Time{}),
 		notStored:       markResponseHeaders(r, noStoreMode, time.Time{}),
 		problems:        map[*problem]*extprocv3.ProcessingResponse{},
+		grpcProblems:    map[*problem]*extprocv3.ProcessingResponse{},
 		waitCalls:       m.waitCalls.WithLabelValues(r.Name),
 		unreadable:      m.unreadable.WithLabelValues(r.Name),
 		retried:         m.upstreamRetries.WithLabelValues(r.Name),
@@ -87,6 +90,7 @@ func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error)
 			return nil, err
 		}
 		c.problems[p] = resp
+		c.grpcProblems[p] = grpcProblemResponse(p, r)
 	}
 	return c, nil
 }

@@ -235,6 +235,7 @@ type stream struct {
 	metadata []byte
 	// sentOverride is the mode_override this stream sent, to tell when Envoy refused it.
 	sentOverride *filterextproc.ProcessingMode
+	grpc         grpcState
 }
 
 func newStream(s *Server, ctx context.Context) *stream {
@@ -292,6 +293,9 @@ func (st *stream) send(a answer) {
 	if k := a.answers(); (k == kindRequestBody || k == kindRequestTrailers) && st.w.end == bodyHeld {
 		st.w.end = bodyOpen // Envoy sends the request on
 	}
+	if st.req.adm.grpc && st.sendGRPC(a) {
+		return
+	}
 	resp, own := render(st.req.route, a)
 	if st.metadata != nil {
 		resp = withMetadata(resp, own, st.metadata)
@@ -325,7 +329,11 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3
 		if st.state == stateCapture {
 			// Trailers end the body of a streamed response: the record is written before their
 			// answer lets the response's end go on.
-			st.call.complete()
+			if st.req.adm.grpc {
+				st.grpcTrailers(r.ResponseTrailers)
+			} else {
+				st.call.complete()
+			}
 			st.fire(evSettle)
 		}
 		st.send(proceed(kindResponseTrailers))
@@ -370,8 +378,8 @@ func (st *stream) withholdsHeaders() bool {
 // pass answers a message that needs nothing from the processor: CONTINUE, or the same chunk
 // back in a FULL_DUPLEX_STREAMED direction.
 func (st *stream) pass(k msgKind, chunk []byte, eos bool) {
-	if (k == kindRequestBody || k == kindResponseBody) && st.fullDuplex(k) {
-		st.send(echo{k: k, chunk: chunk, eos: eos})
+	if (k == kindRequestBody || k == kindResponseBody) && (st.fullDuplex(k) || st.grpcBodies(k)) {
+		st.send(echo{k: k, chunk: chunk, eos: eos, noMessage: st.grpcBodies(k) && eos && len(chunk) == 0})
 		return
 	}
 	st.send(proceed(k))
@@ -434,7 +442,7 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	if a.route.claims {
 		a.info.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
 	}
-	a.adm = admit(a.route, a.info)
+	a.adm = grpcAdmit(admit(a.route, a.info), st.requestMode())
 	switch {
 	case !a.adm.covered:
 		st.passThrough()
@@ -627,6 +635,9 @@ func (st *stream) flush(from state) {
 // carries out the verdict: 422, 409, a replay, a wait and another claim, or running it under a
 // fresh lease.
 func (st *stream) claim(body []byte) {
+	if st.req.adm.grpc && st.notUnary(body) {
+		return
+	}
 	r := st.req.route
 	key, fp := st.keys(body)
 	if !st.fullDuplex(kindRequestBody) {
@@ -704,6 +715,9 @@ func (st *stream) claimOnce(key string, c cache.Claim, round int, calls *int) cl
 // carryOut turns a claim's verdict into the stream's move and answers; rec is the record a replay
 // sends, waited the Preference-Applied of a duplicate that waited for it.
 func (st *stream) carryOut(v verdict, rec *cache.Record, waited string) {
+	if st.req.adm.grpc {
+		v = st.grpcVerdict(v, rec)
+	}
 	from := st.state
 	switch v.act {
 	case actRun:
@@ -788,10 +802,14 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.Struct) {
 	r, c := st.req.route, st.call
 	h := headers(m.GetHeaders().GetHeaders())
-	status := parseStatus(h.get(":status"))
+	status := st.responseStatus(h)
 	o := st.origin(attrs)
 	bodySent := st.responseMode() != filterextproc.ProcessingMode_NONE
-	what, reason, omitted := judgeResponse(r.Route, response{status: status, origin: o, endOfStream: m.GetEndOfStream(), bodySent: bodySent})
+	resp := response{status: status, origin: o, endOfStream: m.GetEndOfStream(), bodySent: bodySent}
+	what, reason, omitted := judgeResponse(r.Route, resp)
+	if st.req.adm.grpc {
+		what, reason, omitted = st.judgeGRPC(resp, h)
+	}
 	c.resp.Status = status
 	switch what {
 	case settleRelease:
@@ -824,7 +842,7 @@ func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.S
 // more than once.
 func (st *stream) origin(attrs map[string]*structpb.Struct) origin {
 	o := originOf(attrs)
-	if !o.detailsKnown {
+	if !o.detailsKnown && !st.req.adm.proxyless {
 		st.s.misconfigured(MisconfigCodeDetailsMissing, func() {
 			st.call.event(st.s.log.Warn()).Msg("a response came without response.code_details; add it to the ext_proc filter's response_attributes, or responses that would release the key are treated as possibly Envoy's (unknown outcomes)")
 		})
@@ -906,6 +924,10 @@ func (st *stream) responseBody(chunk []byte, eos bool) {
 		st.pass(kindResponseBody, chunk, eos)
 		return
 	}
+	if st.req.adm.grpc {
+		st.grpcResponseBody(chunk, eos)
+		return
+	}
 	resp, last := &st.call.resp, eos
 	switch st.responseMode() {
 	case filterextproc.ProcessingMode_BUFFERED:
@@ -965,6 +987,9 @@ func (st *stream) finish() {
 	}
 	if c.held() {
 		switch {
+		case st.state == stateCapture && st.req.adm.grpc:
+			// No grpc-status came: the call's outcome is unknown.
+			st.unknownOutcome(c.resp.Status)
 		case st.state == stateCapture:
 			c.resp.BodyOmitted = true
 			c.complete()

@@ -402,6 +402,8 @@ func kind(resp *extprocv3.ProcessingResponse) string {
 		return "response_trailers"
 	case *extprocv3.ProcessingResponse_ImmediateResponse:
 		return "immediate_response"
+	case *extprocv3.ProcessingResponse_StreamedImmediateResponse:
+		return "streamed_immediate_response"
 	}
 	return "unknown"
 }

@@ -156,7 +156,9 @@ type Route struct {
 	Timeout time.Duration
 	// Retry is the router's retry_policy on the route (the route's, else its virtual host's),
 	// nil for none. The proxy retries on the status conditions: 5xx, gateway-error,
-	// retriable-4xx and retriable-status-codes, up to num_retries (default 1), once the whole
+	// retriable-4xx and retriable-status-codes, and the gRPC ones (cancelled, deadline-exceeded,
+	// internal, resource-exhausted, unavailable) on a trailers-only response, up to num_retries
+	// (default 1), once the whole
 	// request body reached the router, sending the same headers and body again; the processor
 	// sees one request and, in upstream.request_attempt_count, the attempts.
 	Retry *routev3.RetryPolicy

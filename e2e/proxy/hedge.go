@@ -105,7 +105,7 @@ func (x *exchange) pickAttempt(res upstreamResult) bool {
 		return true
 	}
 	others := slices.DeleteFunc(append(x.inFlight, x.up), func(uc *upstreamCall) bool { return uc == res.from })
-	failed := res.err != nil || (x.route.Retry != nil && wouldRetryStatus(x.route.Retry, res.resp.StatusCode))
+	failed := res.err != nil || (x.route.Retry != nil && (wouldRetryStatus(x.route.Retry, res.resp.StatusCode) || wouldRetryGRPC(x.route.Retry, res.resp.Header)))
 	if failed && len(others) > 0 {
 		if res.resp != nil {
 			_ = res.resp.Body.Close()

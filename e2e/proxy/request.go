@@ -576,7 +576,7 @@ func (x *exchange) roundTrip(uc *upstreamCall, req *http.Request) {
 // count. The router buffers the request body for retries and sends it again with the request's
 // trailers (Router::Filter::doRetry in source/common/router/router.cc); the proxy retries only
 // once the whole body reached it. It reports whether it retried.
-func (x *exchange) retry(status int) bool {
+func (x *exchange) retry(status int, h http.Header) bool {
 	if x.route == nil || x.route.Retry == nil || x.up == nil || x.up.req == nil {
 		return false
 	}
@@ -585,7 +585,7 @@ func (x *exchange) retry(status int) bool {
 	if n := rp.GetNumRetries(); n != nil {
 		retries = n.GetValue()
 	}
-	if uint32(x.attempts) > retries || !wouldRetryStatus(rp, status) {
+	if uint32(x.attempts) > retries || !wouldRetryStatus(rp, status) && !wouldRetryGRPC(rp, h) {
 		return false
 	}
 	body, trailers := x.up.whole, x.up.trailers
@@ -642,6 +642,29 @@ func wouldRetryStatus(rp *routev3.RetryPolicy, status int) bool {
 	return false
 }
 
+// grpcRetryOn are the retry_on conditions on a gRPC status, by the grpc-status they retry
+// (RetryPolicy::RETRY_ON_GRPC_* in source/common/router/retry_state_impl.cc).
+var grpcRetryOn = map[string]string{
+	"cancelled": "1", "deadline-exceeded": "4", "resource-exhausted": "8", "internal": "13", "unavailable": "14",
+}
+
+// wouldRetryGRPC reports whether rp's retry_on retries a response whose headers carry h's
+// grpc-status: RetryStateImpl::wouldRetryFromHeaders reads it from the response headers only
+// (Grpc::Common::getGrpcStatus in source/common/grpc/common.cc), so only a trailers-only gRPC
+// response is retried, as an upstream sends for a call that fails before its message.
+func wouldRetryGRPC(rp *routev3.RetryPolicy, h http.Header) bool {
+	status := h.Get("grpc-status")
+	if status == "" {
+		return false
+	}
+	for _, c := range strings.Split(rp.GetRetryOn(), ",") {
+		if code, ok := grpcRetryOn[strings.TrimSpace(c)]; ok && code == status {
+			return true
+		}
+	}
+	return false
+}
+
 // startRouteTimer starts the route timeout once the whole request reached the router
 // (Router::Filter::onRequestComplete), and the attempt's per-try timer on a route that hedges.
 func (x *exchange) startRouteTimer() {
@@ -679,7 +702,7 @@ func (x *exchange) onUpstream(res upstreamResult) {
 		return
 	}
 	resp := res.resp
-	if x.retry(resp.StatusCode) {
+	if x.retry(resp.StatusCode, resp.Header) {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
 		_ = resp.Body.Close()
 		return

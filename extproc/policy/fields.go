@@ -218,6 +218,16 @@ var routeFields = []field{
 				x.r.StoreStatuses = s
 			}
 		}},
+	{key: "grpc", where: routesOnly,
+		doc: "`true`: the route is a gRPC unary method, its requests are gRPC whatever their `content-type` says (grpc-go's own ext_proc client sends none), and `check` holds its Envoy route to what gRPC needs; requests with a `content-type` of `application/grpc` are gRPC on any route",
+		set: setBool(func(r *Route, b bool) { r.GRPC = b })},
+	{key: "store_grpc_statuses", def: "[OK]",
+		doc: "the gRPC statuses whose responses are stored, by name (`OK`, `NOT_FOUND`) or number (`5`), read from `grpc-status` in the response trailers (or the headers of a trailers-only response); any other releases the key",
+		set: func(d *decoder, x *draft, v *yaml.Node, path string) {
+			if s, ok := d.grpcStatuses(v, path); ok {
+				x.r.StoreGRPCStatuses = s
+			}
+		}},
 	{key: "unknown_outcome", def: string(UnknownOutcomeRelease), values: names(UnknownOutcomeRelease, UnknownOutcomeKeep, UnknownOutcomeRecord),
 		doc: "a lease whose outcome the processor cannot know: freed at once, left to expire after `lock_ttl`, or kept as an outcome-unknown record (409 `outcome-unknown`) for the TTL",
 		set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.UnknownOutcome = UnknownOutcome(v.Value) }},
@@ -932,6 +942,31 @@ func (d *decoder) statuses(v *yaml.Node, path string) (StatusSet, bool) {
 			return
 		}
 		s.add(code)
+	})
+	return s, ok
+}
+
+// grpcStatuses reads a list of gRPC status codes, by canonical name or number.
+func (d *decoder) grpcStatuses(v *yaml.Node, path string) (GRPCStatusSet, bool) {
+	var s GRPCStatusSet
+	ok := d.list(v, path, func(item *yaml.Node, at string) {
+		if !d.scalar(item, at, "a gRPC status name or number") {
+			return
+		}
+		if code, err := strconv.Atoi(item.Value); err == nil {
+			if code < 0 || code >= len(GRPCStatusNames) {
+				d.fail(item, at, "%s is not a gRPC status code (0 to %d)", item.Value, len(GRPCStatusNames)-1)
+				return
+			}
+			s |= 1 << code
+			return
+		}
+		code := slices.Index(GRPCStatusNames[:], strings.ToUpper(item.Value))
+		if code < 0 {
+			d.fail(item, at, "%q is not a gRPC status (OK, CANCELLED, ... UNAUTHENTICATED, or 0 to %d)", item.Value, len(GRPCStatusNames)-1)
+			return
+		}
+		s |= 1 << code
 	})
 	return s, ok
 }

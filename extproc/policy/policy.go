@@ -176,9 +176,13 @@ type Route struct {
 	Fingerprint        []Part
 	FingerprintHeaders []string
 	StoreStatuses      StatusSet
-	UnknownOutcome     UnknownOutcome
-	MaxResponseBytes   int
-	MaxRequestBytes    int
+	// GRPC: the route is a gRPC unary method, its requests gRPC whatever their content-type.
+	GRPC bool
+	// StoreGRPCStatuses are the grpc-status values of gRPC responses that are stored.
+	StoreGRPCStatuses GRPCStatusSet
+	UnknownOutcome    UnknownOutcome
+	MaxResponseBytes  int
+	MaxRequestBytes   int
 	// StoreBody false keeps status and headers only: duplicates get 409 response-not-replayable.
 	StoreBody bool
 	// InFlightWait is how long a duplicate of a request in flight may wait for its replay; 0
@@ -396,6 +400,22 @@ func (s StatusSet) Has(code int) bool {
 
 func (s *StatusSet) add(code int) { s.bits[code/64] |= 1 << (code % 64) }
 
+// GRPCStatusSet is a set of gRPC status codes (0 to 16), one bit each.
+type GRPCStatusSet uint32
+
+// Has reports whether code is in the set.
+func (s GRPCStatusSet) Has(code int) bool {
+	return code >= 0 && code < len(GRPCStatusNames) && s&(1<<code) != 0
+}
+
+// GRPCStatusNames are the gRPC status codes' canonical names, by number
+// (https://grpc.github.io/grpc/core/md_doc_statuscodes.html).
+var GRPCStatusNames = [...]string{
+	"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+	"ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
+	"OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+}
+
 // Problem replaces the built-in answer for one problem code (docs/outcomes.md lists the codes).
 type Problem struct {
 	// Status is the HTTP status; 0 keeps the built-in one.
@@ -454,6 +474,7 @@ var ProblemCodes = []string{
 	"scope-missing",
 	"scope-ambiguous",
 	"scope-claim-ambiguous",
+	"grpc-not-unary",
 }
 
 // Default returns the policy with every built-in default and no routes.

@@ -162,6 +162,25 @@ defaults: {store_statuses: ["2xx", 409, "410", "4XX"]}
 				require.False(t, s.Has(c), c)
 			}
 		}},
+		{"grpc routes and their stored statuses, by name or number", `
+routes:
+  - {name: charge, match: {path_exact: /payments.v1.Payments/Charge}, grpc: true, store_grpc_statuses: [OK, not_found, 6]}
+  - {name: plain, match: {path_prefix: /}}
+`, func(t *testing.T, p *policy.Policy) {
+			charge, plain := p.Routes[0], p.Routes[1]
+			require.True(t, charge.GRPC)
+			require.False(t, plain.GRPC, "grpc is false unless a route says so")
+			for _, c := range []int{0, 5, 6} {
+				require.True(t, charge.StoreGRPCStatuses.Has(c), c)
+			}
+			for _, c := range []int{1, 2, 10, 14, 16, 17, -1} {
+				require.False(t, charge.StoreGRPCStatuses.Has(c), c)
+			}
+			require.True(t, plain.StoreGRPCStatuses.Has(0), "store_grpc_statuses defaults to [OK]")
+			for c := 1; c < len(policy.GRPCStatusNames); c++ {
+				require.False(t, plain.StoreGRPCStatuses.Has(c), c)
+			}
+		}},
 		{"ttl_header can be turned off; names are lower-cased", `
 defaults: {ttl_header: "", key_headers: [Idempotency-Key], replay_header: X-Replayed, scope_headers: []}
 fail_mode: open
@@ -236,6 +255,10 @@ func TestInvalidFiles(t *testing.T) {
 		{"fingerprint headers on a route without a fingerprint", "defaults: {fingerprint: []}\nroutes: [{name: a, match: {path_prefix: /}, fingerprint_headers: [x-a]}]\n",
 			[]string{"routes[0] (a).fingerprint_headers", "mismatch check off"}},
 		{"bad status", "defaults: {store_statuses: [2xx, 700, teapot]}\n", []string{"700 is not an HTTP status", `"teapot"`}},
+		{"bad grpc statuses", "defaults:\n  store_grpc_statuses: [OK, 17, TEAPOT, {a: 1}]\n", []string{
+			"defaults.store_grpc_statuses[1]: 17 is not a gRPC status code (0 to 16) (line 2)", `defaults.store_grpc_statuses[2]: "TEAPOT" is not a gRPC status`,
+			"defaults.store_grpc_statuses[3]"}},
+		{"grpc is a boolean", "routes: [{name: a, match: {path_prefix: /}, grpc: yes-please}]\n", []string{`routes[0] (a).grpc: must be true or false, got "yes-please" (line 1)`}},
 		{"bad header name", "defaults: {key_headers: [\"idempotency key\"]}\n", []string{"defaults.key_headers", "not a valid header name"}},
 		{"no key headers", "defaults: {key_headers: []}\n", []string{"defaults.key_headers", "at least one"}},
 		{"ttl above max_ttl", "defaults: {ttl: 48h}\n", []string{"defaults.ttl", "exceeds max_ttl"}},

@@ -217,6 +217,7 @@ func (r reading) findings(p *policy.Policy, c covered, policyFile string, names 
 	var out []Finding
 	for _, d := range r.deployments {
 		out = append(out, deploymentFindings(d, p, n)...)
+		out = append(out, grpcFindings(d, p, r.version)...)
 	}
 	out = append(out, r.egOrders...)
 	out = append(out, r.egJWT.findings(n)...)

@@ -95,6 +95,8 @@ type routeEntry struct {
 	// ResponseBuffer is the buffer limit a BUFFERED response body of this route must fit in, nil
 	// when it is not known (a cluster that is not static).
 	ResponseBuffer *limitSetting
+	// GRPC: the route serves gRPC calls (its match has grpc: {}).
+	GRPC bool
 }
 
 // limitSetting is a response buffer limit and where it is set.
@@ -261,7 +263,7 @@ type routeWalk struct {
 // configures the filter.
 func (w routeWalk) add(name, path string, tpfc map[string]*anypb.Any, base routeEntry) error {
 	e := routeEntry{Name: name, Path: path, Retry: base.Retry, Hedge: base.Hedge, RetryPath: base.RetryPath, HedgePath: base.HedgePath,
-		ResponseBuffer: base.ResponseBuffer, Config: base.Config}
+		ResponseBuffer: base.ResponseBuffer, Config: base.Config, GRPC: base.GRPC}
 	if a, ok := tpfc[w.d.FilterName]; ok {
 		e.Path = path + ".typed_per_filter_config[" + w.d.FilterName + "]"
 		c, err := deployedPerRoute(a)
@@ -288,7 +290,7 @@ func (w routeWalk) virtualHost(vh *routev3.VirtualHost, vp string, rcEnables boo
 		// A route's retry_policy replaces its virtual host's whole, and so does its
 		// hedge_policy, each on its own (route_components.proto).
 		base := routeEntry{Retry: vh.GetRetryPolicy(), Hedge: vh.GetHedgePolicy(), RetryPath: vp, HedgePath: vp,
-			ResponseBuffer: routeBufferLimit(w.b, w.d.File, r.GetRoute())}
+			ResponseBuffer: routeBufferLimit(w.b, w.d.File, r.GetRoute()), GRPC: r.GetMatch().GetGrpc() != nil}
 		ra := r.GetRoute()
 		if ra.GetRetryPolicy() != nil {
 			base.Retry, base.RetryPath = ra.GetRetryPolicy(), rp+".route"

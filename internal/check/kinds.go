@@ -71,6 +71,10 @@ const (
 	KindFilterAfterExtProc      Kind = "filter-after-ext-proc"
 	KindCircuitBreakers         Kind = "processor-circuit-breakers"
 	KindEnvoyVersion            Kind = "envoy-version"
+	KindGRPCResponseTrailers    Kind = "grpc-response-trailers"
+	KindGRPCRouterRetry         Kind = "grpc-router-retry"
+	KindGRPCReplayRefused       Kind = "grpc-replay-refused"
+	KindGRPCStreamedReplay      Kind = "grpc-streamed-replay-unsupported"
 	KindUnreadable              Kind = "unreadable-value"
 )
 
@@ -134,7 +138,11 @@ var kindSeverity = map[Kind]Severity{
 	KindFilterAfterExtProc:      Warning,
 	KindCircuitBreakers:         Warning,
 	KindEnvoyVersion:            Warning,
-	KindUnreadable:              Error, // Istio refuses it too: the filter it adds does not run
+	KindGRPCResponseTrailers:    Error,   // no call's grpc-status is seen: nothing is stored
+	KindGRPCRouterRetry:         Error,   // the router runs a claimed call again
+	KindGRPCReplayRefused:       Warning, // a retry gets ALREADY_EXISTS, not the first message
+	KindGRPCStreamedReplay:      Error,   // Envoy before 1.37 refuses the replay: the retry fails
+	KindUnreadable:              Error,   // Istio refuses it too: the filter it adds does not run
 }
 
 // Kinds returns every kind of finding with its severity.

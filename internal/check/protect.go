@@ -235,7 +235,7 @@ var roleWhy = map[string]string{
 	"fingerprint header": "requests that differ in it would replay each other instead of getting 422",
 	"ttl_header":         "per-request TTLs would be ignored",
 	"request":            "the processor could not tell the method or route of a request",
-	"content-type":       "gRPC requests would be covered although their replays cannot be faithful",
+	"content-type":       "gRPC calls would be taken for HTTP requests: answered with HTTP problems, and their outcome read from :status instead of grpc-status",
 }
 
 type checker struct {
@@ -651,10 +651,9 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 // upstream never received or never answered as an application (router/retry_state_impl.cc):
 // the connection or stream was refused before the request was sent, or an upstream Envoy
 // rate-limited it. The gRPC conditions (cancelled, deadline-exceeded, internal,
-// resource-exhausted, unavailable) fire only on a response that carries grpc-status, whatever
-// the request: accepted because covered requests are HTTP APIs whose upstreams do not send it
-// (gRPC requests are never covered). An upstream that answers a covered route with
-// grpc-status under one of them would have the request retried.
+// resource-exhausted, unavailable) fire only on a response that carries grpc-status: accepted
+// here, for HTTP routes whose upstreams do not send it, and refused on gRPC routes
+// (grpcFindings).
 var safeRetryOn = map[string]bool{
 	"connect-failure": true, "refused-stream": true, "reset-before-request": true, "envoy-ratelimited": true,
 	"cancelled": true, "deadline-exceeded": true, "internal": true, "resource-exhausted": true, "unavailable": true,

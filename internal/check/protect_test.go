@@ -334,7 +334,7 @@ func TestCheckProtectionRefuses(t *testing.T) {
 			[]want{{filterPath + ".forward_rules.disallowed_headers.patterns[0]", "instead of getting 422"}}},
 		{"content-type hidden", "", extProc(forward(nil, []*matcherv3.StringMatcher{{
 			MatchPattern: &matcherv3.StringMatcher_Suffix{Suffix: "-type"}}})),
-			[]want{{filterPath + ".forward_rules.disallowed_headers.patterns[0]", "gRPC requests would be covered"}}},
+			[]want{{filterPath + ".forward_rules.disallowed_headers.patterns[0]", "gRPC calls would be taken for HTTP requests"}}},
 		{"status hidden", "", extProc(forward(nil, []*matcherv3.StringMatcher{exact(":status")})),
 			[]want{{filterPath + ".forward_rules.disallowed_headers.patterns[0]", "which responses to store"}}},
 		{"ignore_case matches lower-case keys", "", extProc(forward(nil, []*matcherv3.StringMatcher{{
