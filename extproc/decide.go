@@ -63,8 +63,10 @@ func admit(r *route, req requestInfo) admission {
 	}
 	a := admitCovered(r, req)
 	a.grpc = a.covered && (r.GRPC || isGRPC(req.headers))
-	_, hasPath := req.headers.lookup(":path")
-	a.proxyless = a.grpc && !hasPath
+	if a.grpc {
+		_, hasPath := req.headers.lookup(":path")
+		a.proxyless = !hasPath
+	}
 	return a
 }
 

@@ -382,8 +382,8 @@ func (st *stream) grpcBodies(k msgKind) bool {
 	return mode == filterextproc.ProcessingMode_GRPC
 }
 
-// responseStatus is a response's :status; a gRPC call through grpc-go's ext_proc client has
-// none (its response headers are the call's metadata) and is taken as 200.
+// responseStatus is the :status of a response to a call through grpc-go's ext_proc client,
+// which has none (its response headers are the call's metadata): taken as 200.
 func (st *stream) responseStatus(h headers) int {
 	if _, ok := h.lookup(":status"); !ok && st.req.adm.proxyless {
 		return http.StatusOK

@@ -442,7 +442,9 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	if a.route.claims {
 		a.info.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
 	}
-	a.adm = grpcAdmit(admit(a.route, a.info), st.requestMode())
+	if a.adm = admit(a.route, a.info); a.adm.grpc {
+		a.adm = grpcAdmit(a.adm, st.requestMode())
+	}
 	switch {
 	case !a.adm.covered:
 		st.passThrough()
@@ -802,7 +804,10 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.Struct) {
 	r, c := st.req.route, st.call
 	h := headers(m.GetHeaders().GetHeaders())
-	status := st.responseStatus(h)
+	status := parseStatus(h.get(":status"))
+	if st.req.adm.proxyless {
+		status = st.responseStatus(h)
+	}
 	o := st.origin(attrs)
 	bodySent := st.responseMode() != filterextproc.ProcessingMode_NONE
 	resp := response{status: status, origin: o, endOfStream: m.GetEndOfStream(), bodySent: bodySent}
