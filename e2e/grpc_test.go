@@ -291,6 +291,34 @@ func TestHarmGRPCResponseTrailersSkipped(t *testing.T) {
 	require.EqualValues(t, 2, svc.calls.Load(), "the retry ran again")
 }
 
+// A gRPC route under FULL_DUPLEX_STREAMED on an Envoy before 1.37: the processor replays the
+// completed call as a streamed_immediate_response, a field that Envoy does not know, so the
+// response oneof is unset and Filter::onReceiveMessage (ext_proc.cc) takes it for a spurious
+// message. The retry fails instead of getting the first call's message.
+func TestHarmGRPCStreamedReplayUnsupported(t *testing.T) {
+	t.Parallel()
+	if envoyBin != "" {
+		t.Skip("the harm is that of an Envoy before 1.37, which this test has the emulator play")
+	}
+	requireCheckFindsFor(t, "1.36", grpcPolicy, grpcRoute, check.KindGRPCStreamedReplay)
+	svc := &echoService{}
+	s := newStack(t, stackOptions{upstream: startGRPCUpstream(t, svc), policy: grpcPolicy, envoy: grpcRoute, before137: true})
+	client := grpcClient(t, s)
+	call := func() (*testgrpc.SimpleResponse, error) {
+		ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "idempotency-key", "gsr-1"), 15*time.Second)
+		defer cancel()
+		return client.UnaryCall(ctx, &testgrpc.SimpleRequest{Payload: &testgrpc.Payload{Body: []byte("hi")}})
+	}
+	resp, err := call()
+	require.NoError(t, err)
+	require.Equal(t, "echo:hi", string(resp.GetPayload().GetBody()))
+	resp, err = call()
+	// The spurious message fails the request with status_on_error (500), which Envoy's gRPC
+	// local reply carries as grpc-status UNKNOWN.
+	require.Equal(t, codes.Unknown, status.Code(err), "the retry does not get the first call's message (got %q, %v)", resp.GetPayload().GetBody(), err)
+	require.EqualValues(t, 1, svc.calls.Load(), "the retry did not run either")
+}
+
 // The router's gRPC retry condition on a gRPC route: the upstream answered UNAVAILABLE (it may
 // have run the call), and the router sends the claimed call again under the same lease: the
 // upstream runs twice for one call.

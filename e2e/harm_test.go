@@ -86,6 +86,7 @@ var harmTests = map[check.Kind]string{
 	check.KindMessageTimeout:          "TestHarmMessageTimeoutBelowStoreTimeout",
 	check.KindUnknownPolicyRoute:      "TestRouteNamedByEnvoyThroughEnvoy",
 	check.KindGRPCServiceMissing:      "TestHarmGRPCServiceMissing",
+	check.KindGRPCStreamedReplay:      "TestHarmGRPCStreamedReplayUnsupported",
 	check.KindDuplexTrailerMode:       "TestHarmDuplexTrailerMode",
 	check.KindAttemptCountMissing:     "TestHarmAttemptCountMissing",
 	check.KindRouteBodyModeGRPC:       "TestHarmRouteBodyModeGRPC",
@@ -96,9 +97,7 @@ var harmTests = map[check.Kind]string{
 
 // harmNotYetShown are the error kinds whose harm no test runs yet, each with what the test
 // needs. The list may only shrink: a kind leaves it when its test joins harmTests.
-var harmNotYetShown = map[check.Kind]string{
-	check.KindGRPCStreamedReplay: "an emulator Behaviour for Envoy before 1.37, which refuses streamed_immediate_response",
-}
+var harmNotYetShown = map[check.Kind]string{}
 
 // Every error kind has a harm test, or says what its test needs; every named test exists.
 func TestEveryErrorKindShowsItsHarm(t *testing.T) {
@@ -155,6 +154,12 @@ const harmPolicy = `routes:
 // runs it) under policyText, reports kind as an error.
 func requireCheckFinds(t *testing.T, policyText string, edit func(*bootstrapv3.Bootstrap) error, kind check.Kind) {
 	t.Helper()
+	requireCheckFindsFor(t, "", policyText, edit, kind)
+}
+
+// requireCheckFindsFor is requireCheckFinds with check's --envoy-version.
+func requireCheckFindsFor(t *testing.T, envoyVersion, policyText string, edit func(*bootstrapv3.Bootstrap) error, kind check.Kind) {
+	t.Helper()
 	b, err := envoyconf.Load(repoFile(t, "envoy/envoy.yaml"))
 	require.NoError(t, err)
 	if edit != nil {
@@ -164,7 +169,7 @@ func requireCheckFinds(t *testing.T, policyText string, edit func(*bootstrapv3.B
 	require.NoError(t, err)
 	p, err := policy.Parse([]byte(policyText))
 	require.NoError(t, err)
-	rep, err := check.Run(p, []check.Input{{Name: "edited.json", Data: js}}, check.Options{})
+	rep, err := check.Run(p, []check.Input{{Name: "edited.json", Data: js}}, check.Options{EnvoyVersion: envoyVersion})
 	require.NoError(t, err)
 	for _, f := range rep.Findings {
 		if f.Kind == kind {

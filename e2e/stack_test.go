@@ -198,6 +198,9 @@ type stackOptions struct {
 	// Envoy versions do (the emulator's Behaviour.SkipExtProcOnLocalReply). A real Envoy does
 	// what its version does.
 	localReplies bool
+	// before137 makes the emulator an Envoy before 1.37, which does not know the
+	// streamed_immediate_response (the emulator's Behaviour.NoStreamedImmediateResponse).
+	before137 bool
 	// shapes pins how the emulator cuts bodies into messages, for tests that need one shape
 	// reproduced; a real Envoy cuts them as its timing says.
 	shapes func(*http.Request) proxy.Shapes
@@ -264,7 +267,7 @@ func newStack(t *testing.T, o stackOptions) *stack {
 	// The bootstrap's routes, per-route ext_proc configuration, local_reply_config, jwt_authn
 	// and tracing reach the emulator as they reach a real Envoy.
 	cfg := settings.ProxyConfig(addrs, upURL)
-	cfg.Envoy = proxy.Behaviour{SkipExtProcOnLocalReply: !o.localReplies}
+	cfg.Envoy = proxy.Behaviour{SkipExtProcOnLocalReply: !o.localReplies, NoStreamedImmediateResponse: o.before137}
 	cfg.Shapes, cfg.AccessLog = o.shapes, o.accessLog
 	cfg.TLS = o.tls
 	if o.client != nil {

@@ -193,6 +193,16 @@ type Behaviour struct {
 	// not continue, so the stream stays paused until a timeout; the version that changed it was
 	// not read, so no preset sets this.
 	CompleteBodyWithoutDataContinues bool
+	// NoStreamedImmediateResponse is an Envoy before 1.37, whose ProcessingResponse has no
+	// streamed_immediate_response: proto parsing keeps the field as an unknown field, so the
+	// response oneof is unset and Filter::onReceiveMessage in ext_proc.cc takes the default
+	// branch of its switch on response_case() ("Any other message is considered spurious":
+	// FailedPreconditionError("unhandled message")), then handles it as every spurious message:
+	// since Envoy 1.35 (envoyproxy/envoy#39994) a local reply with status_on_error unless
+	// failure_mode_allow, which closes the stream and sends the request upstream. The default
+	// branch was read in an ext_proc.cc without the streamed case (1.3x era, before #39994,
+	// where every spurious message continued the request); no 1.36 source was in reach.
+	NoStreamedImmediateResponse bool
 }
 
 // Envoy137 is the behaviour of Envoy 1.37 (the zero Behaviour).
@@ -200,13 +210,15 @@ func Envoy137() Behaviour { return Behaviour{} }
 
 // Envoy136 is the behaviour of Envoy 1.34 to 1.36 (and of the patched 1.31 to 1.33).
 func Envoy136() Behaviour {
-	return Behaviour{SkipExtProcOnLocalReply: true, NoStreamCloseOptimization: true}
+	return Behaviour{SkipExtProcOnLocalReply: true, NoStreamCloseOptimization: true, NoStreamedImmediateResponse: true}
 }
 
 // Envoy133 is the behaviour of Envoys without the CVE-2025-30157 fix (envoyproxy/envoy#38818:
 // 1.33.0, and patch releases before the fix: it shipped in 1.31.6, and per its advisory in the
 // 1.32 and 1.33 patches of the same day, which were not read): local replies reach the
 // processor and the stream stays open.
+// NoStreamedImmediateResponse stays unset: those Envoys continue the request on a spurious
+// message (before envoyproxy/envoy#39994), which the model does not play.
 func Envoy133() Behaviour { return Behaviour{NoStreamCloseOptimization: true} }
 
 // Shapes is the timing-dependent shape of one request's bodies.

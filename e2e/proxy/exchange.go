@@ -396,6 +396,11 @@ func (x *exchange) onReceiveMessage(resp *extprocv3.ProcessingResponse) {
 		x.sendImmediateResponse(r.ImmediateResponse)
 		return
 	case *extprocv3.ProcessingResponse_StreamedImmediateResponse:
+		if x.p.cfg.Envoy.NoStreamedImmediateResponse {
+			// An unknown field to Envoy before 1.37: the oneof is unset, the default branch.
+			err = &spuriousError{msg: "unhandled message"}
+			break
+		}
 		x.setDynamicMetadata(resp)
 		err = x.handleStreamingImmediateResponse(r.StreamedImmediateResponse)
 	default:

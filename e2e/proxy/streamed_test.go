@@ -77,6 +77,7 @@ func TestStreamedImmediateResponseRules(t *testing.T) {
 		noSecret  bool
 		streamed  int64
 		trailerOK bool
+		before137 bool // proxy.Behaviour.NoStreamedImmediateResponse
 	}{
 		{name: "headers and body in NONE", reqBody: bodyNONE,
 			resps:  []*extprocv3.ProcessingResponse{sirHeaders(false, ":status", "201", "x-replayed", "1"), sirBody("hello ", false), sirBody("world", true)},
@@ -110,6 +111,12 @@ func TestStreamedImmediateResponseRules(t *testing.T) {
 			},
 			resps:  []*extprocv3.ProcessingResponse{sirHeaders(true, ":status", "202", "x-secret", "s", "x-replayed", "1")},
 			status: 202, details: "ext_proc_local_response", header: "1", noSecret: true, streamed: 1},
+		{name: "unknown before 1.37: spurious", reqBody: bodyNONE, before137: true,
+			resps:  []*extprocv3.ProcessingResponse{sirHeaders(true, ":status", "200", "x-replayed", "1")},
+			status: 500, details: "unhandled_message", spurious: 1},
+		{name: "unknown before 1.37: fails open to the upstream", reqBody: bodyNONE, before137: true, fma: true,
+			resps:  []*extprocv3.ProcessingResponse{sirHeaders(true, ":status", "200", "x-replayed", "1")},
+			status: 200, details: "via_upstream", upstream: 1, spurious: 1},
 		{name: "trailers end the response", reqBody: bodyNONE,
 			resps:  []*extprocv3.ProcessingResponse{sirHeaders(false, ":status", "200"), sirBody("b", false), sirTrailers("x-t", "v")},
 			status: 200, body: "b", details: "ext_proc_local_response", streamed: 1, trailerOK: true},
@@ -119,7 +126,10 @@ func TestStreamedImmediateResponseRules(t *testing.T) {
 			f.ProcessingMode = fullMode(tc.reqBody, modeSEND, bodyNONE)
 			f.FailureModeAllow = tc.fma
 			f.MutationRules = tc.rules
-			e := newEnv(t, f, sendAll(tc.resps...), func(c *proxy.Config) { c.DownstreamTrailers = true })
+			e := newEnv(t, f, sendAll(tc.resps...), func(c *proxy.Config) {
+				c.DownstreamTrailers = true
+				c.Envoy.NoStreamedImmediateResponse = tc.before137
+			})
 			resp, got := e.do(t, http.MethodPost, "/k", []byte("req"))
 			require.Equal(t, tc.status, resp.StatusCode)
 			if tc.body != "" {
