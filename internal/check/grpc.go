@@ -92,7 +92,7 @@ func grpcRouteFindings(d Deployment, e routeEntry, v *envoyVersion) []Finding {
 			"set request_body_mode: FULL_DUPLEX_STREAMED with both trailer modes SEND on this route (Envoy 1.37 or later): the processor then holds the headers until the message came and replays the stored call"))
 	case v != nil && v.before(1, 37, 0):
 		out = append(out, at(modePath+".request_body_mode", KindGRPCStreamedReplay,
-			fmt.Sprintf("is %s on a gRPC route, under which the processor replays a completed call as a streamed immediate response, which Envoy %s does not know (1.37 and later): the retry fails instead of getting the first call's message", body, v.text),
+			fmt.Sprintf("is %s on a gRPC route, under which the processor replays a completed call as a streamed immediate response, which Envoy %s does not know (1.37 and later): from Envoy 1.35 the retry fails instead of getting the first call's message (or, under failure_mode_allow, runs again), and before 1.35 it runs again", body, v.text),
 			"run Envoy 1.37 or later, or set request_body_mode: BUFFERED on this route (a retry then gets ALREADY_EXISTS)"))
 	}
 	return out
