@@ -3,6 +3,8 @@ package jsonbody
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -210,11 +212,34 @@ func FuzzParsePointer(f *testing.F) {
 }
 
 func FuzzCanonical(f *testing.F) {
-	for _, s := range []string{`{"b":1,"a":[true,null,"x"]}`, `[1.0,1e2,-0,9007199254740993]`, `{"id":1,"params":{"_meta":{}}}`, `"\ud83d"`, `[[[[`} {
+	for _, s := range []string{`{"b":1,"a":[true,null,"x"]}`, `[1.0,1e2,-0,9007199254740993]`, `{"id":1,"params":{"_meta":{}}}`, `"\ud83d"`, `[[[[`,
+		`{"params":{"a":[1,2,3,{"x":[4,5]}],"name":"n","_meta":{"idempotencyKey":"k"}},"id":[1]}`, `{"\ufb33":1,"\ud83d\ude00":2,"a\u0000":3,"a":{"z":[],"y":{},"id":4}}`, `{"params":{"b":1,"_meta":2,"a":[{"d":1,"c":2}]},"id":1}`} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, body []byte) {
-		c, err := Canonical(nil, body, pointers(t, "/id", "/params/_meta"))
+		ignore := pointers(t, "/id", "/params/_meta")
+		c, err := Canonical(nil, body, ignore)
+		// One pass writes what the two passes the package first took wrote (jsontext's own
+		// RFC 8785 ordering), and refuses what they refused.
+		want, wantErr := canonicalTwoPass(nil, body, ignore)
+		if !errors.Is(err, wantErr) || !bytes.Equal(c, want) {
+			t.Fatalf("canonical form of %q: %q (%v), the two-pass form %q (%v)", body, c, err, want, wantErr)
+		}
+		// In one pass with values: the same form, and the values Values reads, ignored or not.
+		// Values below ignored members and beside them (one pass), and values that hold ignored
+		// members (read whole, in a pass of their own).
+		ignore = pointers(t, "/id", "/params/_meta", "/params/a/0", "/params/a/2")
+		for _, ptrs := range [][]Pointer{
+			pointers(t, "/id", "/params/_meta/idempotencyKey", "/params/name", "/params/a/0", "/params/_meta", "/params/a/3/x"),
+			pointers(t, "/params/name", "", "/params"),
+		} {
+			c, values, err := CanonicalValues(nil, body, ignore, ptrs)
+			want, wantErr := canonicalTwoPass(nil, body, ignore)
+			wantValues, valuesErr := Values(body, ptrs)
+			if !errors.Is(err, wantErr) || !errors.Is(err, valuesErr) || !bytes.Equal(c, want) || !slices.EqualFunc(values, wantValues, bytes.Equal) {
+				t.Fatalf("one pass over %q: %q %q (%v); two passes: %q %q (%v, %v)", body, c, values, err, want, wantValues, wantErr, valuesErr)
+			}
+		}
 		if err != nil {
 			return
 		}
