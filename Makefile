@@ -67,6 +67,7 @@ fuzz: ## each fuzz target for FUZZTIME (seed corpora in each package's testdata/
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeResponse$$' -fuzztime $(FUZZTIME) ./cache/
 	$(GO) test -run '^$$' -fuzz '^FuzzParseKey$$' -fuzztime $(FUZZTIME) ./extproc/
 	$(GO) test -run '^$$' -fuzz '^FuzzStreamMessages$$' -fuzztime $(FUZZTIME) ./extproc/
+	$(GO) test -run '^$$' -fuzz '^FuzzJSONStreamMessages$$' -fuzztime $(FUZZTIME) ./extproc/
 	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./extproc/policy/
 	$(GO) test -run '^$$' -fuzz '^FuzzOpen$$' -fuzztime $(FUZZTIME) ./cache/seal/
 	$(GO) test -run '^$$' -fuzz '^FuzzParseKeyring$$' -fuzztime $(FUZZTIME) ./cache/seal/

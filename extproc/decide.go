@@ -30,15 +30,16 @@ type requestInfo struct {
 
 // admission is what a request's headers decide.
 type admission struct {
-	// covered: the request is the processor's. A request that is not passes through untouched.
-	covered bool
 	// problem, when set, answers a covered request at once (400, 401, 500).
 	problem *problem
-	// What a claim needs. bodyHash: the key is the body's hash, known at the body's end.
-	key      string
+	// What a claim needs.
+	key   string
+	ttl   time.Duration
+	scope scope
+	// covered: the request is the processor's. A request that is not passes through untouched.
+	covered bool
+	// bodyHash: the key is the body's hash, known at the body's end.
 	bodyHash bool
-	ttl      time.Duration
-	scope    scope
 	// needsBody: the claim waits for the whole body (it is fingerprinted, or is the key).
 	needsBody bool
 	// grpc: the request is a gRPC call (its content-type, or its route's grpc: true): its
@@ -76,6 +77,8 @@ func admitCovered(r *route, req requestInfo) admission {
 	switch {
 	case err != nil:
 		return admission{covered: true, problem: problemInvalidKey}
+	case !present && len(r.KeyJSON) > 0:
+		// The key may be in the body: settled at its end (keyFromBody).
 	case !present && r.MissingKey == policy.MissingKeyOptional:
 		return admission{}
 	case !present && r.MissingKey == policy.MissingKeyRequired:
@@ -105,7 +108,7 @@ func admitCovered(r *route, req requestInfo) admission {
 	if r.RequireScope && scopeEmpty(r.Route, a.scope) {
 		return admission{covered: true, problem: problemScopeMissing}
 	}
-	a.needsBody = a.bodyHash || r.bodyFingerprint
+	a.needsBody = a.bodyHash || r.bodyFingerprint || r.json != nil
 	return a
 }
 

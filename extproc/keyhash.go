@@ -8,6 +8,7 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/jsonbody"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
@@ -28,12 +29,19 @@ type KeyRequest struct {
 	PeerIdentity string
 	// Key is the idempotency key as the client sends it (a quoted sf-string is unquoted).
 	Key string
+	// Body is the request body, for routes that read its members: match.json and json scope
+	// entries.
+	Body []byte
 }
 
 // KeyHash returns the route a request would take and the key_hash of its record, as
 // a stream computes them; keyHash is the hash factory of Options.KeyHash (nil for SHA-256).
 func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (route *policy.Route, hashed string, err error) {
-	r, params, err := p.Select(policy.Selector{Path: string(splitPath([]byte(req.Path))), Named: req.Route})
+	sel := policy.Selector{Path: string(splitPath([]byte(req.Path))), Named: req.Route}
+	r, params, err := p.Select(sel)
+	if err == nil && r.DecidedByBody() {
+		r, params, err = p.SelectBody(sel, req.Body)
+	}
 	if err != nil {
 		return nil, "", err
 	}
@@ -55,6 +63,13 @@ func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (route 
 		if !claimsExact(r, payload) {
 			return nil, "", errors.New("claims: a claim the route scopes by is a number that is not a whole number below 2^53; the processor answers such a request 400 scope-claim-ambiguous and stores nothing")
 		}
+	}
+	if len(r.ScopeJSON) > 0 {
+		values, err := jsonbody.Values(req.Body, r.ScopeJSON)
+		if err != nil {
+			return nil, "", fmt.Errorf("body: route %q scopes by members of the request body: %w", r.Name, err)
+		}
+		sc.body = &jsonState{scope: values}
 	}
 	_, hashed = newDigest(keyHash).storeKey(r, sc, key)
 	return r, hashed, nil

@@ -24,6 +24,7 @@ type Metrics struct {
 	completionsPending   prometheus.Gauge
 	completionsAbandoned *prometheus.CounterVec
 	unconfirmed          *prometheus.CounterVec
+	notCovered           *prometheus.CounterVec
 	// The streams this process holds (limits.go).
 	streams streamMetrics
 }
@@ -105,6 +106,10 @@ var (
 		Name: "idempotency_durability_unconfirmed_total",
 		Help: "Writes of routes with durability that too few Redis replicas acknowledged in time, by op: claim (withdrawn; the request was answered as a store failure and did not run under it) or complete (kept; the response went out, and a failover before the replicas catch up may lose the record).",
 	}
+	notCoveredOpts = prometheus.CounterOpts{
+		Name: "idempotency_not_covered_total",
+		Help: "Requests of a route passed through uncovered for a reason the route alone does not give, by reason: json-rpc-batch (a JSON-RPC batch on a json_rpc route, which the processor leaves alone).",
+	}
 )
 
 // NewMetrics creates the metrics and registers them with reg.
@@ -126,6 +131,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		completionsPending:   prometheus.NewGauge(completionsPendingOpts),
 		completionsAbandoned: prometheus.NewCounterVec(completionsAbandonedOpts, []string{"reason"}),
 		unconfirmed:          prometheus.NewCounterVec(unconfirmedOpts, []string{"op"}),
+		notCovered:           prometheus.NewCounterVec(notCoveredOpts, []string{"route", "reason"}),
 		streams:              newStreamMetrics(),
 	}
 	for _, kind := range misconfigKinds {
@@ -146,7 +152,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	for _, op := range []string{unconfirmedClaim, unconfirmedComplete} {
 		m.unconfirmed.WithLabelValues(op)
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable, m.upstreamRetries, m.storeErrors, m.internalErrors, m.completionRetries, m.completionsPending, m.completionsAbandoned, m.unconfirmed} {
+	for _, c := range []prometheus.Collector{m.requests, m.releases, m.unknownOutcomes, m.misconfig, m.storeDuration, m.inflight, m.shadow, m.waitCalls, m.unreadable, m.upstreamRetries, m.storeErrors, m.internalErrors, m.completionRetries, m.completionsPending, m.completionsAbandoned, m.unconfirmed, m.notCovered} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

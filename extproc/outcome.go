@@ -24,7 +24,8 @@ const (
 	Mismatch Outcome = "mismatch"
 	// MissingKey: a key is required and there was none (400).
 	MissingKey Outcome = "missing_key"
-	// Invalid: the key or the TTL header is malformed (400).
+	// Invalid: the key or the TTL header is malformed, a body key differs from the header key,
+	// or a route that reads the body's members got a body that is not JSON (400).
 	Invalid Outcome = "invalid"
 	// NotReplayable: the first request completed but its response cannot be replayed: it was not
 	// kept whole, or the stored record cannot be read (409).
@@ -134,13 +135,17 @@ var (
 	// that refreshes its token on 401 would only send the same request again.
 	problemScopeClaimAmbiguous = newProblem(ScopeClaimAmbiguous, http.StatusBadRequest, "scope-claim-ambiguous",
 		"A claim of the caller's token that scopes idempotency keys on this endpoint is a number that reaches it only approximately (not a whole number below 2^53), so callers could not be told apart; the request was not run.", false)
+	problemKeyConflict = newProblem(Invalid, http.StatusBadRequest, "idempotency-key-conflict",
+		"The request carries one idempotency key in a header and a different one in its body.", false)
+	problemInvalidJSON = newProblem(Invalid, http.StatusBadRequest, "invalid-json-body",
+		"This endpoint reads members of the request body, which is not valid JSON or nests deeper than 64 levels.", false)
 )
 
 var problems = []*problem{
 	problemMissingKey, problemInvalidKey, problemInvalidTTL, problemInProgress, problemReused,
 	problemNotReplayable, problemOutcomeUnknown, problemTooLarge, problemBodyNotAvailable,
 	problemStoreUnavailable, problemDurabilityUnmet, problemUnknownRoute, problemRouteMismatch, problemScopeMissing,
-	problemScopeAmbiguous, problemScopeClaimAmbiguous, problemGRPCNotUnary,
+	problemScopeAmbiguous, problemScopeClaimAmbiguous, problemGRPCNotUnary, problemKeyConflict, problemInvalidJSON,
 }
 
 // Release reasons, the reason label of idempotency_releases_total.
@@ -159,6 +164,9 @@ const (
 	// upstream.
 	ReleaseNotSent = "not_sent"
 )
+
+// notCoveredBatch is the reason label of idempotency_not_covered_total for a JSON-RPC batch.
+const notCoveredBatch = "json-rpc-batch"
 
 var releaseReasons = []string{ReleaseStatus, ReleaseEnvoyResponse, ReleaseUnknownOutcome, ReleaseNotSent}
 

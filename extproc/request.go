@@ -299,6 +299,16 @@ type scope struct {
 	jwt     *structpb.Struct // the verified payload; nil when there is none
 	peer    string           // connection.uri_san_peer_certificate; "" when there is none
 	params  []string         // aligned with the route's path_param entries
+	// body holds the body's json scope values (jsonstream.go); nil until the body is read.
+	body *jsonState
+}
+
+// jsonValue is the body's i-th json scope value; nil when it is missing.
+func (sc scope) jsonValue(i int) []byte {
+	if sc.body == nil || i >= len(sc.body.scope) {
+		return nil
+	}
+	return sc.body.scope[i]
 }
 
 // storeKey returns key_prefix + the hex hash of the scope values and the client's key, so that
@@ -314,7 +324,7 @@ type scope struct {
 func (d *digest) storeKey(r *policy.Route, sc scope, key string) (stored, keyHash string) {
 	w := d.key
 	w.Reset()
-	param := 0
+	param, member := 0, 0
 	for _, src := range r.Scope {
 		switch src.Kind {
 		case policy.ScopeHeader:
@@ -333,6 +343,12 @@ func (d *digest) storeKey(r *policy.Route, sc scope, key string) (stored, keyHas
 		case policy.ScopePeerIdentity:
 			d.fieldString(w, "peer_identity:")
 			d.fieldString(w, sc.peer)
+		case policy.ScopeJSON:
+			// Behind a name no header, group or claim source has; the value's JSON text, so
+			// that 1 and "1" differ and a missing member is empty.
+			d.fieldString(w, "json:"+src.Name)
+			d.field(w, sc.jsonValue(member))
+			member++
 		}
 	}
 	d.fieldString(w, key)
@@ -349,7 +365,7 @@ func (d *digest) storeKey(r *policy.Route, sc scope, key string) (stored, keyHas
 // scopeEmpty reports whether every scope value of the request is empty or absent
 // (require_scope).
 func scopeEmpty(r *policy.Route, sc scope) bool {
-	param := 0
+	param, member := 0, 0
 	for _, src := range r.Scope {
 		switch src.Kind {
 		case policy.ScopeHeader:
@@ -371,6 +387,15 @@ func scopeEmpty(r *policy.Route, sc scope) bool {
 			if sc.peer != "" {
 				return false
 			}
+		case policy.ScopeJSON:
+			// Before the body is read its values are unknown: require_scope is checked again then.
+			if sc.body == nil {
+				return false
+			}
+			if v := sc.jsonValue(member); len(v) > 0 && string(v) != `""` && string(v) != "null" {
+				return false
+			}
+			member++
 		}
 	}
 	return true

@@ -20,6 +20,10 @@ type route struct {
 	claims          bool // the scope reads jwt_authn's payload
 	bodyFingerprint bool // the fingerprint reads the request body
 	shadow          bool // mode: shadow
+	// json is what the route reads of its request bodies' members; nil when nothing.
+	json *jsonRoute
+	// batches counts the JSON-RPC batches passed through (json_rpc routes).
+	batches prometheus.Counter
 
 	// The metric series.
 	outcomes   map[Outcome]prometheus.Counter
@@ -69,6 +73,8 @@ func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error)
 		retried:         m.upstreamRetries.WithLabelValues(r.Name),
 		metadata:        metadataTemplates{namespace: namespace, route: r.Name},
 	}
+	c.json = compileJSON(r)
+	c.batches = m.notCovered.WithLabelValues(r.Name, notCoveredBatch)
 	if c.shadow {
 		c.shadowCounts = map[Outcome]prometheus.Counter{}
 		for _, o := range Outcomes {

@@ -199,7 +199,8 @@ const maxStreamedChunk = 64 << 10
 
 // admitted is what the request headers fixed, once: the route, the request's identity, what the
 // decision admitted, and the request's trace span. The stream and its leaseCall point to it;
-// nothing changes it after the request headers.
+// nothing changes it after the request headers, except on a route that reads its body's members,
+// whose route, key and scope the body's end settles (jsonstream.go) before any store call.
 type admitted struct {
 	route *route
 	// id is the request's x-request-id, cut to maxLoggedRequestID.
@@ -236,6 +237,9 @@ type stream struct {
 	// sentOverride is the mode_override this stream sent, to tell when Envoy refused it.
 	sentOverride *filterextproc.ProcessingMode
 	grpc         grpcState
+	// json is what a route that reads its body's members keeps of the request (jsonstream.go);
+	// nil on other routes.
+	json *jsonState
 }
 
 func newStream(s *Server, ctx context.Context) *stream {
@@ -296,7 +300,7 @@ func (st *stream) send(a answer) {
 	if st.req.adm.grpc && st.sendGRPC(a) {
 		return
 	}
-	resp, own := render(st.req.route, a)
+	resp, own := st.render(a)
 	if st.metadata != nil {
 		resp = withMetadata(resp, own, st.metadata)
 		st.metadata = nil
@@ -442,7 +446,7 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	if a.route.claims {
 		a.info.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
 	}
-	if a.adm = admit(a.route, a.info); a.adm.grpc {
+	if a.adm = st.admitAtHeaders(sel); a.adm.grpc {
 		a.adm = grpcAdmit(a.adm, st.requestMode())
 	}
 	switch {
@@ -640,8 +644,12 @@ func (st *stream) claim(body []byte) {
 	if st.req.adm.grpc && st.notUnary(body) {
 		return
 	}
+	fpBody, ok := st.readBody(body)
+	if !ok {
+		return
+	}
 	r := st.req.route
-	key, fp := st.keys(body)
+	key, fp := st.keys(body, fpBody)
 	if !st.fullDuplex(kindRequestBody) {
 		st.w.body = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
 	}
@@ -679,9 +687,10 @@ func (st *stream) claim(body []byte) {
 	}
 }
 
-// keys returns the request's stored key and fingerprint, body being its whole body, and gives
-// the key's hash to the request's store calls.
-func (st *stream) keys(body []byte) (key string, fp []byte) {
+// keys returns the request's stored key and fingerprint, body being its whole body and fpBody
+// what the fingerprint hashes of it (readBody), and gives the key's hash to the request's store
+// calls.
+func (st *stream) keys(body, fpBody []byte) (key string, fp []byte) {
 	a, r := st.req, st.req.route
 	d := st.s.digests.Get().(*digest)
 	k := a.adm.key
@@ -689,7 +698,7 @@ func (st *stream) keys(body []byte) (key string, fp []byte) {
 		k = d.bodyHashKey(a.info.method, a.info.path, body)
 	}
 	key, st.call.keyHash = d.storeKey(r.Route, a.adm.scope, k)
-	fp = d.fingerprint(r.Route, a.info.method, a.info.path, body, a.info.headers)
+	fp = d.fingerprint(r.Route, a.info.method, a.info.path, fpBody, a.info.headers)
 	st.s.digests.Put(d)
 	return key, fp
 }

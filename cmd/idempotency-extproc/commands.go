@@ -143,6 +143,7 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 	key := fs.String("key", "", "the idempotency `key` as the client sends it in Idempotency-Key")
 	secretFile := fs.String("key-hash-secret-file", "", "the server's key-hash secret `file` (env IDEMPOTENCY_KEY_HASH_SECRET_FILE), if it has one")
 	peer := fs.String("peer-identity", "", "the mTLS peer's URI SAN, a `uri`, for peer_identity scope")
+	body := fs.String("body", "", "the request's JSON `body`, for match.json and json scope entries")
 	verbose := fs.Bool("verbose", false, "say on stderr which route was chosen and where each of its scope values comes from")
 	var headers, claims repeated
 	fs.Var(&headers, "header", "a request `header` 'name: value', for header scope (repeatable)")
@@ -162,7 +163,7 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 	if err != nil {
 		return err
 	}
-	req, err := keyRequest(extproc.KeyRequest{Route: *route, Path: *path, Key: *key, PeerIdentity: *peer}, headers, claims)
+	req, err := keyRequest(extproc.KeyRequest{Route: *route, Path: *path, Key: *key, PeerIdentity: *peer, Body: []byte(*body)}, headers, claims)
 	if err != nil {
 		return err
 	}
@@ -257,6 +258,8 @@ func explainKeyHash(w io.Writer, cfg *config, r *policy.Route, req extproc.KeyRe
 			}
 		case policy.ScopePathParam:
 			given = "from --path" // KeyHash refuses a route whose path parameters it lacks
+		case policy.ScopeJSON:
+			given = "from --body" // KeyHash refuses a body it cannot read; a missing member is empty
 		}
 		fmt.Fprintf(&b, "scope: %s %s (%s)\n", src.Kind, src.Name, given)
 	}

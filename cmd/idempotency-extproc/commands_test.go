@@ -221,3 +221,22 @@ func TestVersionCommand(t *testing.T) {
 		require.Empty(t, stderr.String())
 	}
 }
+
+// key-hash reads a JSON route's body as the stream does: the route match.json chooses, and the
+// json scope values.
+func TestKeyHashOfAJSONRoute(t *testing.T) {
+	policyFile := writeFile(t, "routes:\n  - name: tools\n    match: {path_prefix: /mcp, json: {/method: tools/call}}\n    key_json: [/params/_meta/idempotencyKey]\n    scope: [{json: /params/name}]\n")
+	call := `{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send_mail","_meta":{"idempotencyKey":"k"}}}`
+	keyHash := func(body string) (string, string) {
+		var out, stderr bytes.Buffer
+		require.NoError(t, dispatch(t.Context(), []string{"key-hash", "--config", policyFile, "--verbose", "--path", "/mcp", "--key", "k", "--body", body}, env(nil), &out, &stderr))
+		return strings.TrimSpace(out.String()), stderr.String()
+	}
+	hash, explained := keyHash(call)
+	require.Len(t, hash, 64)
+	require.Equal(t, "route: tools\nhash: SHA-256 (no key-hash secret)\nscope: json /params/name (from --body)\n", explained)
+	other, _ := keyHash(strings.Replace(call, "send_mail", "charge_card", 1))
+	require.NotEqual(t, hash, other, "another tool is another scope")
+	_, explained = keyHash(`{"method":"tools/list"}`)
+	require.Contains(t, explained, "route: default", "a body match.json does not take goes to the next route")
+}

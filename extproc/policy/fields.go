@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/jsonbody"
 )
 
 // where says at which level of the file a field may be given.
@@ -98,7 +100,7 @@ var routeFields = []field{
 			}
 		}},
 	{key: "match", where: routesOnly,
-		doc: "required; exactly one of `path_prefix`, `path_exact`, `path_regex` (the path without its query) or `route_name_exact`, `route_name_prefix`, `route_name_regex` (Envoy's `xds.route_name`); regexes are Go RE2 and match anywhere unless anchored",
+		doc: "required; exactly one of `path_prefix`, `path_exact`, `path_regex` (the path without its query) or `route_name_exact`, `route_name_prefix`, `route_name_regex` (Envoy's `xds.route_name`); regexes are Go RE2 and match anywhere unless anchored; beside it, `json: {/pointer: value}` holds only when the request body is a JSON object whose members equal those strings, numbers, bools or nulls (else the next route is tried)",
 		set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.match(x, v, path) }},
 	{key: "enabled", def: "true",
 		doc: "`false` passes every request of the route through untouched",
@@ -133,6 +135,9 @@ var routeFields = []field{
 				x.r.KeyHeaders = hs
 			}
 		}},
+	{key: "key_json", def: "[]",
+		doc: "JSON Pointers (RFC 6901) into the request body, tried after `key_headers` in order: the first present, non-empty string is the key, with a header key's limits; a header key and a different body key get 400 `idempotency-key-conflict`",
+		set: setPointers(func(r *Route, ps []jsonbody.Pointer) { r.KeyJSON = ps })},
 	{key: "missing_key", def: string(MissingKeyOptional), values: names(MissingKeyOptional, MissingKeyRequired, MissingKeyBodyHash),
 		doc: "a request without a key: passed through, answered 400 `missing-idempotency-key`, or keyed by the hex SHA-256 of method, path and body",
 		set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.MissingKey = MissingKey(v.Value) }},
@@ -182,8 +187,11 @@ var routeFields = []field{
 				x.r.FingerprintHeaders = hs
 			}
 		}},
+	{key: "fingerprint_ignore_json", def: "[]",
+		doc: "JSON Pointers of body members left out of the fingerprint, which is then over the body's RFC 8785 canonical form (member order and whitespace do not count; numbers keep their written digits where a double would change them); a body that is not JSON is fingerprinted raw; `[]` fingerprints the raw bytes",
+		set: setPointers(func(r *Route, ps []jsonbody.Pointer) { r.FingerprintIgnoreJSON = ps })},
 	{key: "scope", def: "[{header: authorization}]",
-		doc: "where the scope values come from, hashed in order into the stored key: `{header: name}`, `{jwt_claim: name}` (the payload jwt_authn verified), `peer_identity` (the mTLS peer's URI SAN), `{path_param: group}` (a named group of the route's `path_regex`); not together with `scope_headers` or `scope_path_params`",
+		doc: "where the scope values come from, hashed in order into the stored key: `{header: name}`, `{jwt_claim: name}` (the payload jwt_authn verified), `peer_identity` (the mTLS peer's URI SAN), `{path_param: group}` (a named group of the route's `path_regex`), `{json: /pointer}` (the JSON text of a request body member; missing: empty); not together with `scope_headers` or `scope_path_params`",
 		set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.scope(x, v, path) }},
 	{key: "scope_headers",
 		doc: "shorthand for a `scope` of `header` entries",
@@ -270,6 +278,9 @@ var routeFields = []field{
 				x.r.KeyPrefix = s
 			}
 		}},
+	{key: "json_rpc", def: "false",
+		doc: "JSON-RPC 2.0 requests: the request's `id` is left out of the fingerprint, a replay carries the current request's `id` (in each JSON-RPC response of a `text/event-stream` body too), the processor's own answers are JSON-RPC errors with HTTP 200, and a batch passes uncovered",
+		set: setBool(func(r *Route, b bool) { r.JSONRPC = b })},
 	{key: "durability", where: routesOnly, inDefaults: "belongs at the top level (for every route) or in a route, not in defaults",
 		doc: "the top-level `durability` for the route's requests, field by field: `{replicas, timeout}`",
 		set: func(d *decoder, x *draft, v *yaml.Node, path string) { d.durability(&x.r.Durability, x.r, v, path) }},
@@ -656,6 +667,9 @@ func (d *decoder) finish(x *draft) {
 		// ignored.
 		d.fail(firstOf(fh, fp), f("fingerprint_headers"), "set while fingerprint is [], which turns the mismatch check off; list the parts to hash too, or drop the headers")
 	}
+	if ig := x.given["fingerprint_ignore_json"]; ig != nil && len(r.FingerprintIgnoreJSON) > 0 && !r.FingerprintsBody() {
+		d.fail(ig, f("fingerprint_ignore_json"), "is set while fingerprint leaves out body, so it changes nothing; add body to fingerprint, or drop it")
+	}
 	d.compileScope(x)
 	scopeGiven := x.given["scope"] != nil || x.given["scope_headers"] != nil || x.given["scope_path_params"] != nil
 	if r.RequireScope && len(r.Scope) == 0 && (x.given["require_scope"] != nil || scopeGiven) {
@@ -677,9 +691,14 @@ func firstOf(ns ...*yaml.Node) *yaml.Node {
 func (d *decoder) match(x *draft, v *yaml.Node, path string) {
 	kinds := names(matchKinds()...)
 	count := 0
+	var body []JSONMatch
 	d.fields(v, path, func(key string, k, mv *yaml.Node, at string) {
+		if key == "json" {
+			body = d.matchJSON(mv, at)
+			return
+		}
 		if !slices.Contains(kinds, key) {
-			d.unknown(k, at, kinds)
+			d.unknown(k, at, append(kinds, "json"))
 			return
 		}
 		count++
@@ -716,17 +735,19 @@ func (d *decoder) match(x *draft, v *yaml.Node, path string) {
 	if count != 1 && v.Kind == yaml.MappingNode {
 		d.fail(v, path, "needs exactly one of %s", orList(kinds))
 		x.r.match = matcher{}
+		return
 	}
+	x.r.match.json = body
 }
 
 // scope reads a scope list: peer_identity, or one-field mappings such as {header: authorization}.
 func (d *decoder) scope(x *draft, v *yaml.Node, path string) {
 	x.scope = []scopeEntry{}
-	kinds := names(ScopeHeader, ScopeJWTClaim, ScopePathParam)
+	kinds := names(ScopeHeader, ScopeJWTClaim, ScopePathParam, ScopeJSON)
 	d.list(v, path, func(item *yaml.Node, at string) {
 		if item.Kind == yaml.ScalarNode {
 			if item.Value != string(ScopePeerIdentity) {
-				d.fail(item, at, "must be peer_identity or one of {header: name}, {jwt_claim: name}, {path_param: group}, got %s", describe(item))
+				d.fail(item, at, "must be peer_identity or one of {header: name}, {jwt_claim: name}, {path_param: group}, {json: /pointer}, got %s", describe(item))
 				return
 			}
 			x.scope = append(x.scope, scopeEntry{ScopeSource{Kind: ScopePeerIdentity}, item, at})
@@ -737,7 +758,7 @@ func (d *decoder) scope(x *draft, v *yaml.Node, path string) {
 			return
 		}
 		if len(item.Content) != 2 {
-			d.fail(item, at, "must have exactly one field: header, jwt_claim or path_param")
+			d.fail(item, at, "must have exactly one field: header, jwt_claim, path_param or json")
 			return
 		}
 		d.fields(item, at, func(key string, k, sv *yaml.Node, sat string) {
@@ -764,6 +785,10 @@ func (d *decoder) scope(x *draft, v *yaml.Node, path string) {
 			case ScopeJWTClaim:
 				if s == "" {
 					d.fail(sv, sat, "must name a claim")
+					return
+				}
+			case ScopeJSON:
+				if _, ok := d.pointer(sv, sat); !ok {
 					return
 				}
 			}
@@ -801,7 +826,7 @@ func (d *decoder) compileScope(x *draft) {
 		entries = append(entries, x.pathParams...)
 	}
 
-	r.Scope, r.ScopeHeaders, r.ScopePathParams, r.scopeGroups = []ScopeSource{}, nil, nil, nil
+	r.Scope, r.ScopeHeaders, r.ScopePathParams, r.scopeGroups, r.ScopeJSON = []ScopeSource{}, nil, nil, nil, nil
 	seen := map[ScopeSource]bool{}
 	for _, e := range entries {
 		if seen[e.src] {
@@ -823,6 +848,9 @@ func (d *decoder) compileScope(x *draft) {
 			}
 			r.scopeGroups = append(r.scopeGroups, g)
 			r.ScopePathParams = append(r.ScopePathParams, e.src.Name)
+		case ScopeJSON:
+			ptr, _ := jsonbody.ParsePointer(e.src.Name) // checked when read
+			r.ScopeJSON = append(r.ScopeJSON, ptr)
 		}
 		r.Scope = append(r.Scope, e.src)
 	}

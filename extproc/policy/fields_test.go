@@ -242,7 +242,7 @@ routes:
 	require.Equal(t, 500, su.Status)
 	require.Nil(t, su.Body, "the built-in body")
 
-	require.Len(t, policy.ProblemCodes, 16)
+	require.Len(t, policy.ProblemCodes, 18)
 	for _, code := range policy.ProblemCodes {
 		mustParse(t, "problems: {"+code+": {status: 400}}\n")
 	}

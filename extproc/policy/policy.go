@@ -15,6 +15,8 @@ import (
 	"strings"
 	"text/template"
 	"time"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/jsonbody"
 )
 
 // MissingKey says what happens to a covered request without a key.
@@ -86,6 +88,9 @@ const (
 	ScopePeerIdentity ScopeKind = "peer_identity"
 	// ScopePathParam is a named group of the route's path_regex, named by ScopeSource.Name.
 	ScopePathParam ScopeKind = "path_param"
+	// ScopeJSON is the JSON text of the request body's member at the RFC 6901 pointer
+	// ScopeSource.Name, in its canonical form; a missing member is an empty value.
+	ScopeJSON ScopeKind = "json"
 )
 
 // ScopeSource is one element of a route's scope.
@@ -206,6 +211,16 @@ type Route struct {
 	// Durability is how many replicas of the store confirm the route's claims and completions:
 	// the top-level durability with the route's fields over it.
 	Durability Durability
+
+	// The request body's members the route reads (jsonroute.go). KeyJSON are tried after
+	// KeyHeaders, in order. ScopeJSON are the pointers of Scope's ScopeJSON entries, in order.
+	// FingerprintIgnoreJSON, when not empty, fingerprints the body's canonical form without
+	// those members. JSONRPC leaves the request's id out of the fingerprint, puts it in
+	// replays, and answers the processor's problems as JSON-RPC errors.
+	KeyJSON               []jsonbody.Pointer
+	ScopeJSON             []jsonbody.Pointer
+	FingerprintIgnoreJSON []jsonbody.Pointer
+	JSONRPC               bool
 }
 
 // Selector is what a route is chosen by.
@@ -341,11 +356,13 @@ func matchKinds() []matchKind {
 	return []matchKind{matchPathPrefix, matchPathExact, matchPathRegex, matchRouteNameExact, matchRouteNamePrefix, matchRouteNameRegex}
 }
 
-// matcher is a route's match: one test of the path or of Envoy's route name.
+// matcher is a route's match: one test of the path or of Envoy's route name, and the body
+// members match.json asks for (tested by SelectBody).
 type matcher struct {
 	kind  matchKind
 	value string
 	re    *regexp.Regexp // for the regex kinds
+	json  []JSONMatch
 }
 
 // holds reports whether the matcher holds for s, and for a path_regex its submatches.
@@ -475,6 +492,8 @@ var ProblemCodes = []string{
 	"scope-ambiguous",
 	"scope-claim-ambiguous",
 	"grpc-not-unary",
+	"idempotency-key-conflict",
+	"invalid-json-body",
 }
 
 // Default returns the policy with every built-in default and no routes.

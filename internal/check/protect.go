@@ -191,7 +191,7 @@ func needsOf(p *policy.Policy) policyNeeds {
 		n.request = append(n.request, neededHeader{name, role, route})
 	}
 	for _, r := range append(slices.Clone(p.Routes), p.Default) {
-		body := r.Enabled && (r.FingerprintsBody() || r.MissingKey == policy.MissingKeyBodyHash)
+		body := r.Enabled && (r.FingerprintsBody() || r.MissingKey == policy.MissingKeyBodyHash || r.ReadsJSON())
 		n.routes[r.Name] = n.routes[r.Name] || body
 		if !r.Enabled {
 			continue
@@ -626,7 +626,7 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 	case none:
 		if needsBody {
 			c.refuse(KindRouteRequestBodyNone, path+".request_body_mode", "set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED)",
-				"is NONE, but the policy route needs the body (fingerprint body or missing_key: body-hash): covered requests with a body get 500 body-not-available")
+				"is NONE, but the policy route needs the body (fingerprint body, missing_key: body-hash, or a json field): covered requests with a body get 500 body-not-available")
 		}
 	default:
 		c.refuse(KindRouteBodyModeGRPC, path+".request_body_mode", "set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED)", "is %s, under which Envoy sends no body message (Filter::onData has no case for it) unless the body came whole with the headers: the request runs before its key is claimed, and may run twice", reqBody)

@@ -1,0 +1,139 @@
+package extproc
+
+import (
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+)
+
+// The stream's side of routes that read their request body's members (jsonroute.go): the hooks
+// the stream calls at the request headers, at the body's end, and to render an answer.
+
+// jsonState is what the stream keeps of a request whose route reads its body's members: only
+// such requests allocate it.
+type jsonState struct {
+	// deferred: the route is decided by the body (match.json), chosen again with sel at its end.
+	deferred bool
+	sel      policy.Selector
+	// rpcID is the JSON-RPC request's id, read from the body of a json_rpc route.
+	rpcID []byte
+	// scope are the json scope values, aligned with the route's ScopeJSON (nil: missing).
+	scope [][]byte
+}
+
+// admitAtHeaders is admit, except that a request whose route is decided by its body (match.json)
+// waits for the body, where readBody chooses the route, by sel, and admits it.
+func (st *stream) admitAtHeaders(sel policy.Selector) admission {
+	a := st.req
+	if a.route.DecidedByBody() && !isGRPC(a.info.headers) {
+		st.json = &jsonState{deferred: true, sel: sel}
+		return admission{covered: true, needsBody: true}
+	}
+	return admit(a.route, a.info)
+}
+
+// rpcID is the JSON-RPC request's id; nil when none was read.
+func (st *stream) rpcID() []byte {
+	if st.json == nil {
+		return nil
+	}
+	return st.json.rpcID
+}
+
+// render is render for the request's route: on a json_rpc route, a problem is a JSON-RPC error
+// and a replay carries the request's id.
+func (st *stream) render(a answer) (*extprocv3.ProcessingResponse, bool) {
+	r := st.req.route
+	if r == nil || !r.JSONRPC {
+		return render(r, a) // r is nil for a message before the request headers
+	}
+	switch a := a.(type) {
+	case refuse:
+		return rpcProblem(a.p, r.Route, st.rpcID()), true
+	case replay:
+		return replayResponse(rpcReplay(a.rec, st.rpcID()), r.Route, a.waited), true
+	}
+	return render(r, a)
+}
+
+// readBody learns, at the end of a request's body, what its route reads from it: the route
+// itself (match.json), the key, the json scope values and the JSON-RPC id. It returns what the
+// fingerprint hashes as the body, and false when it settled the request instead (passed it
+// through, or answered a problem).
+func (st *stream) readBody(body []byte) ([]byte, bool) {
+	read, readFor, ok := st.chooseRoute(body)
+	if !ok {
+		return nil, false
+	}
+	a, r := st.req, st.req.route
+	if r.json == nil {
+		return body, true
+	}
+	if readFor != r {
+		read = readJSON(r.json, body)
+	}
+	if read.batch {
+		r.batches.Inc()
+		st.settleAtBody(nil)
+		return nil, false
+	}
+	if st.json == nil {
+		st.json = &jsonState{}
+	}
+	st.json.rpcID, st.json.scope = read.id, read.scope
+	if read.problem != nil {
+		st.settleAtBody(read.problem)
+		return nil, false
+	}
+	adm, covered := keyFromBody(r.Route, a.adm, read.key)
+	adm.scope.body = st.json
+	if covered && adm.problem == nil && r.RequireScope && scopeEmpty(r.Route, adm.scope) {
+		adm.problem = problemScopeMissing
+	}
+	a.adm = adm
+	if !covered || adm.problem != nil {
+		st.settleAtBody(adm.problem)
+		return nil, false
+	}
+	return read.fingerprint, true
+}
+
+// chooseRoute chooses, for a request whose route match.json decides, the route its body takes,
+// and admits the request on it; read is what the body gave the route readFor, the last whose
+// match.json was tested, so that the route that takes it reads the body once. ok is false when
+// it settled the request instead.
+func (st *stream) chooseRoute(body []byte) (read bodyRead, readFor *route, ok bool) {
+	if st.json == nil || !st.json.deferred {
+		return read, nil, true
+	}
+	st.json.deferred = false
+	a := st.req
+	r, params, _ := st.s.policy.SelectBy(st.json.sel, func(c *policy.Route) bool {
+		readFor = st.s.routes[c]
+		read = readJSON(readFor.json, body)
+		return read.matched
+	})
+	a.route, a.info.params = st.s.routes[r], params
+	if a.adm = admit(a.route, a.info); !a.adm.covered || a.adm.problem != nil {
+		st.settleAtBody(a.adm.problem)
+		return read, readFor, false
+	}
+	return read, readFor, true
+}
+
+// settleAtBody answers a request with p once its body was read or, when p is nil, lets it pass
+// through uncovered: the answers withheld for the body go out, and nothing is stored.
+func (st *stream) settleAtBody(p *problem) {
+	if p != nil {
+		st.reject(p)
+		return
+	}
+	st.req.adm.covered = false
+	if st.state == stateStart {
+		st.passThrough()
+		return
+	}
+	from := st.state
+	st.fire(evPass)
+	st.flush(from)
+}
