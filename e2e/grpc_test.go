@@ -279,7 +279,7 @@ func TestGrpcUnaryRetriedCallRunsOnce(t *testing.T) {
 func TestHarmGRPCResponseTrailersSkipped(t *testing.T) {
 	t.Parallel()
 	svc := &echoService{}
-	s := harmStack(t, check.KindGRPCResponseTrailers, grpcPolicy, grpcRouteTrailers(filterextproc.ProcessingMode_SKIP), stackOptions{upstream: startGRPCUpstream(t, svc)})
+	s := harmStack(t, check.Kind("grpc-response-trailers"), grpcPolicy, grpcRouteTrailers(filterextproc.ProcessingMode_SKIP), stackOptions{upstream: startGRPCUpstream(t, svc)})
 	client := grpcClient(t, s)
 	for range 2 {
 		ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "idempotency-key", "grts-1"), 15*time.Second)
@@ -300,7 +300,7 @@ func TestHarmGRPCStreamedReplayUnsupported(t *testing.T) {
 	if envoyBin != "" {
 		t.Skip("the harm is that of an Envoy before 1.37, which this test has the emulator play")
 	}
-	requireCheckFindsFor(t, "1.36", grpcPolicy, grpcRoute, check.KindGRPCStreamedReplay)
+	requireCheckFindsFor(t, "1.36", grpcPolicy, grpcRoute, check.Kind("grpc-streamed-replay-unsupported"))
 	svc := &echoService{}
 	s := newStack(t, stackOptions{upstream: startGRPCUpstream(t, svc), policy: grpcPolicy, envoy: grpcRoute, before137: true})
 	client := grpcClient(t, s)
@@ -330,7 +330,7 @@ func TestHarmGRPCRouterRetry(t *testing.T) {
 			ra.RetryPolicy = &routev3.RetryPolicy{RetryOn: "unavailable"}
 		})
 	}
-	s := harmStack(t, check.KindGRPCRouterRetry, grpcPolicy, edit, stackOptions{upstream: startGRPCUpstream(t, svc)})
+	s := harmStack(t, check.Kind("grpc-router-retry"), grpcPolicy, edit, stackOptions{upstream: startGRPCUpstream(t, svc)})
 	client := grpcClient(t, s)
 	ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "idempotency-key", "grr-1"), 15*time.Second)
 	defer cancel()

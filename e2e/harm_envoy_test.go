@@ -54,7 +54,7 @@ func TestHarmGRPCServiceMissing(t *testing.T) {
 			Timeout: durationpb.New(time.Second),
 		}}}
 	})
-	requireCheckFinds(t, harmPolicy, edit, check.KindGRPCServiceMissing)
+	requireCheckFinds(t, harmPolicy, edit, check.Kind("grpc-service-missing"))
 	requireEnvoyRefuses(t, edit, "can not be configured to send body or trailer")
 }
 
@@ -71,7 +71,7 @@ func TestHarmDuplexTrailerMode(t *testing.T) {
 			f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
 			f.ProcessingMode.ResponseTrailerMode = skip
 		})
-		requireCheckFinds(t, harmPolicy, edit, check.KindDuplexTrailerMode)
+		requireCheckFinds(t, harmPolicy, edit, check.Kind("duplex-trailer-mode"))
 		requireEnvoyRefuses(t, edit, "the response_trailer_mode has to be set to SEND")
 	})
 	t.Run("route", func(t *testing.T) {
@@ -86,7 +86,7 @@ func TestHarmDuplexTrailerMode(t *testing.T) {
 				pr.Override = &filterextproc.ExtProcPerRoute_Overrides{Overrides: &filterextproc.ExtProcOverrides{ProcessingMode: m}}
 			})
 		}
-		s := harmStack(t, check.KindDuplexTrailerMode, harmPolicy, edit, stackOptions{})
+		s := harmStack(t, check.Kind("duplex-trailer-mode"), harmPolicy, edit, stackOptions{})
 		for range 2 {
 			r := chunkedWithTrailer(t, s.url, "duplex-1", `{"amount":1}`, 0)
 			require.Equal(t, http.StatusOK, r.StatusCode)
@@ -112,7 +112,7 @@ func TestHarmRouteBodyModeGRPC(t *testing.T) {
 			pr.GetOverrides().ProcessingMode = routeMode(send, filterextproc.ProcessingMode_GRPC, buffered, send)
 		})
 	}
-	s := harmStack(t, check.KindRouteBodyModeGRPC, harmPolicy, edit, stackOptions{shapes: heldRequestBody})
+	s := harmStack(t, check.Kind("route-body-mode-grpc"), harmPolicy, edit, stackOptions{shapes: heldRequestBody})
 	runsTwice(t, s, call{path: "/v1/refunds", key: "grpc-1", body: `{"a":1}`})
 }
 
@@ -127,7 +127,7 @@ func TestHarmAttemptCountMissing(t *testing.T) {
 	edit := extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.ResponseAttributes = slices.DeleteFunc(f.ResponseAttributes, func(a string) bool { return a == "upstream.request_attempt_count" })
 	})
-	s := harmStack(t, check.KindAttemptCountMissing, records, edit, stackOptions{localReplies: true, shapes: heldRequestBody})
+	s := harmStack(t, check.Kind("attempt-count-missing"), records, edit, stackOptions{localReplies: true, shapes: heldRequestBody})
 	c := call{path: "/v1/refunds", key: "ac-1", body: strings.Repeat("a", 1<<20+64<<10)}
 	first := s.do(c)
 	require.Equal(t, http.StatusRequestEntityTooLarge, first.status, "Envoy answers: the body is over the listener's buffer limit")
@@ -148,7 +148,7 @@ func TestHarmHedge(t *testing.T) {
 			return nil
 		})
 	}
-	s := harmStack(t, check.KindHedge, harmPolicy, edit, stackOptions{})
+	s := harmStack(t, check.Kind("hedge-policy"), harmPolicy, edit, stackOptions{})
 	// The upstream takes ten per-try timeouts: the hedge starts while the first attempt runs.
 	r := s.do(call{path: "/v1/documents", key: "hedge-1", body: `{}`, headers: map[string]string{"x-test-delay": "2s"}})
 	require.Equal(t, http.StatusOK, r.status, "body: %s", r.body)

@@ -49,50 +49,50 @@ import (
 // and sees that harm, after holding that check reports the kind for that very bootstrap.
 // harmTests names that test for each kind.
 var harmTests = map[check.Kind]string{
-	check.KindFailureModeAllow:        "TestHarmFailureModeAllow",
-	check.KindObservabilityMode:       "TestHarmObservabilityMode",
-	check.KindImmediateResponseOff:    "TestHarmDisableImmediateResponse",
-	check.KindRequestHeaderMode:       "TestHarmRequestHeadersSkipped",
-	check.KindRouteRequestHeaderSkip:  "TestHarmRouteRequestHeadersSkipped",
-	check.KindForwardRulesHide:        "TestHarmForwardRulesHideTheKey",
-	check.KindLocalReplyConfig:        "TestHarmLocalReplyConfig",
-	check.KindMutationRulesRefuse:     "TestHarmMutationRulesRefuseTheReplayHeader",
-	check.KindRouteNameAttribute:      "TestHarmRouteNameNotSent",
-	check.KindRouteNameMatchesNothing: "TestHarmRouteNameMatchesNothing",
-	check.KindNoExtProc:               "TestHarmNoExtProc",
-	check.KindCodeDetailsMissing:      "TestHarmCodeDetailsMissing",
-	check.KindResponseBodyMode:        "TestHarmResponseBodyNone",
-	check.KindRouteResponseBodyNone:   "TestHarmRouteResponseBodyNone",
-	check.KindRequestTrailerMode:      "TestRequestTrailersWithoutBody",
-	check.KindResponseHeaderMode:      "TestHarmResponseHeadersSkipped",
-	check.KindRouteResponseHeaderSkip: "TestHarmRouteResponseHeadersSkipped",
-	check.KindRequestBodyMode:         "TestHarmRequestBodyNone",
-	check.KindRouteRequestBodyNone:    "TestHarmRouteRequestBodyNone",
-	check.KindProcessingModeMissing:   "TestHarmProcessingModeMissing",
-	check.KindRouterRetry:             "TestHarmRouterRetry",
-	check.KindRouterRetryStatus:       "TestHarmRouterRetryOnAStoredStatus",
-	check.KindGatewayAPIRetry:         "TestHarmGatewayAPIRetry",
-	check.KindJWTNotForwarded:         "TestHarmJWTPayloadNotForwarded",
-	check.KindJWTAuthnMissing:         "TestHarmNoJWTAuthn",
-	check.KindJWTPayloadMissing:       "TestHarmJWTPayloadNotWritten",
-	check.KindJWTPayloadKey:           "TestHarmJWTPayloadKeyNotWritten",
-	check.KindMutationDisallowIsError: "TestHarmMutationDisallowIsError",
-	check.KindMessageTimeoutInFlight:  "TestHarmMessageTimeoutBelowInFlightWait",
-	check.KindResponseBufferLimit:     "TestHarmResponseOverTheBufferLimit",
-	check.KindPolicyTargetsNothing:    "TestHarmExtensionPolicyTargetsNothing",
-	check.KindUnreadable:              "TestHarmUnreadableEnvoyFilter",
-	check.KindGatewayJWTProvider:      "TestHarmGatewayJWTProviderName",
-	check.KindPeerIdentityAttribute:   "TestHarmPeerIdentityNotSent",
-	check.KindMessageTimeout:          "TestHarmMessageTimeoutBelowStoreTimeout",
-	check.KindUnknownPolicyRoute:      "TestRouteNamedByEnvoyThroughEnvoy",
-	check.KindGRPCServiceMissing:      "TestHarmGRPCServiceMissing",
-	check.KindGRPCStreamedReplay:      "TestHarmGRPCStreamedReplayUnsupported",
-	check.KindDuplexTrailerMode:       "TestHarmDuplexTrailerMode",
-	check.KindAttemptCountMissing:     "TestHarmAttemptCountMissing",
-	check.KindRouteBodyModeGRPC:       "TestHarmRouteBodyModeGRPC",
-	check.KindHedge:                   "TestHarmHedge",
-	check.KindGRPCResponseTrailers:    "TestHarmGRPCResponseTrailersSkipped",
-	check.KindGRPCRouterRetry:         "TestHarmGRPCRouterRetry",
+	check.Kind("failure-mode-allow"):        "TestHarmFailureModeAllow",
+	check.Kind("observability-mode"):       "TestHarmObservabilityMode",
+	check.Kind("disable-immediate-response"):    "TestHarmDisableImmediateResponse",
+	check.Kind("request-header-mode"):       "TestHarmRequestHeadersSkipped",
+	check.Kind("route-request-header-skip"):  "TestHarmRouteRequestHeadersSkipped",
+	check.Kind("forward-rules-hide"):        "TestHarmForwardRulesHideTheKey",
+	check.Kind("local-reply-config"):        "TestHarmLocalReplyConfig",
+	check.Kind("mutation-rules-refuse"):     "TestHarmMutationRulesRefuseTheReplayHeader",
+	check.Kind("route-name-attribute-missing"):      "TestHarmRouteNameNotSent",
+	check.Kind("route-name-matches-nothing"): "TestHarmRouteNameMatchesNothing",
+	check.Kind("no-ext-proc"):               "TestHarmNoExtProc",
+	check.Kind("code-details-missing"):      "TestHarmCodeDetailsMissing",
+	check.Kind("response-body-mode"):        "TestHarmResponseBodyNone",
+	check.Kind("route-response-body-none"):   "TestHarmRouteResponseBodyNone",
+	check.Kind("request-trailer-mode"):      "TestRequestTrailersWithoutBody",
+	check.Kind("response-header-mode"):      "TestHarmResponseHeadersSkipped",
+	check.Kind("route-response-header-skip"): "TestHarmRouteResponseHeadersSkipped",
+	check.Kind("request-body-mode"):         "TestHarmRequestBodyNone",
+	check.Kind("route-request-body-none"):    "TestHarmRouteRequestBodyNone",
+	check.Kind("processing-mode-missing"):   "TestHarmProcessingModeMissing",
+	check.Kind("router-retry"):             "TestHarmRouterRetry",
+	check.Kind("router-retry-stored-status"):       "TestHarmRouterRetryOnAStoredStatus",
+	check.Kind("gateway-api-retry"):         "TestHarmGatewayAPIRetry",
+	check.Kind("jwt-payload-not-forwarded"):         "TestHarmJWTPayloadNotForwarded",
+	check.Kind("jwt-authn-missing"):         "TestHarmNoJWTAuthn",
+	check.Kind("jwt-payload-missing"):       "TestHarmJWTPayloadNotWritten",
+	check.Kind("jwt-payload-key"):           "TestHarmJWTPayloadKeyNotWritten",
+	check.Kind("mutation-disallow-is-error"): "TestHarmMutationDisallowIsError",
+	check.Kind("message-timeout-in-flight-wait"):  "TestHarmMessageTimeoutBelowInFlightWait",
+	check.Kind("response-buffer-limit"):     "TestHarmResponseOverTheBufferLimit",
+	check.Kind("extension-policy-targets-nothing"):    "TestHarmExtensionPolicyTargetsNothing",
+	check.Kind("unreadable-value"):              "TestHarmUnreadableEnvoyFilter",
+	check.Kind("gateway-jwt-provider"):      "TestHarmGatewayJWTProviderName",
+	check.Kind("peer-identity-attribute-missing"):   "TestHarmPeerIdentityNotSent",
+	check.Kind("message-timeout"):          "TestHarmMessageTimeoutBelowStoreTimeout",
+	check.Kind("unknown-policy-route"):      "TestRouteNamedByEnvoyThroughEnvoy",
+	check.Kind("grpc-service-missing"):      "TestHarmGRPCServiceMissing",
+	check.Kind("grpc-streamed-replay-unsupported"):      "TestHarmGRPCStreamedReplayUnsupported",
+	check.Kind("duplex-trailer-mode"):       "TestHarmDuplexTrailerMode",
+	check.Kind("attempt-count-missing"):     "TestHarmAttemptCountMissing",
+	check.Kind("route-body-mode-grpc"):       "TestHarmRouteBodyModeGRPC",
+	check.Kind("hedge-policy"):                   "TestHarmHedge",
+	check.Kind("grpc-response-trailers"):    "TestHarmGRPCResponseTrailersSkipped",
+	check.Kind("grpc-router-retry"):         "TestHarmGRPCRouterRetry",
 }
 
 // harmNotYetShown are the error kinds whose harm no test runs yet, each with what the test
@@ -224,7 +224,7 @@ func TestHarmBaseline(t *testing.T) {
 // failure_mode_allow: true lets requests through when the processor is gone: a duplicate runs.
 func TestHarmFailureModeAllow(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindFailureModeAllow, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("failure-mode-allow"), harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.FailureModeAllow = true
 	}), stackOptions{})
 	for _, p := range s.procs {
@@ -236,7 +236,7 @@ func TestHarmFailureModeAllow(t *testing.T) {
 // observability_mode: Envoy ignores the processor's answers: a duplicate runs again.
 func TestHarmObservabilityMode(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindObservabilityMode, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("observability-mode"), harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.ObservabilityMode = true
 	}), stackOptions{})
 	runsTwice(t, s, call{path: "/v1/documents", key: "obs-1", body: `{}`})
@@ -246,7 +246,7 @@ func TestHarmObservabilityMode(t *testing.T) {
 // the stored response.
 func TestHarmDisableImmediateResponse(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindImmediateResponseOff, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("disable-immediate-response"), harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.DisableImmediateResponse = true
 	}), stackOptions{})
 	c := call{path: "/v1/documents", key: "dir-1", body: `{}`}
@@ -261,7 +261,7 @@ func TestHarmDisableImmediateResponse(t *testing.T) {
 // request_header_mode SKIP: the processor never sees the request: a duplicate runs again.
 func TestHarmRequestHeadersSkipped(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindRequestHeaderMode, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("request-header-mode"), harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.ProcessingMode.RequestHeaderMode = filterextproc.ProcessingMode_SKIP
 	}), stackOptions{})
 	runsTwice(t, s, call{path: "/v1/documents", key: "skip-1", body: `{}`})
@@ -279,14 +279,14 @@ func TestHarmRouteRequestHeadersSkipped(t *testing.T) {
 			}
 		})
 	}
-	s := harmStack(t, check.KindRouteRequestHeaderSkip, harmPolicy, edit, stackOptions{})
+	s := harmStack(t, check.Kind("route-request-header-skip"), harmPolicy, edit, stackOptions{})
 	runsTwice(t, s, call{path: "/v1/refunds", key: "rskip-1", body: `{}`})
 }
 
 // forward_rules that hide the key header: every request looks keyless and runs.
 func TestHarmForwardRulesHideTheKey(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindForwardRulesHide, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("forward-rules-hide"), harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.ForwardRules = &filterextproc.HeaderForwardingRules{DisallowedHeaders: &matcherv3.ListStringMatcher{
 			Patterns: []*matcherv3.StringMatcher{{MatchPattern: &matcherv3.StringMatcher_Exact{Exact: "idempotency-key"}}},
 		}}
@@ -307,7 +307,7 @@ func TestHarmLocalReplyConfig(t *testing.T) {
 			return nil
 		})
 	}
-	s := harmStack(t, check.KindLocalReplyConfig, harmPolicy, edit, stackOptions{})
+	s := harmStack(t, check.Kind("local-reply-config"), harmPolicy, edit, stackOptions{})
 	first, second := replayedOnce(t, s, call{path: "/v1/documents", key: "lrc-1", body: `{}`})
 	require.Equal(t, http.StatusOK, second.status)
 	require.NotEqual(t, string(first.body), string(second.body), "the replay is not the stored response")
@@ -317,7 +317,7 @@ func TestHarmLocalReplyConfig(t *testing.T) {
 // mutation_rules refusing the replay header: the replay reaches the client without it.
 func TestHarmMutationRulesRefuseTheReplayHeader(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindMutationRulesRefuse, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("mutation-rules-refuse"), harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.MutationRules = &mutationrulesv3.HeaderMutationRules{DisallowExpression: &matcherv3.RegexMatcher{Regex: "x-idempotency-replayed"}}
 	}), stackOptions{})
 	_, second := replayedOnce(t, s, call{path: "/v1/documents", key: "mut-1", body: `{}`})
@@ -338,7 +338,7 @@ routes:
 // runs unprotected.
 func TestHarmRouteNameNotSent(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindRouteNameAttribute, routeNamePolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("route-name-attribute-missing"), routeNamePolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.RequestAttributes = slices.DeleteFunc(f.RequestAttributes, func(a string) bool { return a == "xds.route_name" })
 	}), stackOptions{})
 	runsTwice(t, s, call{path: "/v1/documents", key: "rn-1", body: `{}`})
@@ -350,7 +350,7 @@ func TestHarmRouteNameMatchesNothing(t *testing.T) {
 	edit := func(b *bootstrapv3.Bootstrap) error {
 		return envoyconf.MutateRoute(b, "documents", func(r *routev3.Route) error { r.Name = "docs"; return nil })
 	}
-	s := harmStack(t, check.KindRouteNameMatchesNothing, routeNamePolicy, edit, stackOptions{})
+	s := harmStack(t, check.Kind("route-name-matches-nothing"), routeNamePolicy, edit, stackOptions{})
 	runsTwice(t, s, call{path: "/v1/documents", key: "rnm-1", body: `{}`})
 }
 
@@ -365,7 +365,7 @@ func TestHarmNoExtProc(t *testing.T) {
 			return nil
 		})
 	}
-	requireCheckFinds(t, harmPolicy, edit, check.KindNoExtProc)
+	requireCheckFinds(t, harmPolicy, edit, check.Kind("no-ext-proc"))
 	withoutExtProc(t)
 }
 
@@ -386,7 +386,7 @@ func withoutExtProc(t *testing.T) {
 func TestHarmCodeDetailsMissing(t *testing.T) {
 	t.Parallel()
 	const stores503 = "defaults:\n  store_statuses: [2xx, 503]\n" + "routes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
-	s := harmStack(t, check.KindCodeDetailsMissing, stores503, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("code-details-missing"), stores503, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.ResponseAttributes = slices.DeleteFunc(f.ResponseAttributes, func(a string) bool { return a == "response.code_details" })
 	}), stackOptions{upstream: "http://127.0.0.1:" + strconv.Itoa(freePort(t)), localReplies: true})
 	c := call{path: "/v1/documents", key: "cd-1", body: `{}`}
@@ -401,7 +401,7 @@ func TestHarmCodeDetailsMissing(t *testing.T) {
 // response-not-replayable instead of the replay.
 func TestHarmResponseBodyNone(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindResponseBodyMode, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("response-body-mode"), harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.ProcessingMode.ResponseBodyMode = filterextproc.ProcessingMode_NONE
 	}), stackOptions{})
 	_, second := replayedOnce(t, s, call{path: "/v1/documents", key: "rbn-1", body: `{}`})
@@ -420,7 +420,7 @@ func TestHarmRouteResponseBodyNone(t *testing.T) {
 			}
 		})
 	}
-	s := harmStack(t, check.KindRouteResponseBodyNone, harmPolicy, edit, stackOptions{})
+	s := harmStack(t, check.Kind("route-response-body-none"), harmPolicy, edit, stackOptions{})
 	_, second := replayedOnce(t, s, call{path: "/v1/refunds", key: "rrbn-1", body: `{}`})
 	requireProblem(t, second, http.StatusConflict, "response-not-replayable")
 }
@@ -444,7 +444,7 @@ const (
 // outcome unknown, and under unknown_outcome release (the default) the retry runs again.
 func TestHarmResponseHeadersSkipped(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindResponseHeaderMode, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("response-header-mode"), harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.ProcessingMode.ResponseHeaderMode = skip
 	}), stackOptions{})
 	runsTwice(t, s, call{path: "/v1/documents", key: "rhs-1", body: `{}`})
@@ -458,7 +458,7 @@ func TestHarmRouteResponseHeadersSkipped(t *testing.T) {
 			pr.GetOverrides().ProcessingMode = routeMode(send, buffered, buffered, skip)
 		})
 	}
-	s := harmStack(t, check.KindRouteResponseHeaderSkip, harmPolicy, edit, stackOptions{})
+	s := harmStack(t, check.Kind("route-response-header-skip"), harmPolicy, edit, stackOptions{})
 	runsTwice(t, s, call{path: "/v1/refunds", key: "rrhs-1", body: `{}`})
 }
 
@@ -466,7 +466,7 @@ func TestHarmRouteResponseHeadersSkipped(t *testing.T) {
 // is answered 500 body-not-available instead of running.
 func TestHarmRequestBodyNone(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindRequestBodyMode, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("request-body-mode"), harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.ProcessingMode.RequestBodyMode = none
 	}), stackOptions{})
 	requireProblem(t, s.do(call{path: "/v1/documents", key: "rbn-1", body: `{"a":1}`}), http.StatusInternalServerError, "body-not-available")
@@ -481,7 +481,7 @@ func TestHarmRouteRequestBodyNone(t *testing.T) {
 			pr.GetOverrides().ProcessingMode = routeMode(send, none, buffered, send)
 		})
 	}
-	s := harmStack(t, check.KindRouteRequestBodyNone, harmPolicy, edit, stackOptions{})
+	s := harmStack(t, check.Kind("route-request-body-none"), harmPolicy, edit, stackOptions{})
 	requireProblem(t, s.do(call{path: "/v1/refunds", key: "rrbn-2", body: `{"a":1}`}), http.StatusInternalServerError, "body-not-available")
 }
 
@@ -489,7 +489,7 @@ func TestHarmRouteRequestBodyNone(t *testing.T) {
 // never comes: 500 body-not-available.
 func TestHarmProcessingModeMissing(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindProcessingModeMissing, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("processing-mode-missing"), harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.ProcessingMode = nil
 		f.AllowedOverrideModes = nil
 	}), stackOptions{})
@@ -510,7 +510,7 @@ func retryOn(rp *routev3.RetryPolicy) func(*bootstrapv3.Bootstrap) error {
 // again under the same lease; the client sent it once.
 func TestHarmRouterRetry(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindRouterRetry, harmPolicy, retryOn(&routev3.RetryPolicy{RetryOn: "5xx"}), stackOptions{})
+	s := harmStack(t, check.Kind("router-retry"), harmPolicy, retryOn(&routev3.RetryPolicy{RetryOn: "5xx"}), stackOptions{})
 	r := s.do(call{path: "/v1/documents", key: "rr-1", body: `{}`, headers: map[string]string{"x-test-status": "503"}})
 	require.Equal(t, http.StatusServiceUnavailable, r.status)
 	require.Equal(t, 2, s.up.Ran("rr-1"), "one request, run twice by the router's retry")
@@ -520,7 +520,7 @@ func TestHarmRouterRetry(t *testing.T) {
 // outcome worth keeping, and the router runs it again.
 func TestHarmRouterRetryOnAStoredStatus(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindRouterRetryStatus, harmPolicy, retryOn(&routev3.RetryPolicy{
+	s := harmStack(t, check.Kind("router-retry-stored-status"), harmPolicy, retryOn(&routev3.RetryPolicy{
 		RetryOn: "retriable-status-codes", RetriableStatusCodes: []uint32{202}, NumRetries: wrapperspb.UInt32(2),
 	}), stackOptions{})
 	r := s.do(call{path: "/v1/documents", key: "rrs-1", body: `{}`, headers: map[string]string{"x-test-status": "202"}})
@@ -541,7 +541,7 @@ func TestHarmGatewayAPIRetry(t *testing.T) {
 	require.NoError(t, err)
 	rep, err := check.Run(p, []check.Input{{Name: "eg.yaml", Data: []byte(eg)}}, check.Options{})
 	require.NoError(t, err)
-	require.Contains(t, kinds(rep), check.KindGatewayAPIRetry, "%v", rep.Findings)
+	require.Contains(t, kinds(rep), check.Kind("gateway-api-retry"), "%v", rep.Findings)
 
 	// The router's policy for those codes and attempts.
 	s := newStack(t, stackOptions{policy: harmPolicy, envoy: retryOn(&routev3.RetryPolicy{
@@ -612,7 +612,7 @@ func shippedPolicyText(t *testing.T) string { return string(readRepoFile(t, "env
 // Without jwt_authn's namespace in forwarding_namespaces, the processor gets no claims.
 func TestHarmJWTPayloadNotForwarded(t *testing.T) {
 	t.Parallel()
-	jwtHarm(t, check.KindJWTNotForwarded, shippedPolicyText(t), extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	jwtHarm(t, check.Kind("jwt-payload-not-forwarded"), shippedPolicyText(t), extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.MetadataOptions.ForwardingNamespaces = nil
 	}))
 }
@@ -620,7 +620,7 @@ func TestHarmJWTPayloadNotForwarded(t *testing.T) {
 // Without a jwt_authn filter before ext_proc, nobody verifies the token: no claims.
 func TestHarmNoJWTAuthn(t *testing.T) {
 	t.Parallel()
-	jwtHarm(t, check.KindJWTAuthnMissing, shippedPolicyText(t), func(b *bootstrapv3.Bootstrap) error {
+	jwtHarm(t, check.Kind("jwt-authn-missing"), shippedPolicyText(t), func(b *bootstrapv3.Bootstrap) error {
 		return envoyconf.MutateHCM(b, func(hcm *hcmv3.HttpConnectionManager) error {
 			hcm.HttpFilters = slices.DeleteFunc(hcm.HttpFilters, func(f *hcmv3.HttpFilter) bool {
 				return f.GetName() == "envoy.filters.http.jwt_authn"
@@ -633,7 +633,7 @@ func TestHarmNoJWTAuthn(t *testing.T) {
 // A jwt_authn whose providers write no payload_in_metadata: no claims.
 func TestHarmJWTPayloadNotWritten(t *testing.T) {
 	t.Parallel()
-	jwtHarm(t, check.KindJWTPayloadMissing, shippedPolicyText(t), jwtFilter(func(c *jwtauthnv3.JwtAuthentication) {
+	jwtHarm(t, check.Kind("jwt-payload-missing"), shippedPolicyText(t), jwtFilter(func(c *jwtauthnv3.JwtAuthentication) {
 		for _, p := range c.GetProviders() {
 			p.PayloadInMetadata = ""
 		}
@@ -645,14 +645,14 @@ func TestHarmJWTPayloadKeyNotWritten(t *testing.T) {
 	t.Parallel()
 	policyText := strings.Replace(shippedPolicyText(t), "    require_scope: true", "    require_scope: true\n    jwt_payload_key: other", 1)
 	require.Contains(t, policyText, "jwt_payload_key: other")
-	jwtHarm(t, check.KindJWTPayloadKey, policyText, func(*bootstrapv3.Bootstrap) error { return nil })
+	jwtHarm(t, check.Kind("jwt-payload-key"), policyText, func(*bootstrapv3.Bootstrap) error { return nil })
 }
 
 // disallow_is_error with a rule refusing a header the processor sets on a fresh response (the
 // replay header, false, under replay_header_fresh): the upstream ran, and Envoy answers 500.
 func TestHarmMutationDisallowIsError(t *testing.T) {
 	t.Parallel()
-	s := harmStack(t, check.KindMutationDisallowIsError, harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("mutation-disallow-is-error"), harmPolicy, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.MutationRules = &mutationrulesv3.HeaderMutationRules{
 			DisallowExpression: &matcherv3.RegexMatcher{Regex: "x-idempotency-replayed"},
 			DisallowIsError:    wrapperspb.Bool(true),
@@ -669,7 +669,7 @@ func TestHarmMutationDisallowIsError(t *testing.T) {
 func TestHarmMessageTimeoutBelowInFlightWait(t *testing.T) {
 	t.Parallel()
 	const waits = "defaults:\n  in_flight_wait: 3s\nroutes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
-	s := harmStack(t, check.KindMessageTimeoutInFlight, waits, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("message-timeout-in-flight-wait"), waits, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.MessageTimeout = durationpb.New(500 * time.Millisecond)
 	}), stackOptions{})
 	c := call{path: "/v1/documents", key: "mt-1", body: `{}`, headers: map[string]string{"x-test-delay": "6s"}}
@@ -691,7 +691,7 @@ func TestHarmMessageTimeoutBelowInFlightWait(t *testing.T) {
 func TestHarmResponseOverTheBufferLimit(t *testing.T) {
 	t.Parallel()
 	const large = "defaults:\n  max_response_bytes: 4194304\nroutes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
-	s := harmStack(t, check.KindResponseBufferLimit, large, nil, stackOptions{})
+	s := harmStack(t, check.Kind("response-buffer-limit"), large, nil, stackOptions{})
 	c := call{path: "/v1/documents", key: "buf-1", body: `{}`, headers: map[string]string{"X-Test-Body-Bytes": strconv.Itoa(2 << 20)}}
 	r := s.do(c)
 	require.Equal(t, http.StatusInternalServerError, r.status, "the upstream answered 2 MiB, within max_response_bytes")
@@ -708,7 +708,7 @@ func TestHarmExtensionPolicyTargetsNothing(t *testing.T) {
 	eg := readRepoFile(t, "envoy/envoy-gateway.yaml")
 	rep, err := check.Run(p, []check.Input{{Name: "eg.yaml", Data: eg}}, check.Options{})
 	require.NoError(t, err)
-	require.Contains(t, kinds(rep), check.KindPolicyTargetsNothing, "%v", rep.Findings)
+	require.Contains(t, kinds(rep), check.Kind("extension-policy-targets-nothing"), "%v", rep.Findings)
 
 	s := newStack(t, stackOptions{policy: harmPolicy, envoy: func(b *bootstrapv3.Bootstrap) error {
 		return envoyconf.MutateRoute(b, "documents", func(r *routev3.Route) error {
@@ -732,7 +732,7 @@ func TestHarmUnreadableEnvoyFilter(t *testing.T) {
 	require.NoError(t, err)
 	rep, err := check.Run(p, []check.Input{{Name: "istio.yaml", Data: []byte(istio)}}, check.Options{})
 	require.NoError(t, err)
-	require.Contains(t, kinds(rep), check.KindUnreadable, "%v", rep.Findings)
+	require.Contains(t, kinds(rep), check.Kind("unreadable-value"), "%v", rep.Findings)
 	withoutExtProc(t)
 }
 
@@ -746,8 +746,8 @@ func TestHarmGatewayJWTProviderName(t *testing.T) {
 	require.NoError(t, err)
 	rep, err := check.Run(p, []check.Input{{Name: "eg.yaml", Data: readRepoFile(t, "envoy/envoy-gateway.yaml")}}, check.Options{})
 	require.NoError(t, err)
-	require.Contains(t, kinds(rep), check.KindGatewayJWTProvider, "%v", rep.Findings)
-	jwtHarm(t, check.KindJWTPayloadKey, policyText, func(*bootstrapv3.Bootstrap) error { return nil })
+	require.Contains(t, kinds(rep), check.Kind("gateway-jwt-provider"), "%v", rep.Findings)
+	jwtHarm(t, check.Kind("jwt-payload-key"), policyText, func(*bootstrapv3.Bootstrap) error { return nil })
 }
 
 // mtls returns a server TLS config requiring client certificates of a new CA, and a client
@@ -795,7 +795,7 @@ func TestHarmPeerIdentityNotSent(t *testing.T) {
 	t.Parallel()
 	const byPeer = "defaults:\n  scope: [peer_identity]\nroutes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
 	server, clients := mtls(t, "spiffe://cluster.local/ns/a/sa/alice", "spiffe://cluster.local/ns/b/sa/bob")
-	s := harmStack(t, check.KindPeerIdentityAttribute, byPeer, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("peer-identity-attribute-missing"), byPeer, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.RequestAttributes = slices.DeleteFunc(f.RequestAttributes, func(a string) bool { return a == "connection.uri_san_peer_certificate" })
 	}), stackOptions{tls: server, client: clients[0]})
 	c := call{path: "/v1/documents", key: "peer-1", body: `{}`}
@@ -815,7 +815,7 @@ func TestHarmMessageTimeoutBelowStoreTimeout(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t, redistest.Options{})
 	const slow = "store_timeout: 5s\nroutes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
-	s := harmStack(t, check.KindMessageTimeout, slow, extProcEdit(func(f *filterextproc.ExternalProcessor) {
+	s := harmStack(t, check.Kind("message-timeout"), slow, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.MessageTimeout = durationpb.New(time.Second)
 	}), stackOptions{args: redisArgs(srv)})
 	opts, err := redis.ParseURL(srv.URL())

@@ -221,9 +221,9 @@ func (r reading) findings(p *policy.Policy, c covered, policyFile string, names 
 	}
 	out = append(out, r.egOrders...)
 	out = append(out, r.egJWT.findings(n)...)
-	if len(r.deployments) == 0 && !slices.ContainsFunc(r.egOrders, func(f Finding) bool { return f.Kind == KindUnreadable }) {
+	if len(r.deployments) == 0 && !slices.ContainsFunc(r.egOrders, func(f Finding) bool { return f.Kind == kindUnreadable }) {
 		out = append(out, Finding{
-			File: strings.Join(names, ", "), Resource: "-", Field: "ext_proc", Kind: KindNoExtProc,
+			File: strings.Join(names, ", "), Resource: "-", Field: "ext_proc", Kind: kindNoExtProc,
 			Problem: "no ext_proc filter found: no http filter with an ExternalProcessor typed_config, EnvoyFilter patching one in, or EnvoyExtensionPolicy with an extProc entry; nothing reaches the processor",
 			Fix:     "add the filter as envoy/envoy.yaml, envoy/istio-envoyfilter.yaml or envoy/envoy-gateway.yaml do, and pass the file that holds it",
 		})
@@ -344,7 +344,7 @@ func egInputError(err error) error {
 // unreadable is the finding of a value of o that check cannot read: a finding on its line, so
 // that the other resources' findings are still reported.
 func unreadable(o *object, err error) Finding {
-	f := Finding{File: o.File, Resource: o.ref(), Field: "spec", Kind: KindUnreadable, Line: o.Line,
+	f := Finding{File: o.File, Resource: o.ref(), Field: "spec", Kind: kindUnreadable, Line: o.Line,
 		Problem: "cannot be read (" + err.Error() + "): what the resource sets was not checked, and Istio or Envoy would refuse a value they cannot read either, leaving covered requests without the ext_proc filter it adds",
 		Fix:     "write the value as the field's type wants it"}
 	var l *located

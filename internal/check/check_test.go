@@ -678,7 +678,7 @@ func TestRunFilterDisabledByDefault(t *testing.T) {
 	// The default route does not run the filter, so its retry is no error; neither does the
 	// transfers route, so the policy route that matches its name protects nothing.
 	require.Equal(t, []string{"routes[0].match"}, fieldsOf(rep, Error), "%v", rep.Findings)
-	require.Equal(t, KindRouteNameMatchesNothing, rep.Findings[0].Kind)
+	require.Equal(t, kindRouteNameMatchesNothing, rep.Findings[0].Kind)
 
 	// Enabled on the virtual host, the filter runs on documents again.
 	enabled := mutate(t, text, "              domains: [\"*\"]\n",

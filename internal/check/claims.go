@@ -25,7 +25,7 @@ func numericClaimFindings(d Deployment, p *policy.Policy) []Finding {
 			if src.Kind != policy.ScopeJWTClaim || stringClaims[src.Name] {
 				continue
 			}
-			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".metadata_options.forwarding_namespaces.untyped", Kind: KindNumericClaim,
+			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".metadata_options.forwarding_namespaces.untyped", Kind: kindNumericClaim,
 				Problem: fmt.Sprintf("forwards the verified JWT payload, whose numbers reach the processor as doubles, and route %q scopes by jwt_claim %q, which a token may carry as a number: a caller whose %q is a number of 2^53 or more, or a fraction, gets 400 scope-claim-ambiguous, since that double may stand for several callers' values", r.Name, src.Name, src.Name),
 				Fix:     fmt.Sprintf("scope by a claim Envoy accepts only as a string (sub, iss, jti), or have the issuer write %q as a string; a claim that is always a string or a whole number below 2^53 needs nothing", src.Name)})
 		}

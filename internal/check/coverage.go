@@ -77,7 +77,7 @@ func routeNameFindings(p *policy.Policy, c covered, policyFile string, files []s
 			continue
 		}
 		out = append(out, Finding{File: policyFile, Resource: "policy route " + strconv.Quote(r.Name), Field: fmt.Sprintf("routes[%d].match", i),
-			Kind: KindRouteNameMatchesNothing,
+			Kind: kindRouteNameMatchesNothing,
 			Problem: fmt.Sprintf("matches no route of %s on which the ext_proc filter runs (Envoy's route names there: %s): the policy route protects nothing, and its requests get another policy route or pass through",
 				strings.Join(files, ", "), quoteList(c.names)),
 			Fix: "name the Envoy routes it should cover (name: on an Envoy route, http[].name in a VirtualService, the HTTPRoute rule for Envoy Gateway), or correct the matcher"})
@@ -146,7 +146,7 @@ func gatewayRetryFindings(p *policy.Policy, objs []*object, ds []Deployment) []F
 			if a := rule.Retry.Attempts; a != nil {
 				attempts = fmt.Sprintf("%d attempts", *a)
 			}
-			f := Finding{File: o.File, Resource: o.ref(), Field: fmt.Sprintf("rules[%d].retry", i), Kind: KindGatewayAPIRetry,
+			f := Finding{File: o.File, Resource: o.ref(), Field: fmt.Sprintf("rules[%d].retry", i), Kind: kindGatewayAPIRetry,
 				Problem: fmt.Sprintf("retries the rule's requests (codes %v, %s): the router retries after ext_proc, which never sees the retry, so a claimed request the upstream ran (and answered with one of the codes, or reset) runs again under the same lease", rule.Retry.Codes, attempts),
 				Fix:     "remove retry from rules the policy covers (or set attempts: 0): clients retry with the same key, and get the replay"}
 			if n := specPath(o.Spec, "rules", i, "retry"); n != nil {
@@ -221,7 +221,7 @@ func extensionPolicyFindings(p *policy.Policy, objs []*object, ds []Deployment) 
 		if partial || len(names) == 0 || slices.ContainsFunc(names, func(n string) bool { return reaches(n, routes, named, p) }) {
 			continue
 		}
-		f := Finding{File: d.File, Resource: d.Resource, Field: "targetRefs", Kind: KindPolicyTargetsNothing,
+		f := Finding{File: d.File, Resource: d.Resource, Field: "targetRefs", Kind: kindPolicyTargetsNothing,
 			Problem: fmt.Sprintf("reaches only routes no policy route names (%s): the policy's routes run where this filter does not, unprotected", quoteList(names)),
 			Fix:     "target the HTTPRoute rules the policy's routes cover, or match these routes in the policy"}
 		out = append(out, f)

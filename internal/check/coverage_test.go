@@ -35,7 +35,7 @@ func TestRunRouteNameMatchesNothing(t *testing.T) {
 	errs := errorsOf(rep)
 	require.Len(t, errs, 1, "%v", rep.Findings)
 	f := errs[0]
-	require.Equal(t, KindRouteNameMatchesNothing, f.Kind)
+	require.Equal(t, kindRouteNameMatchesNothing, f.Kind)
 	require.Equal(t, "envoy/policy.yaml", f.File)
 	require.Equal(t, `policy route "transfers"`, f.Resource)
 	require.Equal(t, "routes[0].match", f.Field)
@@ -47,13 +47,13 @@ func TestRunRouteNameMatchesNothing(t *testing.T) {
 	named := mutate(t, renamed, "{ key: x-idempotency-route, value: refunds }", "{ key: x-idempotency-route, value: transfers }", 1)
 	rep, err = Run(shippedPolicy(t), []Input{{Name: "copy/envoy.yaml", Data: []byte(named)}}, opts)
 	require.NoError(t, err)
-	require.NotContains(t, kindsOf(rep), KindRouteNameMatchesNothing, "%v", rep.Findings)
+	require.NotContains(t, kindsOf(rep), kindRouteNameMatchesNothing, "%v", rep.Findings)
 
 	// Routes that come from RDS cannot be compared: no finding then.
 	for _, files := range [][]string{{"envoy.yaml"}, {"istio-envoyfilter.yaml"}, {"envoy-gateway.yaml"}} {
 		rep, err := Run(shippedPolicy(t), shippedInputs(t, files...), opts)
 		require.NoError(t, err)
-		require.NotContains(t, kindsOf(rep), KindRouteNameMatchesNothing, "%v: %v", files, rep.Findings)
+		require.NotContains(t, kindsOf(rep), kindRouteNameMatchesNothing, "%v: %v", files, rep.Findings)
 	}
 }
 
@@ -89,7 +89,7 @@ func TestRunGatewayAPIRetry(t *testing.T) {
 			errs := errorsOf(rep)
 			require.Len(t, errs, 1, "%v", rep.Findings)
 			f := errs[0]
-			require.Equal(t, KindGatewayAPIRetry, f.Kind)
+			require.Equal(t, kindGatewayAPIRetry, f.Kind)
 			require.Equal(t, "HTTPRoute payments/payments-api", f.Resource)
 			require.Equal(t, "rules[1].retry", f.Field)
 			require.Contains(t, f.Problem, "the router retries after ext_proc")
@@ -105,7 +105,7 @@ func TestRunGatewayAPIRetry(t *testing.T) {
 	text = text[:start] + text[end:]
 	rep, err := Run(shippedPolicy(t), []Input{{Name: "copy/eg.yaml", Data: []byte(text)}}, Options{})
 	require.NoError(t, err)
-	require.NotContains(t, kindsOf(rep), KindGatewayAPIRetry, "%v", rep.Findings)
+	require.NotContains(t, kindsOf(rep), kindGatewayAPIRetry, "%v", rep.Findings)
 }
 
 // A GRPCRoute's retry on a rule an EnvoyExtensionPolicy targets is an error too.
@@ -138,7 +138,7 @@ spec:
 `
 	rep, err := Run(parsePolicy(t, "routes:\n  - name: ledger\n    match: { path_prefix: /ledger.v1.Ledger/ }\n"), []Input{{Name: "grpc.yaml", Data: []byte(objs)}}, Options{})
 	require.NoError(t, err)
-	i := slices.IndexFunc(rep.Findings, func(f Finding) bool { return f.Kind == KindGatewayAPIRetry })
+	i := slices.IndexFunc(rep.Findings, func(f Finding) bool { return f.Kind == kindGatewayAPIRetry })
 	require.GreaterOrEqual(t, i, 0, "%v", rep.Findings)
 	f := rep.Findings[i]
 	require.Equal(t, Error, f.Severity)
@@ -157,7 +157,7 @@ func TestRunExtensionPolicyTargetsNothing(t *testing.T) {
 	require.NoError(t, err)
 	errs := errorsOf(rep)
 	require.Len(t, errs, 1, "%v", rep.Findings)
-	require.Equal(t, KindPolicyTargetsNothing, errs[0].Kind)
+	require.Equal(t, kindPolicyTargetsNothing, errs[0].Kind)
 	require.Equal(t, egTransfers, errs[0].Resource)
 	require.Equal(t, "targetRefs", errs[0].Field)
 	requireAtField(t, eg, errs[0])
@@ -189,9 +189,9 @@ func TestRunIstioDurations(t *testing.T) {
 	var unreadable, other *Finding
 	for i, f := range rep.Findings {
 		switch f.Kind {
-		case KindUnreadable:
+		case kindUnreadable:
 			unreadable = &rep.Findings[i]
-		case KindFailureModeAllow:
+		case kindFailureModeAllow:
 			other = &rep.Findings[i]
 		}
 	}
@@ -245,9 +245,9 @@ func TestRunGatewayUnreadableValue(t *testing.T) {
 	var unread, other *Finding
 	for i, f := range rep.Findings {
 		switch {
-		case f.Kind == KindUnreadable:
+		case f.Kind == kindUnreadable:
 			unread = &rep.Findings[i]
-		case f.Kind == KindFailureModeAllow:
+		case f.Kind == kindFailureModeAllow:
 			other = &rep.Findings[i]
 		}
 	}

@@ -19,7 +19,7 @@ func deploymentFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding
 	if err := checkProtection(d, n); err != nil {
 		refusals := refusalsIn(err)
 		if len(refusals) == 0 {
-			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath, Kind: KindNoExtProc, Problem: err.Error(), Fix: "-"})
+			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath, Kind: kindNoExtProc, Problem: err.Error(), Fix: "-"})
 		}
 		for _, r := range refusals {
 			out = append(out, refusalFinding(d, r))
@@ -66,18 +66,18 @@ func specFinding(d Deployment, e *specError, n policyNeeds) Finding {
 		f.Problem += ": " + e.Breaks
 	}
 	switch {
-	case e.Kind == KindCodeDetailsMissing && !n.envoyStatusStored && n.unknownReleases:
-		f.Kind = KindCodeDetailsCost
+	case e.Kind == kindCodeDetailsMissing && !n.envoyStatusStored && n.unknownReleases:
+		f.Kind = kindCodeDetailsCost
 		f.Problem += "; under this policy (unknown_outcome: release, no 4xx or 5xx stored) such a response releases the key either way, and only the processor's log says it could not tell"
-	case e.Kind == KindAttemptCountMissing && n.unknownReleases:
-		f.Kind = KindAttemptCountCost
+	case e.Kind == kindAttemptCountMissing && n.unknownReleases:
+		f.Kind = kindAttemptCountCost
 		f.Problem += "; under this policy (unknown_outcome: release on every route) such a response releases the key either way, and only the release reason differs"
 	}
 	if d.Platform == platformEnvoyGateway && errors.Is(e, errRequestTrailersSkipped) {
 		// Envoy Gateway cannot express SEND but under FullDuplexStreamed (buildProcessingMode
 		// in envoyproxy/gateway internal/xds/translator/extproc.go); the processor counts
 		// what reaches the upstream unclaimed.
-		f.Kind = KindGatewayRequestTrailers
+		f.Kind = kindGatewayRequestTrailers
 		f.Problem = "Envoy Gateway sends request trailers to the processor only under FullDuplexStreamed: a covered request that carries trailers and no body reaches the upstream before its key is claimed, and may run twice (the processor counts it as idempotency_envoy_misconfig_total{kind=\"unclaimed_request\"})"
 		f.Fix = "use body: FullDuplexStreamed on routes whose clients send request trailers"
 	}
@@ -151,7 +151,7 @@ func timingFindings(d Deployment, p *policy.Policy) []Finding {
 		return nil // CheckSpec reports the first; the second is fine
 	}
 	return []Finding{{
-		File: d.File, Resource: d.Resource, Field: d.FilterPath + ".message_timeout", Kind: KindMessageTimeoutInFlight,
+		File: d.File, Resource: d.Resource, Field: d.FilterPath + ".message_timeout", Kind: kindMessageTimeoutInFlight,
 		Problem: fmt.Sprintf("%v is not above store_timeout %v plus in_flight_wait %v (route %q): a duplicate waiting for its replay holds Envoy's message open that long, so Envoy answers 504 first",
 			mt, p.StoreTimeout, longest.InFlightWait, longest.Name),
 		Fix: fmt.Sprintf("raise message_timeout above %v, or lower in_flight_wait", need),
@@ -180,7 +180,7 @@ func bodyFindings(d Deployment, p *policy.Policy, n policyNeeds) []Finding {
 			mode = pm.GetResponseBodyMode()
 			if mode == filterextproc.ProcessingMode_NONE {
 				out = append(out, Finding{
-					File: d.File, Resource: d.Resource, Field: e.Path + ".overrides.processing_mode.response_body_mode", Kind: KindRouteResponseBodyNone,
+					File: d.File, Resource: d.Resource, Field: e.Path + ".overrides.processing_mode.response_body_mode", Kind: kindRouteResponseBodyNone,
 					Problem: fmt.Sprintf("is NONE, but policy route %q stores response bodies: responses are stored without their body, and duplicates get 409 response-not-replayable instead of a replay", storing.Name),
 					Fix:     "set BUFFERED or STREAMED, or store_body: false on the policy route",
 				})
@@ -230,14 +230,14 @@ func bufferLimitFinding(d Deployment, storing *policy.Route, l *limitSetting) Fi
 	problem := fmt.Sprintf("BUFFERED responses of policy route %q may reach max_response_bytes %d, above the %d-byte upstream buffer: Envoy answers 500 to a larger one after the upstream ran it, so a retry may run it again",
 		storing.Name, storing.MaxResponseBytes, l.Bytes)
 	if !l.Default {
-		return Finding{File: l.File, Resource: l.Resource, Field: l.Field, Kind: KindResponseBufferLimit, Problem: problem,
+		return Finding{File: l.File, Resource: l.Resource, Field: l.Field, Kind: kindResponseBufferLimit, Problem: problem,
 			Fix: fmt.Sprintf("raise it to at least %d, or use STREAMED responses", storing.MaxResponseBytes)}
 	}
 	where := l.Field
 	if l.Resource != "" {
 		where += " of " + l.Resource
 	}
-	return Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".processing_mode.response_body_mode", Kind: KindResponseBufferLimit,
+	return Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".processing_mode.response_body_mode", Kind: kindResponseBufferLimit,
 		Problem: problem + " (nothing sets " + where + ": the default applies)",
 		Fix:     fmt.Sprintf("set %s to at least %d, or use STREAMED responses", where, storing.MaxResponseBytes)}
 }
@@ -256,7 +256,7 @@ func istioJWTFindings(d Deployment, n policyNeeds) []Finding {
 	var out []Finding
 	for _, k := range n.jwtKeys {
 		if k.key != "" && k.key != istioPayloadKey {
-			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".metadata_options.forwarding_namespaces", Kind: KindIstioJWTPayloadKey,
+			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.FilterPath + ".metadata_options.forwarding_namespaces", Kind: kindIstioJWTPayloadKey,
 				Problem: fmt.Sprintf("forwards jwt_authn's payloads, which Istio 1.21 and later write under %q (earlier versions: under the issuer), while route %q reads %q (its jwt_payload_key): %s", istioPayloadKey, k.route, k.key, claimsEmpty),
 				Fix:     fmt.Sprintf("unset the route's jwt_payload_key (Istio writes one payload), or set it to %q", istioPayloadKey)})
 		}
@@ -280,13 +280,13 @@ var protectedFilterTypes = map[string]string{
 func warnings(d Deployment) []Finding {
 	var out []Finding
 	if d.RoutesUnknown != "" {
-		out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.HCMPath, Kind: KindRoutesUnknown,
+		out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.HCMPath, Kind: kindRoutesUnknown,
 			Problem: d.RoutesUnknown + ": per-route configs, retries and buffer limits were not checked",
 			Fix:     "check the routes too: pass a bootstrap whose connection manager has an inline route_config"})
 	}
 	for _, a := range d.After {
 		if what, ok := protectedFilterTypes[a.Type]; ok {
-			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.HCMPath + ".http_filters[" + a.Name + "]", Kind: KindFilterAfterExtProc,
+			out = append(out, Finding{File: d.File, Resource: d.Resource, Field: d.HCMPath + ".http_filters[" + a.Name + "]", Kind: kindFilterAfterExtProc,
 				Problem: fmt.Sprintf("runs after ext_proc: a replay is answered by ext_proc, so replays and 409s skip %s", what),
 				Fix:     "move it before the ext_proc filter in http_filters"})
 		}
@@ -304,7 +304,7 @@ func warnings(d Deployment) []Finding {
 			if c.Default {
 				field += " (unset)"
 			}
-			out = append(out, Finding{File: c.File, Resource: c.Resource, Field: field, Kind: KindCircuitBreakers,
+			out = append(out, Finding{File: c.File, Resource: c.Resource, Field: field, Kind: kindCircuitBreakers,
 				Problem: "the processor's circuit breakers allow " + strings.Join(low, ", ") + ": each request in flight holds a stream, and beyond them Envoy answers 500 without calling the processor",
 				Fix:     "raise them far above the requests in flight (the shipped files use 100000)"})
 		}

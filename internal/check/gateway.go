@@ -289,7 +289,7 @@ func egPolicyEntries(o *object, strict bool) ([]EGPolicy, []egTargetRef, []Findi
 		f, cb, err := translateEG(ep, o.Namespace, o.Name, i)
 		if err != nil && !strict && (strings.HasPrefix(err.Error(), "messageTimeout:") || strings.HasPrefix(err.Error(), "processingMode.")) {
 			field, _, _ := strings.Cut(err.Error(), ":")
-			unread = append(unread, Finding{File: o.File, Resource: o.ref(), Field: fmt.Sprintf("extProc[%d].%s", i, field), Kind: KindUnreadable,
+			unread = append(unread, Finding{File: o.File, Resource: o.ref(), Field: fmt.Sprintf("extProc[%d].%s", i, field), Kind: kindUnreadable,
 				Problem: "cannot be read (" + err.Error() + "): the filter of this entry was not checked, and Envoy Gateway would refuse a value it cannot read either, leaving covered requests without it",
 				Fix:     "write the value as the field's type wants it"})
 			continue
@@ -1040,7 +1040,7 @@ func (j egJWT) findings(n policyNeeds) []Finding {
 	var out []Finding
 	for _, k := range n.jwtKeys {
 		if k.key != "" && !slices.Contains(j.names, k.key) {
-			out = append(out, Finding{File: j.first.File, Resource: j.first.ref(), Field: "jwt.providers", Kind: KindGatewayJWTProvider,
+			out = append(out, Finding{File: j.first.File, Resource: j.first.ref(), Field: "jwt.providers", Kind: kindGatewayJWTProvider,
 				Problem: fmt.Sprintf("has no provider named %q, the jwt_payload_key of route %q: Envoy Gateway writes each provider's verified payload under the provider's name: %s", k.key, k.route, claimsEmpty),
 				Fix:     fmt.Sprintf("set the route's jwt_payload_key to the name of the provider that verifies its callers (%s), or unset it where one provider verifies them", strings.Join(j.names, ", "))})
 		}
@@ -1071,7 +1071,7 @@ func egOrderFinding(d *object) ([]Finding, error) {
 	if len(after) == 0 {
 		return nil, nil
 	}
-	return []Finding{{File: d.File, Resource: d.ref(), Field: "filterOrder", Kind: KindFilterAfterExtProc,
+	return []Finding{{File: d.File, Resource: d.ref(), Field: "filterOrder", Kind: kindFilterAfterExtProc,
 		Problem: "leaves ext_proc before " + strings.Join(after, ", ") + ": a replay is answered by ext_proc, so replays and 409s skip authorization and rate limits",
 		Fix:     "add filterOrder entries that move envoy.filters.http.ext_proc after each of them, as envoy/envoy-gateway.yaml does"}}, nil
 }

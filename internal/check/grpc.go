@@ -67,13 +67,13 @@ func grpcRouteFindings(d Deployment, e routeEntry, v *envoyVersion) []Finding {
 		if d.Platform == platformEnvoyGateway {
 			fix = "use response body: FullDuplexStreamed on this route: Envoy Gateway sends response trailers to the processor only then"
 		}
-		out = append(out, at(modePath+".response_trailer_mode", KindGRPCResponseTrailers,
+		out = append(out, at(modePath+".response_trailer_mode", kindGRPCResponseTrailers,
 			fmt.Sprintf("is %s on a gRPC route: a call's grpc-status comes in the response trailers, which never reach the processor, so no call is stored and every retry runs again (unknown_outcome)", mode.GetResponseTrailerMode()), fix))
 	}
 	if rp := e.Retry; rp != nil && (rp.GetNumRetries() == nil || rp.GetNumRetries().GetValue() > 0) {
 		for _, cond := range strings.Split(rp.GetRetryOn(), ",") {
 			if cond = strings.TrimSpace(cond); grpcRetryOn[cond] {
-				f := at(e.RetryPath+".retry_policy.retry_on", KindGRPCRouterRetry,
+				f := at(e.RetryPath+".retry_policy.retry_on", kindGRPCRouterRetry,
 					fmt.Sprintf("has %q on a gRPC route: the router retries a call the upstream answered, so a claimed call may run twice under one lease", cond),
 					"remove the gRPC conditions from retry_on on covered gRPC routes (connect-failure and refused-stream are safe); clients retry under the same key instead")
 				if e.RetryResource != "" {
@@ -87,11 +87,11 @@ func grpcRouteFindings(d Deployment, e routeEntry, v *envoyVersion) []Finding {
 	streamable := body == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED || body == filterextproc.ProcessingMode_NONE
 	switch {
 	case !streamable:
-		out = append(out, at(modePath+".request_body_mode", KindGRPCReplayRefused,
+		out = append(out, at(modePath+".request_body_mode", kindGRPCReplayRefused,
 			fmt.Sprintf("is %s on a gRPC route: a call is claimed at its headers, its fingerprint without the message (another message under a used key is taken for a retry), and a retry of a completed call gets ALREADY_EXISTS with the first call's status instead of its message", body),
 			"set request_body_mode: FULL_DUPLEX_STREAMED with both trailer modes SEND on this route (Envoy 1.37 or later): the processor then holds the headers until the message came and replays the stored call"))
 	case v != nil && v.before(1, 37, 0):
-		out = append(out, at(modePath+".request_body_mode", KindGRPCStreamedReplay,
+		out = append(out, at(modePath+".request_body_mode", kindGRPCStreamedReplay,
 			fmt.Sprintf("is %s on a gRPC route, under which the processor replays a completed call as a streamed immediate response, which Envoy %s does not know (1.37 and later): from Envoy 1.35 the retry fails instead of getting the first call's message (or, under failure_mode_allow, runs again), and before 1.35 it runs again", body, v.text),
 			"run Envoy 1.37 or later, or set request_body_mode: BUFFERED on this route (a retry then gets ALREADY_EXISTS)"))
 	}

@@ -53,19 +53,19 @@ func TestRunGRPCRoutes(t *testing.T) {
 		{"grpc match, the shipped modes, a gRPC retry", grpcEnvoyRoute(t, `{ prefix: "/payments.v1.Payments/", grpc: {} }`,
 			`, retry_policy: { retry_on: "connect-failure,unavailable", num_retries: 2 }`, ""), "", "",
 			map[Kind]string{
-				KindGRPCResponseTrailers: "processing_mode.response_trailer_mode",
-				KindGRPCRouterRetry:      "routes[4].route.retry_policy.retry_on",
-				KindGRPCReplayRefused:    "processing_mode.request_body_mode",
+				kindGRPCResponseTrailers: "processing_mode.response_trailer_mode",
+				kindGRPCRouterRetry:      "routes[4].route.retry_policy.retry_on",
+				kindGRPCReplayRefused:    "processing_mode.request_body_mode",
 			}},
 		{"a policy route with grpc: true selects it by name; full duplex", grpcEnvoyRoute(t, `{ prefix: "/payments.v1.Payments/" }`, "", grpcDuplexMode), grpcPolicy, "1.38",
 			map[Kind]string{}},
 		{"the same on an Envoy before 1.37", grpcEnvoyRoute(t, `{ prefix: "/payments.v1.Payments/" }`, "", grpcDuplexMode), grpcPolicy, "1.36",
-			map[Kind]string{KindGRPCStreamedReplay: "routes[4].typed_per_filter_config[envoy.filters.http.ext_proc].overrides.processing_mode.request_body_mode"}},
+			map[Kind]string{kindGRPCStreamedReplay: "routes[4].typed_per_filter_config[envoy.filters.http.ext_proc].overrides.processing_mode.request_body_mode"}},
 		{"x-idempotency-route names a policy route with grpc: true", readEnvoyFile(t, "envoy.yaml"),
 			"routes: [{name: refunds, match: {path_prefix: /v1/refunds}, grpc: true}]\n", "",
-			map[Kind]string{KindGRPCResponseTrailers: bootstrapFilter + ".processing_mode.response_trailer_mode", KindGRPCReplayRefused: bootstrapFilter + ".processing_mode.request_body_mode"}},
+			map[Kind]string{kindGRPCResponseTrailers: bootstrapFilter + ".processing_mode.response_trailer_mode", kindGRPCReplayRefused: bootstrapFilter + ".processing_mode.request_body_mode"}},
 		{"full duplex on an Envoy before 1.37", grpcEnvoyRoute(t, `{ prefix: "/payments.v1.Payments/", grpc: {} }`, "", grpcDuplexMode), "", "1.36",
-			map[Kind]string{KindGRPCStreamedReplay: "overrides.processing_mode.request_body_mode"}},
+			map[Kind]string{kindGRPCStreamedReplay: "overrides.processing_mode.request_body_mode"}},
 		{"not a gRPC route", grpcEnvoyRoute(t, `{ prefix: "/payments.v1.Payments/" }`, `, retry_policy: { retry_on: "unavailable" }`, ""), "", "",
 			map[Kind]string{}},
 	}
@@ -73,7 +73,7 @@ func TestRunGRPCRoutes(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			rep, err := Run(parsePolicy(t, c.policy), []Input{{Name: "envoy.yaml", Data: []byte(c.config)}}, Options{EnvoyVersion: c.version})
 			require.NoError(t, err)
-			for _, k := range []Kind{KindGRPCResponseTrailers, KindGRPCRouterRetry, KindGRPCReplayRefused, KindGRPCStreamedReplay} {
+			for _, k := range []Kind{kindGRPCResponseTrailers, kindGRPCRouterRetry, kindGRPCReplayRefused, kindGRPCStreamedReplay} {
 				got := findingsOfKind(rep, k)
 				suffix, want := c.want[k]
 				if !want {

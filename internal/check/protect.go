@@ -261,18 +261,18 @@ func checkProtection(d Deployment, n policyNeeds) error {
 
 	if lr := d.LocalReply; lr != nil {
 		for i := range lr.GetMappers() {
-			c.refuse(KindLocalReplyConfig, fmt.Sprintf("%s.local_reply_config.mappers[%d]", d.HCMPath, i), localReplyFix,
+			c.refuse(kindLocalReplyConfig, fmt.Sprintf("%s.local_reply_config.mappers[%d]", d.HCMPath, i), localReplyFix,
 				"rewrites the local replies it matches, and replays and the processor's problem responses are local replies: clients would get a different status, body or content-type")
 		}
 		if lr.GetBodyFormat() != nil {
-			c.refuse(KindLocalReplyConfig, d.HCMPath+".local_reply_config.body_format", localReplyFix,
+			c.refuse(kindLocalReplyConfig, d.HCMPath+".local_reply_config.body_format", localReplyFix,
 				"rewrites the body of every local reply, and replays are local replies: a replayed body would not be the stored one")
 		}
 	}
 	c.forwardRules(fp+".forward_rules", f.GetForwardRules())
 	c.mutationRules(fp+".mutation_rules", f.GetMutationRules())
 	if f.GetProcessingRequestModifier() != nil {
-		c.refuse(KindRequestModifier, fp+".processing_request_modifier", "remove processing_request_modifier", "may rename the attributes and metadata the processor looks up")
+		c.refuse(kindRequestModifier, fp+".processing_request_modifier", "remove processing_request_modifier", "may rename the attributes and metadata the processor looks up")
 	}
 	c.requestAttributes(fp+".request_attributes", f.GetRequestAttributes())
 	c.metadataOptions(fp+".metadata_options", f.GetMetadataOptions())
@@ -324,12 +324,12 @@ func (c *checker) forwardRules(path string, fr *filterextproc.HeaderForwardingRu
 		hide(h, "stored responses would lack the response headers it hides: replays would differ from first responses")
 	}
 	if evalErr != nil {
-		c.refuse(KindRulesNotEvaluable, path, "use exact, prefix, suffix, contains or a valid safe_regex matcher, so that the rules can be checked", "%v", evalErr)
+		c.refuse(kindRulesNotEvaluable, path, "use exact, prefix, suffix, contains or a valid safe_regex matcher, so that the rules can be checked", "%v", evalErr)
 		return
 	}
 	for _, field := range order {
 		h := byField[field]
-		c.refuse(KindForwardRulesHide, path+"."+field, "let forward_rules pass "+strings.Join(h.names, ", ")+" (or drop forward_rules)", "hides %s from the processor (forward rules apply to request and response headers alike): %s",
+		c.refuse(kindForwardRulesHide, path+"."+field, "let forward_rules pass "+strings.Join(h.names, ", ")+" (or drop forward_rules)", "hides %s from the processor (forward rules apply to request and response headers alike): %s",
 			strings.Join(h.names, ", "), strings.Join(h.whys, "; "))
 	}
 }
@@ -402,7 +402,7 @@ func (c *checker) mutationRules(path string, r *mutationrulesv3.HeaderMutationRu
 		r = &mutationrulesv3.HeaderMutationRules{} // Envoy's defaults still refuse x-envoy-* and routing headers
 	}
 	if r.GetDisallowIsError().GetValue() {
-		c.refuse(KindMutationDisallowIsError, path+".disallow_is_error", "set disallow_is_error false",
+		c.refuse(kindMutationDisallowIsError, path+".disallow_is_error", "set disallow_is_error false",
 			"a refused mutation in a CONTINUE answer fails the request with 500 after the upstream ran: the outcome is then unknown, and a retry may run it again")
 	}
 	type refused struct{ names, whys []string }
@@ -440,12 +440,12 @@ func (c *checker) mutationRules(path string, r *mutationrulesv3.HeaderMutationRu
 		check(h, "replays set the stored response headers: a replay would lack the ones refused")
 	}
 	if evalErr != nil {
-		c.refuse(KindRulesNotEvaluable, path, "use valid regexes, so that the rules can be checked", "%v", evalErr)
+		c.refuse(kindRulesNotEvaluable, path, "use valid regexes, so that the rules can be checked", "%v", evalErr)
 		return
 	}
 	for _, field := range order {
 		x := byField[field]
-		c.refuse(KindMutationRulesRefuse, path+"."+field, "let mutation_rules allow "+strings.Join(x.names, ", ")+" (allow_expression, or drop the rule)", "refuses mutations of %s (mutation rules apply to immediate responses too): %s",
+		c.refuse(kindMutationRulesRefuse, path+"."+field, "let mutation_rules allow "+strings.Join(x.names, ", ")+" (allow_expression, or drop the rule)", "refuses mutations of %s (mutation rules apply to immediate responses too): %s",
 			strings.Join(x.names, ", "), strings.Join(x.whys, "; "))
 	}
 }
@@ -491,8 +491,8 @@ func (c *checker) requestAttributes(path string, attrs []string) {
 		need bool
 		kind Kind
 	}{
-		{"xds.route_name", c.n.routeNameAttribute, KindRouteNameAttribute},
-		{"connection.uri_san_peer_certificate", c.n.peerIdentity, KindPeerIdentityAttribute},
+		{"xds.route_name", c.n.routeNameAttribute, kindRouteNameAttribute},
+		{"connection.uri_san_peer_certificate", c.n.peerIdentity, kindPeerIdentityAttribute},
 	} {
 		if want.need && !slices.Contains(attrs, want.attr) {
 			c.refuse(want.kind, path, fmt.Sprintf("add %q to request_attributes", want.attr), "lacks %q, which the policy reads: %s", want.attr, attributeWhy[want.attr])
@@ -502,10 +502,10 @@ func (c *checker) requestAttributes(path string, attrs []string) {
 
 func (c *checker) metadataOptions(path string, mo *filterextproc.MetadataOptions) {
 	if len(c.n.jwtKeys) > 0 && !slices.Contains(mo.GetForwardingNamespaces().GetUntyped(), jwtNamespace) {
-		c.refuse(KindJWTNotForwarded, path+".forwarding_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.forwarding_namespaces.untyped", jwtNamespace), "lacks %q, while the policy scopes by JWT claims: %s", jwtNamespace, claimsEmpty)
+		c.refuse(kindJWTNotForwarded, path+".forwarding_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.forwarding_namespaces.untyped", jwtNamespace), "lacks %q, while the policy scopes by JWT claims: %s", jwtNamespace, claimsEmpty)
 	}
 	if ns := c.n.outcomeNamespace; !slices.Contains(mo.GetReceivingNamespaces().GetUntyped(), ns) {
-		c.refuse(KindOutcomeNotReceived, path+".receiving_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.receiving_namespaces.untyped", ns), "lacks %q: Envoy drops the outcome the processor writes there, so access logs and traces never show it", ns)
+		c.refuse(kindOutcomeNotReceived, path+".receiving_namespaces.untyped", fmt.Sprintf("add %q to metadata_options.receiving_namespaces.untyped", ns), "lacks %q: Envoy drops the outcome the processor writes there, so access logs and traces never show it", ns)
 	}
 }
 
@@ -522,20 +522,20 @@ func (c *checker) jwtPayloads() {
 		return
 	}
 	if c.d.JWTAuthn == nil {
-		c.refuse(KindJWTAuthnMissing, c.d.HCMPath+".http_filters", "add envoy.filters.http.jwt_authn before the ext_proc filter, its providers setting payload_in_metadata",
+		c.refuse(kindJWTAuthnMissing, c.d.HCMPath+".http_filters", "add envoy.filters.http.jwt_authn before the ext_proc filter, its providers setting payload_in_metadata",
 			"has no jwt_authn filter before ext_proc, while route %q scopes by jwt_claim: %s", c.n.jwtKeys[0].route, claimsEmpty)
 		return
 	}
 	written := jwtPayloadNames(c.d.JWTAuthn)
 	path := c.d.JWTAuthnPath + ".providers"
 	if len(written) == 0 {
-		c.refuse(KindJWTPayloadMissing, path, "set payload_in_metadata on the providers (and jwt_payload_key to it when there are several)",
+		c.refuse(kindJWTPayloadMissing, path, "set payload_in_metadata on the providers (and jwt_payload_key to it when there are several)",
 			"writes no verified payload to dynamic metadata (no provider sets payload_in_metadata), while route %q scopes by jwt_claim: %s", c.n.jwtKeys[0].route, claimsEmpty)
 		return
 	}
 	for _, k := range c.n.jwtKeys {
 		if k.key != "" && !slices.Contains(written, k.key) {
-			c.refuse(KindJWTPayloadKey, path, fmt.Sprintf("set payload_in_metadata: %s on the provider that verifies the route's callers, or the route's jwt_payload_key to one of %s", k.key, strings.Join(written, ", ")),
+			c.refuse(kindJWTPayloadKey, path, fmt.Sprintf("set payload_in_metadata: %s on the provider that verifies the route's callers, or the route's jwt_payload_key to one of %s", k.key, strings.Join(written, ", ")),
 				"has no provider writing payload_in_metadata %q, the jwt_payload_key of route %q: %s", k.key, k.route, claimsEmpty)
 		}
 	}
@@ -569,10 +569,10 @@ func (c *checker) route(e routeEntry) {
 	}
 	path := e.Path + ".overrides"
 	if o.GetFailureModeAllow().GetValue() {
-		c.refuse(KindFailureModeAllow, path+".failure_mode_allow", "set failure_mode_allow false, or remove it", "requests on this route would bypass idempotency whenever the processor fails, and may run twice")
+		c.refuse(kindFailureModeAllow, path+".failure_mode_allow", "set failure_mode_allow false, or remove it", "requests on this route would bypass idempotency whenever the processor fails, and may run twice")
 	}
 	if o.GetProcessingRequestModifier() != nil {
-		c.refuse(KindRequestModifier, path+".processing_request_modifier", "remove processing_request_modifier", "may rename the attributes and metadata the processor looks up")
+		c.refuse(kindRequestModifier, path+".processing_request_modifier", "remove processing_request_modifier", "may rename the attributes and metadata the processor looks up")
 	}
 	if o.GetMetadataOptions() != nil {
 		c.metadataOptions(path+".metadata_options", o.GetMetadataOptions())
@@ -585,7 +585,7 @@ func (c *checker) route(e routeEntry) {
 		name := headerValueString(h)
 		body, ok := c.n.routes[name]
 		if !ok {
-			c.refuse(KindUnknownPolicyRoute, fmt.Sprintf("%s.grpc_initial_metadata[%d]", path, i), "name a route the policy file defines, or add that route to it",
+			c.refuse(kindUnknownPolicyRoute, fmt.Sprintf("%s.grpc_initial_metadata[%d]", path, i), "name a route the policy file defines, or add that route to it",
 				"names policy route %q, which the policy does not define: the processor answers 500 unknown-idempotency-route", name)
 			continue
 		}
@@ -613,11 +613,11 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 		fullDuplex = filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
 	)
 	if pm.GetRequestHeaderMode() == skip {
-		c.refuse(KindRouteRequestHeaderSkip, path+".request_header_mode", "set SEND (opt a route out with disabled: true)",
+		c.refuse(kindRouteRequestHeaderSkip, path+".request_header_mode", "set SEND (opt a route out with disabled: true)",
 			"is SKIP: the processor would never see requests on this route, and covered ones would run unprotected (opt a route out with disabled: true)")
 	}
 	if pm.GetResponseHeaderMode() == skip {
-		c.refuse(KindRouteResponseHeaderSkip, path+".response_header_mode", "set SEND",
+		c.refuse(kindRouteResponseHeaderSkip, path+".response_header_mode", "set SEND",
 			"is SKIP: the processor would never see the responses: each stream ends with the outcome unknown, so a retry runs again (unknown_outcome: release) or gets 409 until lock_ttl ends (keep)")
 	}
 	reqBody, respBody := pm.GetRequestBodyMode(), pm.GetResponseBodyMode()
@@ -625,25 +625,25 @@ func (c *checker) routeMode(path string, pm *filterextproc.ProcessingMode, needs
 	case filterextproc.ProcessingMode_BUFFERED, streamed, filterextproc.ProcessingMode_BUFFERED_PARTIAL, fullDuplex:
 	case none:
 		if needsBody {
-			c.refuse(KindRouteRequestBodyNone, path+".request_body_mode", "set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED)",
+			c.refuse(kindRouteRequestBodyNone, path+".request_body_mode", "set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED)",
 				"is NONE, but the policy route needs the body (fingerprint body, missing_key: body-hash, or a json field): covered requests with a body get 500 body-not-available")
 		}
 	default:
-		c.refuse(KindRouteBodyModeGRPC, path+".request_body_mode", "set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED)", "is %s, under which Envoy sends no body message (Filter::onData has no case for it) unless the body came whole with the headers: the request runs before its key is claimed, and may run twice", reqBody)
+		c.refuse(kindRouteBodyModeGRPC, path+".request_body_mode", "set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED)", "is %s, under which Envoy sends no body message (Filter::onData has no case for it) unless the body came whole with the headers: the request runs before its key is claimed, and may run twice", reqBody)
 	}
 	switch respBody {
 	case none, filterextproc.ProcessingMode_BUFFERED, streamed, filterextproc.ProcessingMode_BUFFERED_PARTIAL, fullDuplex:
 	default:
-		c.refuse(KindRouteBodyModeGRPC, path+".response_body_mode", "set BUFFERED or STREAMED", "is %s, under which Envoy sends no body message (Filter::onData has no case for it): the processor cannot capture the response", respBody)
+		c.refuse(kindRouteBodyModeGRPC, path+".response_body_mode", "set BUFFERED or STREAMED", "is %s, under which Envoy sends no body message (Filter::onData has no case for it): the processor cannot capture the response", respBody)
 	}
 	switch m := pm.GetRequestTrailerMode(); {
 	case reqBody == fullDuplex && m != send:
-		c.refuse(KindDuplexTrailerMode, path+".request_trailer_mode", "set SEND", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the body: under SKIP a request with trailers is never seen whole, runs unclaimed and may run twice; Envoy refuses it at filter level)", m)
+		c.refuse(kindDuplexTrailerMode, path+".request_trailer_mode", "set SEND", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the body: under SKIP a request with trailers is never seen whole, runs unclaimed and may run twice; Envoy refuses it at filter level)", m)
 	case needsBody && m != send && (reqBody == filterextproc.ProcessingMode_BUFFERED || reqBody == streamed || reqBody == filterextproc.ProcessingMode_BUFFERED_PARTIAL):
-		c.refuse(KindRequestTrailerMode, path+".request_trailer_mode", "set SEND", "is %s, want SEND: the policy route needs the body, and %s", m, trailerWhy)
+		c.refuse(kindRequestTrailerMode, path+".request_trailer_mode", "set SEND", "is %s, want SEND: the policy route needs the body, and %s", m, trailerWhy)
 	}
 	if m := pm.GetResponseTrailerMode(); respBody == fullDuplex && m != send {
-		c.refuse(KindDuplexTrailerMode, path+".response_trailer_mode", "set SEND", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the response: under SKIP a response with trailers is never seen whole; Envoy refuses it at filter level)", m)
+		c.refuse(kindDuplexTrailerMode, path+".response_trailer_mode", "set SEND", "is %s: FULL_DUPLEX_STREAMED needs SEND (the trailers end the response: under SKIP a response with trailers is never seen whole; Envoy refuses it at filter level)", m)
 	}
 }
 
@@ -677,7 +677,7 @@ func (c *checker) retries(e routeEntry) {
 	// router.cc); initial_requests and additional_request_chance are not implemented.
 	if h := e.Hedge; !c.retryChecked["hedge "+e.HedgePath] && h.GetHedgeOnPerTryTimeout() {
 		c.retryChecked["hedge "+e.HedgePath] = true
-		c.refuse(KindHedge, e.HedgePath+".hedge_policy", "remove hedge_on_per_try_timeout on covered routes", "hedge_on_per_try_timeout sends a claimed request upstream again while the first attempt may still be running: it may run twice")
+		c.refuse(kindHedge, e.HedgePath+".hedge_policy", "remove hedge_on_per_try_timeout on covered routes", "hedge_on_per_try_timeout sends a claimed request upstream again while the first attempt may still be running: it may run twice")
 	}
 	if c.retryChecked[e.RetryPath] {
 		return
@@ -697,11 +697,11 @@ func (c *checker) retries(e routeEntry) {
 			}
 			for _, code := range codes {
 				if c.n.stored(int(code)) {
-					c.refuseRetry(KindRouterRetryStatus, e, fmt.Sprintf("stop retrying status %d on covered routes (or set num_retries 0)", code), "retries %s on status %d, which the policy stores: the upstream ran, and the router runs it again instead of the response being kept", cond, code)
+					c.refuseRetry(kindRouterRetryStatus, e, fmt.Sprintf("stop retrying status %d on covered routes (or set num_retries 0)", code), "retries %s on status %d, which the policy stores: the upstream ran, and the router runs it again instead of the response being kept", cond, code)
 				}
 			}
 		default:
-			c.refuseRetry(KindRouterRetry, e, retryFix, "has %q: the router retries after the upstream may have run the request (a reset, a timeout, an answer), so a claimed request may run twice", cond)
+			c.refuseRetry(kindRouterRetry, e, retryFix, "has %q: the router retries after the upstream may have run the request (a reset, a timeout, an answer), so a claimed request may run twice", cond)
 		}
 	}
 }

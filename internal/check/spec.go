@@ -66,12 +66,12 @@ func CheckSpec(f *filterextproc.ExternalProcessor, storeTimeout time.Duration) e
 	}
 	var rs specRefusals
 	if f.GetGrpcService() == nil {
-		rs.bad(KindGRPCServiceMissing, "grpc_service", "is not set (http_service cannot carry bodies)", "",
+		rs.bad(kindGRPCServiceMissing, "grpc_service", "is not set (http_service cannot carry bodies)", "",
 			"set grpc_service (envoy_grpc to the processor's cluster)")
 	}
 	pm := f.GetProcessingMode()
 	if pm == nil {
-		rs.bad(KindProcessingModeMissing, "processing_mode", "is not set", "", "spell out processing_mode as envoy/envoy.yaml does")
+		rs.bad(kindProcessingModeMissing, "processing_mode", "is not set", "", "spell out processing_mode as envoy/envoy.yaml does")
 		pm = &filterextproc.ProcessingMode{}
 	}
 	rs.headerModes(pm)
@@ -95,17 +95,17 @@ func (rs *specRefusals) bad(kind Kind, field, problem, breaks, fix string) {
 // headers and settles at the response's.
 func (rs *specRefusals) headerModes(pm *filterextproc.ProcessingMode) {
 	if m := pm.GetRequestHeaderMode(); m == filterextproc.ProcessingMode_DEFAULT {
-		rs.bad(KindHeaderModeDefault, "processing_mode.request_header_mode", "is DEFAULT, which Envoy reads as SEND",
+		rs.bad(kindHeaderModeDefault, "processing_mode.request_header_mode", "is DEFAULT, which Envoy reads as SEND",
 			"", "spell it out: set SEND")
 	} else if m != filterextproc.ProcessingMode_SEND {
-		rs.bad(KindRequestHeaderMode, "processing_mode.request_header_mode", fmt.Sprintf("is %s, want SEND", m),
+		rs.bad(kindRequestHeaderMode, "processing_mode.request_header_mode", fmt.Sprintf("is %s, want SEND", m),
 			"the processor would see no request, and covered requests would run unprotected", "set SEND")
 	}
 	if m := pm.GetResponseHeaderMode(); m == filterextproc.ProcessingMode_DEFAULT {
-		rs.bad(KindHeaderModeDefault, "processing_mode.response_header_mode", "is DEFAULT, which Envoy reads as SEND",
+		rs.bad(kindHeaderModeDefault, "processing_mode.response_header_mode", "is DEFAULT, which Envoy reads as SEND",
 			"", "spell it out: set SEND")
 	} else if m != filterextproc.ProcessingMode_SEND {
-		rs.bad(KindResponseHeaderMode, "processing_mode.response_header_mode", fmt.Sprintf("is %s, want SEND", m),
+		rs.bad(kindResponseHeaderMode, "processing_mode.response_header_mode", fmt.Sprintf("is %s, want SEND", m),
 			"the processor would see no response: each stream ends with the outcome unknown, so a retry runs again (unknown_outcome: release) or gets 409 until lock_ttl ends (keep)", "set SEND")
 	}
 }
@@ -118,7 +118,7 @@ func (rs *specRefusals) bodyModes(pm *filterextproc.ProcessingMode) {
 	case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED,
 		filterextproc.ProcessingMode_BUFFERED_PARTIAL, filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
 	default:
-		rs.bad(KindRequestBodyMode, "processing_mode.request_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED", reqBody),
+		rs.bad(kindRequestBodyMode, "processing_mode.request_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED, BUFFERED_PARTIAL or FULL_DUPLEX_STREAMED", reqBody),
 			"the processor cannot claim a covered request with a body: it gets 500 body-not-available",
 			"set BUFFERED (or STREAMED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED); routes whose fingerprint omits the body may set NONE per route")
 	}
@@ -126,7 +126,7 @@ func (rs *specRefusals) bodyModes(pm *filterextproc.ProcessingMode) {
 	case filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_STREAMED,
 		filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
 	default:
-		rs.bad(KindResponseBodyMode, "processing_mode.response_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED or FULL_DUPLEX_STREAMED", respBody),
+		rs.bad(kindResponseBodyMode, "processing_mode.response_body_mode", fmt.Sprintf("is %s, want BUFFERED, STREAMED or FULL_DUPLEX_STREAMED", respBody),
 			"responses are stored without their body: duplicates get 409 response-not-replayable instead of a replay",
 			"set BUFFERED, or STREAMED for responses that can outgrow the buffer limit")
 	}
@@ -137,28 +137,28 @@ func (rs *specRefusals) bodyModes(pm *filterextproc.ProcessingMode) {
 func (rs *specRefusals) trailerModes(pm *filterextproc.ProcessingMode) {
 	fullDuplex, respBody := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED, pm.GetResponseBodyMode()
 	if m := pm.GetRequestTrailerMode(); m != filterextproc.ProcessingMode_SEND {
-		*rs = append(*rs, &specError{Kind: KindRequestTrailerMode, Field: "processing_mode.request_trailer_mode", Problem: fmt.Sprintf("is %s, want SEND (%s)", m, trailerWhy),
+		*rs = append(*rs, &specError{Kind: kindRequestTrailerMode, Field: "processing_mode.request_trailer_mode", Problem: fmt.Sprintf("is %s, want SEND (%s)", m, trailerWhy),
 			Fix: "set SEND", wrapped: errRequestTrailersSkipped})
 	}
 	// SEND lets the processor see the end of a STREAMED response whose upstream sends trailers:
 	// its last chunk then has end_of_stream false.
 	switch m := pm.GetResponseTrailerMode(); {
 	case respBody == fullDuplex && m != filterextproc.ProcessingMode_SEND:
-		rs.bad(KindDuplexTrailerMode, "processing_mode.response_trailer_mode", fmt.Sprintf("is %s, want SEND with response_body_mode FULL_DUPLEX_STREAMED", m),
+		rs.bad(kindDuplexTrailerMode, "processing_mode.response_trailer_mode", fmt.Sprintf("is %s, want SEND with response_body_mode FULL_DUPLEX_STREAMED", m),
 			"Envoy refuses FULL_DUPLEX_STREAMED without it", "set SEND")
 	case m != filterextproc.ProcessingMode_SKIP && m != filterextproc.ProcessingMode_SEND:
-		rs.bad(KindResponseTrailerDefault, "processing_mode.response_trailer_mode", fmt.Sprintf("is %s, which Envoy reads as SKIP", m), "", "set SKIP, or SEND for upstreams that send trailers")
+		rs.bad(kindResponseTrailerDefault, "processing_mode.response_trailer_mode", fmt.Sprintf("is %s, which Envoy reads as SKIP", m), "", "set SKIP, or SEND for upstreams that send trailers")
 	}
 }
 
 // overrides refuses the settings that keep Envoy from honouring the processor's mode_override.
 func (rs *specRefusals) overrides(f *filterextproc.ExternalProcessor) {
 	if !f.GetAllowModeOverride() {
-		rs.bad(KindModeOverrideRefused, "allow_mode_override", "is false, want true (Envoy would ignore the processor's mode_override)",
+		rs.bad(kindModeOverrideRefused, "allow_mode_override", "is false, want true (Envoy would ignore the processor's mode_override)",
 			"requests the processor passes through still stream their bodies to it, and responses it will not store are still buffered", "set true")
 	}
 	if f.GetSendBodyWithoutWaitingForHeaderResponse() {
-		rs.bad(KindBodyWithoutHeaderAnswer, "send_body_without_waiting_for_header_response", "is true (Envoy would ignore mode_override)",
+		rs.bad(kindBodyWithoutHeaderAnswer, "send_body_without_waiting_for_header_response", "is true (Envoy would ignore mode_override)",
 			"requests the processor passes through still stream their bodies to it", "set false")
 	}
 	*rs = append(*rs, checkOverrideModes(f.GetAllowedOverrideModes())...)
@@ -175,7 +175,7 @@ func (rs *specRefusals) answers(f *filterextproc.ExternalProcessor, storeTimeout
 		}
 	}
 	if f.GetFailureModeAllow() {
-		rs.bad(KindFailureModeAllow, "failure_mode_allow", "is true, want false (requests would bypass idempotency when the processor fails)",
+		rs.bad(kindFailureModeAllow, "failure_mode_allow", "is true, want false (requests would bypass idempotency when the processor fails)",
 			"a covered request may run twice", "set false")
 	}
 	mt := defaultMessageTimeout
@@ -183,15 +183,15 @@ func (rs *specRefusals) answers(f *filterextproc.ExternalProcessor, storeTimeout
 		mt = d.AsDuration()
 	}
 	if mt <= storeTimeout {
-		rs.bad(KindMessageTimeout, "message_timeout", fmt.Sprintf("%v is not above store_timeout %v", mt, storeTimeout),
+		rs.bad(kindMessageTimeout, "message_timeout", fmt.Sprintf("%v is not above store_timeout %v", mt, storeTimeout),
 			"Envoy gives up on the processor's answer before a slow store call ends: the client gets 504 and the key's outcome is unknown",
 			fmt.Sprintf("raise message_timeout above %v (Envoy's default is 200ms)", storeTimeout))
 	}
 	if f.GetObservabilityMode() {
-		rs.bad(KindObservabilityMode, "observability_mode", "is true (Envoy ignores the processor's answers)", "duplicates run again instead of being replayed", "set false")
+		rs.bad(kindObservabilityMode, "observability_mode", "is true (Envoy ignores the processor's answers)", "duplicates run again instead of being replayed", "set false")
 	}
 	if f.GetDisableImmediateResponse() {
-		rs.bad(KindImmediateResponseOff, "disable_immediate_response", "is true (replays and errors could not be sent)", "duplicates run again instead of being replayed", "set false")
+		rs.bad(kindImmediateResponseOff, "disable_immediate_response", "is true (replays and errors could not be sent)", "duplicates run again instead of being replayed", "set false")
 	}
 }
 
@@ -240,8 +240,8 @@ var attributeWhy = map[string]string{
 // attributeKind is the kind of a missing response attribute (CheckSpec); deploymentFindings
 // weighs it against the policy.
 var attributeKind = map[string]Kind{
-	"response.code_details":          KindCodeDetailsMissing,
-	"upstream.request_attempt_count": KindAttemptCountMissing,
+	"response.code_details":          kindCodeDetailsMissing,
+	"upstream.request_attempt_count": kindAttemptCountMissing,
 }
 
 // overrideModesFix is the fix of every allowed_override_modes error.
@@ -273,19 +273,19 @@ func checkOverrideModes(modes []*filterextproc.ProcessingMode) []error {
 		}
 		if bestDiff != nil {
 			near[best] = true
-			errs = append(errs, &specError{Kind: KindOverrideModes, Field: fmt.Sprintf("allowed_override_modes[%d]", i),
+			errs = append(errs, &specError{Kind: kindOverrideModes, Field: fmt.Sprintf("allowed_override_modes[%d]", i),
 				Problem: fmt.Sprintf("is not one of the processor's modes: %s (closest: the %s mode)", strings.Join(bestDiff, ", "), want[best].name),
 				Breaks:  "Envoy refuses the processor's mode_override", Fix: overrideModesFix})
 		}
 	}
 	for j, w := range want {
 		if !seen[j] && !near[j] {
-			errs = append(errs, &specError{Kind: KindOverrideModes, Field: "allowed_override_modes", Problem: fmt.Sprintf("lacks the %s mode %s", w.name, formatMode(w.mode)),
+			errs = append(errs, &specError{Kind: kindOverrideModes, Field: "allowed_override_modes", Problem: fmt.Sprintf("lacks the %s mode %s", w.name, formatMode(w.mode)),
 				Breaks: "Envoy refuses the processor's mode_override", Fix: overrideModesFix})
 		}
 	}
 	if len(modes) > len(want) && len(errs) == 0 {
-		errs = append(errs, &specError{Kind: KindOverrideModes, Field: "allowed_override_modes", Problem: fmt.Sprintf("has %d entries, want exactly the processor's two modes", len(modes)),
+		errs = append(errs, &specError{Kind: kindOverrideModes, Field: "allowed_override_modes", Problem: fmt.Sprintf("has %d entries, want exactly the processor's two modes", len(modes)),
 			Fix: overrideModesFix})
 	}
 	return errs

@@ -54,7 +54,7 @@ func versionFindings(v *envoyVersion) []Finding {
 		return nil
 	}
 	warn := func(field, problem, fix string) Finding {
-		return Finding{File: "--envoy-version", Resource: "Envoy " + v.text, Field: field, Kind: KindEnvoyVersion, Problem: problem, Fix: fix}
+		return Finding{File: "--envoy-version", Resource: "Envoy " + v.text, Field: field, Kind: kindEnvoyVersion, Problem: problem, Fix: fix}
 	}
 	var out []Finding
 	if v.before(1, 39, 0) {
