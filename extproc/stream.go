@@ -1014,7 +1014,11 @@ func (st *stream) finish() {
 		default:
 			st.unknownOutcome(0)
 		}
-		st.fire(evSettle)
+		if st.state == stateRunning || st.state == stateCapture {
+			// A stream an illegal move settled already keeps its outcome; the lease is
+			// handled all the same, and no second illegal move is counted.
+			st.fire(evSettle)
+		}
 	}
 	if st.req.route == nil {
 		return
@@ -1048,7 +1052,8 @@ func (st *stream) logRequest() {
 	if c.resp.Status != 0 {
 		ev = ev.Int("status", c.resp.Status)
 	}
-	if st.outcome == Executed && !c.recorded {
+	if st.outcome == Executed && (!c.recorded || c.resp.OutcomeUnknown) {
+		// A record of an unknown outcome keeps no response: none was seen.
 		ev = ev.Bool("response_seen", false)
 	} else if c.recorded && c.resp.BodyOmitted {
 		ev = ev.Bool("body_kept", false)
