@@ -92,6 +92,7 @@ type Server struct {
 	maxStreams          int
 	firstMessageTimeout time.Duration
 	firstMessages       *firstMessageWatch // the streams' first-message deadlines, set by TapHandle
+	renewals            renewalQueue       // the leases' renewals, waiting for their turn
 	// misconfigLogs logs each kind of Envoy misconfiguration once per process.
 	misconfigLogs map[string]*sync.Once
 	// retriedLog logs once that the router retried a covered request; earlyAnswerLog that an
@@ -128,6 +129,7 @@ func NewServer(opts Options) (*Server, error) {
 		unknownRoutes:     make(map[string]struct{}),
 	}
 	s.maxStreams, s.firstMessageTimeout = opts.MaxStreams, opts.FirstMessageTimeout
+	s.renewals.clock = opts.Clock
 	s.metrics.streams.limit.Set(float64(opts.MaxStreams))
 	s.completions = newCompletions(s)
 	for _, kind := range misconfigKinds {

@@ -142,6 +142,46 @@ func TestLeaseRenewedWhileRequestRuns(t *testing.T) {
 	require.Equal(t, 0, h.clock.Pending(), "renewal stops when the request completes")
 }
 
+// Leases of different lock_ttls renewed side by side share one timer, each renewed on its own
+// schedule, and a request that ends before its first renewal leaves nothing behind.
+func TestRenewalsShareOneTimer(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: `
+defaults: {lock_ttl: 3s}
+routes:
+  - {name: quick, match: {path_prefix: /v1/quick}, lock_ttl: 600ms}
+`})
+	claim := func(path, key string) *stream {
+		s := h.open()
+		s.send(requestHeaders(post(path, key, `{}`)))
+		s.send(requestBody([]byte(`{}`)))
+		return s
+	}
+	slow, quick, short := claim("/v1/payments", "slow"), claim("/v1/quick", "quick"), claim("/v1/payments", "short")
+	require.Equal(t, 1, h.clock.Pending(), "three leases, one renewal timer")
+	short.send(responseHeaders(created))
+	short.send(responseBody(created.body, true))
+	require.Equal(t, 1, h.clock.Pending())
+	// Ten of the slow lease's lock_ttls, fifty of the quick one's, in steps shorter than
+	// either renewal interval.
+	// At every step each lease runs past now: a renewal late by one step would let it lapse.
+	for range 300 {
+		h.clock.Advance(100 * time.Millisecond)
+		for path, key := range map[string]string{"/v1/payments": "slow", "/v1/quick": "quick"} {
+			rec, err := h.store.Lookup(t.Context(), extproc.StoredKey(h.policy, path, key))
+			require.NoError(t, err)
+			require.Equal(t, cache.Pending, rec.State)
+			require.True(t, rec.ExpiresAt.After(h.clock.Now()), "%s's lease lapsed at %s", key, rec.ExpiresAt)
+		}
+	}
+	requireProblem(t, h.do(post("/v1/quick", "quick", `{}`), created), 409, "request-in-progress")
+	for _, s := range []*stream{slow, quick} {
+		s.send(responseHeaders(created))
+		s.send(responseBody(created.body, true))
+	}
+	require.Equal(t, []string{"true"}, h.do(post("/v1/quick", "quick", `{}`), created).header(replayed))
+	require.Equal(t, 0, h.clock.Pending(), "no renewal timer once no lease is held")
+}
+
 func TestLeaseExpiresWithoutRenewal(t *testing.T) {
 	// Replica a claims a key and crashes: its clock never runs again, so it renews nothing.
 	// Replica b, on the same store, finds the key free once the lease expires.

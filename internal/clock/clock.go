@@ -95,6 +95,18 @@ type fakeTimer struct {
 	f     func()
 }
 
+// Reset makes the call due d from now, as [time.Timer.Reset] does: it reports whether the call
+// was still pending, and schedules it again when it had run or was stopped.
+func (t *fakeTimer) Reset(d time.Duration) bool {
+	was := t.Stop()
+	c := t.clock
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t.due = c.now.Add(d)
+	c.pending = append(c.pending, t)
+	return was
+}
+
 func (t *fakeTimer) Stop() bool {
 	c := t.clock
 	c.mu.Lock()
