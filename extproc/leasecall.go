@@ -2,6 +2,7 @@ package extproc
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"time"
 
@@ -38,6 +39,9 @@ type leaseCall struct {
 	recorded bool
 	// resp is the response to record, as the response phases capture it.
 	resp cache.Response
+	// fp backs the request's fingerprint (stream.keys), which its claim and hold keep: made
+	// once per request, it lives as long as they do.
+	fp [sha256.Size]byte
 }
 
 // errDurabilityUnmet is a claim not made: the route asks for more replicas than the store has

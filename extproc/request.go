@@ -255,15 +255,18 @@ func (d *digest) finish(h hash.Hash) []byte { return h.Sum(d.sum[:0]) }
 // and a key reused from another route is still another endpoint's (422). Renaming such a route
 // makes its records mismatch until they expire.
 //
+// It is appended to dst, which the caller gives room for one digest, so that it costs no
+// allocation.
+//
 // Under a key-hash secret the fingerprint is keyed too, so that someone who reads the store
 // cannot test guesses of a request's body against it.
-func (d *digest) fingerprint(r *policy.Route, method, path, body []byte, h headers) []byte {
+func (d *digest) fingerprint(dst []byte, r *policy.Route, method, path, body []byte, h headers) []byte {
 	w := d.key
 	w.Reset()
 	if len(r.Fingerprint) == 0 {
 		d.fieldString(w, "route")
 		d.fieldString(w, r.Name)
-		return append([]byte(nil), d.finish(w)...)
+		return append(dst, d.finish(w)...)
 	}
 	for _, p := range r.Fingerprint {
 		d.fieldString(w, string(p))
@@ -279,7 +282,7 @@ func (d *digest) fingerprint(r *policy.Route, method, path, body []byte, h heade
 	for _, name := range r.FingerprintHeaders {
 		d.headerValues(w, h, name)
 	}
-	return append([]byte(nil), d.finish(w)...)
+	return append(dst, d.finish(w)...)
 }
 
 // bodyHashKey is the key of a request without one under missing_key: body-hash: the hex SHA-256

@@ -698,7 +698,7 @@ func (st *stream) keys(body, fpBody []byte) (key string, fp []byte) {
 		k = d.bodyHashKey(a.info.method, a.info.path, body)
 	}
 	key, st.call.keyHash = d.storeKey(r.Route, a.adm.scope, k)
-	fp = d.fingerprint(r.Route, a.info.method, a.info.path, fpBody, a.info.headers)
+	fp = d.fingerprint(st.call.fp[:0], r.Route, a.info.method, a.info.path, fpBody, a.info.headers)
 	st.s.digests.Put(d)
 	return key, fp
 }
