@@ -103,17 +103,41 @@ func quoteList(names []string) string {
 // gwRoute is a Gateway API HTTPRoute or GRPCRoute as far as its retries matter.
 type gwRoute struct {
 	Rules []struct {
-		Name    string `yaml:"name"`
-		Matches []struct {
-			Path *struct {
-				Value string `yaml:"value"`
-			} `yaml:"path"`
-		} `yaml:"matches"`
-		Retry *struct {
+		Name    string    `yaml:"name"`
+		Matches []gwMatch `yaml:"matches"`
+		Retry   *struct {
 			Attempts *int  `yaml:"attempts"`
 			Codes    []int `yaml:"codes"`
 		} `yaml:"retry"`
 	} `yaml:"rules"`
+}
+
+// gwMatch is an HTTPRoute match's path or a GRPCRoute match's method.
+type gwMatch struct {
+	Path *struct {
+		Value string `yaml:"value"`
+	} `yaml:"path"`
+	Method *struct {
+		Type    string `yaml:"type"`
+		Service string `yaml:"service"`
+		Method  string `yaml:"method"`
+	} `yaml:"method"`
+}
+
+// path is the request path the match selects, as a request to it carries: an HTTPRoute's path
+// value, or the path Envoy Gateway matches for a GRPCRoute's method (internal/gatewayapi/route.go):
+// exact /service/method, or the prefix /service/ for a service alone. ok is false for a method
+// without a service and for regular expressions: no one path stands for them.
+func (m gwMatch) path() (string, bool) {
+	switch g := m.Method; {
+	case g != nil && g.Type != "" && g.Type != "Exact", g != nil && g.Service == "" && g.Method != "":
+		return "", false
+	case g != nil && g.Service != "":
+		return "/" + g.Service + "/" + g.Method, true
+	case m.Path != nil && m.Path.Value != "":
+		return m.Path.Value, true
+	}
+	return "/", true
 }
 
 // gatewayRetryFindings refuses a Gateway API retry (HTTPRoute or GRPCRoute rules[].retry,
@@ -197,9 +221,9 @@ func extensionPolicyFindings(p *policy.Policy, objs []*object, ds []Deployment) 
 	}
 	routes := map[string]gwRoute{}
 	for _, o := range objs {
-		if o.is(gwGroup, "HTTPRoute") {
+		if o.is(gwGroup, "HTTPRoute") || o.is(gwGroup, "GRPCRoute") {
 			if spec, err := decodeLoose[gwRoute](o); err == nil {
-				routes[o.Namespace+"/"+o.Name] = spec
+				routes[egRouteKey(o.Kind, o.Namespace, o.Name)] = spec
 			}
 		}
 	}
@@ -229,8 +253,9 @@ func extensionPolicyFindings(p *policy.Policy, objs []*object, ds []Deployment) 
 	return out
 }
 
-// reaches reports whether xDS route name (httproute/ns/name/rule/i/match/j/host) is covered by
-// one of the named policy routes: by its route name, or by the path its match sets.
+// reaches reports whether xDS route name (httproute/ns/name/rule/i/match/j/host, or grpcroute/…)
+// is covered by one of the named policy routes: by its route name, or by the path its match
+// sets. A GRPCRoute match no one path stands for (a regular expression) is taken as reached.
 func reaches(name string, routes map[string]gwRoute, named []*policy.Route, p *policy.Policy) bool {
 	for _, r := range named {
 		if r.MatchesName(name) {
@@ -238,18 +263,20 @@ func reaches(name string, routes map[string]gwRoute, named []*policy.Route, p *p
 		}
 	}
 	parts := strings.Split(name, "/")
-	if len(parts) < 7 || parts[0] != "httproute" {
+	if len(parts) < 7 || parts[0] != "httproute" && parts[0] != "grpcroute" {
 		return false
 	}
 	rule, err1 := strconv.Atoi(parts[4])
 	match, err2 := strconv.Atoi(parts[6])
-	spec, ok := routes[parts[1]+"/"+parts[2]]
+	spec, ok := routes[strings.Join(parts[:3], "/")]
 	if err1 != nil || err2 != nil || !ok || rule >= len(spec.Rules) {
 		return false
 	}
 	path := "/"
-	if ms := spec.Rules[rule].Matches; match >= 0 && match < len(ms) && ms[match].Path != nil && ms[match].Path.Value != "" {
-		path = ms[match].Path.Value
+	if ms := spec.Rules[rule].Matches; match >= 0 && match < len(ms) {
+		if path, ok = ms[match].path(); !ok {
+			return true
+		}
 	}
 	r, _, err := p.Select(policy.Selector{Path: path, RouteName: name})
 	return err == nil && r != p.Default && r.Enabled

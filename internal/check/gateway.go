@@ -190,14 +190,15 @@ func egRetryPolicy(tp egTrafficPolicy) *routev3.RetryPolicy {
 // (observability_mode), statusOnError and messageTimeout (default 200ms) are copied;
 // metadata.accessibleNamespaces and writableNamespaces become metadata_options'
 // forwarding_namespaces and receiving_namespaces; the gRPC timeout is 10s. The policy's
-// targetRefs are resolved against the HTTPRoutes of the same file: each policy's Deployment lists
-// the xDS routes it enables the filter on. A policy targeting a rule (sectionName) wins over one
-// targeting the whole HTTPRoute, as in Envoy Gateway. It also returns the buffer limits of the
+// targetRefs are resolved against the HTTPRoutes and GRPCRoutes of the same file: each policy's
+// Deployment lists the xDS routes it enables the filter on (a GRPCRoute's are gRPC routes). A
+// policy targeting a rule (sectionName) wins over one targeting the whole route, as in Envoy
+// Gateway. It also returns the buffer limits of the
 // ClientTrafficPolicy and BackendTrafficPolicy in the file.
 //
 // It fails where Envoy Gateway would refuse or ignore the policy: an extProc entry with unknown
 // fields, more than one entry per policy (this translation models one), a target that is not an
-// HTTPRoute of the file or a sectionName that names none of its rules, two policies on one rule,
+// HTTPRoute or GRPCRoute of the file or a sectionName that names none of its rules, two policies on one rule,
 // an attribute outside the prefixes Envoy Gateway allows, a writable namespace starting with
 // envoy.filters.http, or FullDuplexStreamed with failOpen.
 func EnvoyGateway(path string) ([]EGPolicy, EGLimits, error) {
@@ -397,17 +398,18 @@ type egPolicyTarget struct {
 func egPolicyTargets(d *object, refs []egTargetRef, routes map[string]*egHTTPRoute, noSection bool) ([]egPolicyTarget, error) {
 	var out []egPolicyTarget
 	for _, ref := range refs {
-		route := "httproute/" + d.Namespace + "/" + ref.Name + "/"
+		key := egRouteKey(ref.Kind, d.Namespace, ref.Name)
+		route := key + "/"
 		switch {
 		case ref.Kind == "Gateway":
 			out = append(out, egPolicyTarget{"", 0})
-		case ref.Kind != "HTTPRoute":
+		case !egRouteKind(ref):
 		case ref.SectionName == "":
 			out = append(out, egPolicyTarget{route, 1})
 		case noSection:
 			return nil, errors.New("a retry targeting a sectionName is not modelled")
 		default:
-			r := routes[d.Namespace+"/"+ref.Name]
+			r := routes[key]
 			i := -1
 			if r != nil {
 				i = slices.IndexFunc(r.Rules, func(rule egHTTPRouteRule) bool { return rule.Name == ref.SectionName })
@@ -446,11 +448,13 @@ func egApplyBackendPolicy(e *routeEntry, btps []egBackendPolicy) {
 	e.ResponseBuffer = &limitSetting{Bytes: best.limit, File: best.obj.File, Resource: best.obj.ref(), Field: "connection.bufferLimit", Default: !best.limitSet}
 }
 
-// egHTTPRoute is the part of a Gateway API HTTPRoute that names Envoy Gateway's xDS routes.
+// egHTTPRoute is the part of a Gateway API HTTPRoute or GRPCRoute that names Envoy Gateway's xDS
+// routes. A GRPCRoute's rules serve gRPC calls: Envoy Gateway matches them by path
+// (/package.Service/Method, internal/gatewayapi/route.go).
 type egHTTPRoute struct {
-	namespace, name string
-	Hostnames       []string          `yaml:"hostnames"`
-	Rules           []egHTTPRouteRule `yaml:"rules"`
+	kind, namespace, name string
+	Hostnames             []string          `yaml:"hostnames"`
+	Rules                 []egHTTPRouteRule `yaml:"rules"`
 }
 
 type egHTTPRouteRule struct {
@@ -458,21 +462,33 @@ type egHTTPRouteRule struct {
 	Matches []any  `yaml:"matches"`
 }
 
-// egHTTPRoutes returns the HTTPRoutes of objs by namespace/name.
+// egHTTPRoutes returns the HTTPRoutes and GRPCRoutes of objs by egRouteKey.
 func egHTTPRoutes(objs []*object) (map[string]*egHTTPRoute, error) {
 	out := map[string]*egHTTPRoute{}
 	for _, o := range objs {
-		if !o.is(gwGroup, "HTTPRoute") {
+		if !o.is(gwGroup, "HTTPRoute") && !o.is(gwGroup, "GRPCRoute") {
 			continue
 		}
 		r, err := decodeLoose[egHTTPRoute](o)
 		if err != nil {
-			return nil, &inFile{o.File, fmt.Errorf("HTTPRoute %s/%s: %w", o.Namespace, o.Name, err)}
+			return nil, &inFile{o.File, fmt.Errorf("%s %s/%s: %w", o.Kind, o.Namespace, o.Name, err)}
 		}
-		r.namespace, r.name = o.Namespace, o.Name
-		out[r.namespace+"/"+r.name] = &r
+		r.kind, r.namespace, r.name = o.Kind, o.Namespace, o.Name
+		out[egRouteKey(r.kind, r.namespace, r.name)] = &r
 	}
 	return out, nil
+}
+
+// egRouteKey names a route resource as Envoy Gateway's xDS route names start:
+// httproute/namespace/name or grpcroute/namespace/name.
+func egRouteKey(kind, namespace, name string) string {
+	return strings.ToLower(kind) + "/" + namespace + "/" + name
+}
+
+// egRouteKind reports whether a target reference names a Gateway API route Envoy Gateway
+// translates rule by rule: an HTTPRoute or a GRPCRoute.
+func egRouteKind(ref egTargetRef) bool {
+	return (ref.Kind == "HTTPRoute" || ref.Kind == "GRPCRoute") && (ref.Group == "" || ref.Group == gwGroup)
 }
 
 // egAttach fills each policy's Routes from its targets: rule targets first, then whole-route
@@ -526,15 +542,16 @@ func (at *egAttachment) same(p, q int) bool {
 // attach adds the xDS routes of rule of route to policy p, why naming the target that took it.
 func (at *egAttachment) attach(p int, route *egHTTPRoute, rule int, why string) {
 	k := fmt.Sprintf("%d %s/%s %d", p, route.namespace, route.name, rule)
-	if at.attached[k] && why == "the whole HTTPRoute" {
+	if at.attached[k] && why == egWhole {
 		return
 	}
 	at.attached[k] = true
 	for _, n := range egRouteNames(route, rule) {
 		at.pols[p].Deployment.Routes = append(at.pols[p].Deployment.Routes, routeEntry{
 			Name:   n,
-			Path:   fmt.Sprintf("HTTPRoute %s/%s rules[%d] (%s)", route.namespace, route.name, rule, why),
+			Path:   fmt.Sprintf("%s %s/%s rules[%d] (%s)", route.kind, route.namespace, route.name, rule, why),
 			Config: &filterextproc.ExtProcPerRoute{},
+			GRPC:   route.kind == "GRPCRoute",
 		})
 	}
 }
@@ -547,31 +564,30 @@ func (at *egAttachment) unresolved(p int, name, why string) {
 	}
 }
 
-// target attaches policy p to the target ref: an HTTPRoute read, whole or one rule; any other
-// target (strict refuses it) gets one entry.
+// egWhole is why a rule is attached when its policy targets the whole route.
+const egWhole = "the whole route"
+
+// target attaches policy p to the target ref: an HTTPRoute or GRPCRoute read, whole or one rule;
+// any other target (strict refuses it) gets one entry.
 func (at *egAttachment) target(p int, ref egTargetRef) error {
 	pol := at.pols[p]
 	ns, _, _ := strings.Cut(pol.Name, "/")
-	if ref.Kind == "GRPCRoute" && !at.strict && (ref.Group == "" || ref.Group == gwGroup) {
-		// Its rules are not translated: one entry stands for them (gatewayRetryFindings
-		// reads its retries).
-		at.unresolved(p, "grpcroute/"+ns+"/"+ref.Name+"/", fmt.Sprintf("GRPCRoute %s/%s (its rules were not read)", ns, ref.Name))
-		return nil
-	}
-	if ref.Kind != "HTTPRoute" || (ref.Group != "" && ref.Group != gwGroup) {
+	if !egRouteKind(ref) {
 		if at.strict {
-			return &inFile{pol.Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: target %s %s: only HTTPRoute targets are modelled", pol.Name, ref.Kind, ref.Name)}
+			return &inFile{pol.Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: target %s %s: only HTTPRoute and GRPCRoute targets are modelled", pol.Name, ref.Kind, ref.Name)}
 		}
 		at.unresolved(p, "", fmt.Sprintf("%s %s/%s (every route under it)", ref.Kind, ns, ref.Name))
 		return nil
 	}
-	key := ns + "/" + ref.Name
+	key := egRouteKey(ref.Kind, ns, ref.Name)
 	route := at.routes[key]
 	if route == nil {
 		if at.strict {
-			return &inFile{pol.Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: HTTPRoute %s is not in the file", pol.Name, key)}
+			return &inFile{pol.Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: %s %s/%s is not in the file", pol.Name, ref.Kind, ns, ref.Name)}
 		}
-		at.unresolved(p, "httproute/"+key+"/", fmt.Sprintf("HTTPRoute %s (not in the inputs: its rules were not read)", key))
+		// Its rules are not read: one entry stands for them (gatewayRetryFindings reads a
+		// retry of any route of the inputs).
+		at.unresolved(p, key+"/", fmt.Sprintf("%s %s/%s (not in the inputs: its rules were not read)", ref.Kind, ns, ref.Name))
 		return nil
 	}
 	if ref.SectionName == "" {
@@ -584,13 +600,13 @@ func (at *egAttachment) target(p int, ref egTargetRef) error {
 // took; two policies may not both target the whole route.
 func (at *egAttachment) wholeRoute(p int, key string, route *egHTTPRoute) error {
 	if q, taken := at.whole[key]; taken && !at.same(p, q) {
-		return &inFile{at.pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s and %s both target HTTPRoute %s", at.pols[q].Name, at.pols[p].Name, key)}
+		return &inFile{at.pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s and %s both target %s %s/%s", at.pols[q].Name, at.pols[p].Name, route.kind, route.namespace, route.name)}
 	}
 	at.whole[key] = p
 	for i := range route.Rules {
 		if q, taken := at.owner[egRuleKey{key, i}]; !taken || at.same(p, q) {
 			at.owner[egRuleKey{key, i}] = p
-			at.attach(p, route, i, "the whole HTTPRoute")
+			at.attach(p, route, i, egWhole)
 		}
 	}
 	return nil
@@ -606,13 +622,13 @@ func (at *egAttachment) rule(p int, key string, route *egHTTPRoute, section stri
 		}
 		found = true
 		if q, taken := at.owner[egRuleKey{key, i}]; taken && !at.same(p, q) {
-			return &inFile{at.pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s and %s both target rule %q of HTTPRoute %s", at.pols[q].Name, at.pols[p].Name, rule.Name, key)}
+			return &inFile{at.pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s and %s both target rule %q of %s %s/%s", at.pols[q].Name, at.pols[p].Name, rule.Name, route.kind, route.namespace, route.name)}
 		}
 		at.owner[egRuleKey{key, i}] = p
 		at.attach(p, route, i, "sectionName "+section)
 	}
 	if !found {
-		return &inFile{at.pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: sectionName %q names no rule of HTTPRoute %s", at.pols[p].Name, section, key)}
+		return &inFile{at.pols[p].Deployment.File, fmt.Errorf("EnvoyExtensionPolicy %s: sectionName %q names no rule of %s %s/%s", at.pols[p].Name, section, route.kind, route.namespace, route.name)}
 	}
 	return nil
 }
@@ -633,8 +649,8 @@ func egRouteNames(r *egHTTPRoute, i int) []string {
 			if matches == 0 {
 				j = -1
 			}
-			names = append(names, fmt.Sprintf("httproute/%s/%s/rule/%d/match/%d/%s",
-				r.namespace, r.name, i, j, strings.ReplaceAll(h, ".", "_")))
+			names = append(names, fmt.Sprintf("%s/rule/%d/match/%d/%s",
+				egRouteKey(r.kind, r.namespace, r.name), i, j, strings.ReplaceAll(h, ".", "_")))
 		}
 	}
 	return names

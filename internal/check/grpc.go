@@ -31,7 +31,25 @@ func grpcFindings(d Deployment, p *policy.Policy, v *envoyVersion) []Finding {
 		}
 		out = append(out, grpcRouteFindings(d, e, v)...)
 	}
+	if d.Platform == platformEnvoyGateway {
+		for i := range out {
+			egGRPCTerms(&out[i], d.FilterPath)
+		}
+	}
 	return out
+}
+
+// egGRPCTerms rewrites a finding on a gRPC route of an Envoy Gateway filter in
+// EnvoyExtensionPolicy's terms: its processingMode has no trailer modes, a FullDuplexStreamed
+// body sends that direction's trailers (internal/xds/translator/extproc.go).
+func egGRPCTerms(f *Finding, filterPath string) {
+	egTerms(f, filterPath)
+	switch f.Kind {
+	case kindGRPCReplayRefused:
+		f.Fix = "set processingMode.request.body: FullDuplexStreamed (Envoy 1.37 or later) and processingMode.response.body: FullDuplexStreamed: the processor then holds the headers until the message came and replays the stored call"
+	case kindGRPCStreamedReplay:
+		f.Fix = "run Envoy 1.37 or later, or set processingMode.request.body: Buffered (a retry then gets ALREADY_EXISTS)"
+	}
 }
 
 // grpcRoute reports whether e serves gRPC calls the policy covers.
@@ -63,12 +81,13 @@ func grpcRouteFindings(d Deployment, e routeEntry, v *envoyVersion) []Finding {
 	}
 	var out []Finding
 	if mode.GetResponseTrailerMode() != filterextproc.ProcessingMode_SEND {
-		fix := "set response_trailer_mode: SEND on this route"
+		harm := "a call's grpc-status comes in the response trailers, which never reach the processor, so no call is stored and every retry runs again (unknown_outcome)"
+		problem, fix := fmt.Sprintf("is %s on a gRPC route: %s", mode.GetResponseTrailerMode(), harm), "set response_trailer_mode: SEND on this route"
 		if d.Platform == platformEnvoyGateway {
+			problem = fmt.Sprintf("is %s on a gRPC route, and Envoy Gateway sends response trailers only with FullDuplexStreamed: %s", mode.GetResponseBodyMode(), harm)
 			fix = "use response body: FullDuplexStreamed on this route: Envoy Gateway sends response trailers to the processor only then"
 		}
-		out = append(out, at(modePath+".response_trailer_mode", kindGRPCResponseTrailers,
-			fmt.Sprintf("is %s on a gRPC route: a call's grpc-status comes in the response trailers, which never reach the processor, so no call is stored and every retry runs again (unknown_outcome)", mode.GetResponseTrailerMode()), fix))
+		out = append(out, at(modePath+".response_trailer_mode", kindGRPCResponseTrailers, problem, fix))
 	}
 	if rp := e.Retry; rp != nil && (rp.GetNumRetries() == nil || rp.GetNumRetries().GetValue() > 0) {
 		for _, cond := range strings.Split(rp.GetRetryOn(), ",") {
