@@ -85,7 +85,7 @@ func grpcRouteFindings(d Deployment, e routeEntry, v *envoyVersion) []Finding {
 		problem, fix := fmt.Sprintf("is %s on a gRPC route: %s", mode.GetResponseTrailerMode(), harm), "set response_trailer_mode: SEND on this route"
 		if d.Platform == platformEnvoyGateway {
 			problem = fmt.Sprintf("is %s on a gRPC route, and Envoy Gateway sends response trailers only with FullDuplexStreamed: %s", mode.GetResponseBodyMode(), harm)
-			fix = "use response body: FullDuplexStreamed on this route: Envoy Gateway sends response trailers to the processor only then"
+			fix = "set processingMode.response.body: FullDuplexStreamed: Envoy Gateway sends response trailers to the processor only then"
 		}
 		out = append(out, at(modePath+".response_trailer_mode", kindGRPCResponseTrailers, problem, fix))
 	}
