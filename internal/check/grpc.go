@@ -89,19 +89,7 @@ func grpcRouteFindings(d Deployment, e routeEntry, v *envoyVersion) []Finding {
 		}
 		out = append(out, at(modePath+".response_trailer_mode", kindGRPCResponseTrailers, problem, fix))
 	}
-	if rp := e.Retry; rp != nil && (rp.GetNumRetries() == nil || rp.GetNumRetries().GetValue() > 0) {
-		for _, cond := range strings.Split(rp.GetRetryOn(), ",") {
-			if cond = strings.TrimSpace(cond); grpcRetryOn[cond] {
-				f := at(e.RetryPath+".retry_policy.retry_on", kindGRPCRouterRetry,
-					fmt.Sprintf("has %q on a gRPC route: the router retries a call the upstream answered, so a claimed call may run twice under one lease", cond),
-					"remove the gRPC conditions from retry_on on covered gRPC routes (connect-failure and refused-stream are safe); clients retry under the same key instead")
-				if e.RetryResource != "" {
-					f.File, f.Resource = e.RetryFile, e.RetryResource
-				}
-				out = append(out, f)
-			}
-		}
-	}
+	out = append(out, grpcRetryFindings(d, e)...)
 	body := mode.GetRequestBodyMode()
 	streamable := body == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED || body == filterextproc.ProcessingMode_NONE
 	switch {
@@ -113,6 +101,33 @@ func grpcRouteFindings(d Deployment, e routeEntry, v *envoyVersion) []Finding {
 		out = append(out, at(modePath+".request_body_mode", kindGRPCStreamedReplay,
 			fmt.Sprintf("is %s on a gRPC route, under which the processor replays a completed call as a streamed immediate response, which Envoy %s does not know (1.37 and later): from Envoy 1.35 the retry fails instead of getting the first call's message (or, under failure_mode_allow, runs again), and before 1.35 it runs again", body, v.text),
 			"run Envoy 1.37 or later, or set request_body_mode: BUFFERED on this route (a retry then gets ALREADY_EXISTS)"))
+	}
+	return out
+}
+
+// grpcRetryFindings refuses the router's gRPC retry conditions on the gRPC route e, where they
+// are set: the route, an Istio VirtualService's retries or an Envoy Gateway
+// BackendTrafficPolicy's retry.
+func grpcRetryFindings(d Deployment, e routeEntry) []Finding {
+	rp := e.Retry
+	if rp == nil || rp.GetNumRetries() != nil && rp.GetNumRetries().GetValue() == 0 {
+		return nil
+	}
+	fix := "remove the gRPC conditions from retry_on on covered gRPC routes (connect-failure and refused-stream are safe); clients retry under the same key instead"
+	switch {
+	case e.RetryResource != "" && d.Platform == platformEnvoyGateway:
+		fix = "remove the gRPC triggers from retry.retryOn.triggers of covered gRPC routes (connect-failure and refused-stream are safe); clients retry under the same key instead"
+	case e.RetryResource != "" && d.Platform == platformIstio:
+		fix = "remove the gRPC conditions from retries.retryOn of covered gRPC routes (connect-failure and refused-stream are safe); clients retry under the same key instead"
+	}
+	var out []Finding
+	for _, cond := range strings.Split(rp.GetRetryOn(), ",") {
+		if cond = strings.TrimSpace(cond); grpcRetryOn[cond] {
+			out = append(out, refusalFinding(d, &refusal{Kind: kindGRPCRouterRetry, Field: e.RetryPath + ".retry_policy.retry_on",
+				Reason:   fmt.Sprintf("has %q on a gRPC route: the router retries a call the upstream answered, so a claimed call may run twice under one lease", cond),
+				Fix:      fix,
+				Resource: e.RetryResource, File: e.RetryFile}))
+		}
 	}
 	return out
 }

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"go.yaml.in/yaml/v3"
 )
 
 // grpcRouteObjs is a GRPCRoute for ledger.v1.Ledger/Post (rule "post", retry its YAML or "") and
@@ -44,6 +45,19 @@ spec:
 `, retry, target, reqBody, respBody)
 }
 
+// grpcRouteRetries is a BackendTrafficPolicy whose retry on grpcRouteObjs' GRPCRoute has a gRPC
+// condition.
+const grpcRouteRetries = `---
+apiVersion: gateway.envoyproxy.io/v1alpha1
+kind: BackendTrafficPolicy
+metadata: { name: ledger-retries, namespace: payments }
+spec:
+  targetRefs: [{ group: gateway.networking.k8s.io, kind: GRPCRoute, name: ledger }]
+  retry:
+    numRetries: 2
+    retryOn: { triggers: [connect-failure, unavailable] }
+`
+
 // A GRPCRoute is read like an HTTPRoute: an EnvoyExtensionPolicy targeting it (whole or by
 // sectionName) runs on its rules, which are gRPC routes, so the gRPC rules apply to them; a
 // retry on a covered rule is refused; a policy none of whose routes match its methods reaches
@@ -74,6 +88,8 @@ func TestRunGRPCRouteRules(t *testing.T) {
 			map[Kind]at{kindGatewayAPIRetry: {"rules[0].retry", 10, 5, Error}}},
 		{"attempts 0 retries nothing", grpcRouteObjs("{ attempts: 0 }", whole, "FullDuplexStreamed", "FullDuplexStreamed"), covers,
 			map[Kind]at{}},
+		{"a BackendTrafficPolicy retrying unavailable on it", grpcRouteObjs("", whole, "FullDuplexStreamed", "FullDuplexStreamed") + grpcRouteRetries, covers,
+			map[Kind]at{kindGRPCRouterRetry: {"retry.retryOn", 36, 5, Error}}},
 		{"no policy route matches its method", grpcRouteObjs("", whole, "FullDuplexStreamed", "FullDuplexStreamed"), other,
 			map[Kind]at{kindPolicyTargetsNothing: {"targetRefs", 15, 3, Error}}},
 	}
@@ -157,6 +173,31 @@ spec:
 				names = append(names, e.Name)
 			}
 			require.Equal(t, c.want, names)
+		})
+	}
+}
+
+// A GRPCRoute match stands for the path Envoy Gateway matches: /service/method exactly, the
+// prefix /service/ for a service alone; no one path for a method alone or a regular expression.
+func TestGRPCRouteMatchPath(t *testing.T) {
+	cases := []struct {
+		match, want string
+		ok          bool
+	}{
+		{"{ method: { service: ledger.v1.Ledger, method: Post } }", "/ledger.v1.Ledger/Post", true},
+		{"{ method: { type: Exact, service: ledger.v1.Ledger } }", "/ledger.v1.Ledger/", true},
+		{"{ method: { method: Post } }", "", false},
+		{"{ method: { type: RegularExpression, service: 'ledger\\..*', method: Post } }", "", false},
+		{"{ headers: [{ name: x-tenant, value: a }] }", "/", true},
+		{"{ path: { type: PathPrefix, value: /v1/refunds } }", "/v1/refunds", true},
+	}
+	for _, c := range cases {
+		t.Run(c.match, func(t *testing.T) {
+			var m gwMatch
+			require.NoError(t, yaml.Unmarshal([]byte(c.match), &m))
+			got, ok := m.path()
+			require.Equal(t, c.ok, ok)
+			require.Equal(t, c.want, got)
 		})
 	}
 }
