@@ -253,3 +253,30 @@ func TestKeyHashOfAToolCall(t *testing.T) {
 	_, _, err := extproc.KeyHash(h.policy, extproc.KeyRequest{Path: "/mcp", Route: "mcp-tool-calls", Key: "k-1", Body: []byte("{")}, nil)
 	require.ErrorContains(t, err, "scopes by members of the request body")
 }
+
+// A route match.json chooses at the body's end scopes by the caller's JWT even when the route
+// the headers pointed at does not: Alice and Bob sending the same key and body each run once.
+func TestBodyChosenRouteKeepsJWTScope(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: `
+defaults: {scope: [{jwt_claim: sub}]}
+routes:
+  - name: mcp-tool-calls
+    match: {path_prefix: /mcp, json: {/method: tools/call}}
+    key_json: [/params/_meta/idempotencyKey]
+    scope: [{header: x-agent}, {json: /params/name}]
+    json_rpc: true
+  - name: mcp
+    match: {path_prefix: /mcp}
+`})
+	body := []byte(`{"jsonrpc":"2.0","id":1,"method":"resources/read","params":{"uri":"file:///secret"}}`)
+	as := func(sub string) request {
+		r := request{method: "POST", path: "/mcp", headers: []string{"content-type", "application/json", "idempotency-key", "k-1"}, body: body}
+		return withJWT(r, payloadOf(t, `{"sub":"`+sub+`"}`))
+	}
+	alice := upstream{status: 200, headers: []string{"content-type", "application/json"}, body: []byte(`{"jsonrpc":"2.0","id":1,"result":"alice's secret"}`)}
+	require.True(t, h.do(as("alice"), alice).executed)
+	res := h.do(as("bob"), upstream{status: 200, body: []byte(`bob's`)})
+	require.True(t, res.executed, "Bob was answered from Alice's record: %s", res.body)
+	require.Equal(t, "bob's", string(res.body))
+	require.False(t, h.do(as("alice"), alice).executed, "Alice's retry replays")
+}

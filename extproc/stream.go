@@ -443,7 +443,8 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	}
 	a.route, a.info.params = st.s.routes[r], params
 	a.info.peer, _ = stringAttribute(attrs, attrPeerIdentity)
-	if a.route.claims {
+	// A route match.json decides may hand the request to one that scopes by jwt_claim.
+	if a.route.claims || a.route.DecidedByBody() {
 		a.info.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
 	}
 	if a.adm = st.admitAtHeaders(sel); a.adm.grpc {
