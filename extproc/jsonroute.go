@@ -32,7 +32,7 @@ type jsonRoute struct {
 	// fingerprints such a body raw.
 	members bool
 	// ignore are the members the canonical fingerprint leaves out; canonical says whether the
-	// fingerprint is over the canonical form at all.
+	// fingerprint (and a body-hash key) is over the canonical form at all.
 	ignore    []jsonbody.Pointer
 	canonical bool
 	rpc       bool
@@ -66,7 +66,9 @@ func compileJSON(r *policy.Route) *jsonRoute {
 	for _, m := range j.match {
 		j.ptrs = append(j.ptrs, m.Pointer)
 	}
-	j.canonical = len(j.ignore) > 0 && r.FingerprintsBody()
+	// missing_key: body-hash hashes the same bytes as the fingerprint, so that a JSON-RPC retry's
+	// new id is the same key.
+	j.canonical = len(j.ignore) > 0 && (r.FingerprintsBody() || r.MissingKey == policy.MissingKeyBodyHash)
 	return j
 }
 

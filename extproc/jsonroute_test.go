@@ -280,3 +280,26 @@ routes:
 	require.Equal(t, "bob's", string(res.body))
 	require.False(t, h.do(as("alice"), alice).executed, "Alice's retry replays")
 }
+
+// Under missing_key: body-hash, a JSON-RPC retry carries a new id and is still the same request:
+// the key hashes the canonical body without /id and the fingerprint_ignore_json members.
+func TestBodyHashKeyOfAJSONRPCRetry(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: `
+routes:
+  - name: rpc
+    match: {path_prefix: /rpc}
+    missing_key: body-hash
+    fingerprint_ignore_json: [/params/trace]
+    json_rpc: true
+`})
+	call := func(id, amount, trace string) request {
+		return request{method: "POST", path: "/rpc", headers: []string{"content-type", "application/json"},
+			body: []byte(`{"jsonrpc":"2.0","id":` + id + `,"method":"charge","params":{"amount":` + amount + `,"trace":"` + trace + `"}}`)}
+	}
+	require.True(t, h.do(call("1", "5", "a"), toolResult).executed)
+	res := h.do(call("2", "5", "b"), toolResult)
+	require.False(t, res.executed, "a retry with a new id and trace ran again")
+	require.Equal(t, []string{"true"}, res.header(replayed))
+	require.Contains(t, string(res.body), `"id":2`)
+	require.True(t, h.do(call("3", "6", "a"), toolResult).executed, "another amount is another request")
+}

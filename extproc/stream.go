@@ -696,6 +696,9 @@ func (st *stream) keys(body, fpBody []byte) (key string, fp []byte) {
 	d := st.s.digests.Get().(*digest)
 	k := a.adm.key
 	if a.adm.bodyHash {
+		if r.json != nil {
+			body = fpBody // a JSON route's key hashes what its fingerprint does: /id left out
+		}
 		k = d.bodyHashKey(a.info.method, a.info.path, body)
 	}
 	key, st.call.keyHash = d.storeKey(r.Route, a.adm.scope, k)

@@ -139,7 +139,7 @@ var routeFields = []field{
 		doc: "JSON Pointers (RFC 6901) into the request body, tried after `key_headers` in order: the first present, non-empty string is the key, with a header key's limits; a header key and a different body key get 400 `idempotency-key-conflict`",
 		set: setPointers(func(r *Route, ps []jsonbody.Pointer) { r.KeyJSON = ps })},
 	{key: "missing_key", def: string(MissingKeyOptional), values: names(MissingKeyOptional, MissingKeyRequired, MissingKeyBodyHash),
-		doc: "a request without a key: passed through, answered 400 `missing-idempotency-key`, or keyed by the hex SHA-256 of method, path and body",
+		doc: "a request without a key: passed through, answered 400 `missing-idempotency-key`, or keyed by the hex SHA-256 of method, path and body (on a route with `json_rpc` or `fingerprint_ignore_json`, the canonical body the fingerprint hashes, without those members)",
 		set: func(_ *decoder, x *draft, v *yaml.Node, _ string) { x.r.MissingKey = MissingKey(v.Value) }},
 	{key: "ttl", def: "24h",
 		doc: "how long a completed record lives; at least 1ms, at most `max_ttl`",
