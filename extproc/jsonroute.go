@@ -2,6 +2,7 @@ package extproc
 
 import (
 	"bytes"
+	"errors"
 	"net/http"
 	"strconv"
 
@@ -105,15 +106,24 @@ func readJSON(j *jsonRoute, body []byte) bodyRead {
 		} else {
 			values, err = jsonbody.Values(body, j.ptrs)
 		}
-		if err != nil && j.members {
-			return bodyRead{problem: problemInvalidJSON}
-		}
 		if err != nil {
-			return out // not JSON: fingerprinted raw, and no match.json holds
+			// Not JSON: no match.json holds. Too deep: this route's if its match.json members
+			// hold, refused there when it reads members, else fingerprinted raw.
+			if errors.Is(err, jsonbody.ErrTooDeep) {
+				out.matched, out.id = deepRead(j, body)
+			}
+			if j.members {
+				return bodyRead{problem: problemInvalidJSON, matched: out.matched, id: out.id}
+			}
+			return out
 		}
 		out.matched = matches(j.match, values[len(values)-len(j.match):], body)
 		if !j.members {
 			return out
+		}
+		out.scope = values[j.keys : j.keys+j.scopes]
+		if j.id {
+			out.id = values[j.keys+j.scopes]
 		}
 		for _, v := range values[:j.keys] {
 			s, ok := jsonbody.String(v)
@@ -121,14 +131,11 @@ func readJSON(j *jsonRoute, body []byte) bodyRead {
 				continue
 			}
 			if out.key, ok = checkKey(s); !ok {
-				return bodyRead{problem: problemInvalidKey}
+				return bodyRead{problem: problemInvalidKey, matched: out.matched, id: out.id}
 			}
 			break
 		}
-		out.scope = values[j.keys : j.keys+j.scopes]
-		if j.id {
-			out.id = values[j.keys+j.scopes]
-		}
+
 	}
 	if j.canonical && len(j.ptrs) == 0 {
 		if c, err := jsonbody.Canonical(nil, body, j.ignore); err == nil {
@@ -150,6 +157,19 @@ func matches(ms []policy.JSONMatch, values [][]byte, body []byte) bool {
 		}
 	}
 	return true
+}
+
+// deepRead is what a body too deep for Values still tells, its other members skipped: whether
+// its match.json members hold, and its JSON-RPC id (nil when unread).
+func deepRead(j *jsonRoute, body []byte) (matched bool, id []byte) {
+	values, err := jsonbody.Lookup(body, j.ptrs)
+	if err != nil {
+		return false, nil
+	}
+	if j.id {
+		id = values[j.keys+j.scopes]
+	}
+	return len(j.match) > 0 && matches(j.match, values[len(values)-len(j.match):], body), id
 }
 
 // isBatch reports whether body is a JSON-RPC batch: a top-level array.

@@ -303,3 +303,31 @@ routes:
 	require.Contains(t, string(res.body), `"id":2`)
 	require.True(t, h.do(call("3", "6", "a"), toolResult).executed, "another amount is another request")
 }
+
+// A body whose match.json members hold belongs to that route, even when its key is invalid or it
+// nests too deep to read: it is refused there, never handed to the next route uncovered.
+func TestMatchJSONRouteRefusesItsUnreadableBody(t *testing.T) {
+	deep := toolCall("1", "k", "send_mail", `{"x":`+strings.Repeat("[", 70)+strings.Repeat("]", 70)+`}`)
+	for _, tc := range []struct {
+		name string
+		req  request
+		code string
+	}{
+		{"key too long", toolCall("1", strings.Repeat("x", 1000), "send_mail", `{}`), "invalid-idempotency-key"},
+		{"key with a control character", toolCall("1", `a\u0001b`, "send_mail", `{}`), "invalid-idempotency-key"},
+		{"nested deeper than 64 levels", deep, "invalid-json-body"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, harnessOptions{policy: mcpRoutes})
+			for range 2 {
+				res := h.do(tc.req, toolResult)
+				require.False(t, res.executed, "passed to the next route: %s", res.body)
+				e := readRPCError(t, res)
+				require.Equal(t, tc.code, e.Error.Data.Code)
+				require.JSONEq(t, `1`, string(e.ID))
+			}
+			h.waitIdle(t)
+			require.Equal(t, 2.0, h.counter("idempotency_requests_total", "route", "mcp-tool-calls", "outcome", "invalid"))
+		})
+	}
+}

@@ -111,10 +111,21 @@ func readErr(err error) error {
 // body has no such member. It reads body once,
 // whole, so that a body that is not JSON or nests too deep is refused whatever the pointers.
 func Values(body []byte, ptrs []Pointer) ([][]byte, error) {
+	return values(body, ptrs, false)
+}
+
+// Lookup is Values without MaxDepth for the members that lead to no pointer: it skips them with
+// the decoder's own bounded skipping, so that a body nesting deeper than MaxDepth elsewhere still
+// tells what its pointers hold (which route it takes), though Values refuses it.
+func Lookup(body []byte, ptrs []Pointer) ([][]byte, error) {
+	return values(body, ptrs, true)
+}
+
+func values(body []byte, ptrs []Pointer, skip bool) ([][]byte, error) {
 	out := make([][]byte, len(ptrs))
 	d := getDecoder(body)
 	defer putDecoder(d)
-	w := walker{d: d.d, body: body, ptrs: ptrs, out: out}
+	w := walker{d: d.d, body: body, ptrs: ptrs, out: out, skip: skip}
 	if err := w.value(0, len(ptrs) > 0); err != nil {
 		return nil, readErr(err)
 	}
@@ -131,6 +142,8 @@ type walker struct {
 	ptrs []Pointer
 	out  [][]byte
 	path []string
+	// skip: an object or array that leads to no pointer is skipped whole, its depth unchecked.
+	skip bool
 }
 
 // wanted tells whether the current path is one of the pointers (and which), or a prefix of one.
@@ -169,6 +182,9 @@ func (w *walker) value(depth int, track bool) error {
 	}
 	start := w.d.InputOffset()
 	if k := w.d.PeekKind(); k == '{' || k == '[' {
+		if w.skip && at < 0 && !track {
+			return w.d.SkipValue()
+		}
 		if err := w.members(depth, track, k == '{'); err != nil {
 			return err
 		}

@@ -108,6 +108,28 @@ func TestValuesRefuses(t *testing.T) {
 	require.NoError(t, err)
 }
 
+// Lookup reads the pointed members of a body that nests too deep elsewhere, and still refuses
+// what is not JSON, or a pointed member too deep to read.
+func TestLookupPastDeepMembers(t *testing.T) {
+	deep := strings.Repeat("[", 100) + strings.Repeat("]", 100)
+	ptrs := pointers(t, "/method", "/params/name", "/id")
+	values, err := Lookup([]byte(`{"params":{"x":`+deep+`,"name":"send"},"method":"tools/call","id":7}`), ptrs)
+	require.NoError(t, err)
+	require.Equal(t, []string{`"tools/call"`, `"send"`, `7`}, []string{string(values[0]), string(values[1]), string(values[2])})
+	_, err = Values([]byte(`{"method":"tools/call","x":`+deep+`}`), ptrs)
+	require.ErrorIs(t, err, ErrTooDeep, "Values keeps its limit")
+
+	for name, body := range map[string]string{
+		"not JSON":           `{"method":"tools/call","x":` + deep,
+		"duplicate names":    `{"method":"a","method":"b"}`,
+		"pointed, too deep":  `{"method":` + deep + `}`,
+		"beyond the decoder": `{"x":` + strings.Repeat("[", 20000) + strings.Repeat("]", 20000) + `}`,
+	} {
+		_, err := Lookup([]byte(body), ptrs)
+		require.Error(t, err, name)
+	}
+}
+
 func TestCanonical(t *testing.T) {
 	for _, tc := range []struct {
 		in, ignore, want string
