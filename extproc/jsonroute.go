@@ -226,22 +226,28 @@ func rpcProblem(p *problem, r *policy.Route, id []byte) *extprocv3.ProcessingRes
 // rpcReplay returns the stored response with the current request's id in its body: the
 // top-level id of a JSON body, or that of each JSON-RPC response message of a
 // text/event-stream body. A record without a body, or a request without an id, is unchanged.
-func rpcReplay(rec *cache.Record, id []byte) *cache.Record {
+// ok is false when the body holds a response whose id cannot be rewritten.
+func rpcReplay(rec *cache.Record, id []byte) (_ *cache.Record, ok bool) {
 	if len(id) == 0 || len(rec.Response.Body) == 0 {
-		return rec
+		return rec, true
 	}
 	var body []byte
 	if eventStream(rec.Response.Headers) {
-		body = jsonbody.ReplaceEventIDs(rec.Response.Body, id)
+		if body, ok = jsonbody.ReplaceEventIDs(rec.Response.Body, id); !ok {
+			return rec, false
+		}
 	} else {
-		var ok bool
-		if body, ok = jsonbody.ReplaceID(rec.Response.Body, id); !ok {
-			return rec
+		var rw jsonbody.Rewrite
+		switch body, rw = jsonbody.ReplaceID(rec.Response.Body, id); rw {
+		case jsonbody.IDKept:
+			return rec, true
+		case jsonbody.IDUnreplaceable:
+			return rec, false
 		}
 	}
 	out := *rec
 	out.Response.Body = body
-	return &out
+	return &out, true
 }
 
 // eventStream reports whether a stored response's content-type is text/event-stream.

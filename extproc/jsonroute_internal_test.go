@@ -230,12 +230,23 @@ func TestRPCReplay(t *testing.T) {
 			"event: message\nid: s1_0\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{\"id\":1}}\n\nevent: message\nid: s1_1\ndata: {\"jsonrpc\":\"2.0\",\"id\":7,\"result\":{}}\n\n"},
 		{"a notification has no id to give", "application/json", `{"jsonrpc":"2.0","id":1,"result":{}}`, ``, `{"jsonrpc":"2.0","id":1,"result":{}}`},
 		{"a body that is not JSON", "application/json", `oops`, `2`, `oops`},
+		{"a result deeper than a request may nest", "application/json", `{"jsonrpc":"2.0","result":` + strings.Repeat("[", 70) + strings.Repeat("]", 70) + `,"id":1}`, `2`,
+			`{"jsonrpc":"2.0","result":` + strings.Repeat("[", 70) + strings.Repeat("]", 70) + `,"id":2}`},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			stored := rec(c.ct, c.body)
-			got := rpcReplay(stored, []byte(c.id))
+			got, ok := rpcReplay(stored, []byte(c.id))
+			require.True(t, ok)
 			require.Equal(t, c.want, string(got.Response.Body))
 			require.Equal(t, c.body, string(stored.Response.Body), "the stored record is not changed")
 		})
+	}
+	// A response whose id cannot be rewritten is never replayed with the first call's.
+	for name, c := range map[string]struct{ ct, body string }{
+		"a JSON object the rewrite cannot read": {"application/json", `{"jsonrpc":"2.0","id":1,"result":` + strings.Repeat("[", 20000) + strings.Repeat("]", 20000) + `}`},
+		"an event's id split over data lines":   {"text/event-stream", "data: {\"jsonrpc\":\"2.0\",\"id\":[1,\ndata: 2],\"result\":{}}\n\n"},
+	} {
+		_, ok := rpcReplay(rec(c.ct, c.body), []byte(`2`))
+		require.False(t, ok, name)
 	}
 }

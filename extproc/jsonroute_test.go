@@ -331,3 +331,26 @@ func TestMatchJSONRouteRefusesItsUnreadableBody(t *testing.T) {
 		})
 	}
 }
+
+// A stored result may nest deeper than a request body may: its replay carries the retry's id;
+// one the id rewrite cannot read is answered response-not-replayable, never with the first id.
+func TestToolCallReplayOfADeepResult(t *testing.T) {
+	nested := func(n int) upstream {
+		return upstream{status: 200, headers: []string{"content-type", "application/json"},
+			body: []byte(`{"jsonrpc":"2.0","result":{"structuredContent":` + strings.Repeat("[", n) + strings.Repeat("]", n) + `},"id":1}`)}
+	}
+	h := newHarness(t, harnessOptions{policy: mcpRoutes})
+	deep := nested(70)
+	require.True(t, h.do(toolCall("1", "k-70", "send_mail", `{}`), deep).executed)
+	res := h.do(toolCall("2", "k-70", "send_mail", `{}`), deep)
+	require.False(t, res.executed)
+	require.Equal(t, strings.Replace(string(deep.body), `"id":1`, `"id":2`, 1), string(res.body))
+
+	unreadable := nested(20000) // beyond the JSON decoder's own nesting limit
+	require.True(t, h.do(toolCall("1", "k-20000", "send_mail", `{}`), unreadable).executed)
+	res = h.do(toolCall("3", "k-20000", "send_mail", `{}`), unreadable)
+	require.False(t, res.executed)
+	e := readRPCError(t, res)
+	require.Equal(t, "response-not-replayable", e.Error.Data.Code)
+	require.JSONEq(t, `3`, string(e.ID))
+}

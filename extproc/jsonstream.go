@@ -3,6 +3,7 @@ package extproc
 import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
 
@@ -50,10 +51,23 @@ func (st *stream) render(a answer) (*extprocv3.ProcessingResponse, bool) {
 	switch a := a.(type) {
 	case refuse:
 		return rpcProblem(a.p, r.Route, st.rpcID()), true
-	case replay:
-		return replayResponse(rpcReplay(a.rec, st.rpcID()), r.Route, a.waited), true
 	}
-	return render(r, a)
+	return render(r, a) // a replay's id was rewritten by rpcVerdict
+}
+
+// rpcVerdict puts the request's JSON-RPC id in the record a replay answers with, on a json_rpc
+// route; a stored response whose id cannot be rewritten is answered 409 response-not-replayable
+// (as a JSON-RPC error, with the request's id), never replayed with another request's id.
+func (st *stream) rpcVerdict(v verdict, rec *cache.Record) (verdict, *cache.Record) {
+	if v.act != actReplay || !st.req.route.JSONRPC || rec == nil {
+		return v, rec
+	}
+	out, ok := rpcReplay(rec, st.rpcID())
+	if !ok {
+		st.call.event(st.s.log.Warn()).Msg("the stored response's JSON-RPC id cannot be rewritten; answering response-not-replayable")
+		return verdict{act: actRefuse, problem: problemNotReplayable}, rec
+	}
+	return v, out
 }
 
 // readBody learns, at the end of a request's body, what its route reads from it: the route

@@ -733,6 +733,7 @@ func (st *stream) carryOut(v verdict, rec *cache.Record, waited string) {
 	if st.req.adm.grpc {
 		v = st.grpcVerdict(v, rec)
 	}
+	v, rec = st.rpcVerdict(v, rec)
 	from := st.state
 	switch v.act {
 	case actRun:

@@ -174,42 +174,76 @@ func TestCanonicalExact(t *testing.T) {
 }
 
 func TestReplaceID(t *testing.T) {
+	deep := strings.Repeat("[", 100) + strings.Repeat("]", 100)
 	for _, tc := range []struct{ in, id, want string }{
 		{`{"jsonrpc":"2.0","id":1,"result":{"id":5}}`, `"abc"`, `{"jsonrpc":"2.0","id":"abc","result":{"id":5}}`},
 		{`{"result":{"id":5},"jsonrpc":"2.0", "id" : "x-1" }`, `42`, `{"result":{"id":5},"jsonrpc":"2.0", "id" : 42 }`},
 		{`{"jsonrpc":"2.0","id":null,"error":{}}`, `9007199254740993`, `{"jsonrpc":"2.0","id":9007199254740993,"error":{}}`},
+		// A stored response may nest deeper than a request body may.
+		{`{"jsonrpc":"2.0","result":` + deep + `,"id":1}`, `2`, `{"jsonrpc":"2.0","result":` + deep + `,"id":2}`},
 	} {
-		got, ok := ReplaceID([]byte(tc.in), []byte(tc.id))
-		require.True(t, ok, tc.in)
+		got, rw := ReplaceID([]byte(tc.in), []byte(tc.id))
+		require.Equal(t, IDReplaced, rw, tc.in)
 		require.Equal(t, tc.want, string(got))
 	}
-	for _, in := range []string{`{"jsonrpc":"2.0","result":1}`, `[{"id":1}]`, `not json`, ``} {
-		got, ok := ReplaceID([]byte(in), []byte(`1`))
-		require.False(t, ok, in)
-		require.Equal(t, in, string(got))
+	for _, tc := range []struct {
+		in string
+		rw Rewrite
+	}{
+		{`{"jsonrpc":"2.0","result":1}`, IDKept},
+		{`[{"id":1}]`, IDKept},
+		{`not json`, IDKept},
+		{``, IDKept},
+		{`{"jsonrpc":"2.0","id":1,"result":`, IDUnreplaceable},
+		{`{"jsonrpc":"2.0","id":1,"id":1,"result":{}}`, IDUnreplaceable},
+		{`{"jsonrpc":"2.0","id":1,"result":{}} {}`, IDUnreplaceable},
+		{`{"jsonrpc":"2.0","id":1,"result":` + strings.Repeat("[", 20000) + strings.Repeat("]", 20000) + `}`, IDUnreplaceable},
+	} {
+		got, rw := ReplaceID([]byte(tc.in), []byte(`7`))
+		require.Equal(t, tc.rw, rw, tc.in)
+		require.Equal(t, tc.in, string(got))
 	}
 	// A request without an id has none to give: the message is left as it is.
 	in := `{"jsonrpc":"2.0","id":1,"result":{}}`
-	got, ok := ReplaceID([]byte(in), nil)
-	require.False(t, ok)
+	got, rw := ReplaceID([]byte(in), nil)
+	require.Equal(t, IDKept, rw)
 	require.Equal(t, in, string(got))
 }
 
 func TestReplaceEventIDs(t *testing.T) {
+	replace := func(body, id string) string {
+		t.Helper()
+		out, ok := ReplaceEventIDs([]byte(body), []byte(id))
+		require.True(t, ok, body)
+		return string(out)
+	}
 	body := "event: message\r\n" +
 		"data: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{\"id\":1}}\r\n\r\n" +
 		"id: 17\n" +
 		"event: message\n" +
 		"data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"content\":[]}}\n\n"
 	want := strings.Replace(body, `"id":1,"result"`, `"id":"second","result"`, 1)
-	require.Equal(t, want, string(ReplaceEventIDs([]byte(body), []byte(`"second"`))))
+	require.Equal(t, want, replace(body, `"second"`))
 	plain := "data: hello\n\n"
-	require.Equal(t, plain, string(ReplaceEventIDs([]byte(plain), []byte(`1`))))
+	require.Equal(t, plain, replace(plain, `1`))
 
 	// One message over several data lines, lines ending in CR alone.
 	multi := "event: message\rdata: {\"jsonrpc\":\"2.0\",\rdata: \"id\":1,\rdata:\"result\":{}}\r\rdata: {\"jsonrpc\":\"2.0\",\"id\":2,\"error\":{}}"
 	want = strings.Replace(strings.Replace(multi, `"id":1`, `"id":"x"`, 1), `"id":2`, `"id":"x"`, 1)
-	require.Equal(t, want, string(ReplaceEventIDs([]byte(multi), []byte(`"x"`))))
+	require.Equal(t, want, replace(multi, `"x"`))
+
+	// A result deeper than a request body may nest.
+	deep := "data: {\"jsonrpc\":\"2.0\",\"result\":" + strings.Repeat("[", 70) + strings.Repeat("]", 70) + ",\"id\":1}\n\n"
+	require.Equal(t, strings.Replace(deep, `"id":1`, `"id":2`, 1), replace(deep, `2`))
+
+	// An id after a line break is replaced on its own line; one split over data lines cannot
+	// be replaced in place, and the body is refused whole.
+	broken := "data: {\"jsonrpc\":\"2.0\",\"id\"\ndata: :\ndata: 1,\"result\":{}}\n\n"
+	require.Equal(t, strings.Replace(broken, "data: 1,", "data: 2,", 1), replace(broken, `2`))
+	split := "data: {\"jsonrpc\":\"2.0\",\"id\":[1,\ndata: 2],\"result\":{}}\n\n"
+	out, ok := ReplaceEventIDs([]byte(split), []byte(`2`))
+	require.False(t, ok)
+	require.Equal(t, split, string(out))
 }
 
 func FuzzParsePointer(f *testing.F) {
@@ -285,13 +319,13 @@ func FuzzReplaceID(f *testing.F) {
 		// An id is what Values read from a request: JSON by this package's own reading (which
 		// refuses invalid UTF-8, where encoding/json's Valid does not).
 		if _, err := Values(id, nil); err != nil {
-			if _, ok := ReplaceID(msg, id); ok && len(bytes.TrimSpace(id)) == 0 {
+			if _, rw := ReplaceID(msg, id); rw == IDReplaced && len(bytes.TrimSpace(id)) == 0 {
 				t.Fatalf("an empty id replaced %q's", msg)
 			}
 			return
 		}
-		out, ok := ReplaceID(msg, id)
-		if !ok {
+		out, rw := ReplaceID(msg, id)
+		if rw != IDReplaced {
 			if !bytes.Equal(out, msg) {
 				t.Fatalf("unchanged message changed: %q -> %q", msg, out)
 			}

@@ -2,75 +2,135 @@ package jsonbody
 
 import (
 	"bytes"
+	"errors"
+	"io"
+)
+
+// Rewrite is what ReplaceID did to a message.
+type Rewrite int
+
+const (
+	// IDKept: there was nothing to rewrite (no id given, or a message with no top-level "id");
+	// the message is returned as it is.
+	IDKept Rewrite = iota
+	// IDReplaced: the message's id is the one given.
+	IDReplaced
+	// IDUnreplaceable: the message is a JSON object the rewrite cannot read (invalid, or
+	// nesting deeper than the decoder's own limit); it is returned as it is, with the id it had.
+	IDUnreplaceable
 )
 
 // ReplaceID returns msg, a JSON object, with the value of its top-level "id" member replaced
-// by id (a JSON text, as Values returns it), and reports whether it had one. Everything else in
-// msg is kept byte for byte. A msg that is not a JSON object, or has no "id", is returned as it
-// is with false.
-func ReplaceID(msg, id []byte) ([]byte, bool) {
+// by id (a JSON text, as Values returns it). Everything else in msg is kept byte for byte. The
+// members it does not rewrite are skipped with the decoder's own skipping, so a stored response
+// may nest deeper than MaxDepth, which bounds request bodies only.
+func ReplaceID(msg, id []byte) ([]byte, Rewrite) {
 	if len(bytes.TrimSpace(id)) == 0 {
-		return msg, false // a request without an id (a notification) has none to give
+		return msg, IDKept // a request without an id (a notification) has none to give
 	}
+	top, err := readTop(msg)
+	switch {
+	case errors.Is(err, errNotObject):
+		return msg, IDKept
+	case err != nil:
+		return msg, IDUnreplaceable
+	case top.id == nil:
+		return msg, IDKept
+	}
+	out := make([]byte, 0, len(msg)-len(top.id)+len(id))
+	out = append(out, msg[:top.idAt]...)
+	out = append(out, id...)
+	out = append(out, msg[top.idAt+len(top.id):]...)
+	return out, IDReplaced
+}
+
+// errNotObject: the message does not begin as a JSON object.
+var errNotObject = errors.New("jsonbody: not a JSON object")
+
+// top is what readTop reads of a JSON object's top-level members.
+type top struct {
+	// id is the "id" member's value as written, at msg[idAt:]; nil when there is none.
+	id   []byte
+	idAt int
+	// jsonrpc, result, errorMember: whether those members are there.
+	jsonrpc, result, errorMember bool
+}
+
+// readTop reads msg, one JSON object and nothing after it, skipping the values of its members
+// with the decoder's own skipping (no MaxDepth).
+func readTop(msg []byte) (top, error) {
+	var t top
 	d := getDecoder(msg)
 	defer putDecoder(d)
 	if d.d.PeekKind() != '{' {
-		return msg, false
+		return t, errNotObject
 	}
 	if _, err := d.d.ReadToken(); err != nil {
-		return msg, false
+		return t, err
 	}
-	w := walker{d: d.d}
 	for d.d.PeekKind() == '"' {
 		name, err := d.d.ReadToken()
 		if err != nil {
-			return msg, false
+			return t, err
 		}
-		isID := name.String() == "id" // the token is valid until the next read
-		start := d.d.InputOffset()
-		if err := w.value(1, false); err != nil {
-			return msg, false
+		n := name.String() // the token is valid until the next read
+		start := int(d.d.InputOffset())
+		if err := d.d.SkipValue(); err != nil {
+			return t, err
 		}
-		if !isID {
-			continue
+		switch n {
+		case "id":
+			// The value begins after the colon and any whitespace.
+			v := msg[start:d.d.InputOffset()]
+			lead := len(v) - len(bytes.TrimLeft(v, " \t\r\n:"))
+			t.id, t.idAt = v[lead:], start+lead
+		case "jsonrpc":
+			t.jsonrpc = true
+		case "result":
+			t.result = true
+		case "error":
+			t.errorMember = true
 		}
-		end := d.d.InputOffset()
-		// The value begins after the colon and any whitespace.
-		v := msg[start:end]
-		lead := len(v) - len(bytes.TrimLeft(v, " \t\r\n:"))
-		out := make([]byte, 0, len(msg)-len(v)+lead+len(id))
-		out = append(out, msg[:int(start)+lead]...)
-		out = append(out, id...)
-		out = append(out, msg[end:]...)
-		return out, true
 	}
-	return msg, false
+	if tok, err := d.d.ReadToken(); err != nil || tok.Kind() != '}' {
+		return t, ErrNotJSON
+	}
+	if _, err := d.d.ReadToken(); err != io.EOF {
+		return t, ErrNotJSON
+	}
+	return t, nil
 }
 
 // ReplaceEventIDs returns a text/event-stream body with the id of every JSON-RPC response in it
 // replaced by id: each event whose data (its data lines joined by "\n", as an event stream's
 // reader joins them) is a JSON object with a "jsonrpc" member and a "result" or an "error"
-// member. Lines may end in CRLF, LF or CR. Everything but the id is kept byte for byte.
-func ReplaceEventIDs(body, id []byte) []byte {
+// member. Lines may end in CRLF, LF or CR. Everything but the id is kept byte for byte. ok is
+// false when a response's id could not be replaced (it spans data lines), and then body is
+// returned as it is.
+func ReplaceEventIDs(body, id []byte) (_ []byte, ok bool) {
 	var out []byte
 	changed := false
 	for start := 0; start < len(body); {
 		lines, end := eventLines(body, start)
-		if replaced, ok := replaceEventID(body, lines, id); ok {
+		replaced, rw := replaceEventID(body, lines, id)
+		switch {
+		case rw == IDUnreplaceable:
+			return body, false
+		case rw == IDReplaced:
 			if !changed {
 				out = append(make([]byte, 0, len(body)+len(id)), body[:start]...)
 				changed = true
 			}
 			out = append(out, replaced...)
-		} else if changed {
+		case changed:
 			out = append(out, body[start:end]...)
 		}
 		start = end
 	}
 	if !changed {
-		return body
+		return body, true
 	}
-	return out
+	return out, true
 }
 
 // line is one line of an event stream: body[from:to] is its content, body[to:next] its end.
@@ -103,7 +163,7 @@ func eventLines(body []byte, start int) ([]line, int) {
 
 // replaceEventID rewrites one event's data, when it is a JSON-RPC response, and returns the
 // event's bytes with the new id.
-func replaceEventID(body []byte, lines []line, id []byte) ([]byte, bool) {
+func replaceEventID(body []byte, lines []line, id []byte) ([]byte, Rewrite) {
 	var data [][]byte
 	var dataLines []int
 	for k, l := range lines {
@@ -114,12 +174,15 @@ func replaceEventID(body []byte, lines []line, id []byte) ([]byte, bool) {
 	}
 	joined := bytes.Join(data, []byte("\n"))
 	if !isRPCResponse(joined) {
-		return nil, false
+		return nil, IDKept
 	}
-	replaced, ok := ReplaceID(joined, id)
+	replaced, rw := ReplaceID(joined, id)
+	if rw != IDReplaced {
+		return nil, rw
+	}
 	parts := bytes.Split(replaced, []byte("\n"))
-	if !ok || len(parts) != len(data) {
-		return nil, false
+	if len(parts) != len(data) {
+		return nil, IDUnreplaceable // the id spanned data lines
 	}
 	var out []byte
 	d := 0
@@ -134,24 +197,12 @@ func replaceEventID(body []byte, lines []line, id []byte) ([]byte, bool) {
 		}
 		out = append(out, body[l.from:l.next]...)
 	}
-	return out, true
+	return out, IDReplaced
 }
 
 // isRPCResponse tells whether msg is a JSON-RPC response: an object with "jsonrpc" and
-// "result" or "error" members.
+// "result" or "error" members, read however deep it nests.
 func isRPCResponse(msg []byte) bool {
-	if len(msg) == 0 || msg[0] != '{' {
-		return false
-	}
-	v, err := Values(msg, rpcMembers)
-	if err != nil {
-		return false
-	}
-	return v[0] != nil && (v[1] != nil || v[2] != nil)
-}
-
-var rpcMembers = []Pointer{
-	{text: "/jsonrpc", tokens: []string{"jsonrpc"}},
-	{text: "/result", tokens: []string{"result"}},
-	{text: "/error", tokens: []string{"error"}},
+	t, err := readTop(msg)
+	return err == nil && t.jsonrpc && (t.result || t.errorMember)
 }
