@@ -85,7 +85,8 @@ type bodyRead struct {
 	key string
 	// scope are the json scope values, aligned with the route's ScopeJSON (nil: missing).
 	scope [][]byte
-	// id is the JSON-RPC request's id as its JSON text; nil when it has none.
+	// id is the JSON-RPC request's id as the client wrote it (1.0 stays 1.0), to send back; nil
+	// when it has none.
 	id []byte
 	// fingerprint is what the fingerprint hashes as the body: the canonical form without the
 	// ignored members, or the raw body.
@@ -123,7 +124,7 @@ func readJSON(j *jsonRoute, body []byte) bodyRead {
 		}
 		out.scope = values[j.keys : j.keys+j.scopes]
 		if j.id {
-			out.id = values[j.keys+j.scopes]
+			out.id = requestID(body, values[j.keys+j.scopes])
 		}
 		for _, v := range values[:j.keys] {
 			s, ok := jsonbody.String(v)
@@ -167,9 +168,22 @@ func deepRead(j *jsonRoute, body []byte) (matched bool, id []byte) {
 		return false, nil
 	}
 	if j.id {
-		id = values[j.keys+j.scopes]
+		id = requestID(body, values[j.keys+j.scopes])
 	}
 	return len(j.match) > 0 && matches(j.match, values[len(values)-len(j.match):], body), id
+}
+
+// requestID is the id a JSON-RPC request's answers carry: as the client wrote it (1.0 stays 1.0,
+// "\u0031" stays escaped), else, for an id written over several lines (which an event stream's
+// data lines cannot carry), its canonical form; nil when the request has none.
+func requestID(body, canonical []byte) []byte {
+	if canonical == nil {
+		return nil
+	}
+	if raw := jsonbody.ID(body); raw != nil && !bytes.ContainsAny(raw, "\r\n") {
+		return raw
+	}
+	return canonical
 }
 
 // isBatch reports whether body is a JSON-RPC batch: a top-level array.

@@ -354,3 +354,24 @@ func TestToolCallReplayOfADeepResult(t *testing.T) {
 	require.Equal(t, "response-not-replayable", e.Error.Data.Code)
 	require.JSONEq(t, `3`, string(e.ID))
 }
+
+// A replay carries the retry's id as the client wrote it, and rewrites only JSON-RPC responses:
+// a stored JSON body with an "id" member of its own is replayed byte for byte.
+func TestToolCallReplayIDText(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: mcpRoutes})
+	require.True(t, h.do(toolCall("1", "k", "send_mail", `{}`), toolResult).executed)
+	for _, id := range []string{`1.0`, `"\u0031"`, `1E2`, `-0`, `12345678901234567890123`, `"call-2"`, `null`} {
+		res := h.do(toolCall(id, "k", "send_mail", `{}`), toolResult)
+		require.False(t, res.executed, id)
+		require.Equal(t, strings.Replace(string(toolResult.body), `"id":1`, `"id":`+id, 1), string(res.body), id)
+	}
+	// A refusal carries it as written too.
+	res := h.do(toolCall(`1.50`, "k", "send_mail", `{"other":1}`), toolResult)
+	require.Equal(t, `1.50`, string(readRPCError(t, res).ID))
+
+	order := upstream{status: 200, headers: []string{"content-type", "application/json"}, body: []byte(`{"id":"order-77","status":"sent"}`)}
+	require.True(t, h.do(toolCall("1", "k-order", "send_mail", `{}`), order).executed)
+	res = h.do(toolCall("2", "k-order", "send_mail", `{}`), order)
+	require.False(t, res.executed)
+	require.Equal(t, string(order.body), string(res.body), "not a JSON-RPC response: not rewritten")
+}

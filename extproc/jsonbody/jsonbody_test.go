@@ -191,6 +191,9 @@ func TestReplaceID(t *testing.T) {
 		rw Rewrite
 	}{
 		{`{"jsonrpc":"2.0","result":1}`, IDKept},
+		{`{"id":"order-77","status":"sent"}`, IDKept},
+		{`{"jsonrpc":"2.0","id":1,"method":"ping"}`, IDKept},
+		{`{"result":{},"id":1}`, IDKept},
 		{`[{"id":1}]`, IDKept},
 		{`not json`, IDKept},
 		{``, IDKept},
@@ -208,6 +211,21 @@ func TestReplaceID(t *testing.T) {
 	got, rw := ReplaceID([]byte(in), nil)
 	require.Equal(t, IDKept, rw)
 	require.Equal(t, in, string(got))
+}
+
+func TestID(t *testing.T) {
+	for in, want := range map[string]string{
+		`{"jsonrpc":"2.0","id":1.0,"method":"m"}`: `1.0`,
+		`{"id" :  "\u0031" , "method":"m"}`:       `"\u0031"`,
+		`{"params":{"id":2},"id":-0}`:             `-0`,
+		`{"id":12345678901234567890123}`:          `12345678901234567890123`,
+		`{"method":"m","params":{"id":2}}`:        ``,
+		`[{"id":1}]`:                              ``,
+		`{"id":1,"id":2}`:                         ``,
+		`{"id":1`:                                 ``,
+	} {
+		require.Equal(t, want, string(ID([]byte(in))), in)
+	}
 }
 
 func TestReplaceEventIDs(t *testing.T) {

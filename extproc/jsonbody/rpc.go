@@ -10,8 +10,8 @@ import (
 type Rewrite int
 
 const (
-	// IDKept: there was nothing to rewrite (no id given, or a message with no top-level "id");
-	// the message is returned as it is.
+	// IDKept: there was nothing to rewrite (no id given, or a message that is no JSON-RPC
+	// response, or one without an "id"); the message is returned as it is.
 	IDKept Rewrite = iota
 	// IDReplaced: the message's id is the one given.
 	IDReplaced
@@ -20,8 +20,10 @@ const (
 	IDUnreplaceable
 )
 
-// ReplaceID returns msg, a JSON object, with the value of its top-level "id" member replaced
-// by id (a JSON text, as Values returns it). Everything else in msg is kept byte for byte. The
+// ReplaceID returns msg, a JSON-RPC response (a JSON object with "jsonrpc" and "result" or
+// "error" members), with the value of its top-level "id" member replaced by id (a JSON text, as
+// ID returns it). Any other message, {"id":"order-77"} among them, is kept as it is. Everything
+// else in msg is kept byte for byte. The
 // members it does not rewrite are skipped with the decoder's own skipping, so a stored response
 // may nest deeper than MaxDepth, which bounds request bodies only.
 func ReplaceID(msg, id []byte) ([]byte, Rewrite) {
@@ -34,7 +36,7 @@ func ReplaceID(msg, id []byte) ([]byte, Rewrite) {
 		return msg, IDKept
 	case err != nil:
 		return msg, IDUnreplaceable
-	case top.id == nil:
+	case !top.response() || top.id == nil:
 		return msg, IDKept
 	}
 	out := make([]byte, 0, len(msg)-len(top.id)+len(id))
@@ -54,6 +56,20 @@ type top struct {
 	idAt int
 	// jsonrpc, result, errorMember: whether those members are there.
 	jsonrpc, result, errorMember bool
+}
+
+// response tells whether the object is a JSON-RPC response.
+func (t top) response() bool { return t.jsonrpc && (t.result || t.errorMember) }
+
+// ID returns the JSON text of a JSON object's top-level "id" member as it is written (a JSON-RPC
+// request's id, to be sent back as the client wrote it: 1.0 stays 1.0), or nil when msg has none
+// or is not one JSON object.
+func ID(msg []byte) []byte {
+	t, err := readTop(msg)
+	if err != nil {
+		return nil
+	}
+	return t.id
 }
 
 // readTop reads msg, one JSON object and nothing after it, skipping the values of its members
@@ -204,5 +220,5 @@ func replaceEventID(body []byte, lines []line, id []byte) ([]byte, Rewrite) {
 // "result" or "error" members, read however deep it nests.
 func isRPCResponse(msg []byte) bool {
 	t, err := readTop(msg)
-	return err == nil && t.jsonrpc && (t.result || t.errorMember)
+	return err == nil && t.response()
 }
