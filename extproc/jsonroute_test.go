@@ -2,6 +2,8 @@ package extproc_test
 
 import (
 	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -374,4 +376,25 @@ func TestToolCallReplayIDText(t *testing.T) {
 	res = h.do(toolCall("2", "k-order", "send_mail", `{}`), order)
 	require.False(t, res.executed)
 	require.Equal(t, string(order.body), string(res.body), "not a JSON-RPC response: not rewritten")
+}
+
+// The shipped MCP policy replays a tool call without the first call's MCP session id.
+func TestMCPPolicyReplayCarriesNoSessionID(t *testing.T) {
+	p, err := os.ReadFile(filepath.Join("..", "envoy", "mcp-policy.yaml"))
+	require.NoError(t, err)
+	h := newHarness(t, harnessOptions{policy: string(p)})
+	call := func(id string) request {
+		r := toolCall(id, "k", "send_mail", `{}`)
+		r.headers = append(r.headers, "authorization", "Bearer a")
+		return r
+	}
+	first := toolResult
+	first.headers = append([]string{"mcp-session-id", "session-1"}, first.headers...)
+	res := h.do(call("1"), first)
+	require.True(t, res.executed)
+	require.Equal(t, []string{"session-1"}, res.header("mcp-session-id"), "the first call's own response keeps it")
+	res = h.do(call("2"), first)
+	require.False(t, res.executed)
+	require.Empty(t, res.header("mcp-session-id"))
+	require.Contains(t, string(res.body), `"id":2`)
 }
