@@ -398,3 +398,45 @@ func TestMCPPolicyReplayCarriesNoSessionID(t *testing.T) {
 	require.Empty(t, res.header("mcp-session-id"))
 	require.Contains(t, string(res.body), `"id":2`)
 }
+
+// A body the processor holds (STREAMED) while match.json decides its route is bounded by the
+// route it takes: the tool route's small max_request_bytes refuses a large tool call, never a
+// large message the next route takes.
+func TestMatchJSONBodyBoundedByTheRouteItTakes(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: `
+routes:
+  - name: tools
+    match: {path_prefix: /mcp, json: {/method: tools/call}}
+    key_json: [/params/_meta/idempotencyKey]
+    json_rpc: true
+    max_request_bytes: 256
+  - name: mcp
+    match: {path_prefix: /mcp}
+    enabled: false
+`})
+	for _, sh := range []shape{
+		{reqMode: modeStreamed, respMode: modeBuffered, chunks: []int{200, 200}},
+		{reqMode: modeDuplex, respMode: modeDuplex, chunks: []int{200, 200}, respChunks: []int{9}},
+	} {
+		boundedByChosenRoute(t, h, sh)
+	}
+}
+
+func boundedByChosenRoute(t *testing.T, h *harness, sh shape) {
+	t.Helper()
+	pad := strings.Repeat("c", 500)
+	list := request{method: "POST", path: "/mcp", headers: []string{"content-type", "application/json"},
+		body: []byte(`{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"cursor":"` + pad + `"}}`)}
+	res := h.run(list, sh, toolResult)
+	require.True(t, res.ran, "the disabled route takes it, whatever the tool route's bound: %d %s", res.status, res.body)
+
+	big := toolCall("2", "k", "send_mail", `{"body":"`+pad+`"}`)
+	res = h.run(big, sh, toolResult)
+	require.False(t, res.ran)
+	e := readRPCError(t, res.result)
+	require.Equal(t, "request-too-large", e.Error.Data.Code)
+	require.JSONEq(t, `2`, string(e.ID))
+
+	small := toolCall("3", "k-"+sh.reqMode.String(), "send_mail", `{}`)
+	require.True(t, h.run(small, sh, toolResult).ran)
+}

@@ -16,6 +16,9 @@ type jsonState struct {
 	// deferred: the route is decided by the body (match.json), chosen again with sel at its end.
 	deferred bool
 	sel      policy.Selector
+	// maxBytes bounds the body while its route is not chosen: the largest max_request_bytes of
+	// the routes it may take.
+	maxBytes int
 	// rpcID is the JSON-RPC request's id, read from the body of a json_rpc route.
 	rpcID []byte
 	// scope are the json scope values, aligned with the route's ScopeJSON (nil: missing).
@@ -27,10 +30,19 @@ type jsonState struct {
 func (st *stream) admitAtHeaders(sel policy.Selector) admission {
 	a := st.req
 	if a.route.DecidedByBody() && !isGRPC(a.info.headers) {
-		st.json = &jsonState{deferred: true, sel: sel}
+		st.json = &jsonState{deferred: true, sel: sel, maxBytes: st.s.policy.MaxRequestBytesBy(sel)}
 		return admission{covered: true, needsBody: true}
 	}
 	return admit(a.route, a.info)
+}
+
+// maxRequestBytes bounds the request body the stream holds: its route's max_request_bytes, or,
+// while match.json has not chosen the route, the largest of the routes it may take.
+func (st *stream) maxRequestBytes() int {
+	if st.json != nil && st.json.deferred {
+		return st.json.maxBytes
+	}
+	return st.req.route.MaxRequestBytes
 }
 
 // rpcID is the JSON-RPC request's id; nil when none was read.
@@ -130,6 +142,15 @@ func (st *stream) chooseRoute(body []byte) (read bodyRead, readFor *route, ok bo
 	a.route, a.info.params = st.s.routes[r], params
 	if a.adm = admit(a.route, a.info); !a.adm.covered || a.adm.problem != nil {
 		st.settleAtBody(a.adm.problem)
+		return read, readFor, false
+	}
+	if !requestBodyRows[st.requestMode()].oneMessage && len(body) > a.route.MaxRequestBytes {
+		// Held by the processor under the bound of every route it might take: now the chosen
+		// route's applies. (A body Envoy buffers is bounded by Envoy.)
+		if readFor == a.route {
+			st.json.rpcID = read.id // the refusal carries the request's id
+		}
+		st.settleAtBody(problemTooLarge)
 		return read, readFor, false
 	}
 	return read, readFor, true

@@ -548,7 +548,7 @@ func (st *stream) requestBody(chunk []byte, eos bool) {
 	if eos {
 		st.w.end = bodyEnded
 	}
-	if len(st.w.body)+len(chunk) > st.req.route.MaxRequestBytes {
+	if len(st.w.body)+len(chunk) > st.maxRequestBytes() {
 		if st.req.route.shadow {
 			// The request goes on untouched: this chunk's answer is owed too, and in
 			// FULL_DUPLEX_STREAMED the chunk itself, streamed back with what came before it.

@@ -54,6 +54,29 @@ func (p *Policy) SelectBy(s Selector, matches func(r *Route) bool) (*Route, []st
 	return p.Default, nil, nil
 }
 
+// MaxRequestBytesBy returns the largest max_request_bytes of the routes SelectBy may choose for
+// s, whatever the body: the body of a request whose route match.json decides is held up to it,
+// and bounded by the chosen route's at its end.
+func (p *Policy) MaxRequestBytesBy(s Selector) int {
+	if s.Named != "" {
+		r, _, err := p.Select(s)
+		if err != nil {
+			return p.Default.MaxRequestBytes
+		}
+		return r.MaxRequestBytes
+	}
+	n := 0
+	for _, r := range p.Routes {
+		if _, ok := r.match.holds(s); ok {
+			n = max(n, r.MaxRequestBytes)
+			if len(r.match.json) == 0 {
+				return n
+			}
+		}
+	}
+	return max(n, p.Default.MaxRequestBytes)
+}
+
 // bodyMatches reports whether body is a JSON object with every member of ms.
 func bodyMatches(ms []JSONMatch, body []byte) bool {
 	if b := bytes.TrimLeft(body, " \t\r\n"); len(b) == 0 || b[0] != '{' {
