@@ -63,11 +63,12 @@ func admit(r *route, req requestInfo) admission {
 		return admission{}
 	}
 	a := admitCovered(r, req)
-	a.grpc = a.covered && (r.GRPC || isGRPC(req.headers))
-	if a.grpc {
-		_, hasPath := req.headers.lookup(":path")
-		a.proxyless = !hasPath
-	}
+	// A request is gRPC when its content-type says so, or when its route says grpc: true and it
+	// has no :path (grpc-go's ext_proc client, which sends no content-type either). A plain HTTP
+	// request on a grpc: true route stays HTTP: its outcome is its :status, its answers HTTP.
+	_, hasPath := req.headers.lookup(":path")
+	a.grpc = a.covered && (isGRPC(req.headers) || (r.GRPC && !hasPath))
+	a.proxyless = a.grpc && !hasPath
 	return a
 }
 

@@ -15,7 +15,8 @@ import (
 )
 
 // gRPC unary calls. A call is gRPC when its content-type says so (isGRPC), or when its route says
-// grpc: true (grpc-go's own ext_proc client sends the call's metadata only, no content-type).
+// grpc: true and it has no :path (grpc-go's own ext_proc client sends the call's metadata only, no
+// content-type); a plain HTTP request on a grpc: true route stays HTTP.
 // What differs from HTTP is decided here, as functions of plain values: the answers are gRPC
 // statuses, the outcome is grpc-status in the trailers (or in the headers of a trailers-only
 // response), a replay goes out as a streamed immediate response where Envoy can carry one, and

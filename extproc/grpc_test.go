@@ -312,3 +312,30 @@ func TestGRPCProxylessClient(t *testing.T) {
 		})
 	}
 }
+
+// A plain HTTP request on a grpc: true route stays HTTP: its retry is replayed from the record its
+// :status settled, another payload under its key is 422, and nothing goes out as a grpc-status.
+func TestGRPCRouteKeepsHTTPRequestsHTTP(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: "routes: [{name: charge, match: {path_prefix: /payments.v1.Payments/}, grpc: true}]"})
+	ok := upstream{status: 200, headers: []string{"content-type", "application/json"}, body: []byte(`{"id":"tx_1"}`)}
+	charge := func(body string) request {
+		return post("/payments.v1.Payments/Charge", "k1", body, "content-type", "application/json")
+	}
+	first := h.do(charge(`{"amount":1}`), ok)
+	require.True(t, first.executed)
+	require.Equal(t, []string{"false"}, first.header("x-idempotency-replayed"))
+
+	retry := h.do(charge(`{"amount":1}`), ok)
+	require.False(t, retry.executed, "the retry must not run again")
+	require.Equal(t, 200, retry.status)
+	require.Equal(t, []string{"true"}, retry.header("x-idempotency-replayed"))
+	require.JSONEq(t, `{"id":"tx_1"}`, string(retry.body))
+
+	other := h.do(charge(`{"amount":999}`), ok)
+	require.False(t, other.executed)
+	require.Equal(t, 422, other.status)
+	require.Empty(t, other.header("grpc-status"))
+	h.waitIdle(t)
+	require.Equal(t, 1.0, h.counter("idempotency_requests_total", "route", "charge", "outcome", "replayed"))
+	require.Equal(t, 1.0, h.counter("idempotency_requests_total", "route", "charge", "outcome", "mismatch"))
+}

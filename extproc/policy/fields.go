@@ -227,7 +227,7 @@ var routeFields = []field{
 			}
 		}},
 	{key: "grpc", where: routesOnly,
-		doc: "`true`: the route is a gRPC unary method, its requests are gRPC whatever their `content-type` says (grpc-go's own ext_proc client sends none), and `check` holds its Envoy route to what gRPC needs; requests with a `content-type` of `application/grpc` are gRPC on any route",
+		doc: "`true`: the route is a gRPC unary method, and its requests without a `:path` (grpc-go's own ext_proc client, which sends no `content-type` either) are gRPC; a request with a `:path` is gRPC only when its `content-type` says so, so plain HTTP on the route stays HTTP, and `check` holds its Envoy route to what gRPC needs; requests with a `content-type` of `application/grpc` are gRPC on any route",
 		set: setBool(func(r *Route, b bool) { r.GRPC = b })},
 	{key: "store_grpc_statuses", def: "[OK]",
 		doc: "the gRPC statuses whose responses are stored, by name (`OK`, `NOT_FOUND`) or number (`5`), read from `grpc-status` in the response trailers (or the headers of a trailers-only response); any other releases the key",

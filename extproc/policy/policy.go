@@ -181,7 +181,8 @@ type Route struct {
 	Fingerprint        []Part
 	FingerprintHeaders []string
 	StoreStatuses      StatusSet
-	// GRPC: the route is a gRPC unary method, its requests gRPC whatever their content-type.
+	// GRPC: the route is a gRPC unary method: its requests without a :path (grpc-go's ext_proc
+	// client) are gRPC; one with a :path is gRPC only by its content-type.
 	GRPC bool
 	// StoreGRPCStatuses are the grpc-status values of gRPC responses that are stored.
 	StoreGRPCStatuses GRPCStatusSet
