@@ -383,6 +383,15 @@ func (st *stream) grpcBodies(k msgKind) bool {
 	return mode == filterextproc.ProcessingMode_GRPC
 }
 
+// noPath reports whether the request came without a :path, as through grpc-go's ext_proc client
+// (Envoy always sends one), covered or not. That client reads no mode_override (nothing in
+// grpc-go 1.85's internal/xds/httpfilter/extproc/ext_proc.go reads one): the processor sends it
+// none, as a phase it then sends is no sign of a misconfigured Envoy.
+func (st *stream) noPath() bool {
+	_, ok := st.req.info.headers.lookup(":path")
+	return !ok
+}
+
 // responseStatus is the :status of a response to a call through grpc-go's ext_proc client,
 // which has none (its response headers are the call's metadata): taken as 200.
 func (st *stream) responseStatus(h headers) int {

@@ -339,3 +339,42 @@ func TestGRPCRouteKeepsHTTPRequestsHTTP(t *testing.T) {
 	require.Equal(t, 1.0, h.counter("idempotency_requests_total", "route", "charge", "outcome", "replayed"))
 	require.Equal(t, 1.0, h.counter("idempotency_requests_total", "route", "charge", "outcome", "mismatch"))
 }
+
+// grpc-go's own ext_proc client reads no mode_override: the processor sends it none, for an
+// uncovered call or for a response it will not store, and the phases that client then sends are
+// no misconfiguration of Envoy's.
+func TestGRPCProxylessSendsNoModeOverride(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: "routes: [{name: charge, match: {path_prefix: /payments.v1.Payments/}, grpc: true, missing_key: optional}]"})
+	grpcMode := filterextproc.ProcessingMode_GRPC
+	respHeaders := func(hs ...string) *extprocv3.ProcessingRequest {
+		var hv []*corev3.HeaderValue
+		for i := 0; i < len(hs); i += 2 {
+			hv = append(hv, &corev3.HeaderValue{Key: hs[i], RawValue: []byte(hs[i+1])})
+		}
+		return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+			Headers: &corev3.HeaderMap{Headers: hv}}}}
+	}
+
+	// Uncovered: no key on a missing_key: optional route.
+	uncovered := proxylessCall{mode: grpcMode, respMode: grpcMode}.headers()
+	uncovered.GetRequestHeaders().Headers.Headers = uncovered.GetRequestHeaders().Headers.Headers[1:]
+	st := h.openNamed("charge")
+	a := st.send(uncovered)
+	require.NotNil(t, a.GetRequestHeaders())
+	require.Nil(t, a.GetModeOverride())
+	require.NotNil(t, st.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte("m")}}}).GetRequestBody())
+	require.NotNil(t, st.send(respHeaders("x-up-header", "h")).GetResponseHeaders())
+	st.end()
+
+	// Covered, with a trailers-only UNAVAILABLE: released, not stored.
+	call := proxylessCall{key: "k1", mode: filterextproc.ProcessingMode_NONE, respMode: grpcMode}
+	st = h.openNamed("charge")
+	require.NotNil(t, st.send(call.headers()).GetRequestHeaders())
+	a = st.send(respHeaders("grpc-status", "14"))
+	require.NotNil(t, a.GetResponseHeaders())
+	require.Nil(t, a.GetModeOverride())
+	st.end()
+
+	h.waitIdle(t)
+	require.Zero(t, h.counter("idempotency_envoy_misconfig_total", "kind", "mode_override_refused"))
+}

@@ -580,10 +580,11 @@ func (st *stream) requestTrailers() {
 
 // passThrough leaves the request alone and asks Envoy to skip every later phase. In a
 // FULL_DUPLEX_STREAMED request Envoy ignores mode_override (Filter::onHeaders in ext_proc.cc
-// merges it only outside that mode): none is sent, and every later message is answered.
+// merges it only outside that mode), and grpc-go's client reads none (noPath): none is sent, and
+// every later message is answered.
 func (st *stream) passThrough() {
 	st.fire(evPass)
-	if st.fullDuplex(kindRequestBody) || st.fullDuplex(kindResponseBody) {
+	if st.fullDuplex(kindRequestBody) || st.fullDuplex(kindResponseBody) || st.noPath() {
 		st.send(proceed(kindRequestHeaders))
 		return
 	}
@@ -911,7 +912,7 @@ func (st *stream) earlyResponse(attrs map[string]*structpb.Struct) {
 // the override (FULL_DUPLEX_STREAMED) or sends no body anyway. In shadow mode the response goes
 // on untouched.
 func (st *stream) markResponse(wantBody, stored bool) {
-	noBody := !wantBody && !st.fullDuplex(kindResponseBody) && st.responseMode() != filterextproc.ProcessingMode_NONE
+	noBody := !wantBody && !st.fullDuplex(kindResponseBody) && st.responseMode() != filterextproc.ProcessingMode_NONE && !st.noPath()
 	if noBody {
 		st.sentOverride = noStoreMode
 	}
