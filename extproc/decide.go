@@ -285,7 +285,9 @@ func judgeClaim(r *policy.Route, fp []byte, shadow, failOpen bool, c claimResult
 // the first failure of its store calls (errDurabilityUnmet when its claim was not made).
 func settle(e event, from state, answered Outcome, failed error) Outcome {
 	switch {
-	case e == evAnswer && answered != "":
+	case (e == evAnswer || e == evSettle) && answered != "":
+		// evSettle carries an answer only for a gRPC call refused after its claim
+		// (notUnaryHeld).
 		return answered
 	case e != evSettle:
 		// Passed on (not covered, or shadow mode), or given up with nobody waiting.

@@ -323,6 +323,25 @@ func (st *stream) notUnary(body []byte) bool {
 	return true
 }
 
+// notUnaryHeld refuses a gRPC call claimed at its headers whose body holds more than one
+// message, where Envoy holds the headers until the body's answer (BUFFERED, BUFFERED_PARTIAL):
+// nothing of it reached the upstream, so the key is released (not_sent) and the call refused
+// INVALID_ARGUMENT grpc-not-unary. Under STREAMED the headers went upstream at their answer, and
+// the call runs (docs/outcomes.md). In shadow mode the call goes on.
+func (st *stream) notUnaryHeld(body []byte) bool {
+	if st.state != stateRunning || !st.req.adm.grpc || st.req.route.shadow || !requestBodyRows[st.requestMode()].holdsHeaders {
+		return false
+	}
+	if n, _ := grpcMessages(body); n <= 1 {
+		return false
+	}
+	st.call.release(ReleaseNotSent)
+	a := refuse{problemGRPCNotUnary}
+	st.move(evSettle, a)
+	st.send(a)
+	return true
+}
+
 // judgeGRPC judges the response headers of a gRPC call, keeping their origin for the trailers.
 // A message Envoy will not send (response body mode NONE) is left out of the record.
 func (st *stream) judgeGRPC(resp response, h headers) (settlement, string, bool) {

@@ -378,3 +378,32 @@ func TestGRPCProxylessSendsNoModeOverride(t *testing.T) {
 	h.waitIdle(t)
 	require.Zero(t, h.counter("idempotency_envoy_misconfig_total", "kind", "mode_override_refused"))
 }
+
+// Under BUFFERED and BUFFERED_PARTIAL a gRPC call is claimed at its headers, and Envoy holds them
+// until the body's answer: a body of more than one message is refused INVALID_ARGUMENT
+// grpc-not-unary before anything reaches the upstream, and its key is released, so a unary call
+// under it then runs.
+func TestGRPCNotUnaryRefusedWhereEnvoyHoldsTheHeaders(t *testing.T) {
+	for _, mode := range []filterextproc.ProcessingMode_BodySendMode{filterextproc.ProcessingMode_BUFFERED, filterextproc.ProcessingMode_BUFFERED_PARTIAL} {
+		t.Run(mode.String(), func(t *testing.T) {
+			h := newHarness(t, harnessOptions{policy: "routes: [{name: charge, match: {path_prefix: /payments.v1.Payments/}, grpc: true}]"})
+			stream := grpcCall{key: "k1", body: append(grpcFrame("a"), grpcFrame("b")...), mode: mode}
+			st := h.open()
+			require.NotNil(t, stream.begin(t, st).GetRequestHeaders(), "claimed at its headers")
+			resp := st.send(requestBody(stream.body))
+			require.Equal(t, codes.InvalidArgument, grpcStatusOf(t, resp))
+			require.Equal(t, "idempotency_grpc-not-unary", resp.GetImmediateResponse().GetDetails())
+			st.end()
+			h.waitIdle(t)
+			require.Equal(t, 1.0, h.counter("idempotency_requests_total", "route", "charge", "outcome", "invalid"))
+			require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "charge", "reason", "not_sent"))
+
+			unary := grpcCall{key: "k1", body: grpcFrame("a"), mode: mode}
+			st = h.open()
+			unary.finish(t, st, unary.begin(t, st), grpcFrame("ok"), "0")
+			st.end()
+			h.waitIdle(t)
+			require.Equal(t, 1.0, h.counter("idempotency_requests_total", "route", "charge", "outcome", "executed"))
+		})
+	}
+}

@@ -88,6 +88,7 @@ func (e event) String() string { return eventNames[e] }
 //	running      store        capture      response_headers: a storable status via the upstream, body follows
 //	running      settle       settled      response_headers: stored whole (no body), or released, or an ambiguous outcome
 //	running      settle       settled      the stream ends before response headers: unknown_outcome
+//	running      settle       settled      a gRPC body of several messages Envoy held with its headers: released, refused
 //	capture      settle       settled      the body's end (or trailers): completed; the stream ends first: completed without body
 //	unprotected  settle       settled      response_headers, or the stream ends first
 var transitions = []struct {
@@ -527,7 +528,9 @@ func (st *stream) bodyNotAvailable() {
 
 func (st *stream) requestBody(chunk []byte, eos bool) {
 	if st.state != stateCollect {
-		st.pass(kindRequestBody, chunk, eos)
+		if !st.notUnaryHeld(chunk) {
+			st.pass(kindRequestBody, chunk, eos)
+		}
 		return
 	}
 	if row := requestBodyRows[st.requestMode()]; row.oneMessage {
