@@ -407,3 +407,34 @@ func TestGRPCNotUnaryRefusedWhereEnvoyHoldsTheHeaders(t *testing.T) {
 		})
 	}
 }
+
+// The response headers of a gRPC call being captured carry no record expiry: whether the call is
+// stored is known only at its trailers. An HTTP response being captured carries it.
+func TestGRPCCaptureHeadersCarryNoExpiry(t *testing.T) {
+	h := newHarness(t, harnessOptions{policy: "routes: [{name: charge, match: {path_prefix: /payments.v1.Payments/}, grpc: true}]"})
+	setHeaders := func(resp *extprocv3.ProcessingResponse) map[string]string {
+		got := map[string]string{}
+		for _, o := range resp.GetResponseHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+			got[o.GetHeader().GetKey()] = string(o.GetHeader().GetRawValue())
+		}
+		return got
+	}
+	call := grpcCall{key: "k1", body: grpcFrame("a"), mode: filterextproc.ProcessingMode_BUFFERED}
+	st := h.open()
+	require.NotNil(t, call.begin(t, st).GetRequestHeaders())
+	require.NotNil(t, st.send(requestBody(call.body)).GetRequestBody())
+	rh := responseHeaders(upstream{status: 200, headers: []string{"content-type", "application/grpc"}})
+	rh.GetResponseHeaders().EndOfStream = false
+	got := setHeaders(st.send(rh))
+	require.Equal(t, "false", got["x-idempotency-replayed"], "the answer is the capture's mark")
+	require.NotContains(t, got, "x-idempotency-expires")
+	st.end()
+
+	st = h.open()
+	require.NotNil(t, st.send(requestHeaders(post("/payments.v1.Payments/Charge", "k2", `{"a":1}`, "content-type", "application/json"))).GetRequestHeaders())
+	require.NotNil(t, st.send(requestBody([]byte(`{"a":1}`))).GetRequestBody())
+	rh = responseHeaders(upstream{status: 200, headers: []string{"content-type", "application/json"}})
+	rh.GetResponseHeaders().EndOfStream = false
+	require.Contains(t, setHeaders(st.send(rh)), "x-idempotency-expires")
+	st.end()
+}

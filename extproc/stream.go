@@ -853,7 +853,8 @@ func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.S
 	case settleCapture:
 		c.resp.Headers = replayableHeaders(h, r.Route)
 		st.fire(evStore)
-		st.markResponse(true, true)
+		// A gRPC call's trailers say whether it is stored: no expiry before them.
+		st.markResponse(true, !st.req.adm.grpc)
 		return
 	}
 	st.fire(evSettle)
