@@ -111,10 +111,15 @@ func serve(t *testing.T, register func(*grpc.Server)) string {
 // that reads idempotency_requests_total for an outcome of route "charge".
 func processor(t *testing.T) (string, func(outcome string) float64) {
 	t.Helper()
-	// grpc-go 1.85's client ends a unary call's ext_proc stream before it forwards the
-	// response trailers (initiateResponseTrailerProcessing runs only when the application reads
-	// them, or after the call already returned), so the processor never learns the outcome:
-	// unknown_outcome record keeps the key, and a retry is refused instead of running again.
+	// grpc-go 1.85's client does not let the processor learn a unary call's outcome. In its
+	// internal/xds/httpfilter/extproc/ext_proc.go the trailers go to the processor only from
+	// clientStream.initiateResponseTrailerProcessing, called by Trailer() (which the unary path
+	// does not call on the filter's stream: grpc.Trailer reads the inner stream), by
+	// recvFromDataplane after a failed RecvMsg (a unary call reads one message and stops), and
+	// by responseForwardingToProcServerLoop (body mode GRPC) after the call has returned; with
+	// the caller's context kept past the call and the default unknown_outcome, the processor
+	// still released the key unknown in both body modes. unknown_outcome record keeps the key,
+	// and a retry is refused instead of running again.
 	p, err := policy.Parse([]byte("routes: [{name: charge, match: {path_prefix: /payments.v1.Payments/}, grpc: true, unknown_outcome: record}]\n"))
 	require.NoError(t, err)
 	store, err := cache.NewMemory(cache.MemoryOptions{})
