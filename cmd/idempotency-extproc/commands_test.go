@@ -191,7 +191,7 @@ func TestHelp(t *testing.T) {
 // placeholder, and a description that quotes code (`/metrics`, `memory`) showed that instead.
 func TestFlagPlaceholders(t *testing.T) {
 	allowed := []string{"", "file", "address", "addresses", "url", "kind", "name", "bool", "bytes", "level", "format",
-		"path", "key", "uri", "header", "claim", "number", "count"}
+		"path", "key", "uri", "header", "claim", "number", "count", "body"}
 	flagLine := regexp.MustCompile(`(?m)^  -([a-z-]+)(?: (.*))?$`)
 	for _, args := range [][]string{{"help"}, {"key-hash", "--help"}, {"records", "--help"}} {
 		var out bytes.Buffer
