@@ -40,6 +40,12 @@ type hold struct {
 	// contested is when a re-assertion first found another owner's record (see errContested);
 	// zero otherwise.
 	contested time.Time
+
+	// writing serialises the completion's writes with the renewals' calls: a renewal never runs
+	// beside a completion, which would find the key completed by it and take the lease for lost.
+	// completed (under writing): the record was written; a renewal due after it does nothing.
+	writing   sync.Mutex
+	completed bool
 }
 
 // errContested means a re-assertion found the key held by another owner, and the holder goes on

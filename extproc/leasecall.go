@@ -146,6 +146,8 @@ func (c *leaseCall) complete() bool {
 // lost.
 func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error {
 	s, h := c.s, c.hold
+	h.writing.Lock()
+	defer h.writing.Unlock()
 	c.inStore = true
 	err := s.completeCall(ctx, c.storeSpan("complete"), c.event, h.lease, resp)
 	if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(s.clock.Now()) {
@@ -159,6 +161,7 @@ func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error
 	if errors.Is(err, cache.ErrLeaseLost) {
 		s.leaseLost(h, c.event, "completion")
 	}
+	h.completed = err == nil
 	return err
 }
 

@@ -160,7 +160,15 @@ func TestClaimReassertedAfterAnOutage(t *testing.T) {
 			rec, err := store.Lookup(t.Context(), stored)
 			require.NoError(t, err, "the claim is written back within 50 ms of the store's return")
 			if rec.State == cache.Pending {
-				requireProblem(t, other.do(post("/v1/payments", key, `{}`), created), 409, "request-in-progress")
+				// The retried completion re-asserts the claim and then writes the record: a
+				// duplicate between the two gets 409, one after them the replay; never a run.
+				res := other.do(post("/v1/payments", key, `{}`), created)
+				require.False(t, res.executed, "the other replica ran it while the claim was back")
+				if res.status == 409 || !c.completeDuring {
+					requireProblem(t, res, 409, "request-in-progress")
+				} else {
+					require.Equal(t, []string{"true"}, res.header(replayed), "the completion landed after the lookup: a replay")
+				}
 			}
 			if !c.completeDuring {
 				finishRunning(t, h, first)

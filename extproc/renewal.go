@@ -75,7 +75,14 @@ func (r *renewal) tick() {
 	r.mu.Unlock()
 	// Outside the lock, so that stop never waits for a store call: a renewal that lands
 	// after the completion or release is refused by the store (the record is no longer
-	// pending), and one cut short by stop changes nothing.
+	// pending), and one cut short by stop changes nothing. The completion's retries renew
+	// beside their writes without stopping: a renewal waits for a write under way, and does
+	// nothing once the record is written (hold.writing).
+	h.writing.Lock()
+	defer h.writing.Unlock()
+	if h.completed {
+		return
+	}
 	err := s.keep(ctx, o.storeSpan("renew"), h, o.event)
 	next := h.claim.LockTTL / 3
 	switch {
