@@ -77,6 +77,9 @@ type refuse struct{ p *problem }
 type replay struct {
 	rec    *cache.Record
 	waited string
+	// refused: a gRPC call's replay Envoy cannot carry (sendGRPC), answered ALREADY_EXISTS
+	// response-not-replayable with the original status instead.
+	refused bool
 }
 
 func (a proceed) answers() msgKind { return msgKind(a) }

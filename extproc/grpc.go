@@ -269,9 +269,15 @@ func grpcAdmit(a admission, requestMode filterextproc.ProcessingMode_BodySendMod
 type grpcState struct {
 	// origin is where the response came from, for its trailers.
 	origin origin
-	// headersOwed: the claim's verdict came while the request headers' answer was owed, so a
-	// streamed immediate response may answer them.
-	headersOwed bool
+}
+
+// grpcReplayable reports whether Envoy can carry rec back to this call as a streamed immediate
+// response: the call is Envoy's (not the proxyless client's), its message was kept, and the
+// request headers' answer is still owed in a body mode that allows one. Asked before the verdict
+// moves the stream.
+func (st *stream) grpcReplayable(rec *cache.Record) bool {
+	headersOwed := st.state == stateStart || st.withholdsHeaders()
+	return !st.req.adm.proxyless && !rec.Response.BodyOmitted && canStreamReplay(st.requestMode(), headersOwed)
 }
 
 // sendGRPC sends a, an answer to a gRPC call, when it differs from the HTTP one, and reports
@@ -284,13 +290,10 @@ func (st *stream) sendGRPC(a answer) bool {
 	case refuse:
 		msgs = []*extprocv3.ProcessingResponse{st.req.route.grpcProblems[a.p]}
 	case replay:
-		r := st.req.route
-		if st.req.adm.proxyless || a.rec.Response.BodyOmitted || !canStreamReplay(st.requestMode(), st.grpc.headersOwed) {
-			st.outcome = NotReplayable
-			st.metadata = r.metadata.encode(st.outcome, st.call.released, st.call.keyHash)
-			msgs = []*extprocv3.ProcessingResponse{grpcReplayRefused(a.rec, r.Route)}
+		if a.refused {
+			msgs = []*extprocv3.ProcessingResponse{grpcReplayRefused(a.rec, st.req.route.Route)}
 		} else {
-			msgs = streamedReplay(a.rec, r.Route, a.waited)
+			msgs = streamedReplay(a.rec, st.req.route.Route, a.waited)
 		}
 	default:
 		return false
@@ -306,7 +309,6 @@ func (st *stream) sendGRPC(a answer) bool {
 // grpcVerdict is a claim's verdict for a gRPC call: a completed call whose message was not kept
 // is answered as a replay that cannot be carried (sendGRPC), with its status.
 func (st *stream) grpcVerdict(v verdict, rec *cache.Record) verdict {
-	st.grpc.headersOwed = st.state == stateStart || st.withholdsHeaders()
 	if v.act == actRefuse && v.problem == problemNotReplayable && st.req.adm.grpc && rec != nil && !rec.Response.OutcomeUnknown {
 		return verdict{act: actReplay}
 	}

@@ -288,6 +288,9 @@ func (st *stream) move(e event, a answer) {
 		answered = a.p.outcome
 	case replay:
 		answered = Replayed
+		if a.refused {
+			answered = NotReplayable
+		}
 	}
 	st.outcome = settle(e, from, answered, st.call.err)
 	st.metadata = st.req.route.metadata.encode(st.outcome, st.call.released, st.call.keyHash)
@@ -751,7 +754,7 @@ func (st *stream) carryOut(v verdict, rec *cache.Record, waited string) {
 		st.fire(evUnprotected)
 		st.flush(from)
 	case actReplay:
-		st.answerWith(replay{rec: rec, waited: waited})
+		st.answerWith(replay{rec: rec, waited: waited, refused: st.req.adm.grpc && !st.grpcReplayable(rec)})
 	case actRefuse:
 		st.answerWith(refuse{v.problem})
 	case actShadow:
