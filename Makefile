@@ -15,7 +15,7 @@ VERSION ?= $(shell git describe --tags --dirty 2>/dev/null)
 LDFLAGS := -X main.version=$(VERSION) -X main.revision=$(REVISION)
 BIN ?= bin/idempotency-extproc
 
-.PHONY: help build test test-busy lint unit allocs bench bench-compare bench-inside bench-costs fuzz run deploy-test demo
+.PHONY: help build test test-busy lint unit allocs bench bench-compare bench-inside bench-costs fuzz run deploy-test demo walk
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -47,6 +47,9 @@ bench: ## every benchmark once, so they keep compiling and running
 
 deploy-test: ## deploy/test, a module of its own: the Helm chart, dashboard, alerts, Dockerfile and CI workflow
 	cd deploy/test && $(GO) vet ./... && $(STATICCHECK) ./... && $(GO) test -count=1 -timeout 15m ./...
+
+walk: ## the product functions one covered request passes, from the program itself: docs/architecture.md's walk
+	$(GO) test -count=1 -run '^TestArchitectureWalk$$' -v ./e2e/ | sed -n '/the walk of one request/,/^---/p'
 
 demo: ## try it without Docker: the processor, the Envoy emulator and a demo upstream on loopback (e2e/demo/README.md)
 	$(GO) run ./e2e/demo

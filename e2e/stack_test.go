@@ -88,9 +88,15 @@ func startProcessor(t *testing.T, env []string, args ...string) *processor {
 // listeners are up, which they are whether the store answers or not.
 func startListening(t *testing.T, env []string, args ...string) *processor {
 	t.Helper()
+	return startBinary(t, binaryPath, env, args...)
+}
+
+// startBinary is startListening with another build of the program.
+func startBinary(t *testing.T, bin string, env []string, args ...string) *processor {
+	t.Helper()
 	full := append([]string{"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, args...)
 	logs := &logBuffer{}
-	cmd := exec.Command(binaryPath, full...)
+	cmd := exec.Command(bin, full...)
 	cmd.Env = append(os.Environ(), env...)
 	cmd.SysProcAttr = childAttr()
 	cmd.Stderr = logs
@@ -206,6 +212,8 @@ type stackOptions struct {
 	shapes func(*http.Request) proxy.Shapes
 	// accessLog receives the emulator's access-log records (a real Envoy writes its own log).
 	accessLog func(proxy.Record)
+	// binary runs another build of the processor (default: the one TestMain built).
+	binary string
 	// tls serves the emulator's listener over TLS with it (mTLS with ClientAuth set); the stack
 	// then runs on the emulator, and client is the client to use.
 	tls    *tls.Config
@@ -238,7 +246,12 @@ func newStack(t *testing.T, o stackOptions) *stack {
 	}
 	var addrs []string
 	for range max(o.replicas, 1) {
-		p := startProcessor(t, o.env, args...)
+		bin := binaryPath
+		if o.binary != "" {
+			bin = o.binary
+		}
+		p := startBinary(t, bin, o.env, args...)
+		p.waitLog("ready", 30*time.Second)
 		s.procs = append(s.procs, p)
 		addrs = append(addrs, p.grpcAddr)
 	}

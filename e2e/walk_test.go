@@ -1,0 +1,218 @@
+package e2e_test
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+const module = "github.com/idempotency-extproc/idempotency-extproc/"
+
+// TestArchitectureWalk holds docs/architecture.md's walk to the program: the product functions
+// one covered request passes are the ones the walk lists, no more and no fewer, and the count it
+// gives is theirs. The program is built as shipped but with coverage counters
+// (go build -cover -covermode=atomic), started with no flags (the memory store and the embedded
+// default policy) behind the shipped envoy/envoy.yaml, and stopped by SIGTERM, twice: once
+// after one POST with an Idempotency-Key, once after two with different keys. A function whose
+// counters differ between the two runs is one the second request passed: the walk of one
+// request, without what only the first request of a process or a connection does. The store's
+// own code (package cache) is counted apart: the walk stops at the store's calls. `make walk`
+// prints the list.
+func TestArchitectureWalk(t *testing.T) {
+	bin := filepath.Join(t.TempDir(), "idempotency-extproc")
+	build := exec.Command("go", "build", "-cover", "-covermode=atomic",
+		"-coverpkg=../cmd/...,../extproc/...,../cache/...,../internal/...", "-o", bin, "../cmd/idempotency-extproc")
+	out, err := build.CombinedOutput()
+	require.NoError(t, err, "%s", out)
+
+	one, two := requestCounters(t, bin, 1), requestCounters(t, bin, 2)
+	walk, store := walkOf(t, one, two)
+	t.Logf("the walk of one request: %d functions\n%s", len(walk), strings.Join(walk, "\n"))
+	t.Logf("and in the store's own code (package cache): %d functions\n%s", len(store), strings.Join(store, "\n"))
+
+	always, sometimes, count := documentedWalk(t)
+	var missing, extra []string
+	for _, n := range always {
+		if !slices.Contains(walk, n) {
+			missing = append(missing, n)
+		}
+	}
+	for _, n := range walk {
+		if !slices.Contains(always, n) && !slices.Contains(sometimes, n) {
+			extra = append(extra, n)
+		}
+	}
+	require.Empty(t, missing, "functions docs/architecture.md's walk lists that the request did not pass")
+	require.Empty(t, extra, "functions the request passed that docs/architecture.md's walk does not list")
+	require.Equal(t, len(always), count, "the count docs/architecture.md gives is the walk's")
+}
+
+// blockCounts are a run's coverage counters: per file and block (its first line and column),
+// the times the block ran.
+type blockCounts map[string]int64
+
+// requestCounters runs the covered program for n first executions and returns its counters.
+func requestCounters(t *testing.T, bin string, n int) blockCounts {
+	t.Helper()
+	dir := t.TempDir()
+	s := newStack(t, stackOptions{binary: bin, env: []string{"GOCOVERDIR=" + dir}})
+	for i := range n {
+		r := s.do(call{key: fmt.Sprintf("walk-%d", i), body: `{"amount":100,"currency":"EUR"}`,
+			headers: map[string]string{"Authorization": "Bearer walk", "Content-Type": "application/json"}})
+		require.Equal(t, 200, r.status, "%s", r.body)
+		require.Equal(t, "false", r.header.Get("X-Idempotency-Replayed"))
+		waitRequestLines(t, s.procs[0], i+1)
+	}
+	select {
+	case <-s.procs[0].signal(syscall.SIGTERM):
+	case <-time.After(30 * time.Second):
+		t.Fatal("the processor did not exit on SIGTERM")
+	}
+	out, err := exec.Command("go", "tool", "covdata", "textfmt", "-i", dir, "-o", filepath.Join(dir, "profile.txt")).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	f, err := os.ReadFile(filepath.Join(dir, "profile.txt"))
+	require.NoError(t, err)
+	counts := blockCounts{}
+	// file.go:line.col,line.col statements count
+	block := regexp.MustCompile(`^(\S+\.go):(\d+\.\d+),\S+ \d+ (\d+)$`)
+	sc := bufio.NewScanner(bytes.NewReader(f))
+	for sc.Scan() {
+		if m := block.FindStringSubmatch(sc.Text()); m != nil {
+			c, err := strconv.ParseInt(m[3], 10, 64)
+			require.NoError(t, err)
+			counts[m[1]+":"+m[2]] += c
+		}
+	}
+	require.NotEmpty(t, counts, "the covered program wrote its counters")
+	return counts
+}
+
+// waitRequestLines waits until the processor has logged n request lines: the stream's last work.
+func waitRequestLines(t *testing.T, p *processor, n int) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		got := 0
+		for _, l := range p.logs.lines() {
+			if l["message"] == "request" {
+				got++
+			}
+		}
+		return got >= n
+	}, 30*time.Second, 10*time.Millisecond, "the processor logs the request")
+}
+
+// walkOf names the functions whose blocks ran more in two than in one: those outside package
+// cache (the walk), and those inside it (the store's own code), each sorted.
+func walkOf(t *testing.T, one, two blockCounts) (walk, store []string) {
+	t.Helper()
+	names := map[string]bool{}
+	for pos, c := range two {
+		if c <= one[pos] {
+			continue
+		}
+		file, lineCol, _ := strings.Cut(strings.TrimPrefix(pos, module), ":")
+		line, err := strconv.Atoi(strings.Split(lineCol, ".")[0])
+		require.NoError(t, err)
+		names[file+"\x00"+enclosingFunc(t, filepath.Join("..", file), line)] = true
+	}
+	for k := range names {
+		file, name, _ := strings.Cut(k, "\x00")
+		if strings.HasPrefix(file, "cache/") {
+			store = append(store, name)
+		} else {
+			walk = append(walk, name)
+		}
+	}
+	slices.Sort(walk)
+	slices.Sort(store)
+	return slices.Compact(walk), slices.Compact(store)
+}
+
+// enclosingFunc names the function declared in file around line as the walk writes it:
+// Type.method or function, after the package's name outside package extproc. A function
+// literal counts as part of the function it is written in.
+func enclosingFunc(t *testing.T, file string, line int) string {
+	t.Helper()
+	fset := token.NewFileSet()
+	f, err := parser.ParseFile(fset, file, nil, parser.SkipObjectResolution)
+	require.NoError(t, err)
+	prefix := f.Name.Name + "."
+	if f.Name.Name == "extproc" {
+		prefix = ""
+	}
+	for _, d := range f.Decls {
+		fd, ok := d.(*ast.FuncDecl)
+		if !ok || fset.Position(fd.Pos()).Line > line || fset.Position(fd.End()).Line < line {
+			continue
+		}
+		if fd.Recv == nil {
+			return prefix + fd.Name.Name
+		}
+		recv := fd.Recv.List[0].Type
+		if s, ok := recv.(*ast.StarExpr); ok {
+			recv = s.X
+		}
+		if g, ok := recv.(*ast.IndexExpr); ok {
+			recv = g.X
+		}
+		return prefix + recv.(*ast.Ident).Name + "." + fd.Name.Name
+	}
+	// A package-level value's function literal (a table's entry).
+	return fmt.Sprintf("%s(%s:%d)", prefix, filepath.Base(file), line)
+}
+
+// documentedWalk returns the function names docs/architecture.md's walk lists (the backquoted
+// names of its numbered steps, but the store's calls, which it prints in bold): those every
+// request passes, and those in parentheses, which only some requests do (the first of a process,
+// one a second, one a background ticker meets). It returns the count the walk states ("That is N
+// functions") too.
+func documentedWalk(t *testing.T) (always, sometimes []string, count int) {
+	t.Helper()
+	b, err := os.ReadFile("../docs/architecture.md")
+	require.NoError(t, err)
+	doc := string(b)
+	start := strings.Index(doc, "## The walk, name by name")
+	require.GreaterOrEqual(t, start, 0, "docs/architecture.md has its walk")
+	doc = doc[start:]
+	end := regexp.MustCompile(`That is (\d+) functions`).FindStringSubmatchIndex(doc)
+	require.NotNil(t, end, "the walk states its count: That is N functions")
+	count, err = strconv.Atoi(doc[end[2]:end[3]])
+	require.NoError(t, err)
+	step := regexp.MustCompile(`(?m)^\d+\. `)
+	aside := regexp.MustCompile(`\([^()]*\)`)
+	name := regexp.MustCompile("(\\*\\*)?`([A-Za-z][\\w.]*)`")
+	names := func(s string) (out []string) {
+		for _, m := range name.FindAllStringSubmatch(s, -1) {
+			if m[1] == "" {
+				out = append(out, m[2])
+			}
+		}
+		return out
+	}
+	for _, s := range step.Split(doc[:end[0]], -1)[1:] {
+		// The files a step names are in its parenthesis, before the colon.
+		_, list, ok := strings.Cut(s, "):")
+		require.True(t, ok, "a step names its files, then its functions: %q", s)
+		for _, o := range aside.FindAllString(list, -1) {
+			sometimes = append(sometimes, names(o)...)
+		}
+		always = append(always, names(aside.ReplaceAllString(list, ""))...)
+	}
+	slices.Sort(always)
+	return always, sometimes, count
+}
