@@ -9,6 +9,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/idempotency-extproc/idempotency-extproc/extproc"
 )
 
 // gRPC unary calls through the stream, message by message as Envoy sends them: claimed once
@@ -223,7 +225,11 @@ func TestGRPCUnaryOutcomeWithoutTrailersOrMessage(t *testing.T) {
 // call's metadata only (no :path, :method or content-type; requestHeaders), the protocol_config
 // of the first message, each message de-framed in its own body message and the half-close as a
 // body with end_of_stream and end_of_stream_without_message (marshalAndCreateBodyReq,
-// halfClose), response headers without :status (responseHeaders).
+// halfClose), response headers without :status (responseHeaders), and response trailers that are
+// the call's trailer metadata (initiateResponseTrailerProcessing): grpc-go's transport keeps
+// grpc-status out of that metadata (internal/transport/http2_client.go, operateHeaders), so
+// grpc-go 1.85 sends none. run's status models a client that would forward it; "" is grpc-go
+// 1.85.
 type proxylessCall struct {
 	key            string
 	mode, respMode filterextproc.ProcessingMode_BodySendMode // GRPC or NONE
@@ -263,15 +269,17 @@ func (c proxylessCall) run(t *testing.T, st *stream, msg, reply []byte, status s
 		require.Equal(t, reply, sr.GetBody())
 		require.False(t, sr.GetEndOfStream(), "grpc-go fails the call on end_of_stream in a response body answer")
 	}
-	trailers := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{
-		Trailers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: "grpc-status", RawValue: []byte(status)}}},
-	}}}
+	trailers := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{}}}
+	if status != "" {
+		trailers.GetResponseTrailers().Trailers = &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: "grpc-status", RawValue: []byte(status)}}}
+	}
 	require.NotNil(t, st.send(trailers).GetResponseTrailers())
 }
 
 // Through grpc-go's own ext_proc client the policy route is named by the filter's
 // grpc_service.initial_metadata and says grpc: true. A call runs once per key; a duplicate of a
-// completed one gets ALREADY_EXISTS with the first status in details (that client keeps only
+// call completed with a status the processor saw (grpc-go 1.85 forwards none:
+// TestGRPCProxylessClientSendsNoStatus) gets ALREADY_EXISTS with the first status in details (that client keeps only
 // grpc_status and details of an ImmediateResponse, and takes no streamed immediate response); one
 // sent while the first runs gets ABORTED; a call that failed UNAVAILABLE runs again.
 func TestGRPCProxylessClient(t *testing.T) {
@@ -309,6 +317,48 @@ func TestGRPCProxylessClient(t *testing.T) {
 				h.waitIdle(t)
 			}
 			require.Equal(t, 4.0, h.counter("idempotency_requests_total", "route", "charge", "outcome", "executed"), "k1 and k2 once, k3 twice")
+		})
+	}
+}
+
+// grpc-go 1.85's ext_proc client forwards no grpc-status: a call's trailers are its trailer
+// metadata, and a trailers-only response (a failure before any message) comes as response
+// headers that end the response, without it too (proxylessCall). The outcome of either is
+// unknown: released by default, so a retry runs again, or kept under unknown_outcome: record, so
+// a retry gets FAILED_PRECONDITION outcome-unknown. No misconfiguration is counted: that client
+// sends no response attributes, whatever its xDS configuration.
+func TestGRPCProxylessClientSendsNoStatus(t *testing.T) {
+	grpcMode, none := filterextproc.ProcessingMode_GRPC, filterextproc.ProcessingMode_NONE
+	for _, unknown := range []string{"release", "record"} {
+		t.Run(unknown, func(t *testing.T) {
+			h := newHarness(t, harnessOptions{policy: "routes: [{name: charge, match: {path_prefix: /payments.v1.Payments/}, grpc: true, unknown_outcome: " + unknown + "}]"})
+			ok := proxylessCall{key: "k1", mode: grpcMode, respMode: grpcMode}
+			st := h.openNamed("charge")
+			ok.run(t, st, []byte("\x08\x0a"), []byte("\x0a\x04tx_1"), "")
+			st.end()
+
+			failed := proxylessCall{key: "k2", mode: none, respMode: none}
+			st = h.openNamed("charge")
+			require.NotNil(t, st.send(failed.headers()).GetRequestHeaders(), "the call runs")
+			trailersOnly := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{EndOfStream: true}}}
+			require.NotNil(t, st.send(trailersOnly).GetResponseHeaders())
+			st.end()
+			h.waitIdle(t)
+
+			for _, call := range []proxylessCall{ok, failed} {
+				retry := h.openNamed("charge").send(call.headers())
+				if unknown == "release" {
+					require.NotNil(t, retry.GetRequestHeaders(), "%s: the retry runs again", call.key)
+					continue
+				}
+				ir := retry.GetImmediateResponse()
+				require.NotNil(t, ir, "%s: the retry is refused", call.key)
+				require.Equal(t, uint32(codes.FailedPrecondition), ir.GetGrpcStatus().GetStatus())
+				require.Equal(t, "idempotency_outcome-unknown", ir.GetDetails())
+			}
+			for _, kind := range []string{extproc.MisconfigAttemptCountMissing, extproc.MisconfigCodeDetailsMissing} {
+				require.Zero(t, h.counter("idempotency_envoy_misconfig_total", "kind", kind), kind)
+			}
 		})
 	}
 }

@@ -841,7 +841,7 @@ func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.S
 	case settleRelease:
 		c.release(reason)
 	case settleUnknown:
-		if !o.attemptsKnown {
+		if !o.attemptsKnown && !st.req.adm.proxyless {
 			st.s.misconfigured(MisconfigAttemptCountMissing, func() {
 				c.event(st.s.log.Warn()).Msg("an Envoy-made response came without upstream.request_attempt_count; add it to the ext_proc filter's response_attributes, or every such response is treated as an unknown outcome")
 			})

@@ -10,7 +10,9 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -70,8 +72,8 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// chargeService is a TestService whose UnaryCall counts its executions by key; a payload "slow"
-// waits for release.
+// chargeService is a TestService whose UnaryCall counts its executions; a payload "slow" waits
+// for release, and a payload "unavailable" fails UNAVAILABLE.
 type chargeService struct {
 	testgrpc.UnimplementedTestServiceServer
 	calls   atomic.Int64
@@ -81,9 +83,12 @@ type chargeService struct {
 
 func (s *chargeService) UnaryCall(_ context.Context, req *testgrpc.SimpleRequest) (*testgrpc.SimpleResponse, error) {
 	s.calls.Add(1)
-	if string(req.GetPayload().GetBody()) == "slow" {
+	switch string(req.GetPayload().GetBody()) {
+	case "slow":
 		s.started <- struct{}{}
 		<-s.release
+	case "unavailable":
+		return nil, status.Error(codes.Unavailable, "try later")
 	}
 	return &testgrpc.SimpleResponse{Payload: &testgrpc.Payload{Body: append([]byte("charged:"), req.GetPayload().GetBody()...)}}, nil
 }
@@ -107,19 +112,36 @@ func serve(t *testing.T, register func(*grpc.Server)) string {
 	return ln.Addr().String()
 }
 
-// processor starts the processor on the memory store and returns its address and a function
-// that reads idempotency_requests_total for an outcome of route "charge".
-func processor(t *testing.T) (string, func(outcome string) float64) {
+// proc is the processor on the memory store, behind a recorder of what grpc-go's filter tells it
+// of each call's end.
+type proc struct {
+	addr    string
+	policy  *policy.Policy
+	store   *cache.Memory
+	metrics *prometheus.Registry
+
+	mu   sync.Mutex
+	ends [][]string // the header names of each response_trailers, or trailers-only response_headers
+}
+
+// processor starts the processor on route "charge".
+//
+// grpc-go 1.85's ext_proc filter does forward a unary call's trailers, and the call waits for
+// their answer: grpc-go's clientStreamWrapper.RecvMsg (stream.go:207-225) calls the filter's
+// RecvMsg a second time, whose recvFromDataplane (internal/xds/httpfilter/extproc/ext_proc.go:1241-
+// 1252) gets io.EOF or the call's error, sends the trailers (initiateResponseTrailerProcessing,
+// ext_proc.go:2000) and waits for their answer (waitForTrailerProcessing, ext_proc.go:2041); in
+// body mode GRPC responseForwardingToProcServerLoop sends them the same way. But the trailers it
+// sends are the call's trailer metadata (cs.dataplaneStream.Trailer(), ext_proc.go:2020, or
+// :1971 for a trailers-only response; ConstructHeaderMap in internal/xds/httpfilter/extconfig.go:259
+// copies that metadata only), and grpc-go's transport takes grpc-status and grpc-message out of
+// the metadata into the call's status (internal/transport/http2_client.go:1572-1581, the status at
+// :1700; only the rest becomes the trailer, :994; isReservedHeader in http_util.go:96-116). The
+// error recvFromDataplane got is returned to the caller, never sent to the processor. So the
+// processor never sees a grpc-status, and every call's outcome is unknown: unknown_outcome record
+// keeps the key, and a retry is refused instead of running again.
+func processor(t *testing.T) *proc {
 	t.Helper()
-	// grpc-go 1.85's client does not let the processor learn a unary call's outcome. In its
-	// internal/xds/httpfilter/extproc/ext_proc.go the trailers go to the processor only from
-	// clientStream.initiateResponseTrailerProcessing, called by Trailer() (which the unary path
-	// does not call on the filter's stream: grpc.Trailer reads the inner stream), by
-	// recvFromDataplane after a failed RecvMsg (a unary call reads one message and stops), and
-	// by responseForwardingToProcServerLoop (body mode GRPC) after the call has returned; with
-	// the caller's context kept past the call and the default unknown_outcome, the processor
-	// still released the key unknown in both body modes. unknown_outcome record keeps the key,
-	// and a retry is refused instead of running again.
 	p, err := policy.Parse([]byte("routes: [{name: charge, match: {path_prefix: /payments.v1.Payments/}, grpc: true, unknown_outcome: record}]\n"))
 	require.NoError(t, err)
 	store, err := cache.NewMemory(cache.MemoryOptions{})
@@ -130,26 +152,88 @@ func processor(t *testing.T) (string, func(outcome string) float64) {
 	log := zerolog.New(zerolog.NewTestWriter(t)).Level(zerolog.WarnLevel)
 	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: p, Logger: &log, Metrics: metrics})
 	require.NoError(t, err)
-	addr := serve(t, func(gs *grpc.Server) { extprocv3.RegisterExternalProcessorServer(gs, srv) })
-	return addr, func(outcome string) float64 {
-		families, err := reg.Gather()
-		require.NoError(t, err)
-		for _, f := range families {
-			if f.GetName() != "idempotency_requests_total" {
-				continue
-			}
+	pr := &proc{policy: p, store: store, metrics: reg}
+	pr.addr = serve(t, func(gs *grpc.Server) {
+		extprocv3.RegisterExternalProcessorServer(gs, endRecorder{next: srv, proc: pr})
+	})
+	return pr
+}
+
+// record waits until the record of key is written, and returns it.
+func (p *proc) record(t *testing.T, key string) *cache.Record {
+	t.Helper()
+	r, hashed, err := extproc.KeyHash(p.policy, extproc.KeyRequest{Route: "charge", Key: key}, nil)
+	require.NoError(t, err)
+	var rec *cache.Record
+	require.Eventually(t, func() bool {
+		got, err := p.store.Lookup(context.Background(), r.KeyPrefix+hashed)
+		if err != nil || got.State != cache.Completed {
+			return false
+		}
+		rec = got
+		return true
+	}, 10*time.Second, 5*time.Millisecond, "the record of %s is written", key)
+	return rec
+}
+
+// misconfigurations returns idempotency_envoy_misconfig_total, all kinds.
+func (p *proc) misconfigurations(t *testing.T) float64 {
+	t.Helper()
+	families, err := p.metrics.Gather()
+	require.NoError(t, err)
+	var n float64
+	for _, f := range families {
+		if f.GetName() == "idempotency_envoy_misconfig_total" {
 			for _, m := range f.GetMetric() {
-				labels := map[string]string{}
-				for _, l := range m.GetLabel() {
-					labels[l.GetName()] = l.GetValue()
-				}
-				if labels["route"] == "charge" && labels["outcome"] == outcome {
-					return m.GetCounter().GetValue()
-				}
+				n += m.GetCounter().GetValue()
 			}
 		}
-		return 0
 	}
+	return n
+}
+
+// callEnds returns the header names of each call's end the processor has received.
+func (p *proc) callEnds() [][]string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.ends)
+}
+
+// endRecorder passes every stream to next, keeping what each call's end carried.
+type endRecorder struct {
+	extprocv3.UnimplementedExternalProcessorServer
+	next extprocv3.ExternalProcessorServer
+	proc *proc
+}
+
+func (e endRecorder) Process(s extprocv3.ExternalProcessor_ProcessServer) error {
+	return e.next.Process(recordingStream{ExternalProcessor_ProcessServer: s, proc: e.proc})
+}
+
+type recordingStream struct {
+	extprocv3.ExternalProcessor_ProcessServer
+	proc *proc
+}
+
+func (r recordingStream) Recv() (*extprocv3.ProcessingRequest, error) {
+	req, err := r.ExternalProcessor_ProcessServer.Recv()
+	var end *corev3.HeaderMap
+	switch {
+	case req.GetResponseTrailers() != nil:
+		end = req.GetResponseTrailers().GetTrailers()
+	case req.GetResponseHeaders().GetEndOfStream():
+		end = req.GetResponseHeaders().GetHeaders()
+	default:
+		return req, err
+	}
+	names := []string{}
+	for _, h := range end.GetHeaders() {
+		names = append(names, h.GetKey())
+	}
+	r.proc.mu.Lock()
+	r.proc.ends = append(r.proc.ends, names)
+	r.proc.mu.Unlock()
+	return req, err
 }
 
 // resources are the xDS resources of a client of listener name whose calls go to backend
@@ -246,31 +330,40 @@ func xdsClient(t *testing.T, name, proc string, res map[resource.Type][]types.Re
 // The retry test through grpc-go's own ext_proc filter, in headers-only and GRPC body modes: the
 // backend runs once per key across a retry and a concurrent duplicate, no first call fails
 // because of the processor, and a concurrent duplicate gets ABORTED. A duplicate sent once the
-// first call's record is written (the test waits for its outcome to be counted) is refused
-// FAILED_PRECONDITION outcome-unknown: the client never forwards the trailers that would have
-// made it ALREADY_EXISTS with the original status (see processor).
+// first call's record is written (the test waits for the record in the store) is refused
+// FAILED_PRECONDITION outcome-unknown, not ALREADY_EXISTS with the original status: the trailers
+// reach the processor, but without grpc-status (see processor), so the record holds an unknown
+// outcome, for a call that failed UNAVAILABLE as for one that succeeded.
 func TestProxylessRetriedCallRunsOnce(t *testing.T) {
 	for _, mode := range []filterextproc.ProcessingMode_BodySendMode{filterextproc.ProcessingMode_NONE, filterextproc.ProcessingMode_GRPC} {
 		t.Run(mode.String(), func(t *testing.T) {
 			svc := &chargeService{started: make(chan struct{}, 1), release: make(chan struct{})}
 			backend := serve(t, func(gs *grpc.Server) { testgrpc.RegisterTestServiceServer(gs, svc) })
-			proc, outcomes := processor(t)
+			proc := processor(t)
 			name := "charge-" + strings.ToLower(mode.String())
-			client := xdsClient(t, name, proc, resources(t, name, backend, proc, mode))
+			client := xdsClient(t, name, proc.addr, resources(t, name, backend, proc.addr, mode))
 			call := func(key, payload string) (*testgrpc.SimpleResponse, error) {
 				ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "idempotency-key", key), 20*time.Second)
 				defer cancel()
 				return client.UnaryCall(ctx, &testgrpc.SimpleRequest{Payload: &testgrpc.Payload{Body: []byte(payload)}}, grpc.WaitForReady(true))
 			}
+			refusedUnknown := func(err error) {
+				t.Helper()
+				require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+				require.Equal(t, "idempotency_outcome-unknown", status.Convert(err).Message())
+			}
 
 			resp, err := call("k-1", "10 EUR")
 			require.NoError(t, err, "no first call fails because of the processor")
 			require.Equal(t, "charged:10 EUR", string(resp.GetPayload().GetBody()))
-			require.Eventually(t, func() bool { return outcomes("executed") == 1 }, 10*time.Second, 5*time.Millisecond, "the first call's record is written")
+			rec := proc.record(t, "k-1")
+			require.True(t, rec.Response.OutcomeUnknown, "the call ended OK, but its status never reached the processor")
+			ends := proc.callEnds()
+			require.Len(t, ends, 1, "the first call's trailers reached the processor")
+			require.NotContains(t, ends[0], "grpc-status")
 
 			_, err = call("k-1", "10 EUR")
-			require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
-			require.Equal(t, "idempotency_outcome-unknown", status.Convert(err).Message())
+			refusedUnknown(err)
 			require.EqualValues(t, 1, svc.calls.Load(), "the retry did not run")
 
 			first := make(chan error, 1)
@@ -284,6 +377,20 @@ func TestProxylessRetriedCallRunsOnce(t *testing.T) {
 			close(svc.release)
 			require.NoError(t, <-first)
 			require.EqualValues(t, 2, svc.calls.Load(), "one execution per key")
+
+			_, err = call("k-3", "unavailable")
+			require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+			require.True(t, proc.record(t, "k-3").Response.OutcomeUnknown)
+			_, err = call("k-3", "unavailable")
+			refusedUnknown(err)
+			require.EqualValues(t, 3, svc.calls.Load(), "a failed call is not run again either")
+
+			ends = proc.callEnds()
+			require.Len(t, ends, 3, "each call that ran sent its end")
+			for _, names := range ends {
+				require.NotContains(t, names, "grpc-status")
+			}
+			require.Zero(t, proc.misconfigurations(t), "that client sends no response attributes: not a misconfiguration")
 		})
 	}
 }
