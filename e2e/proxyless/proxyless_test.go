@@ -128,9 +128,10 @@ type proc struct {
 //
 // grpc-go 1.85's ext_proc filter does forward a unary call's trailers, and the call waits for
 // their answer: grpc-go's clientStreamWrapper.RecvMsg (stream.go:207-225) calls the filter's
-// RecvMsg a second time, whose recvFromDataplane (internal/xds/httpfilter/extproc/ext_proc.go:1241-
-// 1252) gets io.EOF or the call's error, sends the trailers (initiateResponseTrailerProcessing,
-// ext_proc.go:2000) and waits for their answer (waitForTrailerProcessing, ext_proc.go:2041); in
+// RecvMsg a second time, whose recvFromDataplane
+// (internal/xds/httpfilter/extproc/ext_proc.go:1241-1252) gets io.EOF or the call's error, sends
+// the trailers (initiateResponseTrailerProcessing, ext_proc.go:2000) and waits for their answer
+// (waitForTrailerProcessing, ext_proc.go:2041); in
 // body mode GRPC responseForwardingToProcServerLoop sends them the same way. But the trailers it
 // sends are the call's trailer metadata (cs.dataplaneStream.Trailer(), ext_proc.go:2020, or
 // :1971 for a trailers-only response; ConstructHeaderMap in internal/xds/httpfilter/extconfig.go:259
