@@ -351,9 +351,11 @@ func checkIstio(t testing.TB, path string) error {
 		return err
 	}
 	// Every HTTP_ROUTE patch must match a route the VirtualService makes, or it patches nothing.
+	// A VirtualService's route is known by its retries' resource: a patch that gives it a
+	// per-route config also gives it its path.
 	vsRoutes := map[string]bool{}
 	for _, r := range d.Routes {
-		if strings.HasPrefix(r.Path, "VirtualService ") {
+		if strings.HasPrefix(r.RetryResource, "VirtualService ") {
 			vsRoutes[r.Name] = true
 		}
 	}
@@ -416,9 +418,13 @@ func TestIstioMeetsSpec(t *testing.T) {
 	for _, r := range d.Routes {
 		names = append(names, r.Name)
 	}
-	require.Equal(t, []string{"transfers", "refunds", "documents", "default", "documents"}, names)
-	require.Equal(t, "configPatches[1].patch.value", d.Routes[4].Path)
-	require.Nil(t, d.Routes[4].Config, "the shipped HTTP_ROUTE patch leaves ext_proc as it is")
+	require.Equal(t, []string{"transfers", "refunds", "documents", "default", "payments-grpc", "payments-grpc-other", "documents"}, names)
+	require.Equal(t, "configPatches[1].patch.value", d.Routes[6].Path)
+	require.Nil(t, d.Routes[6].Config, "the shipped HTTP_ROUTE patch leaves ext_proc as it is")
+	// The gRPC route's patch is merged into the VirtualService's route, as Istio merges it.
+	require.Equal(t, "configPatches[3].patch.value.typed_per_filter_config[envoy.filters.http.ext_proc]", d.Routes[4].Path)
+	require.Equal(t, "FULL_DUPLEX_STREAMED", d.Routes[4].Config.GetOverrides().GetProcessingMode().GetRequestBodyMode().String())
+	require.Equal(t, "VirtualService payments/payments-grpc http[0].retries", d.Routes[4].RetryPath)
 	docs0, err := readDocs(path)
 	require.NoError(t, err)
 	ef, err := only(docs0, "networking.istio.io", "EnvoyFilter")

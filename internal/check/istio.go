@@ -172,6 +172,7 @@ func istioDeployment(ef *object, objs []*object) (d Deployment, found bool, err 
 	if err != nil {
 		return Deployment{}, false, err
 	}
+	patched = mergeRoutePatches(vsRoutes, patched)
 	d.Routes = append(append(d.Routes, vsRoutes...), patched...)
 	return d, true, nil
 }
@@ -324,6 +325,23 @@ func routePatchEntries(spec istioSpec, patches []int, filterName string, buffer 
 		out = append(out, e)
 	}
 	return out, nil
+}
+
+// mergeRoutePatches gives each VirtualService route of vsRoutes the per-route config of the
+// HTTP_ROUTE patch of patched that names it, and returns the patches left: Istio MERGEs a patch
+// into the route it generated (a gRPC route's processing modes, say), so the route's retries and
+// its per-route config meet on one route, which the patch's path then names.
+func mergeRoutePatches(vsRoutes, patched []routeEntry) []routeEntry {
+	return slices.DeleteFunc(patched, func(p routeEntry) bool {
+		merged := false
+		for i := range vsRoutes {
+			if p.Config != nil && vsRoutes[i].Name == p.Name {
+				vsRoutes[i].Config, vsRoutes[i].Path = p.Config, p.Path
+				merged = true
+			}
+		}
+		return merged
+	})
 }
 
 // istioBufferLimit is the upstream buffer limit of Istio's clusters: Envoy's default, which
