@@ -24,6 +24,7 @@ import (
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	gwapiv1 "sigs.k8s.io/gateway-api/apis/v1"
 	gwapiv1b1 "sigs.k8s.io/gateway-api/apis/v1beta1"
 	sigsjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
@@ -76,6 +77,11 @@ var kinds = map[string]func() any{
 	"networking.istio.io/v1/DestinationRule": func() any {
 		return &istioObject{Spec: &istionet.DestinationRule{}}
 	},
+	// envoy/'s gRPC examples: the Istio route of a gRPC method and the Envoy Gateway GRPCRoute.
+	"networking.istio.io/v1/VirtualService": func() any {
+		return &istioObject{Spec: &istionet.VirtualService{}}
+	},
+	"gateway.networking.k8s.io/v1/GRPCRoute": func() any { return &gwapiv1.GRPCRoute{} },
 }
 
 // decodeStrict decodes a rendered YAML document into the API type of its apiVersion and kind.
@@ -170,8 +176,9 @@ func find[T any](objs []object, gvk string) []T {
 // types: a field Envoy Gateway or Istio does not know would be dropped or refused on apply.
 func TestShippedMeshResourcesDecode(t *testing.T) {
 	for file, want := range map[string][]string{
-		"envoy-gateway.yaml":     {"EnvoyExtensionPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyProxy"},
-		"istio-envoyfilter.yaml": {"EnvoyFilter", "DestinationRule"},
+		"envoy-gateway.yaml":      {"EnvoyExtensionPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyProxy"},
+		"istio-envoyfilter.yaml":  {"EnvoyFilter", "DestinationRule", "VirtualService"},
+		"envoy-gateway-grpc.yaml": {"GRPCRoute", "EnvoyExtensionPolicy"},
 	} {
 		data, err := os.ReadFile(filepath.Join(repoRoot, "envoy", file))
 		require.NoError(t, err)
