@@ -2,6 +2,7 @@ package e2e_test
 
 import (
 	"bytes"
+	"cmp"
 	"crypto/tls"
 	"encoding/json"
 	"fmt"
@@ -196,6 +197,9 @@ type stackOptions struct {
 	args     []string // extra processor flags, e.g. the store
 	env      []string // extra processor environment, NAME=value
 	policy   string   // policy file content
+	// bootstrap is the shipped bootstrap to run, relative to the repository (default
+	// envoy/envoy.yaml).
+	bootstrap string
 	// envoy changes the shipped bootstrap for this test, on the emulator and a real Envoy alike.
 	envoy func(b *bootstrapv3.Bootstrap) error
 	// upstream overrides the upstream URL (default: a counting test upstream).
@@ -255,7 +259,7 @@ func newStack(t *testing.T, o stackOptions) *stack {
 		s.procs = append(s.procs, p)
 		addrs = append(addrs, p.grpcAddr)
 	}
-	b, err := envoyconf.Load(repoFile(t, "envoy/envoy.yaml"))
+	b, err := envoyconf.Load(repoFile(t, cmp.Or(o.bootstrap, "envoy/envoy.yaml")))
 	require.NoError(t, err)
 	// The shipped message_timeout (0.5 s) is for a processor with cores of its own. Here the
 	// race-enabled processors, Redis, the proxy and hundreds of streams share two cores, and a

@@ -1,0 +1,78 @@
+package e2e_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	testgrpc "google.golang.org/grpc/interop/grpc_testing"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
+)
+
+// The shipped gRPC bootstrap, envoy/envoy-grpc.yaml, run as shipped under envoy/grpc-policy.yaml
+// (the emulator, or a real Envoy when one is on PATH), with only its protected route's method
+// pointed at the test's service (and, on the emulator, its grpc: {} match left out): a retried unary call runs once and gets the first call's
+// message back, status OK; another message under the key gets FAILED_PRECONDITION; a call of
+// another method, on the default route, is not covered and runs each time.
+func TestGrpcShippedBootstrap(t *testing.T) {
+	svc := &echoService{}
+	s := newStack(t, stackOptions{
+		bootstrap: "envoy/envoy-grpc.yaml",
+		upstream:  startGRPCUpstream(t, svc),
+		policy:    string(readRepoFile(t, "envoy/grpc-policy.yaml")),
+		envoy: func(b *bootstrapv3.Bootstrap) error {
+			return envoyconf.MutateRoute(b, "payments-grpc", func(r *routev3.Route) error {
+				r.GetMatch().PathSpecifier = &routev3.RouteMatch_Path{Path: "/grpc.testing.TestService/UnaryCall"}
+				if envoyBin == "" {
+					// The emulator does not match on grpc: {} (Envoy's matches content-type
+					// application/grpc, which every call of this test has).
+					r.GetMatch().Grpc = nil
+				}
+				return nil
+			})
+		},
+	})
+	client := grpcClient(t, s)
+	call := func(key, payload string, opts ...grpc.CallOption) (*testgrpc.SimpleResponse, error) {
+		ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "idempotency-key", key), 15*time.Second)
+		defer cancel()
+		return client.UnaryCall(ctx, &testgrpc.SimpleRequest{Payload: &testgrpc.Payload{Body: []byte(payload)}}, opts...)
+	}
+
+	resp, err := call("shipped-1", "hi")
+	require.NoError(t, err)
+	require.Equal(t, "echo:hi", string(resp.GetPayload().GetBody()))
+	require.EqualValues(t, 1, svc.calls.Load())
+
+	var hdr, trl metadata.MD
+	resp, err = call("shipped-1", "hi", grpc.Header(&hdr), grpc.Trailer(&trl))
+	require.NoError(t, err, "the retry gets the first call's status")
+	require.Equal(t, "echo:hi", string(resp.GetPayload().GetBody()), "and its message")
+	require.Equal(t, []string{"t"}, trl.Get("x-up-trailer"))
+	require.Equal(t, []string{"true"}, hdr.Get("x-idempotency-replayed"))
+	require.EqualValues(t, 1, svc.calls.Load(), "the retry did not run")
+
+	_, err = call("shipped-1", "something else")
+	require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+	require.EqualValues(t, 1, svc.calls.Load())
+
+	// Another method goes to the default route, which the policy does not cover.
+	for i := range 2 {
+		ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "idempotency-key", "shipped-2"), 15*time.Second)
+		stream, err := client.StreamingInputCall(ctx)
+		require.NoError(t, err)
+		require.NoError(t, stream.Send(&testgrpc.StreamingInputCallRequest{Payload: &testgrpc.Payload{Body: []byte("part")}}))
+		_, err = stream.CloseAndRecv()
+		cancel()
+		require.NoError(t, err)
+		require.EqualValues(t, 2+i, svc.calls.Load(), "an uncovered method runs each time")
+	}
+}
