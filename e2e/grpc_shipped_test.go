@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/encoding/gzip"
 	testgrpc "google.golang.org/grpc/interop/grpc_testing"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -20,7 +21,8 @@ import (
 // The shipped gRPC bootstrap, envoy/envoy-grpc.yaml, run as shipped under envoy/grpc-policy.yaml
 // (the emulator, or a real Envoy when one is on PATH), with only its protected route's method
 // pointed at the test's service (and, on the emulator, its grpc: {} match left out): a retried unary call runs once and gets the first call's
-// message back, status OK; another message under the key gets FAILED_PRECONDITION; a call of
+// message back, status OK; another message under the key, or the same message compressed,
+// gets FAILED_PRECONDITION; a call of
 // another method, on the default route, is not covered and runs each time.
 func TestGrpcShippedBootstrap(t *testing.T) {
 	svc := &echoService{}
@@ -64,6 +66,20 @@ func TestGrpcShippedBootstrap(t *testing.T) {
 	require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
 	require.EqualValues(t, 1, svc.calls.Load())
 
+	// The fingerprint covers the message as the client encoded it: the same message compressed
+	// on the retry is another body (docs/outcomes.md#grpc-calls).
+	_, err = call("shipped-1", "hi", grpc.UseCompressor(gzip.Name))
+	require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+	require.Equal(t, "idempotency-key-reused", status.Convert(err).Message())
+	require.EqualValues(t, 1, svc.calls.Load())
+	resp, err = call("shipped-3", "hi", grpc.UseCompressor(gzip.Name))
+	require.NoError(t, err, "a compressed call is protected like any other")
+	require.Equal(t, "echo:hi", string(resp.GetPayload().GetBody()))
+	resp, err = call("shipped-3", "hi", grpc.UseCompressor(gzip.Name))
+	require.NoError(t, err)
+	require.Equal(t, "echo:hi", string(resp.GetPayload().GetBody()), "its retry, compressed alike, gets the first call's message")
+	require.EqualValues(t, 2, svc.calls.Load())
+
 	// Another method goes to the default route, which the policy does not cover.
 	for i := range 2 {
 		ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "idempotency-key", "shipped-2"), 15*time.Second)
@@ -73,6 +89,6 @@ func TestGrpcShippedBootstrap(t *testing.T) {
 		_, err = stream.CloseAndRecv()
 		cancel()
 		require.NoError(t, err)
-		require.EqualValues(t, 2+i, svc.calls.Load(), "an uncovered method runs each time")
+		require.EqualValues(t, 3+i, svc.calls.Load(), "an uncovered method runs each time")
 	}
 }
