@@ -368,6 +368,7 @@ func (st *stream) grpcResponseBody(chunk []byte, eos bool) {
 		resp.Body = append(resp.Body, chunk...)
 	}
 	if eos {
+		st.grpcTrailersMissing()
 		st.unknownOutcome(resp.Status)
 		st.fire(evSettle)
 	}

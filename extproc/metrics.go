@@ -27,6 +27,8 @@ type Metrics struct {
 	notCovered           *prometheus.CounterVec
 	// The streams this process holds (limits.go).
 	streams streamMetrics
+	// The covered gRPC responses without trailers (grpctrailers.go).
+	grpcTrailers grpcTrailerMetrics
 }
 
 // The op labels of idempotency_durability_unconfirmed_total.
@@ -133,6 +135,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		unconfirmed:          prometheus.NewCounterVec(unconfirmedOpts, []string{"op"}),
 		notCovered:           prometheus.NewCounterVec(notCoveredOpts, []string{"route", "reason"}),
 		streams:              newStreamMetrics(),
+		grpcTrailers:         newGRPCTrailerMetrics(),
 	}
 	for _, kind := range misconfigKinds {
 		m.misconfig.WithLabelValues(kind)
@@ -158,6 +161,9 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}
 	}
 	if err := m.streams.register(reg); err != nil {
+		return nil, err
+	}
+	if err := m.grpcTrailers.register(reg); err != nil {
 		return nil, err
 	}
 	return m, nil

@@ -1016,6 +1016,7 @@ func (st *stream) finish() {
 		switch {
 		case st.state == stateCapture && st.req.adm.grpc:
 			// No grpc-status came: the call's outcome is unknown.
+			st.grpcTrailersMissing()
 			st.unknownOutcome(c.resp.Status)
 		case st.state == stateCapture:
 			c.resp.BodyOmitted = true
