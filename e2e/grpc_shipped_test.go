@@ -7,6 +7,7 @@ import (
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -91,4 +92,47 @@ func TestGrpcShippedBootstrap(t *testing.T) {
 		require.NoError(t, err)
 		require.EqualValues(t, 3+i, svc.calls.Load(), "an uncovered method runs each time")
 	}
+}
+
+// The shipped gRPC bootstrap with its route's response trailers withheld (response_trailer_mode
+// SKIP, which check refuses): no call's grpc-status reaches the processor, so the retry runs
+// again, and the processor counts each call in idempotency_grpc_trailers_missing_total and says
+// once what to fix.
+func TestGrpcShippedBootstrapTrailersWithheld(t *testing.T) {
+	svc := &echoService{}
+	s := newStack(t, stackOptions{
+		bootstrap: "envoy/envoy-grpc.yaml",
+		upstream:  startGRPCUpstream(t, svc),
+		policy:    string(readRepoFile(t, "envoy/grpc-policy.yaml")),
+		envoy: func(b *bootstrapv3.Bootstrap) error {
+			if err := envoyconf.MutateRoute(b, "payments-grpc", func(r *routev3.Route) error {
+				r.GetMatch().PathSpecifier = &routev3.RouteMatch_Path{Path: "/grpc.testing.TestService/UnaryCall"}
+				if envoyBin == "" {
+					r.GetMatch().Grpc = nil // as in TestGrpcShippedBootstrap
+				}
+				return nil
+			}); err != nil {
+				return err
+			}
+			return envoyconf.MutateExtProcPerRoute(b, "payments-grpc", func(p *filterextproc.ExtProcPerRoute) {
+				p.GetOverrides().GetProcessingMode().ResponseTrailerMode = filterextproc.ProcessingMode_SKIP
+			})
+		},
+	})
+	client := grpcClient(t, s)
+	for i := range 2 {
+		ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "idempotency-key", "withheld-1"), 15*time.Second)
+		resp, err := client.UnaryCall(ctx, &testgrpc.SimpleRequest{Payload: &testgrpc.Payload{Body: []byte("hi")}})
+		cancel()
+		require.NoError(t, err)
+		require.Equal(t, "echo:hi", string(resp.GetPayload().GetBody()))
+		require.EqualValues(t, i+1, svc.calls.Load(), "no outcome was seen: the retry runs again")
+		// The count grows when the call's stream ends, which may follow the client's answer.
+		require.Eventually(t, func() bool {
+			return metricOf(t, s, "idempotency_grpc_trailers_missing_total") == float64(i+1)
+		}, 10*time.Second, 10*time.Millisecond)
+	}
+	line := s.procs[0].waitLog("a covered gRPC call's response ended without trailers, so its grpc-status was not seen and its outcome is unknown; if every call does this, set response_trailer_mode: SEND on its Envoy route (Envoy Gateway: processingMode.response.body: FullDuplexStreamed); idempotency_grpc_trailers_missing_total counts them", 10*time.Second)
+	require.Equal(t, "payments-charge", line["route"])
+	require.Equal(t, "warn", line["level"])
 }
