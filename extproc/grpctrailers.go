@@ -35,13 +35,10 @@ func (m grpcTrailerMetrics) register(reg prometheus.Registerer) error {
 }
 
 // grpcTrailersMissing counts a covered gRPC call whose response ended (a body with end_of_stream,
-// or the stream's end) while it was captured, before any trailers: its outcome is unknown. The
-// proxyless client is left out: grpc-go 1.85 ends its stream before the trailers as a rule
-// (docs/deploying.md#grpc-methods), whatever the configuration.
+// or the stream's end) while it was captured, before any trailers: its outcome is unknown. A
+// proxyless call counts too: its client's processing_mode must send the response trailers as
+// well.
 func (st *stream) grpcTrailersMissing() {
-	if st.req.adm.proxyless {
-		return
-	}
 	m := st.s.metrics.grpcTrailers
 	m.missing.Inc()
 	m.logged.Do(func() {

@@ -12,9 +12,8 @@ import (
 // A covered gRPC call whose response ends before its trailers reach the processor (the route
 // lacks response_trailer_mode SEND, the upstream sent none, the call was cut short) is counted in
 // idempotency_grpc_trailers_missing_total: at the stream's end, or at a response body that ends
-// the response. A call settled by its trailers, or by the grpc-status of a trailers-only
-// response, is not; nor is a proxyless call, whose client ends the stream before the trailers as
-// a rule.
+// the response, through Envoy or grpc-go's own ext_proc client alike. A call settled by its
+// trailers, or by the grpc-status of a trailers-only response, is not.
 func TestGRPCTrailersMissingCounted(t *testing.T) {
 	fds := filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
 	const metric = "idempotency_grpc_trailers_missing_total"
@@ -69,7 +68,7 @@ func TestGRPCTrailersMissingCounted(t *testing.T) {
 			}}}
 			require.NotNil(t, st.send(rh).GetResponseHeaders())
 			st.end()
-		}, 0},
+		}, 1},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
