@@ -265,12 +265,6 @@ func grpcAdmit(a admission, requestMode filterextproc.ProcessingMode_BodySendMod
 
 // The stream's gRPC steps: what it does differently for a call whose admission says grpc.
 
-// grpcState is what the stream keeps of a gRPC call between messages.
-type grpcState struct {
-	// origin is where the response came from, for its trailers.
-	origin origin
-}
-
 // grpcReplayable reports whether Envoy can carry rec back to this call as a streamed immediate
 // response: the call is Envoy's (not the proxyless client's), its message was kept, and the
 // request headers' answer is still owed in a body mode that allows one. Asked before the verdict
@@ -283,8 +277,9 @@ func (st *stream) grpcReplayable(rec *cache.Record) bool {
 // sendGRPC sends a, an answer to a gRPC call, when it differs from the HTTP one, and reports
 // whether it did: a problem as a gRPC status, a replay as a streamed immediate response where
 // Envoy can carry one, else ALREADY_EXISTS response-not-replayable with the original status
-// (the outcome is then not_replayable). The first message carries the dynamic metadata owed.
-func (st *stream) sendGRPC(a answer) bool {
+// (the outcome is then not_replayable). The first message carries md, the dynamic metadata of
+// the outcome settled with it.
+func (st *stream) sendGRPC(a answer, md []byte) bool {
 	var msgs []*extprocv3.ProcessingResponse
 	switch a := a.(type) {
 	case refuse:
@@ -298,9 +293,8 @@ func (st *stream) sendGRPC(a answer) bool {
 	default:
 		return false
 	}
-	if st.metadata != nil {
-		msgs[0] = withMetadata(msgs[0], false, st.metadata)
-		st.metadata = nil
+	if md != nil {
+		msgs[0] = withMetadata(msgs[0], false, md)
 	}
 	st.out = append(st.out, msgs...)
 	return true
@@ -338,16 +332,14 @@ func (st *stream) notUnaryHeld(body []byte) bool {
 		return false
 	}
 	st.call.release(ReleaseNotSent)
-	a := refuse{problemGRPCNotUnary}
-	st.move(evSettle, a)
-	st.send(a)
+	st.move(evSettle, refuse{problemGRPCNotUnary})
 	return true
 }
 
 // judgeGRPC judges the response headers of a gRPC call, keeping their origin for the trailers.
 // A message Envoy will not send (response body mode NONE) is left out of the record.
 func (st *stream) judgeGRPC(resp response, h headers) (settlement, string, bool) {
-	st.grpc.origin = resp.origin
+	st.call.origin = resp.origin
 	code, known := grpcStatusOf(h)
 	s, reason, omitted := judgeGRPCResponse(st.req.route.Route, resp, code, known)
 	if s == settleCapture && !resp.bodySent {
@@ -367,12 +359,14 @@ func (st *stream) grpcResponseBody(chunk []byte, eos bool) {
 	default:
 		resp.Body = append(resp.Body, chunk...)
 	}
-	if eos {
-		st.grpcTrailersMissing()
-		st.unknownOutcome(resp.Status)
-		st.fire(evSettle)
+	a := st.pass(kindResponseBody, chunk, eos)
+	if !eos {
+		st.send(a, nil)
+		return
 	}
-	st.pass(kindResponseBody, chunk, eos)
+	st.grpcTrailersMissing()
+	st.unknownOutcome(resp.Status)
+	st.move(evSettle, a)
 }
 
 // grpcTrailers settles a captured gRPC response by the grpc-status of its trailers: recorded with
@@ -381,7 +375,7 @@ func (st *stream) grpcResponseBody(chunk []byte, eos bool) {
 func (st *stream) grpcTrailers(m *extprocv3.HttpTrailers) {
 	t := headers(m.GetTrailers().GetHeaders())
 	code, known := grpcStatusOf(t)
-	switch s, reason := judgeGRPCStatus(st.req.route.Route, st.grpc.origin, code, known); s {
+	switch s, reason := judgeGRPCStatus(st.req.route.Route, st.call.origin, code, known); s {
 	case settleRecord:
 		st.call.resp.Trailers = replayableHeaders(t, st.req.route.Route)
 		st.call.complete()

@@ -168,7 +168,5 @@ func (st *stream) settleAtBody(p *problem) {
 		st.passThrough()
 		return
 	}
-	from := st.state
-	st.fire(evPass)
-	st.flush(from)
+	st.flush(evPass)
 }

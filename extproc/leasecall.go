@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"errors"
+	"slices"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -18,9 +19,9 @@ import (
 // a request. Each call is timed, counted when it fails, and traced; the store bounds each by its
 // own timeout.
 //
-// While a call runs, inStore is set, and only a call that returns clears it: a panic from inside
-// the store leaves it set, so that the stream's finish makes no further store call and
-// Server.StreamInterceptor lets the panic end the process. Nothing here recovers.
+// While a call runs, its fate is leaseInStore, and only a call that returns moves it on: a panic
+// from inside the store leaves it there, so that the stream's finish makes no further store call
+// and Server.StreamInterceptor lets the panic end the process. Nothing here recovers.
 type leaseCall struct {
 	s *Server
 	// req is the request, for the identity of log lines (its id and route).
@@ -30,18 +31,45 @@ type leaseCall struct {
 	// keyHash is the hash of the stored key, the request's identity in logs, metadata and spans.
 	keyHash string
 	// hold is this replica's hold on the key while the lease is held; nil when none is.
-	hold    *hold
-	inStore bool
-	// What became of the calls: the first failure (errDurabilityUnmet when the claim was not
-	// made), the release reason, and whether the record was written.
-	err      error
-	released string
-	recorded bool
-	// resp is the response to record, as the response phases capture it.
-	resp cache.Response
+	hold *hold
+	// What became of the lease, and the calls' first failure (errDurabilityUnmet when the claim
+	// was not made).
+	fate leaseFate
+	err  error
+	// resp is the response to record, as the response phases capture it, and origin where it
+	// came from, which a gRPC call's trailers are judged with (judgeGRPCStatus).
+	resp   cache.Response
+	origin origin
 	// fp backs the request's fingerprint (stream.keys), which its claim and hold keep: made
 	// once per request, it lives as long as they do.
 	fp [sha256.Size]byte
+}
+
+// leaseFate is what became of a request's lease: one value, so that no two flags can disagree.
+type leaseFate uint8
+
+const (
+	// leaseNone: no lease (yet): not claimed, or the claim found a record or failed.
+	leaseNone leaseFate = iota
+	// leaseHeld: the request runs under its lease.
+	leaseHeld
+	// leaseInStore: a store call is running; a panic from inside the store leaves it so.
+	leaseInStore
+	// leaseRecorded: the response was recorded, and the lease spent with it.
+	leaseRecorded
+	// leaseLeft: given up without a record: left to expire, or to the background retries of
+	// its completion, or a completion or a release the store failed.
+	leaseLeft
+	// leaseReleased and after: released, for the reason releaseReasons[fate-leaseReleased].
+	leaseReleased
+)
+
+// released returns the reason the lease was released for; "" when it was not.
+func (c *leaseCall) released() string {
+	if c.fate < leaseReleased {
+		return ""
+	}
+	return releaseReasons[c.fate-leaseReleased]
 }
 
 // errDurabilityUnmet is a claim not made: the route asks for more replicas than the store has
@@ -81,9 +109,9 @@ func (c *leaseCall) acquire(key string, cl cache.Claim) (*cache.Record, error) {
 	s := c.s
 	sent := s.clock.Now()
 	start, sp := time.Now(), c.storeSpan("acquire")
-	c.inStore = true
+	c.fate = leaseInStore
 	lease, rec, err := s.store.Acquire(c.ctx, key, cl)
-	c.inStore = false
+	c.fate = leaseNone
 	s.acquireObs.Observe(time.Since(start).Seconds())
 	// An unconfirmed claim is withdrawn: it is answered as any store failure, and the request
 	// does not run.
@@ -102,15 +130,12 @@ func (c *leaseCall) acquire(key string, cl cache.Claim) (*cache.Record, error) {
 	case err != nil:
 		c.failed("acquire", err)
 	case rec == nil:
-		c.hold = s.hold(lease, cl, sent)
+		c.fate, c.hold = leaseHeld, s.hold(lease, cl, sent)
 		s.metrics.inflight.Inc()
 		s.renewEvery(&c.hold.renewal, c, c.hold)
 	}
 	return rec, err
 }
-
-// held reports whether the request holds its key's lease.
-func (c *leaseCall) held() bool { return c.hold != nil }
 
 // complete records the response captured (resp) and gives up the lease. A write the store fails goes on in the
 // background (completions.go), the lease kept renewed, so that a store that stalls or refuses
@@ -129,15 +154,15 @@ func (c *leaseCall) complete() bool {
 	if retried {
 		c.hold = nil // the retries hold the key now
 	}
-	c.drop()
+	c.drop(leaseRecorded)
 	if err != nil {
+		c.fate = leaseLeft
 		c.failed("complete", err)
 		if retried {
 			c.event(c.s.log.Warn()).Msg("completion not written: retrying in the background, the lease kept, so duplicates get 409 until it lands")
 		}
 		return false
 	}
-	c.recorded = true
 	return true
 }
 
@@ -148,7 +173,7 @@ func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error
 	s, h := c.s, c.hold
 	h.writing.Lock()
 	defer h.writing.Unlock()
-	c.inStore = true
+	c.fate = leaseInStore
 	err := s.completeCall(ctx, c.storeSpan("complete"), c.event, h.lease, resp)
 	if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(s.clock.Now()) {
 		sent := s.clock.Now()
@@ -157,7 +182,7 @@ func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error
 			err = s.completeCall(ctx, c.storeSpan("complete"), c.event, h.lease, resp)
 		}
 	}
-	c.inStore = false
+	c.fate = leaseHeld
 	if errors.Is(err, cache.ErrLeaseLost) {
 		s.leaseLost(h, c.event, "completion")
 	}
@@ -170,18 +195,18 @@ func (c *leaseCall) release(reason string) {
 	c.hold.renewal.stop()
 	s := c.s
 	start, sp := time.Now(), c.storeSpan("release")
-	c.inStore = true
+	c.fate = leaseInStore
 	err := s.store.Release(context.WithoutCancel(c.ctx), c.hold.lease)
-	c.inStore = false
+	c.fate = leaseHeld
 	s.releaseObs.Observe(time.Since(start).Seconds())
 	s.storeError("release", err)
 	endStoreSpan(sp, err)
-	c.drop()
 	if err != nil {
+		c.drop(leaseLeft)
 		c.failed("release", err)
 		return
 	}
-	c.released = reason
+	c.drop(leaseReleased + leaseFate(slices.Index(releaseReasons, reason)))
 	c.req.route.releases[reason].Inc()
 	c.event(s.log.Debug()).Str("reason", reason).Msg("lease released")
 }
@@ -189,14 +214,14 @@ func (c *leaseCall) release(reason string) {
 // leave gives up the lease without a store call: it expires after lock_ttl.
 func (c *leaseCall) leave() {
 	c.hold.renewal.stop()
-	c.drop()
+	c.drop(leaseLeft)
 }
 
-// drop forgets the hold: the key is this replica's no longer (unless the background retries
-// took it over).
-func (c *leaseCall) drop() {
+// drop forgets the hold, the lease having become f: the key is this replica's no longer (unless
+// the background retries took it over).
+func (c *leaseCall) drop(f leaseFate) {
 	c.s.unhold(c.hold)
-	c.hold = nil
+	c.hold, c.fate = nil, f
 	c.s.metrics.inflight.Dec()
 }
 
@@ -217,10 +242,11 @@ func (c *leaseCall) failed(op string, err error) {
 // then marks the store broken: no further store call may be made (Server.StreamInterceptor lets
 // the panic end the process).
 func (c *leaseCall) broken() bool {
-	if c.inStore {
+	if c.fate == leaseInStore {
 		c.s.storeBroken.Store(true)
+		return true
 	}
-	return c.inStore
+	return false
 }
 
 // completeCall writes l's record; sp is its span (or nil) and id adds the request's identity to a

@@ -231,13 +231,10 @@ type stream struct {
 	// out collects the answers of the message being handled, in order.
 	out []*extprocv3.ProcessingResponse
 
-	// outcome is settled once, by the move into pass or settled (move), and metadata is its
-	// dynamic metadata, owed to the next answer.
-	outcome  Outcome
-	metadata []byte
+	// outcome is settled once, by the move into pass or settled (move).
+	outcome Outcome
 	// sentOverride is the mode_override this stream sent, to tell when Envoy refused it.
 	sentOverride *filterextproc.ProcessingMode
-	grpc         grpcState
 	// json is what a route that reads its body's members keeps of the request (jsonstream.go);
 	// nil on other routes.
 	json *jsonState
@@ -255,22 +252,11 @@ func newStream(s *Server, ctx context.Context) *stream {
 	return &b.st
 }
 
-// fire moves the stream on e, following transitions.
-func (st *stream) fire(e event) { st.move(e, nil) }
-
-// answerWith settles the request with a, an ImmediateResponse (refuse, replay), or with no
-// answer when nobody waits for one (a nil).
-func (st *stream) answerWith(a answer) {
-	st.move(evAnswer, a)
-	if a != nil {
-		st.send(a)
-	}
-}
-
-// move moves the stream on e, a the answer that goes with it. The move into pass or settled
-// settles the request's outcome, here and only here: the metric, the log line, the span and the
-// dynamic metadata all read it. A move not in the table is a bug: it is counted, logged, and
-// settles the request.
+// move moves the stream on e, following transitions, and sends a, the answer that goes with the
+// move (none when a is nil: the stream ended, or nothing is owed yet). The move into pass or
+// settled settles the request's outcome, here and only here: the metric, the log line, the span
+// and the dynamic metadata all read it, and a carries the metadata to Envoy. A move not in the
+// table is a bug: it is counted, logged, and settles the request.
 func (st *stream) move(e event, a answer) {
 	from := st.state
 	to, ok := next(from, e)
@@ -279,35 +265,38 @@ func (st *stream) move(e event, a answer) {
 		st.call.event(st.s.log.Error()).Stringer("state", from).Stringer("event", e).Msg("stream state machine: move not in the table; the request is settled")
 	}
 	st.state = to
-	if st.outcome != "" || (to != statePass && to != stateSettled) {
-		return
-	}
-	var answered Outcome
-	switch a := a.(type) {
-	case refuse:
-		answered = a.p.outcome
-	case replay:
-		answered = Replayed
-		if a.refused {
-			answered = NotReplayable
+	var md []byte
+	if st.outcome == "" && (to == statePass || to == stateSettled) {
+		var answered Outcome
+		switch a := a.(type) {
+		case refuse:
+			answered = a.p.outcome
+		case replay:
+			answered = Replayed
+			if a.refused {
+				answered = NotReplayable
+			}
 		}
+		st.outcome = settle(e, from, answered, st.call.err)
+		md = st.req.route.metadata.encode(st.outcome, st.call.released(), st.call.keyHash)
 	}
-	st.outcome = settle(e, from, answered, st.call.err)
-	st.metadata = st.req.route.metadata.encode(st.outcome, st.call.released, st.call.keyHash)
+	if a != nil {
+		st.send(a, md)
+	}
 }
 
-// send queues the answer a, with the dynamic metadata the request's outcome owes.
-func (st *stream) send(a answer) {
+// send queues the answer a; md, when not nil, is the dynamic metadata of the outcome the move it
+// goes with settled (move).
+func (st *stream) send(a answer, md []byte) {
 	if k := a.answers(); (k == kindRequestBody || k == kindRequestTrailers) && st.w.end == bodyHeld {
 		st.w.end = bodyOpen // Envoy sends the request on
 	}
-	if st.req.adm.grpc && st.sendGRPC(a) {
+	if st.req.adm.grpc && st.sendGRPC(a, md) {
 		return
 	}
 	resp, own := st.render(a)
-	if st.metadata != nil {
-		resp = withMetadata(resp, own, st.metadata)
-		st.metadata = nil
+	if md != nil {
+		resp = withMetadata(resp, own, md)
 	}
 	st.out = append(st.out, resp)
 }
@@ -342,9 +331,10 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3
 			} else {
 				st.call.complete()
 			}
-			st.fire(evSettle)
+			st.move(evSettle, proceed(kindResponseTrailers))
+			break
 		}
-		st.send(proceed(kindResponseTrailers))
+		st.send(proceed(kindResponseTrailers), nil)
 	default:
 		return nil, false
 	}
@@ -383,19 +373,18 @@ func (st *stream) withholdsHeaders() bool {
 	return row.withholdHeaders || (row.withholdIfBodyFirst && st.pc.GetSendBodyWithoutWaitingForHeaderResponse())
 }
 
-// pass answers a message that needs nothing from the processor: CONTINUE, or the same chunk
-// back in a FULL_DUPLEX_STREAMED direction.
-func (st *stream) pass(k msgKind, chunk []byte, eos bool) {
+// pass is the answer to a message that needs nothing from the processor: CONTINUE, or the same
+// chunk back in a FULL_DUPLEX_STREAMED direction.
+func (st *stream) pass(k msgKind, chunk []byte, eos bool) answer {
 	if (k == kindRequestBody || k == kindResponseBody) && (st.fullDuplex(k) || st.grpcBodies(k)) {
-		st.send(echo{k: k, chunk: chunk, eos: eos, noMessage: st.grpcBodies(k) && eos && len(chunk) == 0})
-		return
+		return echo{k: k, chunk: chunk, eos: eos, noMessage: st.grpcBodies(k) && eos && len(chunk) == 0}
 	}
-	st.send(proceed(k))
+	return proceed(k)
 }
 
 func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.HttpHeaders) {
 	if st.state != stateStart {
-		st.pass(kindRequestHeaders, nil, false)
+		st.send(proceed(kindRequestHeaders), nil)
 		return
 	}
 	h := headers(m.GetHeaders().GetHeaders())
@@ -417,11 +406,11 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 		st.bodyNotAvailable()
 		return
 	}
-	st.fire(evAwaitBody)
+	var a answer
 	if !st.withholdsHeaders() {
-		// Envoy sends the body only after this answer.
-		st.send(proceed(kindRequestHeaders))
+		a = proceed(kindRequestHeaders) // Envoy sends the body only after this answer
 	}
+	st.move(evAwaitBody, a)
 }
 
 // admit reads the request headers h into the request (its route, identity and admission), and
@@ -522,8 +511,7 @@ func (st *stream) bodyNotAvailable() {
 		st.call.event(st.s.log.Error()).Msg("request_body_mode is NONE, so the processor never sees the bodies of covered requests that need them (fingerprint: body, or missing_key: body-hash); set request_body_mode BUFFERED, or drop body from this route's fingerprint")
 	})
 	if st.s.policy.FailMode == policy.FailOpen && !st.req.route.shadow {
-		st.fire(evUnprotected)
-		st.send(proceed(kindRequestHeaders))
+		st.move(evUnprotected, proceed(kindRequestHeaders))
 		return
 	}
 	st.reject(problemBodyNotAvailable)
@@ -532,7 +520,7 @@ func (st *stream) bodyNotAvailable() {
 func (st *stream) requestBody(chunk []byte, eos bool) {
 	if st.state != stateCollect {
 		if !st.notUnaryHeld(chunk) {
-			st.pass(kindRequestBody, chunk, eos)
+			st.send(st.pass(kindRequestBody, chunk, eos), nil)
 		}
 		return
 	}
@@ -575,7 +563,7 @@ func (st *stream) requestBody(chunk []byte, eos bool) {
 
 func (st *stream) requestTrailers() {
 	if st.state != stateCollect {
-		st.send(proceed(kindRequestTrailers))
+		st.send(proceed(kindRequestTrailers), nil)
 		return
 	}
 	// Trailers end the body: in the streamed modes after its chunks, and in the buffered modes
@@ -589,13 +577,12 @@ func (st *stream) requestTrailers() {
 // merges it only outside that mode), and grpc-go's client reads none (noPath): none is sent, and
 // every later message is answered.
 func (st *stream) passThrough() {
-	st.fire(evPass)
 	if st.fullDuplex(kindRequestBody) || st.fullDuplex(kindResponseBody) || st.noPath() {
-		st.send(proceed(kindRequestHeaders))
+		st.move(evPass, proceed(kindRequestHeaders))
 		return
 	}
 	st.sentOverride = passThroughMode
-	st.send(passOn{})
+	st.move(evPass, passOn{})
 }
 
 // reject settles a covered request with a problem answered by the server (in shadow mode, it only
@@ -606,17 +593,25 @@ func (st *stream) reject(p *problem) {
 		st.shadowed(p.outcome)
 		return
 	}
-	st.answerWith(refuse{p})
+	st.move(evAnswer, refuse{p})
 }
 
-// flush sends the answers the claim withheld, in Envoy's order, once the stream moved on from
-// from: the headers (owed when the claim came at them, or when Envoy sent the body without
-// waiting for their answer), the body (the chunks' answers, or in FULL_DUPLEX_STREAMED the body
-// itself, streamed back), the trailers.
-func (st *stream) flush(from state) {
-	w := &st.w
+// flush moves the stream on e and sends the answers the claim withheld, in Envoy's order, the
+// first going with the move: the headers (owed when the claim came at them, or when Envoy sent
+// the body without waiting for their answer), the body (the chunks' answers, or in
+// FULL_DUPLEX_STREAMED the body itself, streamed back), the trailers.
+func (st *stream) flush(e event) {
+	w, from, moved := &st.w, st.state, false
+	send := func(a answer) {
+		if !moved {
+			st.move(e, a)
+			moved = true
+		} else {
+			st.send(a, nil)
+		}
+	}
 	if from == stateStart || st.withholdsHeaders() {
-		st.send(proceed(kindRequestHeaders))
+		send(proceed(kindRequestHeaders))
 	}
 	if st.fullDuplex(kindRequestBody) && w.chunks > 0 {
 		// The body streamed back ends where Envoy's did: not at all yet when the response began
@@ -625,7 +620,7 @@ func (st *stream) flush(from state) {
 		for {
 			n := min(len(body), maxStreamedChunk)
 			last := n == len(body)
-			st.send(echo{k: kindRequestBody, chunk: body[:n], eos: last && w.end == bodyEnded})
+			send(echo{k: kindRequestBody, chunk: body[:n], eos: last && w.end == bodyEnded})
 			body = body[n:]
 			if last {
 				break
@@ -636,13 +631,16 @@ func (st *stream) flush(from state) {
 		w.body = nil
 	} else {
 		for range w.chunks {
-			st.send(proceed(kindRequestBody))
+			send(proceed(kindRequestBody))
 		}
 	}
 	if w.end == bodyTrailers {
-		st.send(proceed(kindRequestTrailers))
+		send(proceed(kindRequestTrailers))
 	}
 	w.chunks = 0
+	if !moved {
+		st.move(e, nil)
+	}
 }
 
 // claim makes the claims of a covered request (claimOnce), judges each result (judgeClaim), and
@@ -689,7 +687,7 @@ func (st *stream) claim(body []byte) {
 		// In flight: wait for the first request to complete rather than answer 409 at once,
 		// polling no faster than every waitPoll.
 		if !st.sleep(min(waitPoll, deadline.Sub(now))) {
-			st.answerWith(nil) // Envoy gave up on the request: nobody waits for an answer
+			st.move(evAnswer, nil) // Envoy gave up on the request: nobody waits for an answer
 			return
 		}
 	}
@@ -741,26 +739,23 @@ func (st *stream) carryOut(v verdict, rec *cache.Record, waited string) {
 		v = st.grpcVerdict(v, rec)
 	}
 	v, rec = st.rpcVerdict(v, rec)
-	from := st.state
 	switch v.act {
 	case actRun:
 		if st.req.route.shadow {
 			st.req.route.shadowCounts[Executed].Inc()
 		}
-		st.fire(evRun)
-		st.flush(from)
+		st.flush(evRun)
 	case actUnprotected:
 		// Its response headers still come, for the replay header.
-		st.fire(evUnprotected)
-		st.flush(from)
+		st.flush(evUnprotected)
 	case actReplay:
-		st.answerWith(replay{rec: rec, waited: waited, refused: st.req.adm.grpc && !st.grpcReplayable(rec)})
+		st.move(evAnswer, replay{rec: rec, waited: waited, refused: st.req.adm.grpc && !st.grpcReplayable(rec)})
 	case actRefuse:
-		st.answerWith(refuse{v.problem})
+		st.move(evAnswer, refuse{v.problem})
 	case actShadow:
 		st.shadowed(v.would)
 	default:
-		st.answerWith(nil) // the stream ended: nobody waits for an answer
+		st.move(evAnswer, nil) // the stream ended: nobody waits for an answer
 	}
 }
 
@@ -793,9 +788,7 @@ func (st *stream) shadowed(would Outcome) {
 		st.passThrough()
 		return
 	}
-	from := st.state
-	st.fire(evPass)
-	st.flush(from)
+	st.flush(evPass)
 }
 
 func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*structpb.Struct) {
@@ -804,18 +797,16 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 		st.respond(m, attrs)
 	case stateCollect:
 		st.earlyResponse(attrs)
-		st.fire(evSettle)
-		st.markResponse(false, false)
+		st.move(evSettle, st.markResponse(false, false))
 	case stateUnprotected:
-		st.fire(evSettle)
-		st.markResponse(false, false)
+		st.move(evSettle, st.markResponse(false, false))
 	case statePass:
 		if st.sentOverride == passThroughMode {
 			st.overrideRefused()
 		}
-		st.pass(kindResponseHeaders, nil, false)
+		st.send(proceed(kindResponseHeaders), nil)
 	default:
-		st.pass(kindResponseHeaders, nil, false)
+		st.send(proceed(kindResponseHeaders), nil)
 	}
 }
 
@@ -850,18 +841,15 @@ func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.S
 	case settleRecord:
 		c.resp.Headers, c.resp.BodyOmitted = replayableHeaders(h, r.Route), omitted
 		c.complete()
-		st.fire(evSettle)
-		st.markResponse(!omitted || !bodySent, c.recorded)
+		st.move(evSettle, st.markResponse(!omitted || !bodySent, c.fate == leaseRecorded))
 		return
 	case settleCapture:
 		c.resp.Headers = replayableHeaders(h, r.Route)
-		st.fire(evStore)
 		// A gRPC call's trailers say whether it is stored: no expiry before them.
-		st.markResponse(true, !st.req.adm.grpc)
+		st.move(evStore, st.markResponse(true, !st.req.adm.grpc))
 		return
 	}
-	st.fire(evSettle)
-	st.markResponse(false, false)
+	st.move(evSettle, st.markResponse(false, false))
 }
 
 // origin reads where a response came from (originOf), and counts what its attributes show of
@@ -908,30 +896,27 @@ func (st *stream) earlyResponse(attrs map[string]*structpb.Struct) {
 		}
 		st.call.event(st.s.log.Debug()).Msg("the response began before the request body reached the processor whole; this request ran unprotected")
 	}
-	from := st.state
-	st.fire(evUnprotected)
-	st.flush(from)
+	st.flush(evUnprotected)
 }
 
-// markResponse answers response headers of a covered request: the replay header set to false
-// (replay_header_fresh), and the record's expiry when the response is stored. A response whose
-// body the processor need not see also has its body phase turned off, unless Envoy would ignore
-// the override (FULL_DUPLEX_STREAMED) or sends no body anyway. In shadow mode the response goes
-// on untouched.
-func (st *stream) markResponse(wantBody, stored bool) {
+// markResponse is the answer to the response headers of a covered request: the replay header
+// set to false (replay_header_fresh), and the record's expiry when the response is stored. A
+// response whose body the processor need not see also has its body phase turned off, unless
+// Envoy would ignore the override (FULL_DUPLEX_STREAMED) or sends no body anyway. In shadow mode
+// the response goes on untouched.
+func (st *stream) markResponse(wantBody, stored bool) answer {
 	noBody := !wantBody && !st.fullDuplex(kindResponseBody) && st.responseMode() != filterextproc.ProcessingMode_NONE && !st.noPath()
 	if noBody {
 		st.sentOverride = noStoreMode
 	}
 	if st.req.route.shadow {
-		st.send(untouched{noBody: noBody})
-		return
+		return untouched{noBody: noBody}
 	}
 	var expires time.Time
 	if stored && st.req.route.ExpiresHeader != "" {
 		expires = st.s.clock.Now().Add(st.req.adm.ttl)
 	}
-	st.send(mark{expires: expires, noBody: noBody})
+	return mark{expires: expires, noBody: noBody}
 }
 
 // overrideRefused notes that Envoy sent a phase a mode_override had turned off: every request
@@ -948,7 +933,7 @@ func (st *stream) responseBody(chunk []byte, eos bool) {
 		if st.sentOverride == noStoreMode {
 			st.overrideRefused()
 		}
-		st.pass(kindResponseBody, chunk, eos)
+		st.send(st.pass(kindResponseBody, chunk, eos), nil)
 		return
 	}
 	if st.req.adm.grpc {
@@ -976,12 +961,14 @@ func (st *stream) responseBody(chunk []byte, eos bool) {
 	default:
 		resp.Body = append(resp.Body, chunk...)
 	}
-	if last {
-		// Durability: the record is written before Envoy may pass the response's end on.
-		st.call.complete()
-		st.fire(evSettle)
+	a := st.pass(kindResponseBody, chunk, eos)
+	if !last {
+		st.send(a, nil)
+		return
 	}
-	st.pass(kindResponseBody, chunk, eos)
+	// Durability: the record is written before Envoy may pass the response's end on.
+	st.call.complete()
+	st.move(evSettle, a)
 }
 
 // unknownOutcome handles a lease whose request may or may not have run upstream, as the route's
@@ -1012,7 +999,7 @@ func (st *stream) finish() {
 	if c.broken() {
 		return
 	}
-	if c.held() {
+	if c.fate == leaseHeld {
 		switch {
 		case st.state == stateCapture && st.req.adm.grpc:
 			// No grpc-status came: the call's outcome is unknown.
@@ -1031,7 +1018,7 @@ func (st *stream) finish() {
 		if st.state == stateRunning || st.state == stateCapture {
 			// A stream an illegal move settled already keeps its outcome; the lease is
 			// handled all the same, and no second illegal move is counted.
-			st.fire(evSettle)
+			st.move(evSettle, nil)
 		}
 	}
 	if st.req.route == nil {
@@ -1040,9 +1027,9 @@ func (st *stream) finish() {
 	switch {
 	case st.outcome != "":
 	case st.state == stateUnprotected:
-		st.fire(evSettle)
+		st.move(evSettle, nil)
 	default:
-		st.answerWith(nil) // the client left before the request's end: nobody waits for an answer
+		st.move(evAnswer, nil) // the client left before the request's end: nobody waits for an answer
 	}
 	st.endSpan()
 	st.req.route.outcomes[st.outcome].Inc()
@@ -1066,14 +1053,14 @@ func (st *stream) logRequest() {
 	if c.resp.Status != 0 {
 		ev = ev.Int("status", c.resp.Status)
 	}
-	if st.outcome == Executed && (!c.recorded || c.resp.OutcomeUnknown) {
+	if recorded := c.fate == leaseRecorded; st.outcome == Executed && (!recorded || c.resp.OutcomeUnknown) {
 		// A record of an unknown outcome keeps no response: none was seen.
 		ev = ev.Bool("response_seen", false)
-	} else if c.recorded && c.resp.BodyOmitted {
+	} else if recorded && c.resp.BodyOmitted {
 		ev = ev.Bool("body_kept", false)
 	}
-	if c.released != "" {
-		ev = ev.Str("release_reason", c.released)
+	if reason := c.released(); reason != "" {
+		ev = ev.Str("release_reason", reason)
 	}
 	ev.Float64("duration_ms", float64(time.Since(st.req.start).Microseconds())/1000).Msg("request")
 }

@@ -75,8 +75,8 @@ func (st *stream) endSpan() {
 	if c.resp.Status != 0 {
 		attrs = append(attrs, attrTraceStatus.Int(c.resp.Status))
 	}
-	if c.released != "" {
-		attrs = append(attrs, attrTraceReleaseReason.String(c.released))
+	if reason := c.released(); reason != "" {
+		attrs = append(attrs, attrTraceReleaseReason.String(reason))
 	}
 	sp.SetAttributes(attrs...)
 	if st.outcome == StoreError {
