@@ -24,7 +24,7 @@ import (
 
 // state is where one request is in its life. It is the stream's one control value: what a
 // message does follows from it, and the request's outcome is settled by the move that leaves it
-// in pass or settled (stream.move). What the stream still owes Envoy (withheld) and what its
+// in pass or settled (stream.move). What the stream still owes Envoy (chunks, end) and what its
 // store calls did (leaseCall) are values, not flags beside it.
 type state uint8
 
@@ -121,18 +121,6 @@ func next(from state, e event) (state, bool) {
 	return stateSettled, false
 }
 
-// withheld is what the stream owes Envoy for a request whose claim waits for the body's end,
-// and what it holds of that body. flush pays it, in Envoy's order; whether the request headers'
-// answer is owed follows from where the stream was and the body mode (flush).
-type withheld struct {
-	// chunks is how many body chunks' answers are owed.
-	chunks int
-	// body is the body collected so far (STREAMED, FULL_DUPLEX_STREAMED).
-	body []byte
-	// end is how far the request's body has come.
-	end bodyEnd
-}
-
 // bodyEnd is how far a covered request's body has come, as far as the stream needs to know.
 type bodyEnd uint8
 
@@ -227,7 +215,14 @@ type stream struct {
 	// per-route overrides included. nil when it announced none (Envoy before 1.32): the shipped
 	// BUFFERED modes.
 	pc *extprocv3.ProtocolConfiguration
-	w  withheld
+	// What the stream owes Envoy for a request whose claim waits for the body's end, and what it
+	// holds of that body: how many body chunks' answers are owed, the body collected so far
+	// (STREAMED, FULL_DUPLEX_STREAMED), and how far it has come. flush pays it, in Envoy's
+	// order; whether the request headers' answer is owed follows from where the stream was and
+	// the body mode (flush).
+	chunks int
+	body   []byte
+	end    bodyEnd
 	// out collects the answers of the message being handled, in order.
 	out []*extprocv3.ProcessingResponse
 
@@ -288,8 +283,8 @@ func (st *stream) move(e event, a answer) {
 // send queues the answer a; md, when not nil, is the dynamic metadata of the outcome the move it
 // goes with settled (move).
 func (st *stream) send(a answer, md []byte) {
-	if k := a.answers(); (k == kindRequestBody || k == kindRequestTrailers) && st.w.end == bodyHeld {
-		st.w.end = bodyOpen // Envoy sends the request on
+	if k := a.answers(); (k == kindRequestBody || k == kindRequestTrailers) && st.end == bodyHeld {
+		st.end = bodyOpen // Envoy sends the request on
 	}
 	if st.req.adm.grpc && st.sendGRPC(a, md) {
 		return
@@ -397,7 +392,7 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 		// Nothing to wait for: claim now, so that a duplicate's answer comes before its body is
 		// uploaded.
 		if !m.GetEndOfStream() && contentLength(h) > 0 && row.holdsHeaders {
-			st.w.end = bodyHeld
+			st.end = bodyHeld
 		}
 		st.claim(nil)
 		return
@@ -528,7 +523,7 @@ func (st *stream) requestBody(chunk []byte, eos bool) {
 		// A partial buffer can neither fingerprint the request nor stand for its key. Trailers
 		// also make end_of_stream false: such requests are refused too, rather than let one run
 		// unclaimed. (In shadow mode the buffer's answer is owed, and sent.)
-		st.w.chunks = 1
+		st.chunks = 1
 		if row.partial && !eos {
 			st.reject(problemTooLarge)
 			return
@@ -540,24 +535,24 @@ func (st *stream) requestBody(chunk []byte, eos bool) {
 	// header call comes whole: Filter::handleCompleteBodyAvailable). Collect it, withholding
 	// every answer, and claim at its end.
 	if eos {
-		st.w.end = bodyEnded
+		st.end = bodyEnded
 	}
-	if len(st.w.body)+len(chunk) > st.maxRequestBytes() {
+	if len(st.body)+len(chunk) > st.maxRequestBytes() {
 		if st.req.route.shadow {
 			// The request goes on untouched: this chunk's answer is owed too, and in
 			// FULL_DUPLEX_STREAMED the chunk itself, streamed back with what came before it.
-			st.w.body = append(st.w.body, chunk...)
-			st.w.chunks++
+			st.body = append(st.body, chunk...)
+			st.chunks++
 		} else {
-			st.w.body = nil
+			st.body = nil
 		}
 		st.reject(problemTooLarge)
 		return
 	}
-	st.w.body = append(st.w.body, chunk...)
-	st.w.chunks++
+	st.body = append(st.body, chunk...)
+	st.chunks++
 	if eos {
-		st.claim(st.w.body)
+		st.claim(st.body)
 	}
 }
 
@@ -568,8 +563,8 @@ func (st *stream) requestTrailers() {
 	}
 	// Trailers end the body: in the streamed modes after its chunks, and in the buffered modes
 	// for a request that had trailers and no data.
-	st.w.end = bodyTrailers
-	st.claim(st.w.body)
+	st.end = bodyTrailers
+	st.claim(st.body)
 }
 
 // passThrough leaves the request alone and asks Envoy to skip every later phase. In a
@@ -601,7 +596,7 @@ func (st *stream) reject(p *problem) {
 // the body without waiting for their answer), the body (the chunks' answers, or in
 // FULL_DUPLEX_STREAMED the body itself, streamed back), the trailers.
 func (st *stream) flush(e event) {
-	w, from, moved := &st.w, st.state, false
+	from, moved := st.state, false
 	send := func(a answer) {
 		if !moved {
 			st.move(e, a)
@@ -613,14 +608,14 @@ func (st *stream) flush(e event) {
 	if from == stateStart || st.withholdsHeaders() {
 		send(proceed(kindRequestHeaders))
 	}
-	if st.fullDuplex(kindRequestBody) && w.chunks > 0 {
+	if st.fullDuplex(kindRequestBody) && st.chunks > 0 {
 		// The body streamed back ends where Envoy's did: not at all yet when the response began
 		// early or a shadowed request was too large, before the trailers when they came.
-		body := w.body
+		body := st.body
 		for {
 			n := min(len(body), maxStreamedChunk)
 			last := n == len(body)
-			send(echo{k: kindRequestBody, chunk: body[:n], eos: last && w.end == bodyEnded})
+			send(echo{k: kindRequestBody, chunk: body[:n], eos: last && st.end == bodyEnded})
 			body = body[n:]
 			if last {
 				break
@@ -628,16 +623,16 @@ func (st *stream) flush(e event) {
 		}
 		// Sent back, the body is Envoy's again: the stream must not keep it for the whole
 		// upstream call.
-		w.body = nil
+		st.body = nil
 	} else {
-		for range w.chunks {
+		for range st.chunks {
 			send(proceed(kindRequestBody))
 		}
 	}
-	if w.end == bodyTrailers {
+	if st.end == bodyTrailers {
 		send(proceed(kindRequestTrailers))
 	}
-	w.chunks = 0
+	st.chunks = 0
 	if !moved {
 		st.move(e, nil)
 	}
@@ -657,7 +652,7 @@ func (st *stream) claim(body []byte) {
 	r := st.req.route
 	key, fp := st.keys(body, fpBody)
 	if !st.fullDuplex(kindRequestBody) {
-		st.w.body = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
+		st.body = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
 	}
 	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.req.adm.ttl, Route: r.Name,
 		Replicas: r.Durability.Replicas, ReplicaTimeout: r.Durability.Timeout}
@@ -1008,7 +1003,7 @@ func (st *stream) finish() {
 		case st.state == stateCapture:
 			c.resp.BodyOmitted = true
 			c.complete()
-		case st.w.end == bodyHeld:
+		case st.end == bodyHeld:
 			// Envoy still held the request when the stream ended (the client left during a
 			// BUFFERED upload claimed at its headers): it never reached the upstream.
 			c.release(ReleaseNotSent)
