@@ -386,19 +386,6 @@ func (st *stream) grpcTrailers(m *extprocv3.HttpTrailers) {
 	}
 }
 
-// grpcBodies reports whether a direction's body travels in body mode GRPC, one message per body
-// message: grpc-go's ext_proc client fails the call on a body answer without streamed_response
-// (validateBodyResponse in grpc-go's internal/xds/httpfilter/extproc/ext_proc.go), so every one
-// is streamed back, and its half-close (a body with end_of_stream_without_message) is answered
-// with one.
-func (st *stream) grpcBodies(k msgKind) bool {
-	mode := st.requestMode()
-	if k >= kindResponseHeaders {
-		mode = st.responseMode()
-	}
-	return mode == filterextproc.ProcessingMode_GRPC
-}
-
 // noPath reports whether the request came without a :path, as through grpc-go's ext_proc client
 // (Envoy always sends one), covered or not. That client reads no mode_override (nothing in
 // grpc-go 1.85's internal/xds/httpfilter/extproc/ext_proc.go reads one): the processor sends it
@@ -406,13 +393,4 @@ func (st *stream) grpcBodies(k msgKind) bool {
 func (st *stream) noPath() bool {
 	_, ok := st.req.info.headers.lookup(":path")
 	return !ok
-}
-
-// responseStatus is the :status of a response to a call through grpc-go's ext_proc client,
-// which has none (its response headers are the call's metadata): taken as 200.
-func (st *stream) responseStatus(h headers) int {
-	if _, ok := h.lookup(":status"); !ok && st.req.adm.proxyless {
-		return http.StatusOK
-	}
-	return parseStatus(h.get(":status"))
 }

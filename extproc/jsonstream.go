@@ -1,8 +1,6 @@
 package extproc
 
 import (
-	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
 )
@@ -53,25 +51,12 @@ func (st *stream) rpcID() []byte {
 	return st.json.rpcID
 }
 
-// render is render for the request's route: on a json_rpc route, a problem is a JSON-RPC error
-// and a replay carries the request's id.
-func (st *stream) render(a answer) (*extprocv3.ProcessingResponse, bool) {
-	r := st.req.route
-	if r == nil || !r.JSONRPC {
-		return render(r, a) // r is nil for a message before the request headers
-	}
-	switch a := a.(type) {
-	case refuse:
-		return rpcProblem(a.p, r.Route, st.rpcID()), true
-	}
-	return render(r, a) // a replay's id was rewritten by rpcVerdict
-}
-
-// rpcVerdict puts the request's JSON-RPC id in the record a replay answers with, on a json_rpc
-// route; a stored response whose id cannot be rewritten is answered 409 response-not-replayable
-// (as a JSON-RPC error, with the request's id), never replayed with another request's id.
+// rpcVerdict puts the request's JSON-RPC id in the record a replay answers with; the stream asks
+// on a json_rpc route only. A stored response whose id cannot be rewritten is answered 409
+// response-not-replayable (as a JSON-RPC error, with the request's id), never replayed with
+// another request's id.
 func (st *stream) rpcVerdict(v verdict, rec *cache.Record) (verdict, *cache.Record) {
-	if v.act != actReplay || !st.req.route.JSONRPC || rec == nil {
+	if v.act != actReplay || rec == nil {
 		return v, rec
 	}
 	out, ok := rpcReplay(rec, st.rpcID())

@@ -3,6 +3,7 @@ package extproc
 import (
 	"context"
 	"errors"
+	"net/http"
 	"strconv"
 	"time"
 
@@ -289,7 +290,16 @@ func (st *stream) send(a answer, md []byte) {
 	if st.req.adm.grpc && st.sendGRPC(a, md) {
 		return
 	}
-	resp, own := st.render(a)
+	r := st.req.route
+	var resp *extprocv3.ProcessingResponse
+	var own bool
+	if p, ok := a.(refuse); ok && r.JSONRPC {
+		// On a json_rpc route a problem is a JSON-RPC error with the request's id (a replay's
+		// id was rewritten by rpcVerdict).
+		resp, own = rpcProblem(p.p, r.Route, st.rpcID()), true
+	} else {
+		resp, own = render(r, a)
+	}
 	if md != nil {
 		resp = withMetadata(resp, own, md)
 	}
@@ -369,10 +379,23 @@ func (st *stream) withholdsHeaders() bool {
 }
 
 // pass is the answer to a message that needs nothing from the processor: CONTINUE, or the same
-// chunk back in a FULL_DUPLEX_STREAMED direction.
+// chunk back in a FULL_DUPLEX_STREAMED direction. In body mode GRPC (one message per body
+// message) too: grpc-go's ext_proc client fails the call on a body answer without
+// streamed_response (validateBodyResponse in grpc-go's internal/xds/httpfilter/extproc/ext_proc.go),
+// and its half-close (a body with end_of_stream_without_message) is answered with one.
 func (st *stream) pass(k msgKind, chunk []byte, eos bool) answer {
-	if (k == kindRequestBody || k == kindResponseBody) && (st.fullDuplex(k) || st.grpcBodies(k)) {
-		return echo{k: k, chunk: chunk, eos: eos, noMessage: st.grpcBodies(k) && eos && len(chunk) == 0}
+	if k != kindRequestBody && k != kindResponseBody {
+		return proceed(k)
+	}
+	mode := st.requestMode()
+	if k == kindResponseBody {
+		mode = st.responseMode()
+	}
+	switch mode {
+	case filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
+		return echo{k: k, chunk: chunk, eos: eos}
+	case filterextproc.ProcessingMode_GRPC:
+		return echo{k: k, chunk: chunk, eos: eos, noMessage: eos && len(chunk) == 0}
 	}
 	return proceed(k)
 }
@@ -645,9 +668,13 @@ func (st *stream) claim(body []byte) {
 	if st.req.adm.grpc && st.notUnary(body) {
 		return
 	}
-	fpBody, ok := st.readBody(body)
-	if !ok {
-		return
+	fpBody := body
+	if st.json != nil || st.req.route.json != nil {
+		// The route reads its body's members, or match.json chooses it (jsonstream.go).
+		var ok bool
+		if fpBody, ok = st.readBody(body); !ok {
+			return
+		}
 	}
 	r := st.req.route
 	key, fp := st.keys(body, fpBody)
@@ -681,7 +708,7 @@ func (st *stream) claim(body []byte) {
 		}
 		// In flight: wait for the first request to complete rather than answer 409 at once,
 		// polling no faster than every waitPoll.
-		if !st.sleep(min(waitPoll, deadline.Sub(now))) {
+		if !sleep(st.s.clock, st.call.ctx, min(waitPoll, deadline.Sub(now))) {
 			st.move(evAnswer, nil) // Envoy gave up on the request: nobody waits for an answer
 			return
 		}
@@ -733,7 +760,9 @@ func (st *stream) carryOut(v verdict, rec *cache.Record, waited string) {
 	if st.req.adm.grpc {
 		v = st.grpcVerdict(v, rec)
 	}
-	v, rec = st.rpcVerdict(v, rec)
+	if st.req.route.JSONRPC {
+		v, rec = st.rpcVerdict(v, rec)
+	}
 	switch v.act {
 	case actRun:
 		if st.req.route.shadow {
@@ -770,9 +799,6 @@ func (st *stream) waitBudget() (wait time.Duration, preferred bool) {
 	}
 	return wait, false
 }
-
-// sleep waits d on the server's clock, and reports false when the stream ended first.
-func (st *stream) sleep(d time.Duration) bool { return sleep(st.s.clock, st.call.ctx, d) }
 
 // shadowed counts and logs what enforcement would have answered, and lets the request go on
 // untouched instead.
@@ -811,9 +837,14 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.Struct) {
 	r, c := st.req.route, st.call
 	h := headers(m.GetHeaders().GetHeaders())
-	status := parseStatus(h.get(":status"))
-	if st.req.adm.proxyless {
-		status = st.responseStatus(h)
+	v, ok := h.lookup(":status")
+	status, err := strconv.Atoi(string(v))
+	switch {
+	case !ok && st.req.adm.proxyless:
+		// grpc-go's ext_proc client sends none: its response headers are the call's metadata.
+		status = http.StatusOK
+	case err != nil:
+		status = 0
 	}
 	o := st.origin(attrs)
 	bodySent := st.responseMode() != filterextproc.ProcessingMode_NONE
@@ -991,7 +1022,10 @@ func (st *stream) unknownOutcome(status int) {
 // settled now; then its outcome is counted, its span ended and its line logged.
 func (st *stream) finish() {
 	c := st.call
-	if c.broken() {
+	if c.fate == leaseInStore {
+		// The stream's goroutine is unwinding a panic from inside the store: no further store
+		// call may be made (Server.StreamInterceptor lets the panic end the process).
+		c.s.storeBroken.Store(true)
 		return
 	}
 	if c.fate == leaseHeld {
@@ -1060,14 +1094,6 @@ func (st *stream) logRequest() {
 	ev.Float64("duration_ms", float64(time.Since(st.req.start).Microseconds())/1000).Msg("request")
 }
 
-func parseStatus(v []byte) int {
-	n, err := strconv.Atoi(string(v))
-	if err != nil {
-		return 0
-	}
-	return n
-}
-
 // stringAttribute returns the string attribute name, if Envoy sent it.
 func stringAttribute(attrs map[string]*structpb.Struct, name string) (string, bool) {
 	v, ok := attrs[extProcAttributes].GetFields()[name]
@@ -1081,29 +1107,20 @@ func stringAttribute(attrs map[string]*structpb.Struct, name string) (string, bo
 	return s.StringValue, true
 }
 
-// numberAttribute returns the integer attribute name, if Envoy sent it. Envoy sends CEL integers
-// as JSON numbers (ExtProcLoggingInfo and the CEL conversion in matching_utils.cc); a decimal
-// string is accepted too.
-func numberAttribute(attrs map[string]*structpb.Struct, name string) (int64, bool) {
-	v, ok := attrs[extProcAttributes].GetFields()[name]
-	if !ok {
-		return 0, false
-	}
-	switch k := v.GetKind().(type) {
-	case *structpb.Value_NumberValue:
-		return int64(k.NumberValue), true
-	case *structpb.Value_StringValue:
-		n, err := strconv.ParseInt(k.StringValue, 10, 64)
-		return n, err == nil
-	}
-	return 0, false
-}
-
 // originOf reads where a response came from out of the response attributes Envoy sent with it.
+// Envoy sends the attempt count, a CEL integer, as a JSON number (ExtProcLoggingInfo and the
+// CEL conversion in matching_utils.cc); a decimal string is accepted too.
 func originOf(attrs map[string]*structpb.Struct) origin {
 	details, detailsKnown := stringAttribute(attrs, attrCodeDetails)
-	attempts, attemptsKnown := numberAttribute(attrs, attrAttemptCount)
-	return origin{detailsKnown: detailsKnown, envoyMade: detailsKnown && details != "via_upstream", attempts: attempts, attemptsKnown: attemptsKnown}
+	o := origin{detailsKnown: detailsKnown, envoyMade: detailsKnown && details != "via_upstream"}
+	switch k := attrs[extProcAttributes].GetFields()[attrAttemptCount].GetKind().(type) {
+	case *structpb.Value_NumberValue:
+		o.attempts, o.attemptsKnown = int64(k.NumberValue), true
+	case *structpb.Value_StringValue:
+		n, err := strconv.ParseInt(k.StringValue, 10, 64)
+		o.attempts, o.attemptsKnown = n, err == nil
+	}
+	return o
 }
 
 // contentLength is the request's content-length, or -1 when it has none or it is not a number.
