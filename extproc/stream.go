@@ -684,7 +684,14 @@ func (st *stream) claim(body []byte) {
 	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.req.adm.ttl, Route: r.Name,
 		Replicas: r.Durability.Replicas, ReplicaTimeout: r.Durability.Timeout}
 	failOpen := st.s.policy.FailMode == policy.FailOpen
-	wait, preferred := st.waitBudget()
+	// A duplicate of a request in flight may wait for its replay: the route's in_flight_wait, or
+	// less when the client's Prefer: wait=N asks for less (RFC 7240).
+	wait, preferred := r.InFlightWait, false
+	if wait > 0 {
+		if n, ok := preferWait(st.req.info.headers); ok {
+			wait, preferred = min(wait, time.Duration(n)*time.Second), true
+		}
+	}
 	var deadline time.Time
 	calls := 0
 	for rounds := 0; ; rounds++ {
@@ -785,20 +792,6 @@ func (st *stream) carryOut(v verdict, rec *cache.Record, waited string) {
 
 // waitPoll is the least time between two store calls of a waiting duplicate.
 const waitPoll = 50 * time.Millisecond
-
-// waitBudget returns how long a duplicate of a request in flight may wait for its replay: the
-// route's in_flight_wait, or less when the client's Prefer: wait=N asks for less (RFC 7240);
-// preferred reports whether the client asked.
-func (st *stream) waitBudget() (wait time.Duration, preferred bool) {
-	wait = st.req.route.InFlightWait
-	if wait == 0 {
-		return 0, false
-	}
-	if n, ok := preferWait(st.req.info.headers); ok {
-		return min(wait, time.Duration(n)*time.Second), true
-	}
-	return wait, false
-}
 
 // shadowed counts and logs what enforcement would have answered, and lets the request go on
 // untouched instead.
