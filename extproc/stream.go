@@ -381,8 +381,9 @@ func (st *stream) withholdsHeaders() bool {
 // pass is the answer to a message that needs nothing from the processor: CONTINUE, or the same
 // chunk back in a FULL_DUPLEX_STREAMED direction. In body mode GRPC (one message per body
 // message) too: grpc-go's ext_proc client fails the call on a body answer without
-// streamed_response (validateBodyResponse in grpc-go's internal/xds/httpfilter/extproc/ext_proc.go),
-// and its half-close (a body with end_of_stream_without_message) is answered with one.
+// streamed_response (validateBodyResponse in grpc-go's
+// internal/xds/httpfilter/extproc/ext_proc.go), and its half-close (a body with
+// end_of_stream_without_message) is answered with one.
 func (st *stream) pass(k msgKind, chunk []byte, eos bool) answer {
 	if k != kindRequestBody && k != kindResponseBody {
 		return proceed(k)
@@ -1075,7 +1076,8 @@ func (st *stream) logRequest() {
 	if c.resp.Status != 0 {
 		ev = ev.Int("status", c.resp.Status)
 	}
-	if recorded := c.fate == leaseRecorded; st.outcome == Executed && (!recorded || c.resp.OutcomeUnknown) {
+	recorded := c.fate == leaseRecorded
+	if st.outcome == Executed && (!recorded || c.resp.OutcomeUnknown) {
 		// A record of an unknown outcome keeps no response: none was seen.
 		ev = ev.Bool("response_seen", false)
 	} else if recorded && c.resp.BodyOmitted {
