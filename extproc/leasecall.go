@@ -238,17 +238,6 @@ func (c *leaseCall) failed(op string, err error) {
 	c.event(ev).Str("op", op).Err(err).Msg("store operation failed")
 }
 
-// broken reports whether the stream's goroutine is unwinding a panic from inside the store, and
-// then marks the store broken: no further store call may be made (Server.StreamInterceptor lets
-// the panic end the process).
-func (c *leaseCall) broken() bool {
-	if c.fate == leaseInStore {
-		c.s.storeBroken.Store(true)
-		return true
-	}
-	return false
-}
-
 // completeCall writes l's record; sp is its span (or nil) and id adds the request's identity to a
 // log line. A record written but not confirmed by enough replicas (durability) is done: it is
 // counted, logged, and nil is returned.
