@@ -831,10 +831,10 @@ func (st *stream) responseHeaders(m *extprocv3.HttpHeaders, attrs map[string]*st
 func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.Struct) {
 	r, c := st.req.route, st.call
 	h := headers(m.GetHeaders().GetHeaders())
-	v, ok := h.lookup(":status")
+	v := h.get(":status")
 	status, err := strconv.Atoi(string(v))
 	switch {
-	case !ok && st.req.adm.proxyless:
+	case v == nil && st.req.adm.proxyless:
 		// grpc-go's ext_proc client sends none: its response headers are the call's metadata.
 		status = http.StatusOK
 	case err != nil:
