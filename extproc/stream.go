@@ -250,9 +250,8 @@ func newStream(s *Server, ctx context.Context) *stream {
 
 // move moves the stream on e, following transitions, and sends a, the answer that goes with the
 // move (none when a is nil: the stream ended, or nothing is owed yet). The move into pass or
-// settled settles the request's outcome, here and only here: the metric, the log line, the span
-// and the dynamic metadata all read it, and a carries the metadata to Envoy. A move not in the
-// table is a bug: it is counted, logged, and settles the request.
+// settled settles the request's outcome (settleOutcome), and a carries its dynamic metadata to
+// Envoy. A move not in the table is a bug: it is counted, logged, and settles the request.
 func (st *stream) move(e event, a answer) {
 	from := st.state
 	to, ok := next(from, e)
@@ -263,22 +262,30 @@ func (st *stream) move(e event, a answer) {
 	st.state = to
 	var md []byte
 	if st.outcome == "" && (to == statePass || to == stateSettled) {
-		var answered Outcome
-		switch a := a.(type) {
-		case refuse:
-			answered = a.p.outcome
-		case replay:
-			answered = Replayed
-			if a.refused {
-				answered = NotReplayable
-			}
-		}
-		st.outcome = settle(e, from, answered, st.call.err)
-		md = st.req.route.metadata.encode(st.outcome, st.call.released(), st.call.keyHash)
+		md = st.settleOutcome(e, from, a)
 	}
 	if a != nil {
 		st.send(a, md)
 	}
+}
+
+// settleOutcome settles the request's outcome, once, on the move on e from the state from that
+// leaves the stream in pass or settled, a the answer that goes with the move: here and only here,
+// and only move calls it. The metric, the log line, the span and the dynamic metadata all read
+// the outcome; settleOutcome returns the metadata, which a carries.
+func (st *stream) settleOutcome(e event, from state, a answer) []byte {
+	var answered Outcome
+	switch a := a.(type) {
+	case refuse:
+		answered = a.p.outcome
+	case replay:
+		answered = Replayed
+		if a.refused {
+			answered = NotReplayable
+		}
+	}
+	st.outcome = settle(e, from, answered, st.call.err)
+	return st.req.route.metadata.encode(st.outcome, st.call.released(), st.call.keyHash)
 }
 
 // send queues the answer a; md, when not nil, is the dynamic metadata of the outcome the move it
