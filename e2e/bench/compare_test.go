@@ -108,13 +108,13 @@ func TestCompare(t *testing.T) {
 	}
 	require.True(t, strings.Contains(out.String(), "| replay | redis store |"))
 	for _, w := range []string{workloadStreamed, workloadDuplex, workloadHeaders} {
-		require.Regexp(t, `\| `+w+` \| redis store \| \d+ \| [^|]+ \| [^|]+ \| \d\.\d\d \[\d\.\d\d, \d\.\d\d\] \|`, out.String(), "%s: a row with its ratio", w)
+		require.Regexp(t, `\| `+w+` \| redis store \| \d+ \| [^|]+ \| [^|]+ \| \d+\.\d\d \[\d+\.\d\d, \d+\.\d\d\] \|`, out.String(), "%s: a row with its ratio", w)
 	}
 	require.Regexp(t, `\| first execution \| memory store \|( [^|]+ \|){9} \d+\.\d \| [+-]\d+\.\d \[[+-]\d+\.\d, [+-]\d+\.\d\] \|`, out.String(),
 		"the processor's CPU per request, and over the null processor's with the range of the rounds'")
 	require.Contains(t, out.String(), "Little's law")
 	require.Contains(t, out.String(), "Every request of every cell was settled as a clean run settles it")
-	require.Regexp(t, `\| first execution \| memory store \| \d+ \| [^|]+ \| [^|]+ \| \d\.\d\d \[\d\.\d\d, \d\.\d\d\] \|`, out.String(),
+	require.Regexp(t, `\| first execution \| memory store \| \d+ \| [^|]+ \| [^|]+ \| \d+\.\d\d \[\d+\.\d\d, \d+\.\d\d\] \|`, out.String(),
 		"each ratio comes with the range of its rounds'")
 
 	// The Redis round trips alone: as many per request as the Redis store makes, beside a null
