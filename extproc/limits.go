@@ -86,8 +86,8 @@ var processMethod = "/" + extprocv3.ExternalProcessor_ServiceDesc.ServiceName + 
 // errFirstMessageLate is the cause of a stream's context cancelled for want of a first message.
 var errFirstMessageLate = errors.New("no first message in time")
 
-// firstMessageKey is the context key of a stream's first-message deadline (a *firstMessageContext,
-// a clock.Timer).
+// firstMessageKey is the context key of a stream's first-message deadline (its
+// *firstMessageContext).
 type firstMessageKey struct{}
 
 // TapHandle returns the handle to install with grpc.InTapHandle on the gRPC server that serves s.
@@ -98,7 +98,8 @@ type firstMessageKey struct{}
 // or a goroutine. Other services (gRPC health) pass untouched. It runs on the connection's
 // reader goroutine, and does no more than that.
 func (s *Server) TapHandle() tap.ServerInHandle {
-	w := &firstMessageWatch{clock: s.clock, timeout: s.firstMessageTimeout}
+	w := &firstMessageWatch{clock: s.clock, timeout: s.firstMessageTimeout, late: s.metrics.streams.refused.WithLabelValues(refusedFirstMessageTimeout)}
+	w.ring.next, w.ring.prev = &w.ring, &w.ring
 	s.firstMessages = w
 	return func(ctx context.Context, info *tap.Info) (context.Context, error) {
 		if info.FullMethodName != processMethod {
@@ -112,20 +113,19 @@ func (s *Server) TapHandle() tap.ServerInHandle {
 }
 
 // firstMessageContext is the context of a stream whose first message is due, and the deadline
-// of that message (a clock.Timer, which Stop stops). Its Err is context.DeadlineExceeded once the
-// message is late. grpc-go ends a stream whose Recv finds its context done with the status of
-// the context's Err (serverStream.RecvMsg writes it, through ContextErr in its
-// internal/transport), before the handler returns: DEADLINE_EXCEEDED, where a plain cancellation
-// would say CANCELLED, as if the client had given up.
+// of that message, which arrived ends. Its Err is context.DeadlineExceeded once the message is
+// late. grpc-go ends a stream whose Recv finds its context done with the status of the
+// context's Err (serverStream.RecvMsg writes it, through ContextErr in its internal/transport),
+// before the handler returns: DEADLINE_EXCEEDED, where a plain cancellation would say
+// CANCELLED, as if the client had given up.
 type firstMessageContext struct {
 	context.Context
 	cancel context.CancelCauseFunc
 	watch  *firstMessageWatch
-	// Guarded by watch.mu: when the message is due, and the stream's place in the watch's list
-	// while it waits (waiting).
+	// Guarded by watch.mu: when the message is due, and the stream's place in the watch's ring
+	// while it waits (nil otherwise).
 	due        time.Time
 	prev, next *firstMessageContext
-	waiting    bool
 }
 
 func (c *firstMessageContext) Err() error {
@@ -143,85 +143,75 @@ func (c *firstMessageContext) Value(key any) any {
 	return c.Context.Value(key)
 }
 
-// Stop takes the stream off the watch: its first message came, or it was refused. It reports
-// whether the stream was still waiting, false when its deadline had passed (its context is then
-// cancelled) or it was stopped before.
-func (c *firstMessageContext) Stop() bool { return c.watch.remove(c) }
+// arrived takes the stream off the watch: its first Recv returned, or the stream was refused.
+// It returns nil, or, when the deadline passed first, the DEADLINE_EXCEEDED error to end the
+// stream with, which it counts. Safe on nil (a server without the tap) and more than once.
+func (c *firstMessageContext) arrived() error {
+	if c == nil {
+		return nil
+	}
+	w := c.watch
+	w.mu.Lock()
+	waiting := c.next != nil
+	if waiting {
+		c.prev.next, c.next.prev = c.next, c.prev
+		c.prev, c.next = nil, nil
+	}
+	w.mu.Unlock()
+	if waiting || !errors.Is(context.Cause(c.Context), errFirstMessageLate) {
+		return nil
+	}
+	w.late.Inc()
+	return status.Error(codes.DeadlineExceeded, fmt.Sprintf("idempotency-extproc: no message within %s of the stream's start", w.timeout))
+}
 
-// firstMessageWatch holds the streams waiting for their first message, in the order they opened,
-// which is the order of their deadlines (each is FirstMessageTimeout after its stream's start),
-// and one timer armed for a deadline at or before the first one's. When it fires it ends the
-// streams whose deadline has passed and arms itself for the next one, if any. A stream that
-// sends its first message leaves the list; the timer is not stopped, and a firing that finds no
-// stream due arms nothing. So under load a stream costs no timer operation, where one timer each
-// took about half of what the deadline cost (BenchmarkFirstMessageTimer).
+// firstMessageWatch holds the streams waiting for their first message, in a ring in the order
+// they opened, which is the order of their deadlines (each is FirstMessageTimeout after its
+// stream's start), and one timer armed for a deadline at or before the first one's. When it
+// fires it ends the streams whose deadline has passed and arms itself for the next one, if any.
+// A stream that sends its first message leaves the ring; the timer is not stopped, and a firing
+// that finds no stream due arms nothing. So under load a stream costs no timer operation, where
+// one timer each took about half of what the deadline cost (BenchmarkFirstMessageTimer).
 type firstMessageWatch struct {
 	clock   clock.Clock
 	timeout time.Duration
+	late    prometheus.Counter // streams refused for want of a first message
 
-	mu         sync.Mutex
-	head, tail *firstMessageContext
-	armed      bool // the timer is armed, for a time at or before head's deadline
+	mu sync.Mutex
+	// ring is the ring's anchor: ring.next is the first stream due, ring.prev the last.
+	ring  firstMessageContext
+	armed bool // the timer is armed, for a time at or before the first one's deadline
 }
 
-// add puts c, whose stream just opened, last in the list.
+// add puts c, whose stream just opened, last in the ring.
 func (w *firstMessageWatch) add(c *firstMessageContext) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	c.due, c.waiting = w.clock.Now().Add(w.timeout), true
-	c.prev = w.tail
-	if w.tail != nil {
-		w.tail.next = c
-	} else {
-		w.head = c
-	}
-	w.tail = c
+	c.due = w.clock.Now().Add(w.timeout)
+	c.prev, c.next = w.ring.prev, &w.ring
+	c.prev.next, w.ring.prev = c, c
 	if !w.armed {
 		w.armed = true
 		w.clock.AfterFunc(w.timeout, w.expire)
 	}
 }
 
-// remove takes c off the list and reports whether it was on it.
-func (w *firstMessageWatch) remove(c *firstMessageContext) bool {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if !c.waiting {
-		return false
-	}
-	w.unlink(c)
-	return true
-}
-
-func (w *firstMessageWatch) unlink(c *firstMessageContext) {
-	if c.prev != nil {
-		c.prev.next = c.next
-	} else {
-		w.head = c.next
-	}
-	if c.next != nil {
-		c.next.prev = c.prev
-	} else {
-		w.tail = c.prev
-	}
-	c.prev, c.next, c.waiting = nil, nil, false
-}
-
 // expire ends the streams whose first message is late, then arms the timer for the next
 // deadline, if a stream still waits. A stream's context is cancelled before the lock is let go,
-// so that a Stop that finds the stream gone finds its context ended too.
+// so that an arrived that finds the stream gone finds its context ended too.
 func (w *firstMessageWatch) expire() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	now := w.clock.Now()
-	for w.head != nil && !w.head.due.After(now) {
-		c := w.head
-		w.unlink(c)
+	for c := w.ring.next; c != &w.ring && !c.due.After(now); c = w.ring.next {
+		w.ring.next, c.next.prev = c.next, &w.ring
+		c.prev, c.next = nil, nil
 		c.cancel(errFirstMessageLate)
 	}
-	w.armed = w.head != nil
+	first := w.ring.next
+	w.armed = first != &w.ring
 	if w.armed {
-		w.clock.AfterFunc(w.head.due.Sub(now), w.expire)
+		w.clock.AfterFunc(first.due.Sub(now), w.expire)
 	}
 }
 
@@ -230,16 +220,16 @@ func (w *firstMessageWatch) waiting() int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	n := 0
-	for c := w.head; c != nil; c = c.next {
+	for c := w.ring.next; c != &w.ring; c = c.next {
 		n++
 	}
 	return n
 }
 
-// enter admits a stream unless MaxStreams are open: then it stops the stream's first-message
-// timer and returns the RESOURCE_EXHAUSTED error to end the stream with. A stream admitted
-// calls leave when it ends.
-func (s *Server) enter(ctx context.Context) error {
+// enter admits a stream unless MaxStreams are open: then it takes the stream off the
+// first-message watch (first, nil without the tap) and returns the RESOURCE_EXHAUSTED error to
+// end the stream with. A stream admitted calls leave when it ends.
+func (s *Server) enter(first *firstMessageContext) error {
 	// A compare-and-swap, so that a stream refused never holds a slot, even for a moment, that
 	// one entering beside it could have had.
 	for n := s.open.Load(); n < int64(s.maxStreams); n = s.open.Load() {
@@ -248,9 +238,7 @@ func (s *Server) enter(ctx context.Context) error {
 			return nil
 		}
 	}
-	if t, ok := ctx.Value(firstMessageKey{}).(clock.Timer); ok {
-		t.Stop()
-	}
+	_ = first.arrived()
 	s.metrics.streams.refused.WithLabelValues(refusedLimit).Inc()
 	return status.Errorf(codes.ResourceExhausted, "idempotency-extproc: %d streams are open, the most this replica takes", s.maxStreams)
 }
@@ -258,22 +246,4 @@ func (s *Server) enter(ctx context.Context) error {
 func (s *Server) leave() {
 	s.open.Add(-1)
 	s.metrics.streams.open.Dec()
-}
-
-// firstMessageTimer returns the timer TapHandle armed for the stream of ctx, or nil when the
-// server runs without the tap.
-func firstMessageTimer(ctx context.Context) clock.Timer {
-	t, _ := ctx.Value(firstMessageKey{}).(clock.Timer)
-	return t
-}
-
-// firstMessageDone stops the first-message timer t once the stream's first Recv has returned. It
-// returns nil, or, when the timer fired first, the DEADLINE_EXCEEDED error to end the stream
-// with, which it counts.
-func (s *Server) firstMessageDone(ctx context.Context, t clock.Timer) error {
-	if t.Stop() || !errors.Is(context.Cause(ctx), errFirstMessageLate) {
-		return nil
-	}
-	s.metrics.streams.refused.WithLabelValues(refusedFirstMessageTimeout).Inc()
-	return status.Error(codes.DeadlineExceeded, fmt.Sprintf("idempotency-extproc: no message within %s of the stream's start", s.firstMessageTimeout))
 }

@@ -241,14 +241,14 @@ func cut(s string, n int) string { return s[:min(len(s), n)] }
 // answer, except the body chunks whose answers the claim withholds and then sends together. A
 // stream beyond MaxStreams is refused at once with RESOURCE_EXHAUSTED (limits.go).
 func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
-	if err := s.enter(srv.Context()); err != nil {
+	first, _ := srv.Context().Value(firstMessageKey{}).(*firstMessageContext)
+	if err := s.enter(first); err != nil {
 		return err
 	}
 	// The gauge of open streams comes down before Wait sees the stream end.
 	s.streams.Add(1)
 	defer s.streams.Done()
 	defer s.leave()
-	first := firstMessageTimer(srv.Context())
 	st := newStream(s, srv.Context())
 	// Runs on a panic too (see StreamInterceptor): the lease is released or kept as for any
 	// stream cut short.
@@ -256,7 +256,7 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	for {
 		req, err := srv.Recv()
 		if first != nil {
-			if err := s.firstMessageDone(srv.Context(), first); err != nil {
+			if err := first.arrived(); err != nil {
 				return err
 			}
 			first = nil
