@@ -119,7 +119,7 @@ func (c *completions) run(p pendingCompletion) {
 		c.bodyBytes -= len(p.resp.Body)
 		c.mu.Unlock()
 		c.s.metrics.completionsPending.Dec()
-		c.s.unhold(p.hold)
+		c.s.holds.remove(p.hold)
 		c.wg.Done()
 	}()
 	s, m := c.s, c.s.metrics

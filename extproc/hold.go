@@ -119,7 +119,8 @@ func (hs *holdSet) shard(key string) *holdShard {
 	return &hs.shards[h%uint32(len(hs.shards))]
 }
 
-func (hs *holdSet) add(h *hold) {
+// add registers h as this replica's hold on its key, and returns it.
+func (hs *holdSet) add(h *hold) *hold {
 	sh := hs.shard(h.lease.Key())
 	sh.mu.Lock()
 	if sh.m == nil {
@@ -127,10 +128,15 @@ func (hs *holdSet) add(h *hold) {
 	}
 	sh.m[h.lease.Key()] = h
 	sh.mu.Unlock()
+	return h
 }
 
-// remove forgets h, unless its key is held by another hold since.
+// remove forgets h, unless its key is held by another hold since: its key is this replica's no
+// longer. Safe on nil.
 func (hs *holdSet) remove(h *hold) {
+	if h == nil {
+		return
+	}
 	key := h.lease.Key()
 	sh := hs.shard(key)
 	sh.mu.Lock()
@@ -140,6 +146,7 @@ func (hs *holdSet) remove(h *hold) {
 	sh.mu.Unlock()
 }
 
+// get returns this replica's hold on key, if any.
 func (hs *holdSet) get(key string) *hold {
 	sh := hs.shard(key)
 	sh.mu.Lock()
@@ -159,23 +166,6 @@ func (hs *holdSet) len() int {
 	}
 	return n
 }
-
-// hold registers the lease a claim acquired with c, sent at sent, as held by this replica.
-func (s *Server) hold(lease cache.Lease, c cache.Claim, sent time.Time) *hold {
-	h := &hold{lease: lease, claim: c, reached: sent}
-	s.holds.add(h)
-	return h
-}
-
-// unhold forgets h: its key is this replica's no longer. Safe on nil.
-func (s *Server) unhold(h *hold) {
-	if h != nil {
-		s.holds.remove(h)
-	}
-}
-
-// held returns this replica's hold on key, if any.
-func (s *Server) held(key string) *hold { return s.holds.get(key) }
 
 // leaseLost counts and logs, once per hold, a lease lost while its request ran or its completion
 // was pending: the record was removed while the store answered, or another request claimed the

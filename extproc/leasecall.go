@@ -130,7 +130,7 @@ func (c *leaseCall) acquire(key string, cl cache.Claim) (*cache.Record, error) {
 	case err != nil:
 		c.failed("acquire", err)
 	case rec == nil:
-		c.fate, c.hold = leaseHeld, s.hold(lease, cl, sent)
+		c.fate, c.hold = leaseHeld, s.holds.add(&hold{lease: lease, claim: cl, reached: sent})
 		s.metrics.inflight.Inc()
 		s.renewEvery(&c.hold.renewal, c, c.hold)
 	}
@@ -220,7 +220,7 @@ func (c *leaseCall) leave() {
 // drop forgets the hold, the lease having become f: the key is this replica's no longer (unless
 // the background retries took it over).
 func (c *leaseCall) drop(f leaseFate) {
-	c.s.unhold(c.hold)
+	c.s.holds.remove(c.hold)
 	c.hold, c.fate = nil, f
 	c.s.metrics.inflight.Dec()
 }

@@ -116,7 +116,17 @@ func (r *renewal) stop() {
 	r.mu.Lock()
 	r.stopped = true
 	if r.s != nil {
-		r.s.renewals.remove(r)
+		// Off the queue, if it waits there; the timer is stopped when no renewal waits.
+		q := &r.s.renewals
+		q.mu.Lock()
+		if r.queued {
+			q.delete(r.index)
+			if len(q.heap) == 0 && !q.armed.IsZero() {
+				q.timer.Stop()
+				q.armed = time.Time{}
+			}
+		}
+		q.mu.Unlock()
 	}
 	cancel := r.cancel
 	r.mu.Unlock()
@@ -153,21 +163,6 @@ func (q *renewalQueue) add(r *renewal, d time.Duration) {
 	r.due, r.index, r.queued = due, len(q.heap), true
 	q.heap = append(q.heap, r)
 	q.up(r.index)
-}
-
-// remove takes r off the queue, if it is there, and stops the timer when no renewal waits.
-// Called with r.mu held.
-func (q *renewalQueue) remove(r *renewal) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	if !r.queued {
-		return
-	}
-	q.delete(r.index)
-	if len(q.heap) == 0 && !q.armed.IsZero() {
-		q.timer.Stop()
-		q.armed = time.Time{}
-	}
 }
 
 // resetter is a timer that can be re-armed in place, as time.Timer and the fake clock's can.

@@ -759,7 +759,7 @@ func (st *stream) claimOnce(key string, c cache.Claim, round int, calls *int) cl
 	if round == 0 && r.Durability.Replicas > 0 && st.call.undurable(r.Durability.Replicas) {
 		return claimResult{err: errDurabilityUnmet}
 	}
-	if h := st.s.held(key); h != nil {
+	if h := st.s.holds.get(key); h != nil {
 		return claimResult{rec: h.record()}
 	}
 	if *calls++; *calls > 1 {
