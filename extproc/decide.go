@@ -66,7 +66,7 @@ func admit(r *route, req requestInfo) admission {
 	// A request is gRPC when its content-type says so, or when its route says grpc: true and it
 	// has no :path (grpc-go's ext_proc client, which sends no content-type either). A plain HTTP
 	// request on a grpc: true route stays HTTP: its outcome is its :status, its answers HTTP.
-	_, hasPath := req.headers.lookup(":path")
+	hasPath := req.headers.get(":path") != nil
 	a.grpc = a.covered && (isGRPC(req.headers) || (r.GRPC && !hasPath))
 	a.proxyless = a.grpc && !hasPath
 	return a
@@ -87,7 +87,7 @@ func admitCovered(r *route, req requestInfo) admission {
 	}
 	a := admission{covered: true, key: key, bodyHash: !present, ttl: r.TTL}
 	if r.TTLHeader != "" {
-		if v, ok := req.headers.lookup(r.TTLHeader); ok {
+		if v := req.headers.get(r.TTLHeader); v != nil {
 			ttl, err := parseTTL(v, r.MaxTTL)
 			if err != nil {
 				return admission{covered: true, problem: problemInvalidTTL}

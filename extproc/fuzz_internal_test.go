@@ -39,7 +39,7 @@ func FuzzParseKey(f *testing.F) {
 				require.True(t, key[i] >= 0x21 && key[i] <= 0x7e, "byte %#x in key %q", key[i], key)
 			}
 		}
-		if v, ok := h.lookup("x-ttl"); ok {
+		if v := h.get("x-ttl"); v != nil {
 			if ttl, err := parseTTL(v, time.Hour); err == nil {
 				require.Positive(t, ttl)
 				require.LessOrEqual(t, ttl, time.Hour)

@@ -53,8 +53,8 @@ func grpcMessages(body []byte) (n int, whole bool) {
 
 // grpcStatusOf reads grpc-status from h; ok is false when h has none or it is not a number.
 func grpcStatusOf(h headers) (code int, ok bool) {
-	v, present := h.lookup(headerGRPCStatus)
-	if !present {
+	v := h.get(headerGRPCStatus)
+	if v == nil {
 		return 0, false
 	}
 	n, err := strconv.Atoi(string(v))
@@ -391,6 +391,6 @@ func (st *stream) grpcTrailers(m *extprocv3.HttpTrailers) {
 // grpc-go 1.85's internal/xds/httpfilter/extproc/ext_proc.go reads one): the processor sends it
 // none, as a phase it then sends is no sign of a misconfigured Envoy.
 func (st *stream) noPath() bool {
-	_, ok := st.req.info.headers.lookup(":path")
+	ok := st.req.info.headers.get(":path") != nil
 	return !ok
 }

@@ -1,6 +1,7 @@
 package extproc
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
@@ -33,7 +34,8 @@ var (
 // per value.
 type headers []*corev3.HeaderValue
 
-// get returns the first value of name, or nil.
+// get returns the first value of name, or nil when the header is absent: a header present with
+// an empty value is an empty slice, not nil.
 func (h headers) get(name string) []byte {
 	for _, v := range h {
 		if v.GetKey() == name {
@@ -43,11 +45,14 @@ func (h headers) get(name string) []byte {
 	return nil
 }
 
-// headerValue returns the value of h. Envoy sends raw_value; value is read only as a fallback for
-// clients that predate it.
+// headerValue returns the value of h, never nil. Envoy sends raw_value; value is read only as a
+// fallback for clients that predate it.
 func headerValue(h *corev3.HeaderValue) []byte {
-	if h.RawValue != nil {
+	switch {
+	case h.RawValue != nil:
 		return h.RawValue
+	case h.Value == "":
+		return []byte{}
 	}
 	return []byte(h.Value)
 }
@@ -79,10 +84,10 @@ func parseKey(h headers, names []string) (key string, present bool, err error) {
 	return key, present, nil
 }
 
-// unquoteKey trims optional whitespace, unquotes an RFC 8941 sf-string (the IETF draft's form)
+// unquoteKey trims optional whitespace (spaces and tabs), unquotes an RFC 8941 sf-string (the IETF draft's form)
 // and checks that the result is 1 to MaxKeyLength visible ASCII characters.
 func unquoteKey(v []byte) (string, bool) {
-	v = trimOWS(v)
+	v = bytes.Trim(v, " \t") // optional whitespace
 	if len(v) > 0 && v[0] == '"' {
 		if len(v) < 2 || v[len(v)-1] != '"' {
 			return "", false
@@ -121,20 +126,10 @@ func checkKey(k string) (string, bool) {
 	return k, true
 }
 
-func trimOWS(v []byte) []byte {
-	for len(v) > 0 && (v[0] == ' ' || v[0] == '\t') {
-		v = v[1:]
-	}
-	for len(v) > 0 && (v[len(v)-1] == ' ' || v[len(v)-1] == '\t') {
-		v = v[:len(v)-1]
-	}
-	return v
-}
-
 // parseTTL reads a ttl_header value: a positive whole number of seconds, capped at max. Numbers
 // too large to represent are capped too.
 func parseTTL(v []byte, max time.Duration) (time.Duration, error) {
-	v = trimOWS(v)
+	v = bytes.Trim(v, " \t") // optional whitespace
 	if len(v) == 0 {
 		return 0, errInvalidTTL
 	}
@@ -246,9 +241,6 @@ func (d *digest) headerValues(w hash.Hash, h headers, name string) {
 	}
 }
 
-// finish returns the hash of what was written to h; it is valid until the next reset.
-func (d *digest) finish(h hash.Hash) []byte { return h.Sum(d.sum[:0]) }
-
 // fingerprint returns the SHA-256 over the route's fingerprint parts and fingerprint headers.
 // A route that lists no part (the mismatch check is off; the policy refuses fingerprint
 // headers beside it) gets the hash of its name instead: nothing is checked within the route,
@@ -266,7 +258,7 @@ func (d *digest) fingerprint(dst []byte, r *policy.Route, method, path, body []b
 	if len(r.Fingerprint) == 0 {
 		d.fieldString(w, "route")
 		d.fieldString(w, r.Name)
-		return append(dst, d.finish(w)...)
+		return append(dst, w.Sum(d.sum[:0])...)
 	}
 	for _, p := range r.Fingerprint {
 		d.fieldString(w, string(p))
@@ -282,7 +274,7 @@ func (d *digest) fingerprint(dst []byte, r *policy.Route, method, path, body []b
 	for _, name := range r.FingerprintHeaders {
 		d.headerValues(w, h, name)
 	}
-	return append(dst, d.finish(w)...)
+	return append(dst, w.Sum(d.sum[:0])...)
 }
 
 // bodyHashKey is the key of a request without one under missing_key: body-hash: the hex SHA-256
@@ -292,7 +284,7 @@ func (d *digest) bodyHashKey(method, path, body []byte) string {
 	d.field(d.h, method)
 	d.field(d.h, path)
 	d.field(d.h, body)
-	return hex.EncodeToString(d.finish(d.h))
+	return hex.EncodeToString(d.h.Sum(d.sum[:0]))
 }
 
 // scope is what a request's scope values are read from: its headers, the payload
@@ -491,16 +483,6 @@ func exactValue(v *structpb.Value) bool {
 		}
 	}
 	return true
-}
-
-// lookup returns the first value of name and whether the header is present.
-func (h headers) lookup(name string) ([]byte, bool) {
-	for _, v := range h {
-		if v.GetKey() == name {
-			return headerValue(v), true
-		}
-	}
-	return nil, false
 }
 
 // notReplayed are the headers a replay never carries: they describe one connection, or Envoy
