@@ -33,18 +33,11 @@ type metadataKey struct {
 	keyHash       bool
 }
 
-// metadataTemplate is the encoded dynamic_metadata field, and where its key_hash goes (-1: it has
-// none).
-type metadataTemplate struct {
-	raw []byte
-	at  int
-}
-
 // metadataTemplates are a route's encoded templates, built on first use: a route meets only a
 // few of the outcome and reason combinations.
 type metadataTemplates struct {
 	namespace, route string
-	m                sync.Map // metadataKey → *metadataTemplate
+	m                sync.Map // metadataKey → the encoded dynamic_metadata field ([]byte)
 }
 
 // encode returns the dynamic_metadata field for outcome, release reason and key_hash ("" for
@@ -53,39 +46,29 @@ func (t *metadataTemplates) encode(o Outcome, releaseReason, keyHash string) []b
 	k := metadataKey{o, releaseReason, len(keyHash) == len(keyHashPlaceholder)}
 	v, ok := t.m.Load(k)
 	if !ok {
-		v, _ = t.m.LoadOrStore(k, t.build(k))
+		f := map[string]*structpb.Value{
+			"outcome":  structpb.NewStringValue(string(o)),
+			"route":    structpb.NewStringValue(t.route),
+			"replayed": structpb.NewBoolValue(o == Replayed),
+		}
+		if k.keyHash {
+			f["key_hash"] = structpb.NewStringValue(string(keyHashPlaceholder))
+		}
+		if releaseReason != "" {
+			f["release_reason"] = structpb.NewStringValue(releaseReason)
+		}
+		md := &structpb.Struct{Fields: map[string]*structpb.Value{t.namespace: structpb.NewStructValue(&structpb.Struct{Fields: f})}}
+		raw, err := proto.MarshalOptions{Deterministic: true}.Marshal(&extprocv3.ProcessingResponse{DynamicMetadata: md})
+		if err != nil {
+			panic(fmt.Sprintf("extproc: encoding dynamic metadata: %v", err)) // a Struct of strings and bools always encodes
+		}
+		v, _ = t.m.LoadOrStore(k, raw)
 	}
-	tpl := v.(*metadataTemplate)
-	out := make([]byte, len(tpl.raw))
-	copy(out, tpl.raw)
-	if tpl.at >= 0 {
-		copy(out[tpl.at:], keyHash)
+	out := bytes.Clone(v.([]byte))
+	if k.keyHash {
+		copy(out[bytes.Index(out, keyHashPlaceholder):], keyHash)
 	}
 	return out
-}
-
-func (t *metadataTemplates) build(k metadataKey) *metadataTemplate {
-	f := map[string]*structpb.Value{
-		"outcome":  structpb.NewStringValue(string(k.outcome)),
-		"route":    structpb.NewStringValue(t.route),
-		"replayed": structpb.NewBoolValue(k.outcome == Replayed),
-	}
-	if k.keyHash {
-		f["key_hash"] = structpb.NewStringValue(string(keyHashPlaceholder))
-	}
-	if k.releaseReason != "" {
-		f["release_reason"] = structpb.NewStringValue(k.releaseReason)
-	}
-	md := &structpb.Struct{Fields: map[string]*structpb.Value{t.namespace: structpb.NewStructValue(&structpb.Struct{Fields: f})}}
-	raw, err := proto.MarshalOptions{Deterministic: true}.Marshal(&extprocv3.ProcessingResponse{DynamicMetadata: md})
-	if err != nil {
-		panic(fmt.Sprintf("extproc: encoding dynamic metadata: %v", err)) // a Struct of strings and bools always encodes
-	}
-	at := -1
-	if k.keyHash {
-		at = bytes.Index(raw, keyHashPlaceholder)
-	}
-	return &metadataTemplate{raw: raw, at: at}
 }
 
 // withMetadata returns resp carrying md: resp itself when it was built for this answer alone
