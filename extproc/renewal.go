@@ -158,28 +158,17 @@ func (q *renewalQueue) add(r *renewal, d time.Duration) {
 	now := q.clock.Now()
 	due := now.Add(d)
 	if q.armed.IsZero() || due.Before(q.armed) {
-		q.arm(now, due) // first, so that a clock that panics queues nothing
+		// First, so that a clock that panics queues nothing.
+		if q.timer == nil {
+			q.timer = q.clock.AfterFunc(d, q.fire)
+		} else {
+			q.timer.Reset(d)
+		}
+		q.armed = due
 	}
 	r.due, r.index, r.queued = due, len(q.heap), true
 	q.heap = append(q.heap, r)
 	q.up(r.index)
-}
-
-// resetter is a timer that can be re-armed in place, as time.Timer and the fake clock's can.
-type resetter interface{ Reset(time.Duration) bool }
-
-// arm sets the timer to fire at due. Called with q.mu held.
-func (q *renewalQueue) arm(now, due time.Time) {
-	if q.timer != nil {
-		if t, ok := q.timer.(resetter); ok {
-			t.Reset(due.Sub(now))
-			q.armed = due
-			return
-		}
-		q.timer.Stop()
-	}
-	q.timer = q.clock.AfterFunc(due.Sub(now), q.fire)
-	q.armed = due
 }
 
 // fire starts the renewals due and arms the timer for the next one, if any. A firing whose
@@ -195,7 +184,8 @@ func (q *renewalQueue) fire() {
 	}
 	q.armed = time.Time{}
 	if len(q.heap) > 0 {
-		q.arm(now, q.heap[0].due)
+		q.armed = q.heap[0].due
+		q.timer.Reset(q.armed.Sub(now))
 	}
 	q.mu.Unlock()
 	for _, r := range due {

@@ -21,6 +21,9 @@ type Timer interface {
 	// Stop prevents the call from running. It reports whether it stopped the call, false when the
 	// call already ran or was stopped.
 	Stop() bool
+	// Reset makes the call due d from now, as [time.Timer.Reset] does: it reports whether the
+	// call was still pending, and schedules it again when it had run or was stopped.
+	Reset(d time.Duration) bool
 }
 
 // Real is the wall clock.
@@ -95,8 +98,6 @@ type fakeTimer struct {
 	f     func()
 }
 
-// Reset makes the call due d from now, as [time.Timer.Reset] does: it reports whether the call
-// was still pending, and schedules it again when it had run or was stopped.
 func (t *fakeTimer) Reset(d time.Duration) bool {
 	was := t.Stop()
 	c := t.clock
