@@ -220,7 +220,7 @@ const (
 // firstUnknownRoute reports whether an unknown route name, cut to maxLoggedRouteName bytes, is
 // not among the names remembered (at most maxUnknownRoutes of them), and remembers it.
 func (s *Server) firstUnknownRoute(name string) bool {
-	name = cut(name, maxLoggedRouteName)
+	name = name[:min(len(name), maxLoggedRouteName)]
 	s.unknownMu.Lock()
 	defer s.unknownMu.Unlock()
 	if _, ok := s.unknownRoutes[name]; ok {
@@ -232,9 +232,6 @@ func (s *Server) firstUnknownRoute(name string) bool {
 	s.unknownRoutes[name] = struct{}{}
 	return true
 }
-
-// cut returns s cut to at most n bytes. A log line quotes it, escaping what is not UTF-8.
-func cut(s string, n int) string { return s[:min(len(s), n)] }
 
 // Process implements [extprocv3.ExternalProcessorServer.Process]: it answers the messages of one
 // HTTP request until Envoy ends the stream. Outside FULL_DUPLEX_STREAMED each message has one

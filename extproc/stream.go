@@ -445,7 +445,8 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	a := st.req
 	a.start = time.Now()
-	a.id = cut(string(h.get("x-request-id")), maxLoggedRequestID)
+	id := h.get("x-request-id") // cut: a log line quotes it, escaping what is not UTF-8
+	a.id = string(id[:min(len(id), maxLoggedRequestID)])
 	attrs := req.GetAttributes()
 	a.info = requestInfo{headers: h, method: h.get(":method"), path: h.get(":path")}
 	sel := policy.Selector{Path: string(splitPath(a.info.path))}
@@ -493,7 +494,7 @@ func (st *stream) unknownRoute(name string, err error) {
 	st.req.route = st.s.routes[st.s.policy.Default]
 	st.s.misconfigured(MisconfigUnknownRoute, nil)
 	if st.s.firstUnknownRoute(name) {
-		st.call.event(st.s.log.Error()).Str("named_route", cut(name, maxLoggedRouteName)).Err(err).Msg("x-idempotency-route names a route the policy cannot apply to this request; answering 500 unknown-idempotency-route")
+		st.call.event(st.s.log.Error()).Str("named_route", name[:min(len(name), maxLoggedRouteName)]).Err(err).Msg("x-idempotency-route names a route the policy cannot apply to this request; answering 500 unknown-idempotency-route")
 	}
 	p := problemUnknownRoute
 	if errors.Is(err, policy.ErrPathParams) {
