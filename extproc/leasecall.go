@@ -132,7 +132,7 @@ func (c *leaseCall) acquire(key string, cl cache.Claim) (*cache.Record, error) {
 	case rec == nil:
 		c.fate, c.hold = leaseHeld, s.holds.add(&hold{lease: lease, claim: cl, reached: sent})
 		s.metrics.inflight.Inc()
-		s.renewEvery(&c.hold.renewal, c, c.hold)
+		s.renewAfter(cl.LockTTL/3, &c.hold.renewal, c, c.hold)
 	}
 	return rec, err
 }

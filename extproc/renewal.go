@@ -22,7 +22,7 @@ type renewal struct {
 	stopped bool
 	cancel  context.CancelFunc // ends the renewal in flight, if any
 
-	// Set by renewEvery, before the renewal is queued: who renews what.
+	// Set by renewAfter, as the renewal is queued: who renews what.
 	s *Server
 	o *leaseCall
 	h *hold
@@ -45,17 +45,38 @@ func awayRetry(lockTTL time.Duration) time.Duration {
 	return max(min(lockTTL/6, maxAwayRetry), time.Millisecond)
 }
 
-// renewEvery starts r renewing h's lease every lock_ttl/3 until stop is called or the context of
-// o, the store calls it renews for, ends; it returns r. Each renewal is one of o's calls: bounded
-// by its context, traced as its span, logged with its identity. Starting costs a place in the
-// renewal queue, and stopping gives it back: most requests end before their first renewal.
-func (s *Server) renewEvery(r *renewal, o *leaseCall, h *hold) *renewal {
-	r.s, r.o, r.h = s, o, h
-	// Under r.mu, as the renewals that follow are queued: stop then finds the renewal queued,
-	// or stopped before it runs. A clock that panics leaves r usable: its owner's finish stops it.
+// renewAfter queues r to renew h's lease d from now, and from then on every lock_ttl/3, until
+// stop is called or the context of o, the store calls it renews for, ends; it returns r. Each
+// renewal is one of o's calls: bounded by its context, traced as its span, logged with its
+// identity. A renewal waits in the server's queue, which gives its place back when it is
+// stopped: most requests end before their first renewal. A renewal stopped already is not
+// queued.
+func (s *Server) renewAfter(d time.Duration, r *renewal, o *leaseCall, h *hold) *renewal {
+	// Under r.mu: stop then finds the renewal queued, or stopped before it runs. A clock that
+	// panics leaves r usable: its owner's finish stops it.
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	s.renewals.add(r, h.claim.LockTTL/3)
+	r.s, r.o, r.h, r.cancel = s, o, h, nil
+	if r.stopped {
+		return r
+	}
+	q := &s.renewals
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	now := q.clock.Now()
+	due := now.Add(d)
+	if q.armed.IsZero() || due.Before(q.armed) {
+		// First, so that a clock that panics queues nothing.
+		if q.timer == nil {
+			q.timer = q.clock.AfterFunc(d, q.fire)
+		} else {
+			q.timer.Reset(d)
+		}
+		q.armed = due
+	}
+	r.due, r.index, r.queued = due, len(q.heap), true
+	q.heap = append(q.heap, r)
+	q.up(r.index)
 	return r
 }
 
@@ -98,12 +119,7 @@ func (r *renewal) tick() {
 		o.event(s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
 		next = awayRetry(h.claim.LockTTL)
 	}
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.cancel = nil
-	if !r.stopped {
-		s.renewals.add(r, next)
-	}
+	s.renewAfter(next, r, o, h)
 }
 
 // stop prevents further renewals and cuts short one in flight, without waiting for it: the
@@ -149,26 +165,6 @@ type renewalQueue struct {
 	heap  []*renewal
 	timer clock.Timer // nil until first armed
 	armed time.Time   // when the timer fires; zero while it is stopped
-}
-
-// add queues r to be due d from now. Called with r.mu held.
-func (q *renewalQueue) add(r *renewal, d time.Duration) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	now := q.clock.Now()
-	due := now.Add(d)
-	if q.armed.IsZero() || due.Before(q.armed) {
-		// First, so that a clock that panics queues nothing.
-		if q.timer == nil {
-			q.timer = q.clock.AfterFunc(d, q.fire)
-		} else {
-			q.timer.Reset(d)
-		}
-		q.armed = due
-	}
-	r.due, r.index, r.queued = due, len(q.heap), true
-	q.heap = append(q.heap, r)
-	q.up(r.index)
 }
 
 // fire starts the renewals due and arms the timer for the next one, if any. A firing whose

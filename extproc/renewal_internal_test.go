@@ -1,0 +1,39 @@
+package extproc
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idempotency-extproc/idempotency-extproc/cache"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/clock"
+)
+
+// A renewal stopped while it was out of the queue (its store call in flight) is not queued again
+// when that call returns, and a renewal's stop gives its place back and stops the shared timer
+// once no renewal waits.
+func TestStoppedRenewalIsNotQueued(t *testing.T) {
+	store, err := cache.NewMemory(cache.MemoryOptions{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = store.Close() })
+	clk := clock.NewFake(time.Unix(1_700_000_000, 0))
+	s, err := NewServer(Options{Store: store, Clock: clk})
+	require.NoError(t, err)
+	h := &hold{claim: cache.Claim{LockTTL: 30 * time.Second}}
+	o := &leaseCall{s: s}
+
+	var queued renewal
+	s.renewAfter(10*time.Second, &queued, o, h)
+	require.Equal(t, 1, len(s.renewals.heap))
+	require.Equal(t, 1, clk.Pending(), "the queue's one timer is armed")
+	queued.stop()
+	require.Empty(t, s.renewals.heap)
+	require.Zero(t, clk.Pending(), "no renewal waits: the timer is stopped")
+
+	var stopped renewal
+	stopped.stop()
+	s.renewAfter(10*time.Second, &stopped, o, h)
+	require.Empty(t, s.renewals.heap, "a stopped renewal is not queued again")
+	require.Zero(t, clk.Pending())
+}
