@@ -100,34 +100,32 @@ func (h *hold) reachedAt(t time.Time) {
 // concurrent streams seldom share a lock, and its maps reuse their space: a claim adds no
 // allocation to the hold itself. Its zero value is empty and ready.
 type holdSet struct {
-	shards [64]holdShard
+	shards [64]struct {
+		sync.Mutex
+		m map[string]*hold
+		_ [48]byte // a cache line each
+	}
 }
 
-type holdShard struct {
-	mu sync.Mutex
-	m  map[string]*hold
-	_  [48]byte // a cache line each
-}
-
-// shard returns key's shard: FNV-1a over the key's last 16 bytes, the end of a hex digest for
-// every stored key.
-func (hs *holdSet) shard(key string) *holdShard {
+// shard returns the index of key's shard: FNV-1a over the key's last 16 bytes, the end of a hex
+// digest for every stored key.
+func (hs *holdSet) shard(key string) int {
 	h := uint32(2166136261)
 	for i := max(0, len(key)-16); i < len(key); i++ {
 		h = (h ^ uint32(key[i])) * 16777619
 	}
-	return &hs.shards[h%uint32(len(hs.shards))]
+	return int(h % uint32(len(hs.shards)))
 }
 
 // add registers h as this replica's hold on its key, and returns it.
 func (hs *holdSet) add(h *hold) *hold {
-	sh := hs.shard(h.lease.Key())
-	sh.mu.Lock()
+	sh := &hs.shards[hs.shard(h.lease.Key())]
+	sh.Lock()
 	if sh.m == nil {
 		sh.m = make(map[string]*hold)
 	}
 	sh.m[h.lease.Key()] = h
-	sh.mu.Unlock()
+	sh.Unlock()
 	return h
 }
 
@@ -138,20 +136,20 @@ func (hs *holdSet) remove(h *hold) {
 		return
 	}
 	key := h.lease.Key()
-	sh := hs.shard(key)
-	sh.mu.Lock()
+	sh := &hs.shards[hs.shard(key)]
+	sh.Lock()
 	if sh.m[key] == h {
 		delete(sh.m, key)
 	}
-	sh.mu.Unlock()
+	sh.Unlock()
 }
 
 // get returns this replica's hold on key, if any.
 func (hs *holdSet) get(key string) *hold {
-	sh := hs.shard(key)
-	sh.mu.Lock()
+	sh := &hs.shards[hs.shard(key)]
+	sh.Lock()
 	h := sh.m[key]
-	sh.mu.Unlock()
+	sh.Unlock()
 	return h
 }
 
@@ -160,9 +158,9 @@ func (hs *holdSet) len() int {
 	n := 0
 	for i := range hs.shards {
 		sh := &hs.shards[i]
-		sh.mu.Lock()
+		sh.Lock()
 		n += len(sh.m)
-		sh.mu.Unlock()
+		sh.Unlock()
 	}
 	return n
 }
