@@ -228,9 +228,9 @@ func (w *firstMessageWatch) waiting() int {
 
 // enter admits a stream unless MaxStreams are open: then it takes the stream off the
 // first-message watch (first, nil without the tap) and returns the RESOURCE_EXHAUSTED error to
-// end the stream with. (A stream whose handler started after its first-message deadline had
-// passed is counted under both reasons when it is refused.) A stream admitted calls leave when
-// it ends.
+// end the stream with, or, when its first-message deadline passed before its handler started,
+// the DEADLINE_EXCEEDED error arrived counted: each stream refused is counted once. A stream
+// admitted calls leave when it ends.
 func (s *Server) enter(first *firstMessageContext) error {
 	// A compare-and-swap, so that a stream refused never holds a slot, even for a moment, that
 	// one entering beside it could have had.
@@ -240,7 +240,9 @@ func (s *Server) enter(first *firstMessageContext) error {
 			return nil
 		}
 	}
-	_ = first.arrived()
+	if err := first.arrived(); err != nil {
+		return err
+	}
 	s.metrics.streams.refused.WithLabelValues(refusedLimit).Inc()
 	return status.Errorf(codes.ResourceExhausted, "idempotency-extproc: %d streams are open, the most this replica takes", s.maxStreams)
 }
