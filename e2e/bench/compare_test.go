@@ -475,7 +475,7 @@ func TestFillRedis(t *testing.T) {
 func TestUserBench(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
 	o := userOptions{duration: 300 * time.Millisecond, rounds: 2, streams: 4, sizes: []int{33}, growth: []int{33, 4096},
-		logs: "file", routes: "chart", headers: "envoy", redis: true}
+		logs: "file", routes: "chart", headers: "envoy", redis: true, loads: []string{loadFirst, loadReplay}}
 	var out bytes.Buffer
 	require.NoError(t, userBench(t.Context(), o, srv.Addr(), &out))
 	t.Log("\n" + out.String())
@@ -494,7 +494,7 @@ func TestUserBench(t *testing.T) {
 // a request still running gets 409.
 func TestNaiveRedis(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
-	p, err := startAfternoon(targetNaiveRedis, srv.Addr())
+	p, err := startAfternoon(targetNaiveRedis, srv.Addr(), "")
 	require.NoError(t, err)
 	defer p.stop()
 	answered, err := userRequest(t.Context(), p.client, "envoy", "k1", 1, []byte("hello"))
@@ -511,4 +511,57 @@ func TestNaiveRedis(t *testing.T) {
 	cpu, err := p.cpu()
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, cpu, time.Duration(0))
+}
+
+// TestUserBenchVariantAndProfiles runs -mode user's first executions on the memory store only,
+// with a variant of the shipped binary and CPU profiles: the variant's line is printed against
+// the null processor and the shipped binary, no replay or Redis row runs, and every process
+// wrote a complete CPU profile (the shipped binaries' from their admin listeners).
+func TestUserBenchVariantAndProfiles(t *testing.T) {
+	prefix := filepath.Join(t.TempDir(), "user")
+	o := userOptions{duration: 300 * time.Millisecond, rounds: 3, streams: 4, sizes: []int{33},
+		logs: "file", routes: "chart", headers: "envoy", loads: []string{loadFirst},
+		cpuprofile: prefix, variantEnv: []string{"GOGC=100"}}
+	var out bytes.Buffer
+	require.NoError(t, userBench(t.Context(), o, "", &out))
+	t.Log("\n" + out.String())
+	require.Contains(t, out.String(), "memory, first execution, 33 B: ")
+	require.Contains(t, out.String(), "memory variant (. GOGC=100), first execution, 33 B: ")
+	require.Contains(t, out.String(), "× memory [")
+	require.NotContains(t, out.String(), "replay")
+	require.NotContains(t, out.String(), "redis")
+	require.NotContains(t, out.String(), "NaN")
+	for _, name := range []string{targetPlainNull, targetShippedMemory, targetVariantMemory} {
+		f, err := os.Open(prefix + userProfileSuffix[name])
+		require.NoError(t, err, name)
+		zr, err := gzip.NewReader(f)
+		require.NoError(t, err, name)
+		n, err := io.Copy(io.Discard, zr)
+		require.NoError(t, err, "a complete CPU profile of %s", name)
+		require.Positive(t, n, name)
+		require.NoError(t, f.Close())
+	}
+}
+
+func TestUserLoadList(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want []string
+		err  string
+	}{
+		{in: "first execution,replay", want: []string{loadFirst, loadReplay}},
+		{in: " replay ", want: []string{loadReplay}},
+		{in: "first", err: `"first" is neither`},
+		{in: " , ", err: "no load"},
+	} {
+		t.Run(tc.in, func(t *testing.T) {
+			got, err := userLoadList(tc.in)
+			if tc.err != "" {
+				require.ErrorContains(t, err, tc.err)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.want, got)
+		})
+	}
 }

@@ -70,6 +70,10 @@ func main() {
 	userLogs := flag.String("user-logs", "file", "-mode user: where the binary's logs go: file (the chart's: the container's output) or discard")
 	userRoutes := flag.String("user-routes", "chart", "-mode user: the binary's policy: chart (the measured path matched by a third route, after a prefix and a path_regex route) or one (a single route)")
 	userHeaders := flag.String("user-headers", "envoy", "-mode user: the request headers: envoy (the set Envoy sends) or short (method, path and key)")
+	userLoads := flag.String("user-loads", loadFirst+","+loadReplay, "-mode user: the loads to run, comma-separated (first execution, replay)")
+	userVariant := flag.String("user-variant", "", "-mode user: also run this binary on the memory store, in the same rounds, printed against the null processor and the shipped binary")
+	userVariantEnv := flag.String("user-variant-env", "", "-mode user: also run a variant of the shipped binary (or -user-variant's) with these variables added to its environment, space-separated K=V")
+	userRedis := flag.Bool("user-redis", true, "-mode user: run the Redis rows too (false: the memory store and the null processor only)")
 	flag.Parse()
 	if !*redisBatching {
 		// The target processes read it.
@@ -109,9 +113,12 @@ func main() {
 			fmt.Fprintln(os.Stderr, "bench: -mode user takes medians of at least 3 interleaved rounds; -rounds", *rounds)
 			os.Exit(2)
 		}
-		o := userOptions{duration: *duration, rounds: max(*rounds, 1), streams: *streams, logs: *userLogs, routes: *userRoutes, headers: *userHeaders, redis: redisAddr != ""}
+		o := userOptions{duration: *duration, rounds: max(*rounds, 1), streams: *streams, logs: *userLogs, routes: *userRoutes, headers: *userHeaders, redis: redisAddr != "" && *userRedis, cpuprofile: *cpuprofile, variantBin: *userVariant, variantEnv: strings.Fields(*userVariantEnv)}
 		var err error
-		if o.sizes, err = ints(*userSizes); err == nil {
+		if o.loads, err = userLoadList(*userLoads); err == nil {
+			o.sizes, err = ints(*userSizes)
+		}
+		if err == nil {
 			o.growth, err = ints(*userGrowth)
 		}
 		if err != nil {

@@ -97,6 +97,15 @@ func serveFromEnv() bool {
 		return false
 	}
 	if name == targetPlainNull || name == targetNaiveRedis {
+		if prefix := os.Getenv(envProfile); prefix != "" {
+			stop, err := startProfile(prefix + userProfileSuffix[name])
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "bench target:", err)
+				os.Exit(1)
+			}
+			// serveAfternoon returns when the bench closes stdin; the profile is written then.
+			defer stop()
+		}
 		if err := serveAfternoon(name, os.Getenv(envRedis), os.Stdin, os.Stdout); err != nil {
 			fmt.Fprintln(os.Stderr, "bench target:", err)
 			os.Exit(1)

@@ -44,6 +44,9 @@ const (
 	// The shipped binary, on each store.
 	targetShippedMemory = "memory"
 	targetShippedRedis  = "redis"
+	// A variant of the shipped binary on the memory store (-user-variant, -user-variant-env), to
+	// compare a change with the binary as built in the same rounds.
+	targetVariantMemory = "memory variant"
 )
 
 // Loads of -mode user.
@@ -60,10 +63,45 @@ type userOptions struct {
 	sizes    []int // request and response body sizes of the first-execution and replay loads
 	growth   []int // body sizes of the growth section (memory store, first executions)
 	// The variants the reconciliation table measures one at a time; each default is the chart's.
-	logs    string // "file" (the chart's: the container's output, which the node writes to a file) or "discard"
-	routes  string // "chart" (three routes, the measured path matched by the last) or "one"
-	headers string // "envoy" (the header set Envoy sends) or "short" (method, path, key)
-	redis   bool   // whether the Redis rows run
+	logs    string   // "file" (the chart's: the container's output, which the node writes to a file) or "discard"
+	routes  string   // "chart" (three routes, the measured path matched by the last) or "one"
+	headers string   // "envoy" (the header set Envoy sends) or "short" (method, path, key)
+	redis   bool     // whether the Redis rows run
+	loads   []string // the loads of the first-execution and replay rows (default both)
+	// cpuprofile, when set, is the prefix of each process' CPU profile over the whole run:
+	// .null and .naive-redis from the afternoon processors, .shipped-memory and .shipped-redis
+	// from the shipped binary's /debug/pprof/profile (--admin-pprof=true).
+	cpuprofile string
+	// variantBin and variantEnv, when either is set, add a variant of the shipped binary on the
+	// memory store: variantBin's binary (default the one built), with variantEnv added to its
+	// environment.
+	variantBin string
+	variantEnv []string
+}
+
+// userLoadList parses -user-loads.
+func userLoadList(s string) ([]string, error) {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		switch f = strings.TrimSpace(f); f {
+		case "":
+		case loadFirst, loadReplay:
+			out = append(out, f)
+		default:
+			return nil, fmt.Errorf("-user-loads: %q is neither %q nor %q", f, loadFirst, loadReplay)
+		}
+	}
+	if len(out) == 0 {
+		return nil, errors.New("-user-loads: no load")
+	}
+	return out, nil
+}
+
+// userProfileSuffix names each -mode user process' CPU profile.
+var userProfileSuffix = map[string]string{
+	targetPlainNull: ".null", targetNaiveRedis: ".naive-redis",
+	targetShippedMemory: ".shipped-memory", targetShippedRedis: ".shipped-redis",
+	targetVariantMemory: ".variant-memory",
 }
 
 // userPolicy is the policy the shipped binary runs: the measured path (/v1/payments) is matched
@@ -87,6 +125,7 @@ func userPolicy(routes string) string {
 // userProcess is one child process under measurement.
 type userProcess struct {
 	name   string
+	admin  string // the shipped binary's admin address
 	cmd    *exec.Cmd
 	conn   *grpc.ClientConn
 	client extprocv3.ExternalProcessorClient
@@ -148,7 +187,7 @@ func buildShipped(dir string) (string, error) {
 
 // startShipped starts the shipped binary with the chart's default settings (json logs at info on
 // its output, written to a file; the admin listener with its metrics on) on the given store.
-func startShipped(bin, dir, store, redisAddr string, o userOptions) (*userProcess, error) {
+func startShipped(bin, dir, store, redisAddr string, env []string, o userOptions) (*userProcess, error) {
 	grpcAddr, err := freeAddr()
 	if err != nil {
 		return nil, err
@@ -166,13 +205,16 @@ func startShipped(bin, dir, store, redisAddr string, o userOptions) (*userProces
 	if store == "redis" {
 		args = append(args, "--redis-url=redis://"+redisAddr+"/0")
 	}
+	if o.cpuprofile != "" {
+		args = append(args, "--admin-pprof=true")
+	}
 	cmd := exec.Command(bin, args...)
-	cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
+	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
 	var logFile *os.File
 	if o.logs == "discard" {
 		logFile, err = os.OpenFile(os.DevNull, os.O_WRONLY, 0)
 	} else {
-		logFile, err = os.Create(filepath.Join(dir, "processor-"+store+".log"))
+		logFile, err = os.CreateTemp(dir, "processor-"+store+"-*.log")
 	}
 	if err != nil {
 		return nil, err
@@ -203,11 +245,64 @@ func startShipped(bin, dir, store, redisAddr string, o userOptions) (*userProces
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	return dialUser("shipped "+store, cmd, grpcAddr, stop)
+	p, err := dialUser("shipped "+store, cmd, grpcAddr, stop)
+	if err == nil {
+		p.admin = adminAddr
+	}
+	return p, err
+}
+
+// gcLine is what the shipped binary's /metrics says of its collector and heap, for -cpuprofile's
+// summary; "" for another process.
+func (p *userProcess) gcLine() string {
+	if p.admin == "" {
+		return ""
+	}
+	resp, err := http.Get("http://" + p.admin + "/metrics")
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	var out []string
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		for _, name := range []string{"go_gc_duration_seconds_count ", "go_memstats_heap_inuse_bytes ", "go_memstats_next_gc_bytes ", "process_resident_memory_bytes "} {
+			if v, ok := strings.CutPrefix(sc.Text(), name); ok {
+				out = append(out, strings.TrimSpace(name)+"="+v)
+			}
+		}
+	}
+	return "; " + strings.Join(out, " ")
+}
+
+// profileShipped takes a CPU profile of the shipped binary p for d from its admin listener
+// and writes it to path; the returned function waits for it.
+func profileShipped(p *userProcess, d time.Duration, path string) func() error {
+	done := make(chan error, 1)
+	go func() {
+		done <- func() error {
+			resp, err := http.Get("http://" + p.admin + "/debug/pprof/profile?seconds=" + strconv.Itoa(int(d.Seconds()+0.5)))
+			if err != nil {
+				return err
+			}
+			defer resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				b, _ := io.ReadAll(resp.Body)
+				return fmt.Errorf("bench: profiling %s: %s: %s", p.name, resp.Status, bytes.TrimSpace(b))
+			}
+			f, err := os.Create(path)
+			if err != nil {
+				return err
+			}
+			_, err = io.Copy(f, resp.Body)
+			return errors.Join(err, f.Close())
+		}()
+	}()
+	return func() error { return <-done }
 }
 
 // startAfternoon starts this executable as the null or the naive Redis processor.
-func startAfternoon(name, redisAddr string) (*userProcess, error) {
+func startAfternoon(name, redisAddr, cpuprofile string) (*userProcess, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -216,6 +311,9 @@ func startAfternoon(name, redisAddr string) (*userProcess, error) {
 	// The same environment as the shipped binary's: no GOGC, GOMAXPROCS or GODEBUG of the
 	// caller's moves one process and not another.
 	cmd.Env = []string{"PATH=" + os.Getenv("PATH"), envServe + "=" + name, envRedis + "=" + redisAddr}
+	if cpuprofile != "" {
+		cmd.Env = append(cmd.Env, envProfile+"="+cpuprofile)
+	}
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
@@ -229,9 +327,17 @@ func startAfternoon(name, redisAddr string) (*userProcess, error) {
 		return nil, err
 	}
 	stop := func() {
+		// Closing stdin ends it, and writes its CPU profile; a process that does not end is
+		// killed.
 		_ = stdin.Close()
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
+		exited := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(exited) }()
+		select {
+		case <-exited:
+		case <-time.After(5 * time.Second):
+			_ = cmd.Process.Kill()
+			<-exited
+		}
 	}
 	line, err := bufio.NewReader(stdout).ReadString('\n')
 	if err != nil {
@@ -624,18 +730,28 @@ func userBench(ctx context.Context, o userOptions, redisAddr string, w io.Writer
 			p.stop()
 		}
 	}()
-	if procs[targetPlainNull], err = startAfternoon(targetPlainNull, redisAddr); err != nil {
+	if procs[targetPlainNull], err = startAfternoon(targetPlainNull, redisAddr, o.cpuprofile); err != nil {
 		return err
 	}
-	if procs[targetShippedMemory], err = startShipped(bin, dir, "memory", "", o); err != nil {
+	if procs[targetShippedMemory], err = startShipped(bin, dir, "memory", "", nil, o); err != nil {
 		return err
 	}
 	names := []string{targetPlainNull, targetShippedMemory}
-	if o.redis {
-		if procs[targetNaiveRedis], err = startAfternoon(targetNaiveRedis, redisAddr); err != nil {
+	if o.variantBin != "" || len(o.variantEnv) > 0 {
+		vbin := bin
+		if o.variantBin != "" {
+			vbin = o.variantBin
+		}
+		if procs[targetVariantMemory], err = startShipped(vbin, dir, "memory", "", o.variantEnv, o); err != nil {
 			return err
 		}
-		if procs[targetShippedRedis], err = startShipped(bin, dir, "redis", redisAddr, o); err != nil {
+		names = append(names, targetVariantMemory)
+	}
+	if o.redis {
+		if procs[targetNaiveRedis], err = startAfternoon(targetNaiveRedis, redisAddr, o.cpuprofile); err != nil {
+			return err
+		}
+		if procs[targetShippedRedis], err = startShipped(bin, dir, "redis", redisAddr, nil, o); err != nil {
 			return err
 		}
 		names = append(names, targetNaiveRedis, targetShippedRedis)
@@ -649,11 +765,30 @@ func userBench(ctx context.Context, o userOptions, redisAddr string, w io.Writer
 	}
 	var jobs []job
 	for _, size := range o.sizes {
-		jobs = append(jobs, job{loadFirst, size, names}, job{loadReplay, size, names})
+		for _, load := range o.loads {
+			jobs = append(jobs, job{load, size, names})
+		}
 	}
 	for _, size := range o.growth {
-		if !slices.Contains(o.sizes, size) {
+		if !slices.Contains(o.sizes, size) || !slices.Contains(o.loads, loadFirst) {
 			jobs = append(jobs, job{loadFirst, size, []string{targetPlainNull, targetShippedMemory}})
+		}
+	}
+	if o.cpuprofile != "" {
+		// The shipped binaries' profiles span the whole run: every cell, on each process in turn.
+		var whole time.Duration
+		for _, j := range jobs {
+			whole += per * time.Duration(len(j.names)*o.rounds)
+		}
+		for _, name := range []string{targetShippedMemory, targetVariantMemory, targetShippedRedis} {
+			if p := procs[name]; p != nil {
+				wait := profileShipped(p, whole+time.Second, o.cpuprofile+userProfileSuffix[name])
+				defer func() {
+					if err := wait(); err != nil {
+						fmt.Fprintln(os.Stderr, "bench:", err)
+					}
+				}()
+			}
 		}
 	}
 	for r := range o.rounds {
@@ -677,6 +812,21 @@ func userBench(ctx context.Context, o userOptions, redisAddr string, w io.Writer
 	}
 	for _, size := range o.growth {
 		res.shaCopy[size] = shaCopyMicros(size)
+	}
+	if o.cpuprofile != "" {
+		// A profile's samples over these are its CPU per request.
+		for _, name := range names {
+			var n int64
+			var cpu time.Duration
+			for k, cells := range res.rounds {
+				if k.process == name {
+					for _, c := range cells {
+						n, cpu = n+c.requests, cpu+c.cpu
+					}
+				}
+			}
+			fmt.Fprintf(os.Stderr, "bench: %s%s: %d requests, %s of CPU in them%s\n", o.cpuprofile, userProfileSuffix[name], n, cpu, procs[name].gcLine())
+		}
 	}
 	res.print(w)
 	return nil
@@ -723,13 +873,21 @@ func (r userResult) print(w io.Writer) {
 	cpuOver := func(a, b userCell) float64 { return a.cpuPer() - b.cpuPer() }
 	redisRatio := func(a, b userCell) float64 { return a.redisPer() / max(b.redisPer(), 0.001) }
 	for _, size := range o.sizes {
-		for _, load := range []string{loadFirst, loadReplay} {
+		for _, load := range o.loads {
 			null := r.get(load, size, targetPlainNull)
 			mem := r.get(load, size, targetShippedMemory)
 			m, lo, hi := paired(mem, null, ratio)
 			c, clo, chi := paired(mem, null, cpuOver)
 			fmt.Fprintf(w, "memory, %s, %s: %.2f× null [%.2f, %.2f], %+.1f µs CPU over null [%+.1f, %+.1f]\n",
 				load, fmtBytes(size), m, lo, hi, c, clo, chi)
+			if v := r.get(load, size, targetVariantMemory); len(v) > 0 {
+				m, lo, hi := paired(v, null, ratio)
+				c, clo, chi := paired(v, null, cpuOver)
+				vm, vlo, vhi := paired(v, mem, ratio)
+				vc, vclo, vchi := paired(v, mem, cpuOver)
+				fmt.Fprintf(w, "memory variant (%s %s), %s, %s: %.2f× null [%.2f, %.2f], %+.1f µs CPU over null [%+.1f, %+.1f]; %.2f× memory [%.2f, %.2f], %+.1f µs CPU over memory [%+.1f, %+.1f]\n",
+					filepath.Base(o.variantBin), strings.Join(o.variantEnv, " "), load, fmtBytes(size), m, lo, hi, c, clo, chi, vm, vlo, vhi, vc, vclo, vchi)
+			}
 			if !o.redis {
 				continue
 			}
