@@ -124,6 +124,8 @@ func runWith(ctx context.Context, args []string, getenv func(string) string, std
 	if err != nil {
 		return err
 	}
+	// The collector's pace: see gcHeadroom.
+	defer startGCTuner(gcHeadroom, getenv)()
 	lines := logbatch.New(stderr, logInterval)
 	// Deferred first, so it runs last: every line of the run is written before run returns.
 	defer lines.Close()
