@@ -21,10 +21,10 @@ import (
 
 // The shipped gRPC bootstrap, envoy/envoy-grpc.yaml, run as shipped under envoy/grpc-policy.yaml
 // (the emulator, or a real Envoy when one is on PATH), with only its protected route's method
-// pointed at the test's service (and, on the emulator, its grpc: {} match left out): a retried unary call runs once and gets the first call's
-// message back, status OK; another message under the key, or the same message compressed,
-// gets FAILED_PRECONDITION; a call of
-// another method, on the default route, is not covered and runs each time.
+// pointed at the test's service, its grpc: {} match kept: a retried unary call runs once and gets
+// the first call's message back, status OK; another message under the key, or the same message
+// compressed, gets FAILED_PRECONDITION; a call of another method, on the default route, is not
+// covered and runs each time.
 func TestGrpcShippedBootstrap(t *testing.T) {
 	svc := &echoService{}
 	s := newStack(t, stackOptions{
@@ -34,11 +34,6 @@ func TestGrpcShippedBootstrap(t *testing.T) {
 		envoy: func(b *bootstrapv3.Bootstrap) error {
 			return envoyconf.MutateRoute(b, "payments-grpc", func(r *routev3.Route) error {
 				r.GetMatch().PathSpecifier = &routev3.RouteMatch_Path{Path: "/grpc.testing.TestService/UnaryCall"}
-				if envoyBin == "" {
-					// The emulator does not match on grpc: {} (Envoy's matches content-type
-					// application/grpc, which every call of this test has).
-					r.GetMatch().Grpc = nil
-				}
 				return nil
 			})
 		},
@@ -107,9 +102,6 @@ func TestGrpcShippedBootstrapTrailersWithheld(t *testing.T) {
 		envoy: func(b *bootstrapv3.Bootstrap) error {
 			if err := envoyconf.MutateRoute(b, "payments-grpc", func(r *routev3.Route) error {
 				r.GetMatch().PathSpecifier = &routev3.RouteMatch_Path{Path: "/grpc.testing.TestService/UnaryCall"}
-				if envoyBin == "" {
-					r.GetMatch().Grpc = nil // as in TestGrpcShippedBootstrap
-				}
 				return nil
 			}); err != nil {
 				return err

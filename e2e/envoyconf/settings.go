@@ -10,6 +10,7 @@ import (
 
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/known/anypb"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
@@ -50,7 +51,7 @@ type Settings struct {
 	// in route order, up to the "/" route (later routes never match). Routes holds them too.
 	DisabledPrefixes []string
 	// Routes is the virtual host's route table, in order: names, matches (prefix, path,
-	// safe_regex), metadata, timeouts (unset: 15s; 0: none, as -1), retry and hedge policies
+	// safe_regex, grpc), metadata, timeouts (unset: 15s; 0: none, as -1), retry and hedge policies
 	// (the route's, else the virtual host's) and the ext_proc filter's typed_per_filter_config
 	// (ExtProcPerRoute, or FilterConfig disabled or wrapping one).
 	Routes []proxy.Route
@@ -87,8 +88,9 @@ type Settings struct {
 // manager has no ext_proc filter or no inline route_config with one virtual host, when no route
 // matches prefix "/", when a route does not go to the single upstream cluster, when a referenced cluster is not a static
 // cluster, and when the bootstrap asks for something the test proxy would not honour: a filter
-// disabled by default, route matches on headers or query parameters, per-route grpc_service, a
-// jwt_authn filter after ext_proc.
+// disabled by default, a route match field other than a path specifier, case_sensitive true and
+// grpc (headers, query parameters, runtime_fraction, ...), per-route grpc_service, a jwt_authn
+// filter after ext_proc or a jwt_authn rule matching on more than the path.
 func ProxySettings(b *bootstrapv3.Bootstrap) (Settings, error) {
 	f, hf, err := checktest.ExtProcFilter(b)
 	if err != nil {
@@ -244,18 +246,40 @@ func jwtFilterName(hcm *hcmv3.HttpConnectionManager) string {
 	return ""
 }
 
+// modelledMatch refuses a RouteMatch field the test proxy does not model, every field the
+// bootstrap sets being read through reflection so that none is ignored, new ones included. It
+// models the path specifiers prefix, path and safe_regex, case_sensitive left true, and, where
+// grpc is set (a route's match, not a jwt_authn rule's), grpc: {}.
+func modelledMatch(m *routev3.RouteMatch, grpc bool) error {
+	var err error
+	m.ProtoReflect().Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		switch name := fd.Name(); {
+		case name == "prefix" || name == "path" || name == "safe_regex":
+		case name == "case_sensitive" && m.GetCaseSensitive().GetValue():
+		case name == "case_sensitive":
+			err = errors.New("case-insensitive matches are not supported by the test proxy")
+		case name == "grpc" && grpc:
+		case fd.ContainingOneof() != nil:
+			err = fmt.Errorf("path specifier %s is not supported by the test proxy", name)
+		default:
+			err = fmt.Errorf("match field %s is not supported by the test proxy", name)
+		}
+		return err == nil
+	})
+	return err
+}
+
 // proxyRoute maps one route: its name, match, metadata, timeout and the per-route config of the
-// ext_proc filter and of the jwt_authn filter jwtName. Matches on headers or query parameters,
-// and route actions other than a cluster, are errors.
+// ext_proc filter and of the jwt_authn filter jwtName. Match fields other than the path
+// specifiers, case_sensitive true and grpc (headers, query parameters, runtime_fraction,
+// cookies, tls_context, dynamic_metadata, filter_state, ...), and route actions other than a
+// cluster, are errors.
 func proxyRoute(r *routev3.Route, filterName, jwtName string) (proxy.Route, error) {
 	m := r.GetMatch()
-	if len(m.GetHeaders()) > 0 || len(m.GetQueryParameters()) > 0 || m.GetGrpc() != nil || m.GetRuntimeFraction() != nil {
-		return proxy.Route{}, errors.New("matches on headers, query parameters, grpc or runtime are not supported by the test proxy")
+	if err := modelledMatch(m, true); err != nil {
+		return proxy.Route{}, err
 	}
-	if m.GetCaseSensitive() != nil && !m.GetCaseSensitive().GetValue() {
-		return proxy.Route{}, errors.New("case-insensitive matches are not supported by the test proxy")
-	}
-	rt := proxy.Route{Name: r.GetName(), Metadata: r.GetMetadata()}
+	rt := proxy.Route{Name: r.GetName(), Metadata: r.GetMetadata(), Grpc: m.GetGrpc() != nil}
 	switch ps := m.GetPathSpecifier().(type) {
 	case *routev3.RouteMatch_Prefix:
 		rt.Prefix = ps.Prefix
@@ -294,7 +318,8 @@ func proxyRoute(r *routev3.Route, filterName, jwtName string) (proxy.Route, erro
 }
 
 // jwtBefore returns the jwt_authn filter's configuration when one precedes the ext_proc filter
-// hf in http_filters; one after it is an error (the test proxy runs it first).
+// hf in http_filters; one after it is an error (the test proxy runs it first), and so is a rule
+// whose match sets a field the test proxy does not model (it matches rules on the path alone).
 func jwtBefore(hcm *hcmv3.HttpConnectionManager, hf *hcmv3.HttpFilter) (*jwtauthnv3.JwtAuthentication, error) {
 	var found *jwtauthnv3.JwtAuthentication
 	seenExtProc := false
@@ -316,6 +341,11 @@ func jwtBefore(hcm *hcmv3.HttpConnectionManager, hf *hcmv3.HttpFilter) (*jwtauth
 		found = &jwtauthnv3.JwtAuthentication{}
 		if err := tc.UnmarshalTo(found); err != nil {
 			return nil, fmt.Errorf("http filter %q: %w", f.GetName(), err)
+		}
+		for i, r := range found.GetRules() {
+			if err := modelledMatch(r.GetMatch(), false); err != nil {
+				return nil, fmt.Errorf("http filter %q rule %d: %w", f.GetName(), i, err)
+			}
 		}
 	}
 	return found, nil

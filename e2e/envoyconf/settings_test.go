@@ -49,7 +49,7 @@ static_resources:
                     "@type": type.googleapis.com/envoy.config.route.v3.FilterConfig
                     disabled: true
               - name: payments
-                match: { path: "/v1/payments" }
+                match: { path: "/v1/payments", grpc: {}, case_sensitive: true }
                 metadata: { filter_metadata: { "envoy-gateway": { kind: HTTPRoute } } }
                 route: { cluster: app, timeout: 0s }
                 typed_per_filter_config:
@@ -123,6 +123,8 @@ func TestProxySettingsMesh(t *testing.T) {
 
 	require.Equal(t, "payments", payments.Name)
 	require.Equal(t, "/v1/payments", payments.Path)
+	require.True(t, payments.Grpc, "grpc: {}")
+	require.False(t, health.Grpc)
 	require.Equal(t, time.Duration(-1), payments.Timeout, "timeout 0s disables the timeout")
 	require.Equal(t, "HTTPRoute", payments.Metadata.GetFilterMetadata()["envoy-gateway"].GetFields()["kind"].GetStringValue())
 	o := payments.ExtProc.GetOverrides()
@@ -158,8 +160,30 @@ func TestProxySettingsMesh(t *testing.T) {
 
 func TestProxySettingsMeshRejects(t *testing.T) {
 	for _, tc := range []struct{ name, old, new, want string }{
-		{"header matcher", `match: { path: "/v1/payments" }`, `match: { path: "/v1/payments", headers: [{ name: x, present_match: true }] }`,
-			"matches on headers"},
+		// Every RouteMatch field but the path specifiers, case_sensitive true and grpc is refused,
+		// by name, rather than ignored.
+		{"header matcher", `match: { path: "/v1/payments", grpc: {}, case_sensitive: true }`, `match: { path: "/v1/payments", headers: [{ name: x, present_match: true }] }`,
+			"match field headers is not supported"},
+		{"query parameter", `match: { path: "/v1/payments", grpc: {}, case_sensitive: true }`, `match: { path: "/v1/payments", query_parameters: [{ name: x, present_match: true }] }`,
+			"match field query_parameters is not supported"},
+		{"runtime fraction", `match: { path: "/v1/payments", grpc: {}, case_sensitive: true }`, `match: { path: "/v1/payments", runtime_fraction: { default_value: { numerator: 50 } } }`,
+			"match field runtime_fraction is not supported"},
+		{"cookie", `match: { path: "/v1/payments", grpc: {}, case_sensitive: true }`, `match: { path: "/v1/payments", cookies: [{ name: x, string_match: { exact: v } }] }`,
+			"match field cookies is not supported"},
+		{"tls context", `match: { path: "/v1/payments", grpc: {}, case_sensitive: true }`, `match: { path: "/v1/payments", tls_context: { presented: true } }`,
+			"match field tls_context is not supported"},
+		{"dynamic metadata", `match: { path: "/v1/payments", grpc: {}, case_sensitive: true }`, `match: { path: "/v1/payments", dynamic_metadata: [{ filter: f, path: [{ key: k }], value: { present_match: true } }] }`,
+			"match field dynamic_metadata is not supported"},
+		{"filter state", `match: { path: "/v1/payments", grpc: {}, case_sensitive: true }`, `match: { path: "/v1/payments", filter_state: [{ key: k, string_match: { exact: v } }] }`,
+			"match field filter_state is not supported"},
+		{"case insensitive", `match: { path: "/v1/payments", grpc: {}, case_sensitive: true }`, `match: { path: "/v1/payments", case_sensitive: false }`,
+			"case-insensitive matches are not supported"},
+		{"path separated prefix", `match: { path: "/v1/payments", grpc: {}, case_sensitive: true }`, `match: { path_separated_prefix: "/v1/payments" }`,
+			"path specifier path_separated_prefix is not supported"},
+		{"jwt_authn rule on headers", `- match: { prefix: "/" }`, `- match: { prefix: "/", headers: [{ name: x, present_match: true }] }`,
+			`http filter "envoy.filters.http.jwt_authn" rule 0: match field headers is not supported`},
+		{"jwt_authn rule on grpc", `- match: { prefix: "/" }`, `- match: { prefix: "/", grpc: {} }`,
+			`http filter "envoy.filters.http.jwt_authn" rule 0: match field grpc is not supported`},
 		{"another cluster", "route: { cluster: app, timeout: 20s }", "route: { cluster: proc, timeout: 20s }",
 			`routes use clusters "app" and "proc"`},
 		{"per-route grpc_service", "failure_mode_allow: false", "grpc_service: { envoy_grpc: { cluster_name: proc } }",

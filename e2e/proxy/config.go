@@ -145,6 +145,12 @@ type Route struct {
 	// at most one may be set, none means prefix "/". Prefix is compared with the whole :path,
 	// Path and Regex with :path without its query string, as Envoy's route matchers do.
 	Prefix, Path, Regex string
+	// Grpc is the match's grpc: {} (RouteMatch.grpc): the route matches only gRPC requests,
+	// content-type application/grpc or application/grpc+…, as Envoy's
+	// RouteEntryImplBase::matchRoute (source/common/router/config_impl.cc) checks
+	// Grpc::Common::isGrpcRequestHeaders (source/common/grpc/common.cc) before the path; a
+	// request that is not gRPC falls to the next route.
+	Grpc bool
 	// Metadata is the route's metadata: the xds.route_metadata attribute.
 	Metadata *corev3.Metadata
 	// ExtProc is the route's typed_per_filter_config for the ext_proc filter.
@@ -370,10 +376,15 @@ type route struct {
 	regex *regexp.Regexp
 }
 
-// matches reports whether r matches path (the :path header), as Envoy's PrefixRouteEntryImpl,
-// PathRouteEntryImpl and RegexRouteEntryImpl do (case sensitive, query removed for path and
-// regex).
-func (r *route) matches(path string) bool {
+// matches reports whether r matches a request with path (the :path header) that is gRPC or
+// not (isGrpc), as Envoy's PrefixRouteEntryImpl, PathRouteEntryImpl and RegexRouteEntryImpl do
+// (case sensitive, query removed for path and regex): each calls
+// RouteEntryImplBase::matchRoute first, which refuses a request that is not gRPC on a route
+// with grpc: {} (config_impl.cc).
+func (r *route) matches(path string, grpc bool) bool {
+	if r.Grpc && !grpc {
+		return false
+	}
 	noQuery, _, _ := strings.Cut(path, "?")
 	switch {
 	case r.Path != "":

@@ -196,7 +196,7 @@ func (f *jwtFilter) decodeHeaders(x *exchange) bool {
 		}
 	} else {
 		for _, r := range f.rules {
-			if r.rt.matches(path) {
+			if r.rt.matches(path, x.grpc) {
 				req = r.req
 				break
 			}

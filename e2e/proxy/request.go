@@ -49,7 +49,7 @@ func (x *exchange) begin() {
 	x.head = x.method == http.MethodHead
 	path, _ := h.get(":path")
 	for _, rt := range x.p.routes {
-		if rt.matches(path) {
+		if rt.matches(path, x.grpc) {
 			x.route = rt
 			break
 		}

@@ -152,3 +152,42 @@ func TestPerRouteFailureModeAndMetadata(t *testing.T) {
 	log = e.proc.next(t)
 	require.Empty(t, log.msgs[0].GetMetadataContext().GetFilterMetadata(), "the route forwards no namespace")
 }
+
+// A route matching with grpc: {} takes only gRPC requests (RouteEntryImplBase::matchRoute,
+// Grpc::Common::isGrpcRequestHeaders): content-type exactly application/grpc or
+// application/grpc+…; any other request, on the same path, falls to the next route.
+func TestRouteGrpcMatch(t *testing.T) {
+	routes := []proxy.Route{
+		{Name: "grpc-only", Path: unaryPath, Grpc: true, ExtProc: disabled()},
+		{Name: "grpc-prefix", Prefix: "/grpc.testing.", Grpc: true, ExtProc: disabled()},
+		{Name: "fallback", Prefix: "/", ExtProc: disabled()},
+	}
+	e := newEnv(t, bufferedFilter(), nil, func(c *proxy.Config) { c.Routes = routes })
+	for _, tc := range []struct {
+		path, contentType, route string
+	}{
+		{unaryPath, "application/grpc", "grpc-only"},
+		{unaryPath + "?x=1", "application/grpc+proto", "grpc-only"},
+		{"/grpc.testing.TestService/EmptyCall", "application/grpc", "grpc-prefix"},
+		{unaryPath, "application/grpc-web", "fallback"},
+		{unaryPath, "application/grpc;charset=utf-8", "fallback"},
+		{unaryPath, "application/json", "fallback"},
+		{unaryPath, "", "fallback"},
+		{"/grpc.testing.TestService/EmptyCall", "text/plain", "fallback"},
+	} {
+		var hdr []string
+		if tc.contentType != "" {
+			hdr = []string{"content-type", tc.contentType}
+		}
+		resp, _ := e.do(t, http.MethodPost, tc.path, []byte("x"), hdr...)
+		require.Equal(t, http.StatusOK, resp.StatusCode, "%s %q", tc.path, tc.contentType)
+		require.Equal(t, tc.route, e.record(t).Route, "%s %q", tc.path, tc.contentType)
+	}
+
+	// A grpc-go client's call, over HTTP/2, takes the grpc-only route.
+	g := newGrpcEnv(t, grpcMode(bodyNONE, bodyNONE, modeSKIP), nil, func(c *proxy.Config) { c.Routes = routes })
+	resp, _, _, st := g.call(t, "hi")
+	require.Equal(t, codes.OK, st.Code(), st.Message())
+	require.Equal(t, "echo:hi", string(resp.GetPayload().GetBody()))
+	require.Equal(t, "grpc-only", g.record(t).Route)
+}
