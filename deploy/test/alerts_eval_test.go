@@ -109,3 +109,51 @@ func (s fsample) H() *histogram.Histogram       { return nil }
 func (s fsample) FH() *histogram.FloatHistogram { return nil }
 func (s fsample) Type() chunkenc.ValueType      { return chunkenc.ValFloat }
 func (s fsample) Copy() chunks.Sample           { return s }
+
+// IdempotencyGrpcTrailersMissing fires on a sustained share of covered requests that are gRPC
+// calls without trailers (a route withholding them: every call on it counts), and not on the
+// trickle of calls that clients cancel or upstreams reset: its expression, evaluated by
+// Prometheus' engine after 30 minutes of 10 covered requests a second, has a sample only when
+// the counter grows with a large enough share of them.
+func TestGrpcTrailersMissingAlertNeedsASustainedShare(t *testing.T) {
+	expr := alertExpr(t, "IdempotencyGrpcTrailersMissing")
+	engine := promql.NewEngine(promql.EngineOpts{MaxSamples: 10_000, Timeout: time.Minute})
+	const minutes, coveredPerMinute = 30, 600
+	series := func(name string, perMinute float64, extra ...string) storage.Series {
+		lset := labels.FromStrings(append([]string{"__name__", name, "namespace", "shop", "job", "idempotency-extproc", "instance", "a"}, extra...)...)
+		var ss []chunks.Sample
+		for i := range minutes + 1 {
+			ss = append(ss, fsample{t: int64(i) * time.Minute.Milliseconds(), f: perMinute * float64(i)})
+		}
+		return storage.NewListSeries(lset, ss)
+	}
+	for _, tc := range []struct {
+		name             string
+		missingPerMinute float64
+		fires            bool
+	}{
+		{"none", 0, false},
+		{"a trickle of cancelled calls (1%)", 6, false},
+		{"every call of a gRPC route that is a fifth of the traffic", 120, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			db := queryable{
+				series("idempotency_requests_total", coveredPerMinute, "route", "charge", "outcome", "executed"),
+				series("idempotency_requests_total", 6000, "route", "health", "outcome", "passthrough"),
+				series("idempotency_grpc_trailers_missing_total", tc.missingPerMinute),
+			}
+			q, err := engine.NewInstantQuery(t.Context(), db, nil, expr, time.UnixMilli(minutes*time.Minute.Milliseconds()))
+			require.NoError(t, err)
+			res := q.Exec(t.Context())
+			require.NoError(t, res.Err)
+			v, err := res.Vector()
+			require.NoError(t, err)
+			if !tc.fires {
+				require.Empty(t, v, "%s: %v", expr, v)
+				return
+			}
+			require.Len(t, v, 1, "%s: %v", expr, v)
+			require.InDelta(t, 0.2, v[0].F, 0.01, "the share of covered requests")
+		})
+	}
+}
