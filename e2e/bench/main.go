@@ -53,28 +53,46 @@ func main() {
 	if serveFromEnv() {
 		return
 	}
-	duration := flag.Duration("duration", 3*time.Second, "how long each workload runs against each target")
-	streams := flag.Int("streams", 32, "concurrent ext_proc streams")
-	rounds := flag.Int("rounds", 5, "alternating rounds each cell's duration is split into")
-	load := flag.Float64("load", 0.5, "also run each workload at this fraction of the slowest target's requests/s, to measure latency below saturation (0: skip)")
-	only := flag.String("only", "", "comma-separated workloads and targets to run (default all), e.g. \"first execution,memory store\"; with -mode costs, the sections whose title holds one of them, e.g. durability")
-	memoryBytes := flag.Int64("memory-bytes", 0, "the memory stores' bound (default the binary's, 256 MiB)")
-	cpuprofile := flag.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory, .memory-empty and .redis")
-	traceOut := flag.String("trace", "", "write execution traces (go tool trace) of the whole run, named as -cpuprofile's")
-	mode := flag.String("mode", "compare", "user: the shipped binary with the chart's defaults against a null and a naive Redis processor, each a child process (docs/performance.md); compare: the processor's own tables; costs: CPU per request over the null processor of each feature (tracing, sealing, a waiting duplicate, the Redis batcher on and off, against plain SETs of the records under the same load, durability.replicas: 1 on a Redis master with a replica), of 1 KiB, 64 KiB and 1 MiB bodies and of -streams, 256 and 1,024 streams, in one run")
-	redisBatching := flag.Bool("redis-batching", true, "let the Redis store share round trips among concurrent calls in pipelined batches (false: a round trip per call)")
-	sizes := flag.String("sizes", "1024,65536,1048576", "-mode costs: the body sizes in bytes, comma-separated; the first is the features' size")
-	streamCounts := flag.String("stream-counts", "", "-mode costs: the stream counts, comma-separated (default -streams, 256, 1024); the first is the other sections'")
-	userSizes := flag.String("user-sizes", "33,4096", "-mode user: the body sizes of the first-execution and replay loads")
-	userGrowth := flag.String("user-growth", "33,4096,65536,1048576", "-mode user: the body sizes of how cost grows (memory store; \"\" skips it)")
-	userLogs := flag.String("user-logs", "file", "-mode user: where the binary's logs go: file (the chart's: the container's output) or discard")
-	userRoutes := flag.String("user-routes", "chart", "-mode user: the binary's policy: chart (the measured path matched by a third route, after a prefix and a path_regex route) or one (a single route)")
-	userHeaders := flag.String("user-headers", "envoy", "-mode user: the request headers: envoy (the set Envoy sends) or short (method, path and key)")
-	userLoads := flag.String("user-loads", loadFirst+","+loadReplay, "-mode user: the loads to run, comma-separated (first execution, replay)")
-	userVariant := flag.String("user-variant", "", "-mode user: also run this binary on the memory store, in the same rounds, printed against the null processor and the shipped binary")
-	userVariantEnv := flag.String("user-variant-env", "", "-mode user: also run a variant of the shipped binary (or -user-variant's) with these variables added to its environment, space-separated K=V")
-	userRedis := flag.Bool("user-redis", true, "-mode user: run the Redis rows too (false: the memory store and the null processor only)")
-	flag.Parse()
+	os.Exit(run(os.Args[1:]))
+}
+
+// run runs the bench with the command line args and returns the exit code. Every child it
+// starts (redis-server, the processors) is stopped before it returns, on every path: main calls
+// os.Exit, which runs no deferred call, only once run is done.
+func run(args []string) int {
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	duration := fs.Duration("duration", 3*time.Second, "how long each workload runs against each target")
+	streams := fs.Int("streams", 32, "concurrent ext_proc streams")
+	rounds := fs.Int("rounds", 5, "alternating rounds each cell's duration is split into")
+	load := fs.Float64("load", 0.5, "also run each workload at this fraction of the slowest target's requests/s, to measure latency below saturation (0: skip)")
+	only := fs.String("only", "", "comma-separated workloads and targets to run (default all), e.g. \"first execution,memory store\"; with -mode costs, the sections whose title holds one of them, e.g. durability")
+	memoryBytes := fs.Int64("memory-bytes", 0, "the memory stores' bound (default the binary's, 256 MiB)")
+	cpuprofile := fs.String("cpuprofile", "", "write CPU profiles of the whole run: this prefix plus .client, .null, .memory, .memory-empty and .redis")
+	traceOut := fs.String("trace", "", "write execution traces (go tool trace) of the whole run, named as -cpuprofile's")
+	mode := fs.String("mode", "compare", "user: the shipped binary with the chart's defaults against a null and a naive Redis processor, each a child process (docs/performance.md); compare: the processor's own tables; costs: CPU per request over the null processor of each feature (tracing, sealing, a waiting duplicate, the Redis batcher on and off, against plain SETs of the records under the same load, durability.replicas: 1 on a Redis master with a replica), of 1 KiB, 64 KiB and 1 MiB bodies and of -streams, 256 and 1,024 streams, in one run")
+	redisBatching := fs.Bool("redis-batching", true, "let the Redis store share round trips among concurrent calls in pipelined batches (false: a round trip per call)")
+	sizes := fs.String("sizes", "1024,65536,1048576", "-mode costs: the body sizes in bytes, comma-separated; the first is the features' size")
+	streamCounts := fs.String("stream-counts", "", "-mode costs: the stream counts, comma-separated (default -streams, 256, 1024); the first is the other sections'")
+	userSizes := fs.String("user-sizes", "33,4096", "-mode user: the body sizes of the first-execution and replay loads")
+	userGrowth := fs.String("user-growth", "33,4096,65536,1048576", "-mode user: the body sizes of how cost grows (memory store; \"\" skips it)")
+	userLogs := fs.String("user-logs", "file", "-mode user: where the binary's logs go: file (the chart's: the container's output) or discard")
+	userRoutes := fs.String("user-routes", "chart", "-mode user: the binary's policy: chart (the measured path matched by a third route, after a prefix and a path_regex route) or one (a single route)")
+	userHeaders := fs.String("user-headers", "envoy", "-mode user: the request headers: envoy (the set Envoy sends) or short (method, path and key)")
+	userLoads := fs.String("user-loads", loadFirst+","+loadReplay, "-mode user: the loads to run, comma-separated (first execution, replay)")
+	userVariant := fs.String("user-variant", "", "-mode user: also run this binary on the memory store, in the same rounds, printed against the null processor and the shipped binary")
+	userVariantEnv := fs.String("user-variant-env", "", "-mode user: also run a variant of the shipped binary (or -user-variant's) with these variables added to its environment, space-separated K=V")
+	userRedis := fs.Bool("user-redis", true, "-mode user: run the Redis rows too (false: the memory store and the null processor only)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *mode == "user" && *rounds < 3 {
+		fmt.Fprintln(os.Stderr, "bench: -mode user takes medians of at least 3 interleaved rounds; -rounds", *rounds)
+		return 2
+	}
+	if *mode != "user" && *mode != "costs" && *mode != "compare" {
+		fmt.Fprintln(os.Stderr, "bench: -mode is user, compare or costs, not", *mode)
+		return 2
+	}
 	if !*redisBatching {
 		// The target processes read it.
 		_ = os.Setenv(envUnbatched, "1")
@@ -88,7 +106,7 @@ func main() {
 		stop, err := rec.start(prefix + ".client")
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
-			os.Exit(1)
+			return 1
 		}
 		defer stop()
 		// The target processes write theirs.
@@ -109,10 +127,6 @@ func main() {
 		defer stop()
 	}
 	if *mode == "user" {
-		if *rounds < 3 {
-			fmt.Fprintln(os.Stderr, "bench: -mode user takes medians of at least 3 interleaved rounds; -rounds", *rounds)
-			os.Exit(2)
-		}
 		o := userOptions{duration: *duration, rounds: max(*rounds, 1), streams: *streams, logs: *userLogs, routes: *userRoutes, headers: *userHeaders, redis: redisAddr != "" && *userRedis, cpuprofile: *cpuprofile, variantBin: *userVariant, variantEnv: strings.Fields(*userVariantEnv)}
 		var err error
 		if o.loads, err = userLoadList(*userLoads); err == nil {
@@ -123,13 +137,13 @@ func main() {
 		}
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
-			os.Exit(2)
+			return 2
 		}
 		if err := userBench(ctx, o, redisAddr, os.Stdout); err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
-			os.Exit(1)
+			return 1
 		}
-		return
+		return 0
 	}
 	if *mode == "costs" {
 		o := options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, memoryBytes: *memoryBytes, redisBytes: 1 << 30, only: filter}
@@ -148,29 +162,26 @@ func main() {
 		}
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
-			os.Exit(2)
+			return 2
 		}
 		res, err := costs(ctx, o)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
-			os.Exit(1)
+			return 1
 		}
 		res.print(os.Stdout)
-		return
-	}
-	if *mode != "compare" {
-		fmt.Fprintln(os.Stderr, "bench: -mode is compare or costs, not", *mode)
-		os.Exit(2)
+		return 0
 	}
 	res, err := compare(ctx, options{duration: *duration, rounds: max(*rounds, 1), streams: *streams, redisAddr: redisAddr, load: *load, memoryBytes: *memoryBytes, only: filter})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
-		os.Exit(1) //nolint:gocritic // the profile is not needed on failure
+		return 1
 	}
 	if !*redisBatching {
 		fmt.Println("Redis store with batching off (-redis-batching=false): a round trip per store call.")
 	}
 	res.print(os.Stdout)
+	return 0
 }
 
 // recorders are what -cpuprofile and -trace record, each process under the prefix in its

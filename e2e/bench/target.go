@@ -375,7 +375,7 @@ func startTarget(name, redisAddr string, memoryBytes int64, env ...string) (*tar
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(exe)
+	cmd := dieWithBench(exec.Command(exe))
 	cmd.Env = append(os.Environ(), envServe+"="+name, envRedis+"="+redisAddr, envMemory+"="+strconv.FormatInt(memoryBytes, 10))
 	cmd.Env = append(cmd.Env, env...)
 	cmd.Stderr = os.Stderr

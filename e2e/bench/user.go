@@ -208,7 +208,7 @@ func startShipped(bin, dir, store, redisAddr string, env []string, o userOptions
 	if o.cpuprofile != "" {
 		args = append(args, "--admin-pprof=true")
 	}
-	cmd := exec.Command(bin, args...)
+	cmd := dieWithBench(exec.Command(bin, args...))
 	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
 	var logFile *os.File
 	if o.logs == "discard" {
@@ -307,7 +307,7 @@ func startAfternoon(name, redisAddr, cpuprofile string) (*userProcess, error) {
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(exe)
+	cmd := dieWithBench(exec.Command(exe))
 	// The same environment as the shipped binary's: no GOGC, GOMAXPROCS or GODEBUG of the
 	// caller's moves one process and not another.
 	cmd.Env = []string{"PATH=" + os.Getenv("PATH"), envServe + "=" + name, envRedis + "=" + redisAddr}
