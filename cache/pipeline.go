@@ -37,7 +37,7 @@ const unbatchedBytes = 256 << 10
 // is one connection, and WAIT confirms every write its connection made before it, so one WAIT
 // confirms every call of its batch, each against the replicas it asks for.
 //
-// Deadlines are the calls' own (call.deadline, set by Redis.bound): the batcher adds none. A
+// Deadlines are the calls' own (call.deadline, set by Redis.boundCall): the batcher adds none. A
 // caller's own call, sent alone, runs under the caller's context; a batch, which serves callers
 // that may each stop waiting, runs until the latest deadline among its calls.
 //
@@ -82,7 +82,7 @@ func newPipeline(client redis.UniversalClient, slots int) *pipeline {
 // comes first; in the second case a queued call is dropped unsent, and a call already taken
 // may still run (then its undo follows its reply).
 func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
-	if err := ctx.Err(); err != nil {
+	if err := callerErr(ctx); err != nil {
 		return errorCmd(ctx, err)
 	}
 	if c.stagedBytes >= unbatchedBytes {
@@ -108,6 +108,8 @@ func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 	c.done = make(chan struct{})
 	p.queue = append(p.queue, c)
 	p.mu.Unlock()
+	// The caller stops waiting at the call's deadline or when its own context ends (boundCall).
+	caller := callerDone(ctx)
 	for {
 		p.mu.Lock()
 		queued := !c.taken
@@ -122,21 +124,23 @@ func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 		case slots <- struct{}{}:
 			// A slot freed while the call was queued: run the queue, which holds it.
 			p.serve(ctx, nil)
+			continue
 		case <-ctx.Done():
-			p.mu.Lock()
-			switch {
-			case c.cmd != nil:
-				// The reply came in meanwhile: the caller has it.
-				p.mu.Unlock()
-				return c.cmd
-			case !c.taken:
-				p.queue = slices.DeleteFunc(p.queue, func(q *call) bool { return q == c })
-			default:
-				c.left = true
-			}
-			p.mu.Unlock()
-			return errorCmd(ctx, ctx.Err())
+		case <-caller:
 		}
+		p.mu.Lock()
+		switch {
+		case c.cmd != nil:
+			// The reply came in meanwhile: the caller has it.
+			p.mu.Unlock()
+			return c.cmd
+		case !c.taken:
+			p.queue = slices.DeleteFunc(p.queue, func(q *call) bool { return q == c })
+		default:
+			c.left = true
+		}
+		p.mu.Unlock()
+		return errorCmd(ctx, callerErr(ctx))
 	}
 }
 
@@ -162,15 +166,17 @@ func (p *pipeline) serve(ctx context.Context, own *call) {
 		return
 	}
 	if len(batch) > 1 || own == nil {
-		latest := batch[0].deadline
+		latest := batch[0]
 		for _, c := range batch[1:] {
-			if c.deadline.After(latest) {
-				latest = c.deadline
+			if c.deadline.After(latest.deadline) {
+				latest = c
 			}
 		}
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithDeadline(context.Background(), latest)
-		defer cancel()
+		if ctx = latest.until; ctx == nil {
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithDeadline(context.Background(), latest.deadline)
+			defer cancel()
+		}
 	}
 	p.exec(ctx, batch)
 }

@@ -170,10 +170,11 @@ type RedisOptions struct {
 // on the connection that carried them (under Cluster, one to the master of the key's slot), and
 // are judged by its count: see sendBatch.
 type Redis struct {
-	client  redis.UniversalClient
-	timeout time.Duration
-	clock   clock.Clock
-	send    sender
+	client    redis.UniversalClient
+	timeout   time.Duration
+	deadlines *deadlines
+	clock     clock.Clock
+	send      sender
 	// durable sends the calls of durable claims, which end their round trips with a WAIT:
 	// batched apart from the others, so that no other call waits for replicas.
 	durable sender
@@ -207,7 +208,7 @@ func NewRedis(client redis.UniversalClient, opts RedisOptions) *Redis {
 	if opts.DisableBatching {
 		send, durable = direct{client: client}, direct{client: client}
 	}
-	r := &Redis{client: client, timeout: opts.Timeout, clock: opts.Clock, send: send, durable: durable, orphans: newOrphans(opts.Clock), ring: opts.Keyring}
+	r := &Redis{client: client, timeout: opts.Timeout, deadlines: newDeadlines(opts.Timeout), clock: opts.Clock, send: send, durable: durable, orphans: newOrphans(opts.Clock), ring: opts.Keyring}
 	go r.orphans.run(r.releaseOrphans, opts.Timeout)
 	return r
 }
@@ -333,8 +334,6 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	if err := checkClaim(c); err != nil {
 		return Lease{}, nil, err
 	}
-	ctx, cancel, deadline := r.bound(ctx)
-	defer cancel()
 	// The record's times are in milliseconds: the lease carries the same instant.
 	now := time.UnixMilli(r.clock.Now().UnixMilli())
 	token := newToken()
@@ -343,7 +342,6 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	lease := Lease{key: key, token: token, fingerprint: string(c.Fingerprint), route: c.Route, ttl: c.TTL, created: now,
 		replicas: c.Replicas, replicaTimeout: c.ReplicaTimeout}
 	set := &call{
-		deadline: deadline,
 		// The SET may have run while this caller never learned it: free what it may have
 		// created rather than block the key for a whole lease.
 		undo:     func(*redis.Cmd) { r.orphans.add(lease, c.LockTTL) },
@@ -351,7 +349,7 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 		wait:     c.ReplicaTimeout,
 	}
 	set.args = append(set.argv[:0], "set", key, pending, "nx", "px", c.LockTTL.Milliseconds(), "get")
-	found, err := r.sender(set).run(ctx, set).Text()
+	found, err := r.run(ctx, set).Text()
 	switch {
 	case errors.Is(err, redis.Nil) && set.unconfirmed != nil:
 		return r.withdraw(ctx, lease, c.LockTTL, set.unconfirmed)
@@ -410,23 +408,39 @@ func newToken() string {
 }
 
 // bound limits ctx to the store's timeout from now, unless it ends earlier, and returns that
-// deadline too: the one place a Redis call's deadline is set (the batcher runs each batch until
-// the latest deadline among its calls). Deadlines are on the wall clock, as contexts are.
+// deadline too. Deadlines are on the wall clock, as contexts are. It is for the calls that go to
+// go-redis directly (Lookup, Ping, Keys); the calls of the senders are bounded by boundCall.
 func (r *Redis) bound(ctx context.Context) (context.Context, context.CancelFunc, time.Time) {
 	deadline := time.Now().Add(r.timeout)
 	if d, ok := ctx.Deadline(); ok && !d.After(deadline) {
-		return ctx, func() {}, d
+		return ctx, noCancel, d
 	}
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	return ctx, cancel, deadline
 }
 
+// boundCall limits ctx to the store's timeout from now, unless it ends earlier, for c, which a
+// sender runs: the one place a sent call's deadline is set (c.deadline; the batcher runs each
+// batch until the latest deadline among its calls). The deadline is a shared slot's
+// (deadlines), a little earlier than the timeout from now, and the context returned carries it
+// with the caller's values and ends at it (callCtx), without a timer of its own; the senders
+// watch the caller's own cancellation apart (callerDone, callerErr).
+func (r *Redis) boundCall(ctx context.Context, c *call) context.Context {
+	now := time.Now()
+	if d, ok := ctx.Deadline(); ok && !d.After(now.Add(r.timeout)) {
+		c.deadline, c.until = d, nil
+		return ctx
+	}
+	s := r.deadlines.slot(now)
+	c.deadline, c.until = s.at, s.ctx
+	return &callCtx{Context: ctx, slot: s}
+}
+
+func noCancel() {}
+
 // run sends one call bounded by the store's timeout.
 func (r *Redis) run(ctx context.Context, c *call) *redis.Cmd {
-	ctx, cancel, deadline := r.bound(ctx)
-	defer cancel()
-	c.deadline = deadline
-	return r.sender(c).run(ctx, c)
+	return r.sender(c).run(r.boundCall(ctx, c), c)
 }
 
 // Lookup implements [Store.Lookup]. It reads the record and the key's expiry in one transaction

@@ -33,9 +33,12 @@ type call struct {
 	// there are stagedBytes.
 	stage       []any
 	stagedBytes int
-	// deadline is when the caller stops waiting, which Redis.bound set. A batch carrying the
-	// call runs until the latest deadline of its calls.
+	// deadline is when the caller stops waiting, which Redis.boundCall set. A batch carrying the
+	// call runs until the latest deadline of its calls. until, when set, is a context that ends
+	// at deadline, without the caller's values or cancellation (slotCtx): the one such a batch
+	// runs under when the call has the latest deadline.
 	deadline time.Time
+	until    context.Context
 	// undo, when set, runs with the reply of a call that may have run while its caller did not
 	// learn what it did: the caller stopped waiting, or the round trip failed.
 	undo func(*redis.Cmd)
@@ -78,7 +81,7 @@ type direct struct{ client redis.UniversalClient }
 var _ sender = direct{}
 
 func (d direct) run(ctx context.Context, c *call) *redis.Cmd {
-	if err := ctx.Err(); err != nil {
+	if err := callerErr(ctx); err != nil {
 		return errorCmd(ctx, err)
 	}
 	cmd := c.send(ctx, d.client)

@@ -369,20 +369,44 @@ func TestRedisAbandonedQueuedCallIsNeverSent(t *testing.T) {
 	}
 	require.Zero(t, waitAllWaiting(t, s, hook, pipelineSlots), "every slot taken, nothing queued")
 
-	ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
-	defer cancel()
-	_, _, err := s.Acquire(ctx, "queued", Claim{LockTTL: time.Hour, TTL: time.Hour})
-	require.ErrorIs(t, err, context.DeadlineExceeded)
-	s.send.(*pipeline).mu.Lock()
-	queued := len(s.send.(*pipeline).queue)
-	s.send.(*pipeline).mu.Unlock()
-	require.Zero(t, queued, "the abandoned call left the queue")
+	queueLen := func() int {
+		s.send.(*pipeline).mu.Lock()
+		defer s.send.(*pipeline).mu.Unlock()
+		return len(s.send.(*pipeline).queue)
+	}
+	// The caller stops waiting at its own deadline, earlier than the store's, or when its
+	// context is cancelled (the call's context is then the store's, which ends at the store's
+	// deadline only: the batcher watches the caller's apart).
+	for _, tc := range []struct {
+		key  string
+		ctx  func() (context.Context, context.CancelFunc)
+		want error
+	}{
+		{"queued", func() (context.Context, context.CancelFunc) {
+			return context.WithTimeout(t.Context(), 50*time.Millisecond)
+		}, context.DeadlineExceeded},
+		{"queued-cancelled", func() (context.Context, context.CancelFunc) {
+			ctx, cancel := context.WithCancel(t.Context())
+			go func() {
+				assert.Eventually(t, func() bool { return queueLen() == 1 }, 10*time.Second, time.Millisecond)
+				cancel()
+			}()
+			return ctx, cancel
+		}, context.Canceled},
+	} {
+		ctx, cancel := tc.ctx()
+		_, _, err := s.Acquire(ctx, tc.key, Claim{LockTTL: time.Hour, TTL: time.Hour})
+		cancel()
+		require.ErrorIs(t, err, tc.want, tc.key)
+		require.Zero(t, queueLen(), "the abandoned call left the queue")
+	}
 
 	hook.hold.Store(false)
 	close(hook.release)
 	wg.Wait()
 	require.Equal(t, int64(pipelineSlots), hook.sets.Load(), "only the calls waited for were sent")
 	require.False(t, mr.Exists("queued"))
+	require.False(t, mr.Exists("queued-cancelled"))
 	for _, k := range busyKeys() {
 		require.True(t, mr.Exists(k), k)
 	}
@@ -970,7 +994,7 @@ func TestRedisUnbatchedSendsEachCallAlone(t *testing.T) {
 
 // A batch serves callers with deadlines of their own: it runs until the latest of them, so that
 // no caller's call is cut short by another's earlier deadline, and the batcher adds none of its
-// own (the store's timeout is set once, in Redis.bound).
+// own (the store's timeout is set once, in Redis.boundCall).
 func TestBatchRunsUntilItsLatestDeadline(t *testing.T) {
 	hook := &pipelineCounter{release: make(chan struct{})}
 	s, _ := hookedRedisWith(t, hook, RedisOptions{Timeout: time.Hour})
