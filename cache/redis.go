@@ -433,7 +433,8 @@ func (r *Redis) boundCall(ctx context.Context, c *call) context.Context {
 	}
 	s := r.deadlines.slot(now)
 	c.deadline, c.until = s.at, s.ctx
-	return &callCtx{Context: ctx, slot: s}
+	c.ctx = callCtx{Context: ctx, slot: s}
+	return &c.ctx
 }
 
 func noCancel() {}

@@ -2,9 +2,11 @@ package cache
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 )
 
@@ -75,4 +77,50 @@ func TestCallCtx(t *testing.T) {
 		t.Fatal("callerDone did not end with the caller")
 	}
 	require.Nil(t, callerDone(t.Context()), "a context of the caller's own has no callerDone")
+}
+
+// pipelineOrder records the command names of each pipeline its client sends, but those that set
+// up a connection.
+type pipelineOrder struct {
+	passHook
+	mu    sync.Mutex
+	sends [][]string
+}
+
+func (h *pipelineOrder) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		names := make([]string, len(cmds))
+		for i, c := range cmds {
+			names[i] = c.Name()
+		}
+		if names[0] != "client" && names[0] != "hello" {
+			h.mu.Lock()
+			h.sends = append(h.sends, names)
+			h.mu.Unlock()
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// TestBatchSendsAScriptFirst checks that a batch's pipeline starts with a script where it holds
+// one, whatever the calls' order (go-redis judges a pipeline by its first reply, and a free key's
+// claim answers nil, which it passes through its retry predicates), and that each reply still
+// goes to its own call.
+func TestBatchSendsAScriptFirst(t *testing.T) {
+	hook := &pipelineOrder{}
+	s, mr := hookedRedis(t, hook, time.Second)
+	require.NoError(t, releaseScript.Load(t.Context(), s.client).Err())
+	mr.Set("taken", "v")
+	claim := func(key string) *call { return &call{args: []any{"set", key, "p", "nx", "px", 60000, "get"}} }
+	calls := []*call{claim("free"), claim("taken"), {script: releaseScript, keys: []string{"free2"}, args: []any{"token"}}}
+	cmds := sendBatch(t.Context(), s.client, calls)
+	require.ErrorIs(t, cmds[0].Err(), redis.Nil, "the free key's claim")
+	v, err := cmds[1].Text()
+	require.NoError(t, err)
+	require.Equal(t, "v", v, "the taken key's claim")
+	n, err := cmds[2].Int64()
+	require.NoError(t, err)
+	require.Zero(t, n, "nothing to release")
+	require.Equal(t, [][]string{{"evalsha", "set", "set"}}, hook.sends)
+	require.True(t, mr.Exists("free"))
 }

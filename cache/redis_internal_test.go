@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"slices"
 	"strconv"
@@ -503,14 +504,19 @@ func TestUnanswered(t *testing.T) {
 
 // TestUnansweredAllocs: most claims end with redis.Nil (the key was free) and every batched call's
 // reply passes unanswered, so its answers for a missing value and for no error cost no
-// allocation (the retried replies' predicates took 15 and 3 to 5 µs).
+// allocation (the retried replies' predicates took 15 and 3 to 5 µs). AllocsPerRun counts the
+// whole process's allocations, and the stores of earlier tests may still run timers (a deadline
+// slot ending, an orphan pass): the fewest of a few runs is the function's.
 func TestUnansweredAllocs(t *testing.T) {
 	cmd := redis.NewCmd(t.Context())
 	for _, err := range []error{nil, redis.Nil} {
 		cmd.SetErr(err)
-		allocs := testing.AllocsPerRun(100, func() {
-			require.False(t, unanswered(cmd.Err()))
-		})
+		allocs := math.Inf(1)
+		for range 5 {
+			allocs = min(allocs, testing.AllocsPerRun(100, func() {
+				require.False(t, unanswered(cmd.Err()))
+			}))
+		}
 		require.Zero(t, allocs, "unanswered(%v)", err)
 	}
 }
