@@ -105,3 +105,67 @@ func TestGCBaseSample(t *testing.T) {
 		require.Equal(t, metrics.KindUint64, m.Value.Kind(), m.Name)
 	}
 }
+
+// tunerPercent reads GOGC's setting and what the running tuner last set, under the tuner's lock
+// so that no cycle sets GOGC between the two reads.
+func tunerPercent(t *testing.T) (set, recorded int) {
+	t.Helper()
+	tuning.Lock()
+	tu := tuning.tuner
+	tuning.Unlock()
+	require.NotNil(t, tu, "the tuner runs")
+	tu.mu.Lock()
+	defer tu.mu.Unlock()
+	return currentGCPercent(), tu.percent
+}
+
+// TestGCTunerFollowsTheHeap: every collection re-arms the tuner, so GOGC follows a live heap
+// that grows collection after collection, not only at the first one; stop restores the setting
+// it found, and later collections change nothing.
+func TestGCTunerFollowsTheHeap(t *testing.T) {
+	before := debug.SetGCPercent(123)
+	t.Cleanup(func() { debug.SetGCPercent(before) })
+	// With 1 GiB of headroom, a live heap of 8 to 40 MiB asks for GOGC between 12,800 and some
+	// 2,500: each 4 MiB step lowers it by at least 8%, far more than the rest of the test
+	// binary's heap moves between collections.
+	const step = 4 << 20
+	live := []*[step]byte{new([step]byte), new([step]byte)}
+	stop := startGCTuner(1<<30, func(string) string { return "" })
+	stopped := false
+	t.Cleanup(func() {
+		if !stopped {
+			stop()
+		}
+	})
+	var seen []int
+	for range 8 {
+		live = append(live, new([step]byte))
+		last := 0
+		if len(seen) > 0 {
+			last = seen[len(seen)-1]
+		}
+		// The cleanup that tunes runs on its own goroutine after a collection: collect until the
+		// tuner has set a new value for the grown heap.
+		var set, recorded int
+		require.Eventually(t, func() bool {
+			runtime.GC()
+			set, recorded = tunerPercent(t)
+			return recorded != last && recorded != 100
+		}, 10*time.Second, 10*time.Millisecond, "no cycle after GOGC=%d (seen %v)", last, seen)
+		require.Equal(t, recorded, set, "GOGC is what the tuner recorded")
+		require.Greater(t, set, 100)
+		seen = append(seen, set)
+	}
+	runtime.KeepAlive(live)
+	require.Len(t, seen, 8, "GOGC changed at each of 8 heap sizes: %v", seen)
+	require.Less(t, seen[7], seen[0], "GOGC falls as the live heap grows: %v", seen)
+
+	stop()
+	stopped = true
+	require.Equal(t, 123, currentGCPercent(), "stop restores GOGC")
+	// live is dead by now, so the heap shrinks: a running tuner would raise GOGC.
+	for range 20 {
+		runtime.GC()
+		require.Equal(t, 123, currentGCPercent(), "a stopped tuner sets nothing")
+	}
+}
