@@ -13,9 +13,10 @@ import (
 // outside the Go heap): some 12 MiB under 32 streams of first executions. With GOGC's default
 // of 100 the collector then runs every 12 MiB allocated, about every 550 first executions, and
 // each cycle also shrinks the idle stream workers' stacks, which the next streams grow again:
-// some 12 µs of CPU per first execution in all (docs/performance.md). 64 MiB of headroom makes
-// the cycles several times rarer for that much more heap at most; once the live heap exceeds
-// 64 MiB, the collector runs as with GOGC=100.
+// 8.6–16.6 µs of CPU per request in CPU profiles of the memory store's first executions, and
+// 3.9–21.0 µs of the process' whole CPU in paired runs (docs/performance.md). 64 MiB of
+// headroom makes the cycles several times rarer for that much more heap at most; once the live
+// heap exceeds 64 MiB, the collector runs as with GOGC=100.
 const gcHeadroom = 64 << 20
 
 // gcMinBase is the least base gcPercent assumes: the Go runtime's minimum heap target at
