@@ -412,6 +412,8 @@ func TestChartRefuses(t *testing.T) {
 		{"default circuit breaker", "extProc: { circuitBreakerThreshold: 1024 }", "circuitBreakerThreshold"},
 		{"unknown body mode", "extProc: { responseBodyMode: NONE }", "responseBodyMode"},
 		{"istio without namespace", "istio: { enabled: true }", "istio.namespace"},
+		{"grpcRoutes at a sidecar", "istio: { enabled: true, namespace: payments, workloadSelector: { app: payments }, grpcRoutes: [payments-grpc] }",
+			`istio.grpcRoutes needs istio.context GATEWAY, got "SIDECAR_INBOUND"`},
 		{"envoy gateway without routes", "envoyGateway: { enabled: true, namespace: payments }", "envoyGateway.targetRefs"},
 		{"envoy gateway without gateway", "envoyGateway: { enabled: true, namespace: payments, targetRefs: [{group: g, kind: HTTPRoute, name: r}] }",
 			"clientTrafficPolicy.gatewayName"},

@@ -164,6 +164,9 @@ read here (nor by the hook). */ -}}
 {{- if not (has .Values.istio.context (list "SIDECAR_INBOUND" "GATEWAY")) -}}
 {{- fail (printf "istio.context must be SIDECAR_INBOUND or GATEWAY, got %q" .Values.istio.context) -}}
 {{- end -}}
+{{- if and .Values.istio.grpcRoutes (ne .Values.istio.context "GATEWAY") -}}
+{{- fail (printf "istio.grpcRoutes needs istio.context GATEWAY, got %q: in a sidecar Istio names the inbound routes itself, so the names %v would match no route and the gRPC methods would keep the filter's processing modes" .Values.istio.context .Values.istio.grpcRoutes) -}}
+{{- end -}}
 {{- end -}}
 {{- if .Values.envoyGateway.enabled -}}
 {{- if not .Values.envoyGateway.namespace -}}
