@@ -140,6 +140,24 @@ func TestNoCitationOfMissingDocuments(t *testing.T) {
 	})
 }
 
+// Every file of envoy/ that a file names in its text (a comment's "as envoy/envoy.yaml does", a
+// test's path) exists: a renamed or never-written example leaves such names behind, and only a
+// Markdown link is checked by TestLinksResolve.
+func TestNamedEnvoyFilesExist(t *testing.T) {
+	named := regexp.MustCompile(`(?:^|[^A-Za-z0-9_./-])(envoy/[A-Za-z0-9._-]+\.(?:yaml|yml|json))`)
+	checked := 0
+	walk(t, []string{".go", ".md", ".yaml", ".yml", ".json", ".txt", ".tpl", "Makefile", "Dockerfile", ".sh"}, func(path string, data []byte) {
+		for i, line := range bytes.Split(data, []byte("\n")) {
+			for _, m := range named.FindAllSubmatch(line, -1) {
+				_, err := os.Stat(filepath.Join(root, string(m[1])))
+				require.NoError(t, err, "%s:%d names %s, which does not exist", path, i+1, m[1])
+				checked++
+			}
+		}
+	})
+	require.Positive(t, checked)
+}
+
 func TestAnchors(t *testing.T) {
 	got := anchors([]byte("# Guarantees and failure modes\n## `fail_mode: open`\n## Twice\n## Twice\n```\n# not a heading\n```\n"))
 	require.Equal(t, map[string]bool{"guarantees-and-failure-modes": true, "fail_mode-open": true, "twice": true, "twice-1": true}, got)
