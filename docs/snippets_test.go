@@ -308,3 +308,52 @@ func set(m, key, val *yaml.Node) {
 	}
 	m.Content = append(m.Content, key, val)
 }
+
+// findRoute returns the match of the route named name anywhere in v, a decoded YAML document.
+func findRoute(v any, name string) (match any, ok bool) {
+	switch v := v.(type) {
+	case map[string]any:
+		if v["name"] == name {
+			if m, has := v["match"]; has {
+				return m, true
+			}
+		}
+		for _, e := range v {
+			if m, ok := findRoute(e, name); ok {
+				return m, true
+			}
+		}
+	case []any:
+		for _, e := range v {
+			if m, ok := findRoute(e, name); ok {
+				return m, true
+			}
+		}
+	}
+	return nil, false
+}
+
+// The gRPC methods section's route for a bootstrap of one's own matches what the shipped
+// envoy/envoy-grpc.yaml matches, the unary method's exact path: a prefix would cover the
+// service's streaming methods too, which that section says to leave out.
+func TestGRPCRouteSnippetMatchesShipped(t *testing.T) {
+	data, err := os.ReadFile(filepath.Join(root, "envoy", "envoy-grpc.yaml"))
+	require.NoError(t, err)
+	var shipped any
+	require.NoError(t, yaml.Unmarshal(data, &shipped))
+	want, ok := findRoute(shipped, "payments-grpc")
+	require.True(t, ok, "envoy/envoy-grpc.yaml has a route payments-grpc")
+	found := 0
+	for _, s := range yamlSnippets(t) {
+		if s.where != "envoy.yaml:route" {
+			continue
+		}
+		var doc any
+		require.NoError(t, yaml.Unmarshal([]byte(s.text), &doc), "%s:%d", s.doc, s.line)
+		if got, ok := findRoute(doc, "payments-grpc"); ok {
+			require.Equal(t, want, got, "%s:%d: the route's match differs from envoy/envoy-grpc.yaml's", s.doc, s.line)
+			found++
+		}
+	}
+	require.Positive(t, found, "a route snippet named payments-grpc")
+}
