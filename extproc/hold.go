@@ -211,8 +211,7 @@ func (s *Server) reassert(ctx context.Context, sp trace.Span, h *hold, id func(*
 	start := time.Now()
 	restored, err := s.store.Reassert(ctx, h.lease, h.claim)
 	s.renewObs.Observe(time.Since(start).Seconds())
-	s.storeError("renew", err)
-	endStoreSpan(sp, err)
+	s.storeDone("renew", sp, err)
 	if errors.Is(err, cache.ErrLeaseLost) {
 		err = h.contend(s.clock.Now())
 	}

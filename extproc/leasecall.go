@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -93,7 +94,7 @@ func (c *leaseCall) event(e *zerolog.Event) *zerolog.Event {
 }
 
 // storeSpan starts the span of one store call, a child of the request's; it returns nil when
-// the request has none.
+// the request has none. Without a tracer the calls on the request's path skip it (and storeDone).
 func (c *leaseCall) storeSpan(op string) trace.Span {
 	if c.req.span == nil {
 		return nil
@@ -108,15 +109,19 @@ func (c *leaseCall) storeSpan(op string) trace.Span {
 func (c *leaseCall) acquire(key string, cl cache.Claim) (*cache.Record, error) {
 	s := c.s
 	sent := s.clock.Now()
-	start, sp := time.Now(), c.storeSpan("acquire")
+	start, sp := time.Now(), trace.Span(nil)
+	if c.req.span != nil {
+		sp = c.storeSpan("acquire")
+	}
 	c.fate = leaseInStore
 	lease, rec, err := s.store.Acquire(c.ctx, key, cl)
 	c.fate = leaseNone
 	s.acquireObs.Observe(time.Since(start).Seconds())
 	// An unconfirmed claim is withdrawn: it is answered as any store failure, and the request
 	// does not run.
-	s.storeError("acquire", err)
-	endStoreSpan(sp, err)
+	if err != nil || sp != nil {
+		s.storeDone("acquire", sp, err)
+	}
 	switch {
 	case err != nil && c.ctx.Err() != nil:
 		// Envoy ended the stream during the call (the client went away): not the store's
@@ -174,7 +179,11 @@ func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error
 	h.writing.Lock()
 	defer h.writing.Unlock()
 	c.fate = leaseInStore
-	err := s.completeCall(ctx, c.storeSpan("complete"), c.event, h.lease, resp)
+	var sp trace.Span
+	if c.req.span != nil {
+		sp = c.storeSpan("complete")
+	}
+	err := s.completeCall(ctx, sp, c.event, h.lease, resp)
 	if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(s.clock.Now()) {
 		sent := s.clock.Now()
 		if err = s.reassert(ctx, nil, h, c.event); err == nil {
@@ -199,8 +208,7 @@ func (c *leaseCall) release(reason string) {
 	err := s.store.Release(context.WithoutCancel(c.ctx), c.hold.lease)
 	c.fate = leaseHeld
 	s.releaseObs.Observe(time.Since(start).Seconds())
-	s.storeError("release", err)
-	endStoreSpan(sp, err)
+	s.storeDone("release", sp, err)
 	if err != nil {
 		c.drop(leaseLeft)
 		c.failed("release", err)
@@ -245,8 +253,9 @@ func (s *Server) completeCall(ctx context.Context, sp trace.Span, id func(*zerol
 	start := time.Now()
 	err := s.store.Complete(ctx, l, r)
 	s.completeObs.Observe(time.Since(start).Seconds())
-	s.storeError("complete", err)
-	endStoreSpan(sp, err)
+	if err != nil || sp != nil {
+		s.storeDone("complete", sp, err)
+	}
 	if errors.Is(err, cache.ErrUnconfirmed) {
 		// The record is written and the lease spent: the completion is done. Only a failover
 		// before the replicas catch up could lose it.
@@ -262,15 +271,23 @@ func (s *Server) renew(ctx context.Context, sp trace.Span, l cache.Lease, d time
 	start := time.Now()
 	err := s.store.Renew(ctx, l, d)
 	s.renewObs.Observe(time.Since(start).Seconds())
-	s.storeError("renew", err)
-	endStoreSpan(sp, err)
+	s.storeDone("renew", sp, err)
 	return err
 }
 
-// storeError counts a failed store call by operation and kind (storeErrorKind). A lost lease is
-// not the store's failure, nor is a call the stream's end cut short. A write the replicas did not
-// confirm (durability) is counted apart, in idempotency_durability_unconfirmed_total.
-func (s *Server) storeError(op string, err error) {
+// storeDone ends a store call's span (nil without a tracer), marking it failed when err is not
+// nil, and counts a failed call by operation and kind (storeErrorKind). A lost lease is not the
+// store's failure, nor is a call the stream's end cut short. A write the replicas did not confirm
+// (durability) is counted apart, in idempotency_durability_unconfirmed_total. With neither a span
+// nor an error there is nothing to do, and the request's own calls skip it.
+func (s *Server) storeDone(op string, sp trace.Span, err error) {
+	if sp != nil {
+		if err != nil {
+			sp.RecordError(err)
+			sp.SetStatus(codes.Error, "store operation failed")
+		}
+		sp.End()
+	}
 	switch {
 	case err == nil, errors.Is(err, cache.ErrLeaseLost), errors.Is(err, context.Canceled):
 	case errors.Is(err, cache.ErrUnconfirmed) && op == "acquire":

@@ -417,7 +417,9 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 	if !st.admit(req, h) {
 		return
 	}
-	st.beginSpan()
+	if st.s.tracer != nil {
+		st.beginSpan()
+	}
 	row := requestBodyRows[st.requestMode()]
 	if m.GetEndOfStream() || !st.req.adm.needsBody {
 		// Nothing to wait for: claim now, so that a duplicate's answer comes before its body is
@@ -615,7 +617,9 @@ func (st *stream) passThrough() {
 // reject settles a covered request with a problem answered by the server (in shadow mode, it only
 // counts it).
 func (st *stream) reject(p *problem) {
-	st.beginSpan()
+	if st.s.tracer != nil {
+		st.beginSpan()
+	}
 	if st.req.route.shadow {
 		st.shadowed(p.outcome)
 		return
@@ -1062,7 +1066,9 @@ func (st *stream) finish() {
 	default:
 		st.move(evAnswer, nil) // the client left before the request's end: nobody waits for an answer
 	}
-	st.endSpan()
+	if st.req.span != nil {
+		st.endSpan()
+	}
 	st.req.route.outcomes[st.outcome].Inc()
 	if st.req.adm.covered {
 		st.logRequest()

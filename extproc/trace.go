@@ -10,7 +10,7 @@ import (
 
 // Tracing: one span per covered request, a child of the trace context Envoy sends in
 // the stream's gRPC initial metadata (W3C traceparent), with one child span per store call. With
-// no tracer nothing here runs: a stream's span is nil and every method is a nil check.
+// no tracer nothing here runs: a stream's span is nil, and the callers check for it.
 
 // The span attributes. The raw key never is one: key_hash is the hash the record is stored under.
 const (
@@ -46,11 +46,12 @@ func (c metadataCarrier) Keys() []string {
 	return keys
 }
 
-// beginSpan starts the request's span, once it is known to be covered.
-// Its context becomes the context of the request's store calls, whose spans are its children.
+// beginSpan starts the request's span, once it is known to be covered; its callers skip it
+// without a tracer. Its context becomes the context of the request's store calls, whose spans are
+// its children.
 func (st *stream) beginSpan() {
 	a, c := st.req, st.call
-	if st.s.tracer == nil || a.span != nil {
+	if a.span != nil {
 		return
 	}
 	ctx := c.ctx
@@ -62,12 +63,9 @@ func (st *stream) beginSpan() {
 		trace.WithAttributes(attrTraceRoute.String(a.route.Name), attrTraceMethod.String(string(a.info.method))))
 }
 
-// endSpan ends the request's span with its outcome.
+// endSpan ends the request's span with its outcome; its caller skips it when there is none.
 func (st *stream) endSpan() {
 	sp, c := st.req.span, st.call
-	if sp == nil {
-		return
-	}
 	attrs := []attribute.KeyValue{attrTraceOutcome.String(string(st.outcome))}
 	if c.keyHash != "" {
 		attrs = append(attrs, attrTraceKeyHash.String(c.keyHash))
@@ -80,18 +78,6 @@ func (st *stream) endSpan() {
 	}
 	sp.SetAttributes(attrs...)
 	if st.outcome == StoreError {
-		sp.SetStatus(codes.Error, "store operation failed")
-	}
-	sp.End()
-}
-
-// endStoreSpan ends a store call's span, marking it failed when err is not nil.
-func endStoreSpan(sp trace.Span, err error) {
-	if sp == nil {
-		return
-	}
-	if err != nil {
-		sp.RecordError(err)
 		sp.SetStatus(codes.Error, "store operation failed")
 	}
 	sp.End()
