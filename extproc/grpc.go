@@ -271,7 +271,7 @@ func grpcAdmit(a admission, requestMode filterextproc.ProcessingMode_BodySendMod
 // moves the stream.
 func (st *stream) grpcReplayable(rec *cache.Record) bool {
 	headersOwed := st.state == stateStart || st.withholdsHeaders()
-	return !st.req.adm.proxyless && !rec.Response.BodyOmitted && canStreamReplay(st.requestMode(), headersOwed)
+	return !st.req.adm.proxyless && !rec.Response.BodyOmitted && canStreamReplay(st.pc.GetRequestBodyMode(), headersOwed)
 }
 
 // sendGRPC sends a, an answer to a gRPC call, when it differs from the HTTP one, and reports
@@ -325,7 +325,7 @@ func (st *stream) notUnary(body []byte) bool {
 // INVALID_ARGUMENT grpc-not-unary. Under STREAMED the headers went upstream at their answer, and
 // the call runs (docs/outcomes.md). In shadow mode the call goes on.
 func (st *stream) notUnaryHeld(body []byte) bool {
-	if st.state != stateRunning || !st.req.adm.grpc || st.req.route.shadow || !requestBodyRows[st.requestMode()].holdsHeaders {
+	if st.state != stateRunning || !st.req.adm.grpc || st.req.route.shadow || !requestBodyRows[st.pc.GetRequestBodyMode()].holdsHeaders {
 		return false
 	}
 	if n, _ := grpcMessages(body); n <= 1 {

@@ -129,7 +129,7 @@ func (st *stream) chooseRoute(body []byte) (read bodyRead, readFor *route, ok bo
 		st.settleAtBody(a.adm.problem)
 		return read, readFor, false
 	}
-	if !requestBodyRows[st.requestMode()].oneMessage && len(body) > a.route.MaxRequestBytes {
+	if !requestBodyRows[st.pc.GetRequestBodyMode()].oneMessage && len(body) > a.route.MaxRequestBytes {
 		// Held by the processor under the bound of every route it might take: now the chosen
 		// route's applies. (A body Envoy buffers is bounded by Envoy.)
 		if readFor == a.route {

@@ -1,6 +1,7 @@
 package extproc
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"net/http"
@@ -168,6 +169,17 @@ var requestBodyRows = map[filterextproc.ProcessingMode_BodySendMode]requestBodyR
 	filterextproc.ProcessingMode_NONE:                 {none: true},
 }
 
+// shippedModes is the protocol_config of an Envoy that announces none (before 1.32): the
+// shipped BUFFERED modes. Nothing changes it.
+var shippedModes = &extprocv3.ProtocolConfiguration{
+	RequestBodyMode:  filterextproc.ProcessingMode_BUFFERED,
+	ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED,
+}
+
+// fullDuplex is the body mode whose chunks the processor echoes, and in which Envoy ignores
+// mode_override.
+const fullDuplex = filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
+
 // extProcAttributes is the key of Envoy's attributes map (Filter::addAttributes in ext_proc.cc).
 const extProcAttributes = "envoy.filters.http.ext_proc"
 
@@ -213,8 +225,8 @@ type stream struct {
 
 	state state
 	// pc is the protocol_config of the stream's first message: the body modes Envoy announced,
-	// per-route overrides included. nil when it announced none (Envoy before 1.32): the shipped
-	// BUFFERED modes.
+	// per-route overrides included; shippedModes when it announced none (Envoy before 1.32). nil
+	// until the first message.
 	pc *extprocv3.ProtocolConfiguration
 	// What the stream owes Envoy for a request whose claim waits for the body's end, and what it
 	// holds of that body: how many body chunks' answers are owed, the body collected so far
@@ -291,8 +303,10 @@ func (st *stream) settleOutcome(e event, from state, a answer) []byte {
 // send queues the answer a; md, when not nil, is the dynamic metadata of the outcome the move it
 // goes with settled (move).
 func (st *stream) send(a answer, md []byte) {
-	if k := a.answers(); (k == kindRequestBody || k == kindRequestTrailers) && st.end == bodyHeld {
-		st.end = bodyOpen // Envoy sends the request on
+	if st.end == bodyHeld {
+		if k := a.answers(); k == kindRequestBody || k == kindRequestTrailers {
+			st.end = bodyOpen // Envoy sends the request on
+		}
 	}
 	if st.req.adm.grpc && st.sendGRPC(a, md) {
 		return
@@ -321,7 +335,7 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3
 	if st.pc == nil {
 		// protocol_config comes on the stream's first message only (Filter::sendRequest in
 		// ext_proc.cc).
-		st.pc = req.GetProtocolConfig()
+		st.pc = cmp.Or(req.GetProtocolConfig(), shippedModes)
 	}
 	switch r := req.GetRequest().(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
@@ -353,35 +367,11 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) (answers []*extprocv3
 	return st.out, true
 }
 
-// requestMode and responseMode are the body modes Envoy announced.
-func (st *stream) requestMode() filterextproc.ProcessingMode_BodySendMode {
-	if st.pc == nil {
-		return filterextproc.ProcessingMode_BUFFERED
-	}
-	return st.pc.GetRequestBodyMode()
-}
-
-func (st *stream) responseMode() filterextproc.ProcessingMode_BodySendMode {
-	if st.pc == nil {
-		return filterextproc.ProcessingMode_BUFFERED
-	}
-	return st.pc.GetResponseBodyMode()
-}
-
-// fullDuplex reports whether a direction's body travels in FULL_DUPLEX_STREAMED mode.
-func (st *stream) fullDuplex(k msgKind) bool {
-	mode := st.requestMode()
-	if k >= kindResponseHeaders {
-		mode = st.responseMode()
-	}
-	return mode == filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED
-}
-
 // withholdsHeaders reports whether the answer to a covered request's headers waits for the claim
 // at the body's end: Envoy sends the body without waiting for it (FULL_DUPLEX_STREAMED, or
 // STREAMED with send_body_without_waiting_for_header_response).
 func (st *stream) withholdsHeaders() bool {
-	row := requestBodyRows[st.requestMode()]
+	row := requestBodyRows[st.pc.GetRequestBodyMode()]
 	return row.withholdHeaders || (row.withholdIfBodyFirst && st.pc.GetSendBodyWithoutWaitingForHeaderResponse())
 }
 
@@ -395,9 +385,9 @@ func (st *stream) pass(k msgKind, chunk []byte, eos bool) answer {
 	if k != kindRequestBody && k != kindResponseBody {
 		return proceed(k)
 	}
-	mode := st.requestMode()
+	mode := st.pc.GetRequestBodyMode()
 	if k == kindResponseBody {
-		mode = st.responseMode()
+		mode = st.pc.GetResponseBodyMode()
 	}
 	switch mode {
 	case filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED:
@@ -420,7 +410,7 @@ func (st *stream) requestHeaders(req *extprocv3.ProcessingRequest, m *extprocv3.
 	if st.s.tracer != nil {
 		st.beginSpan()
 	}
-	row := requestBodyRows[st.requestMode()]
+	row := requestBodyRows[st.pc.GetRequestBodyMode()]
 	if m.GetEndOfStream() || !st.req.adm.needsBody {
 		// Nothing to wait for: claim now, so that a duplicate's answer comes before its body is
 		// uploaded.
@@ -470,7 +460,7 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 		a.info.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
 	}
 	if a.adm = st.admitAtHeaders(sel); a.adm.grpc {
-		a.adm = grpcAdmit(a.adm, st.requestMode())
+		a.adm = grpcAdmit(a.adm, st.pc.GetRequestBodyMode())
 	}
 	switch {
 	case !a.adm.covered:
@@ -553,7 +543,7 @@ func (st *stream) requestBody(chunk []byte, eos bool) {
 		}
 		return
 	}
-	if row := requestBodyRows[st.requestMode()]; row.oneMessage {
+	if row := requestBodyRows[st.pc.GetRequestBodyMode()]; row.oneMessage {
 		// A partial buffer can neither fingerprint the request nor stand for its key. Trailers
 		// also make end_of_stream false: such requests are refused too, rather than let one run
 		// unclaimed. (In shadow mode the buffer's answer is owed, and sent.)
@@ -606,7 +596,7 @@ func (st *stream) requestTrailers() {
 // merges it only outside that mode), and grpc-go's client reads none (noPath): none is sent, and
 // every later message is answered.
 func (st *stream) passThrough() {
-	if st.fullDuplex(kindRequestBody) || st.fullDuplex(kindResponseBody) || st.noPath() {
+	if st.pc.GetRequestBodyMode() == fullDuplex || st.pc.GetResponseBodyMode() == fullDuplex || st.noPath() {
 		st.move(evPass, proceed(kindRequestHeaders))
 		return
 	}
@@ -644,7 +634,7 @@ func (st *stream) flush(e event) {
 	if from == stateStart || st.withholdsHeaders() {
 		send(proceed(kindRequestHeaders))
 	}
-	if st.fullDuplex(kindRequestBody) && st.chunks > 0 {
+	if st.pc.GetRequestBodyMode() == fullDuplex && st.chunks > 0 {
 		// The body streamed back ends where Envoy's did: not at all yet when the response began
 		// early or a shadowed request was too large, before the trailers when they came.
 		body := st.body
@@ -691,7 +681,7 @@ func (st *stream) claim(body []byte) {
 	}
 	r := st.req.route
 	key, fp := st.keys(body, fpBody)
-	if !st.fullDuplex(kindRequestBody) {
+	if st.pc.GetRequestBodyMode() != fullDuplex {
 		st.body = nil // Envoy holds the body; only a FULL_DUPLEX_STREAMED one is sent back
 	}
 	c := cache.Claim{Fingerprint: fp, LockTTL: r.LockTTL, TTL: st.req.adm.ttl, Route: r.Name,
@@ -853,7 +843,7 @@ func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.S
 		status = 0
 	}
 	o := st.origin(attrs)
-	bodySent := st.responseMode() != filterextproc.ProcessingMode_NONE
+	bodySent := st.pc.GetResponseBodyMode() != filterextproc.ProcessingMode_NONE
 	resp := response{status: status, origin: o, endOfStream: m.GetEndOfStream(), bodySent: bodySent}
 	what, reason, omitted := judgeResponse(r.Route, resp)
 	if st.req.adm.grpc {
@@ -917,7 +907,7 @@ func (st *stream) origin(attrs map[string]*structpb.Struct) origin {
 // before the body ends. What was withheld is answered first.
 func (st *stream) earlyResponse(attrs map[string]*structpb.Struct) {
 	if o := originOf(attrs); !o.envoyMade || !o.attemptsKnown || o.attempts > 0 {
-		if requestBodyRows[st.requestMode()].holdsHeaders {
+		if requestBodyRows[st.pc.GetRequestBodyMode()].holdsHeaders {
 			st.s.misconfigured(MisconfigUnclaimedRequest, func() {
 				st.call.event(st.s.log.Warn()).Msg("the upstream answered a covered request whose end the processor never saw, so it ran without a lease; set request_trailer_mode: SEND in the ext_proc filter's processing_mode (requests with trailers and no body otherwise skip the body phase)")
 			})
@@ -937,7 +927,7 @@ func (st *stream) earlyResponse(attrs map[string]*structpb.Struct) {
 // Envoy would ignore the override (FULL_DUPLEX_STREAMED) or sends no body anyway. In shadow mode
 // the response goes on untouched.
 func (st *stream) markResponse(wantBody, stored bool) answer {
-	noBody := !wantBody && !st.fullDuplex(kindResponseBody) && st.responseMode() != filterextproc.ProcessingMode_NONE && !st.noPath()
+	noBody := !wantBody && st.pc.GetResponseBodyMode() != fullDuplex && st.pc.GetResponseBodyMode() != filterextproc.ProcessingMode_NONE && !st.noPath()
 	if noBody {
 		st.sentOverride = noStoreMode
 	}
@@ -973,7 +963,7 @@ func (st *stream) responseBody(chunk []byte, eos bool) {
 		return
 	}
 	resp, last := &st.call.resp, eos
-	switch st.responseMode() {
+	switch st.pc.GetResponseBodyMode() {
 	case filterextproc.ProcessingMode_BUFFERED:
 		// The one message holds the whole body, even when trailers follow.
 		last = true
