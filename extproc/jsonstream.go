@@ -23,17 +23,6 @@ type jsonState struct {
 	scope [][]byte
 }
 
-// admitAtHeaders is admit, except that a request whose route is decided by its body (match.json)
-// waits for the body, where readBody chooses the route, by sel, and admits it.
-func (st *stream) admitAtHeaders(sel policy.Selector) admission {
-	a := st.req
-	if a.route.DecidedByBody() && !isGRPC(a.info.headers) {
-		st.json = &jsonState{deferred: true, sel: sel, maxBytes: st.s.policy.MaxRequestBytesBy(sel)}
-		return admission{covered: true, needsBody: true}
-	}
-	return admit(a.route, a.info)
-}
-
 // maxRequestBytes bounds the request body the stream holds: its route's max_request_bytes, or,
 // while match.json has not chosen the route, the largest of the routes it may take.
 func (st *stream) maxRequestBytes() int {

@@ -459,7 +459,12 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	if a.route.claims || a.route.DecidedByBody() {
 		a.info.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
 	}
-	if a.adm = st.admitAtHeaders(sel); a.adm.grpc {
+	if a.route.DecidedByBody() && !isGRPC(h) {
+		// The body decides the route (match.json): readBody chooses it, by sel, and admits the
+		// request at the body's end.
+		st.json = &jsonState{deferred: true, sel: sel, maxBytes: st.s.policy.MaxRequestBytesBy(sel)}
+		a.adm = admission{covered: true, needsBody: true}
+	} else if a.adm = admit(a.route, a.info); a.adm.grpc {
 		a.adm = grpcAdmit(a.adm, st.pc.GetRequestBodyMode())
 	}
 	switch {
@@ -842,7 +847,10 @@ func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.S
 	case err != nil:
 		status = 0
 	}
-	o := st.origin(attrs)
+	o := originOf(attrs)
+	if !o.detailsKnown || o.attempts > 1 {
+		st.noteOrigin(o)
+	}
 	bodySent := st.pc.GetResponseBodyMode() != filterextproc.ProcessingMode_NONE
 	resp := response{status: status, origin: o, endOfStream: m.GetEndOfStream(), bodySent: bodySent}
 	what, reason, omitted := judgeResponse(r.Route, resp)
@@ -874,11 +882,10 @@ func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.S
 	st.move(evSettle, st.markResponse(false, false))
 }
 
-// origin reads where a response came from (originOf), and counts what its attributes show of
-// Envoy's configuration: response.code_details missing, or a request the router sent upstream
-// more than once.
-func (st *stream) origin(attrs map[string]*structpb.Struct) origin {
-	o := originOf(attrs)
+// noteOrigin counts what the attributes of a response show of Envoy's configuration:
+// response.code_details missing, or a request the router sent upstream more than once. respond
+// calls it only when one of them shows.
+func (st *stream) noteOrigin(o origin) {
 	if !o.detailsKnown && !st.req.adm.proxyless {
 		st.s.misconfigured(MisconfigCodeDetailsMissing, func() {
 			st.call.event(st.s.log.Warn()).Msg("a response came without response.code_details; add it to the ext_proc filter's response_attributes, or responses that would release the key are treated as possibly Envoy's (unknown outcomes)")
@@ -893,7 +900,6 @@ func (st *stream) origin(attrs map[string]*structpb.Struct) origin {
 			st.call.event(st.s.log.Info()).Int64("attempts", o.attempts).Msg("Envoy's router sent a covered request upstream more than once (retry_policy or hedge_policy): harmless after connect-failure or refused-stream, a possible second execution after reset, 5xx or a per-try timeout; counted in idempotency_upstream_retries_total")
 		})
 	}
-	return o
 }
 
 // earlyResponse handles response headers that came before the request's end reached the
