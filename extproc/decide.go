@@ -26,6 +26,8 @@ type requestInfo struct {
 	peer string
 	// params are the route's path parameters, aligned with its path_param scope entries.
 	params []string
+	// body holds the body's json scope values (jsonstream.go); nil until the body is read.
+	body *jsonState
 }
 
 // admission is what a request's headers decide.
@@ -33,9 +35,11 @@ type admission struct {
 	// problem, when set, answers a covered request at once (400, 401, 500).
 	problem *problem
 	// What a claim needs.
-	key   string
-	ttl   time.Duration
-	scope scope
+	key string
+	ttl time.Duration
+	// jwt is the payload jwt_authn verified that the route's jwt_claim scope reads; nil when
+	// there is none. The rest of the scope values are the request's (requestInfo).
+	jwt *structpb.Struct
 	// covered: the request is the processor's. A request that is not passes through untouched.
 	covered bool
 	// bodyHash: the key is the body's hash, known at the body's end.
@@ -95,18 +99,17 @@ func admitCovered(r *route, req requestInfo) admission {
 			a.ttl = ttl
 		}
 	}
-	a.scope = scope{headers: req.headers, params: req.params, peer: req.peer}
 	if r.claims {
 		payload, ok := jwtPayload(req.jwtAuthn, r.JWTPayloadKey)
 		if !ok {
 			return admission{covered: true, problem: problemScopeAmbiguous}
 		}
-		a.scope.jwt = payload
+		a.jwt = payload
 		if !claimsExact(r.Route, payload) {
 			return admission{covered: true, problem: problemScopeClaimAmbiguous}
 		}
 	}
-	if r.RequireScope && scopeEmpty(r.Route, a.scope) {
+	if r.RequireScope && scopeEmpty(r.Route, req, a.jwt) {
 		return admission{covered: true, problem: problemScopeMissing}
 	}
 	a.needsBody = a.bodyHash || r.bodyFingerprint || r.json != nil

@@ -20,7 +20,7 @@ func StoredKey(p *policy.Policy, path string, key string, pairs ...string) strin
 		h = append(h, &corev3.HeaderValue{Key: pairs[i], RawValue: []byte(pairs[i+1])})
 	}
 	r, params := p.Match(string(splitPath([]byte(path))))
-	k, _ := newDigest(nil).storeKey(r, scope{headers: h, params: params}, key)
+	k, _ := newDigest(nil).storeKey(r, requestInfo{headers: h, params: params}, nil, key)
 	return k
 }
 

@@ -46,7 +46,7 @@ func FuzzParseKey(f *testing.F) {
 			}
 		}
 		d := newDigest(nil)
-		stored, keyHash := d.storeKey(policy.Default().Default, scope{headers: h}, key)
+		stored, keyHash := d.storeKey(policy.Default().Default, requestInfo{headers: h}, nil, key)
 		require.True(t, strings.HasPrefix(stored, "idempotency:"))
 		require.Len(t, keyHash, 64, "the whole hex SHA-256: logs and metadata carry it in full")
 		require.Equal(t, "idempotency:"+keyHash, stored)

@@ -86,8 +86,8 @@ func (st *stream) readBody(body []byte) ([]byte, bool) {
 		return nil, false
 	}
 	adm, covered := keyFromBody(r.Route, a.adm, read.key)
-	adm.scope.body = st.json
-	if covered && adm.problem == nil && r.RequireScope && scopeEmpty(r.Route, adm.scope) {
+	a.info.body = st.json
+	if covered && adm.problem == nil && r.RequireScope && scopeEmpty(r.Route, a.info, adm.jwt) {
 		adm.problem = problemScopeMissing
 	}
 	a.adm = adm

@@ -53,13 +53,13 @@ func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (route 
 	for _, kv := range req.Headers {
 		h = append(h, &corev3.HeaderValue{Key: kv[0], RawValue: []byte(kv[1])})
 	}
-	sc := scope{headers: h, params: params, peer: req.PeerIdentity}
+	info, jwt := requestInfo{headers: h, params: params, peer: req.PeerIdentity}, (*structpb.Struct)(nil)
 	if req.Claims != nil {
 		payload, err := structpb.NewStruct(req.Claims)
 		if err != nil {
 			return nil, "", fmt.Errorf("claims: %w", err)
 		}
-		sc.jwt = payload
+		jwt = payload
 		if !claimsExact(r, payload) {
 			return nil, "", errors.New("claims: a claim the route scopes by is a number that is not a whole number below 2^53; the processor answers such a request 400 scope-claim-ambiguous and stores nothing")
 		}
@@ -69,9 +69,9 @@ func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (route 
 		if err != nil {
 			return nil, "", fmt.Errorf("body: route %q scopes by members of the request body: %w", r.Name, err)
 		}
-		sc.body = &jsonState{scope: values}
+		info.body = &jsonState{scope: values}
 	}
-	_, hashed = newDigest(keyHash).storeKey(r, sc, key)
+	_, hashed = newDigest(keyHash).storeKey(r, info, jwt, key)
 	return r, hashed, nil
 }
 

@@ -287,23 +287,12 @@ func (d *digest) bodyHashKey(method, path, body []byte) string {
 	return hex.EncodeToString(d.h.Sum(d.sum[:0]))
 }
 
-// scope is what a request's scope values are read from: its headers, the payload
-// jwt_authn verified, the mTLS peer's URI SAN, and the route's path parameters.
-type scope struct {
-	headers headers
-	jwt     *structpb.Struct // the verified payload; nil when there is none
-	peer    string           // connection.uri_san_peer_certificate; "" when there is none
-	params  []string         // aligned with the route's path_param entries
-	// body holds the body's json scope values (jsonstream.go); nil until the body is read.
-	body *jsonState
-}
-
 // jsonValue is the body's i-th json scope value; nil when it is missing.
-func (sc scope) jsonValue(i int) []byte {
-	if sc.body == nil || i >= len(sc.body.scope) {
+func (req requestInfo) jsonValue(i int) []byte {
+	if req.body == nil || i >= len(req.body.scope) {
 		return nil
 	}
-	return sc.body.scope[i]
+	return req.body.scope[i]
 }
 
 // storeKey returns key_prefix + the hex hash of the scope values and the client's key, so that
@@ -316,33 +305,33 @@ func (sc scope) jsonValue(i int) []byte {
 // behind "jwt_claim:<name>" and "peer_identity:", names no header or group can have, so that
 // header: x and jwt_claim: x never collide. A claim's value follows its JSON type (claimType),
 // so an absent claim, an empty one, and claims of equal text and different types all differ.
-func (d *digest) storeKey(r *policy.Route, sc scope, key string) (stored, keyHash string) {
+func (d *digest) storeKey(r *policy.Route, req requestInfo, jwt *structpb.Struct, key string) (stored, keyHash string) {
 	w := d.key
 	w.Reset()
 	param, member := 0, 0
 	for _, src := range r.Scope {
 		switch src.Kind {
 		case policy.ScopeHeader:
-			d.headerValues(w, sc.headers, src.Name)
+			d.headerValues(w, req.headers, src.Name)
 		case policy.ScopePathParam:
 			d.fieldString(w, src.Name)
-			d.fieldString(w, sc.params[param])
+			d.fieldString(w, req.params[param])
 			param++
 		case policy.ScopeJWTClaim:
 			d.fieldString(w, "jwt_claim:"+src.Name)
-			t, v := claim(sc.jwt, src.Name)
+			t, v := claim(jwt, src.Name)
 			d.length(w, int(t))
 			if t != claimAbsent {
 				d.field(w, v)
 			}
 		case policy.ScopePeerIdentity:
 			d.fieldString(w, "peer_identity:")
-			d.fieldString(w, sc.peer)
+			d.fieldString(w, req.peer)
 		case policy.ScopeJSON:
 			// Behind a name no header, group or claim source has; the value's JSON text, so
 			// that 1 and "1" differ and a missing member is empty.
 			d.fieldString(w, "json:"+src.Name)
-			d.field(w, sc.jsonValue(member))
+			d.field(w, req.jsonValue(member))
 			member++
 		}
 	}
@@ -359,35 +348,35 @@ func (d *digest) storeKey(r *policy.Route, sc scope, key string) (stored, keyHas
 
 // scopeEmpty reports whether every scope value of the request is empty or absent
 // (require_scope).
-func scopeEmpty(r *policy.Route, sc scope) bool {
+func scopeEmpty(r *policy.Route, req requestInfo, jwt *structpb.Struct) bool {
 	param, member := 0, 0
 	for _, src := range r.Scope {
 		switch src.Kind {
 		case policy.ScopeHeader:
-			for _, v := range sc.headers {
+			for _, v := range req.headers {
 				if v.GetKey() == src.Name && len(headerValue(v)) > 0 {
 					return false
 				}
 			}
 		case policy.ScopePathParam:
-			if sc.params[param] != "" {
+			if req.params[param] != "" {
 				return false
 			}
 			param++
 		case policy.ScopeJWTClaim:
-			if t, v := claim(sc.jwt, src.Name); t != claimAbsent && t != claimNull && (t != claimString || len(v) > 0) {
+			if t, v := claim(jwt, src.Name); t != claimAbsent && t != claimNull && (t != claimString || len(v) > 0) {
 				return false
 			}
 		case policy.ScopePeerIdentity:
-			if sc.peer != "" {
+			if req.peer != "" {
 				return false
 			}
 		case policy.ScopeJSON:
 			// Before the body is read its values are unknown: require_scope is checked again then.
-			if sc.body == nil {
+			if req.body == nil {
 				return false
 			}
-			if v := sc.jsonValue(member); len(v) > 0 && string(v) != `""` && string(v) != "null" {
+			if v := req.jsonValue(member); len(v) > 0 && string(v) != `""` && string(v) != "null" {
 				return false
 			}
 			member++

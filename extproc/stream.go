@@ -743,7 +743,7 @@ func (st *stream) keys(body, fpBody []byte) (key string, fp []byte) {
 		}
 		k = d.bodyHashKey(a.info.method, a.info.path, body)
 	}
-	key, st.call.keyHash = d.storeKey(r.Route, a.adm.scope, k)
+	key, st.call.keyHash = d.storeKey(r.Route, a.info, a.adm.jwt, k)
 	fp = d.fingerprint(st.call.fp[:0], r.Route, a.info.method, a.info.path, fpBody, a.info.headers)
 	st.s.digests.Put(d)
 	return key, fp
