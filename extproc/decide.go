@@ -66,51 +66,46 @@ func admit(r *route, req requestInfo) admission {
 	if !r.Enabled || !r.Covers(string(method)) {
 		return admission{}
 	}
-	a := admitCovered(r, req)
 	// A request is gRPC when its content-type says so, or when its route says grpc: true and it
 	// has no :path (grpc-go's ext_proc client, which sends no content-type either). A plain HTTP
 	// request on a grpc: true route stays HTTP: its outcome is its :status, its answers HTTP.
 	hasPath := req.headers.get(":path") != nil
-	a.grpc = a.covered && (isGRPC(req.headers) || (r.GRPC && !hasPath))
+	a := admission{covered: true, ttl: r.TTL, grpc: isGRPC(req.headers) || (r.GRPC && !hasPath)}
 	a.proxyless = a.grpc && !hasPath
-	return a
-}
-
-// admitCovered decides a request whose route covers its method.
-func admitCovered(r *route, req requestInfo) admission {
+	refuse := func(p *problem) admission {
+		return admission{covered: true, problem: p, grpc: a.grpc, proxyless: a.proxyless}
+	}
 	key, present, err := parseKey(req.headers, r.KeyHeaders)
 	switch {
 	case err != nil:
-		return admission{covered: true, problem: problemInvalidKey}
+		return refuse(problemInvalidKey)
 	case !present && len(r.KeyJSON) > 0:
 		// The key may be in the body: settled at its end (keyFromBody).
 	case !present && r.MissingKey == policy.MissingKeyOptional:
 		return admission{}
 	case !present && r.MissingKey == policy.MissingKeyRequired:
-		return admission{covered: true, problem: problemMissingKey}
+		return refuse(problemMissingKey)
 	}
-	a := admission{covered: true, key: key, bodyHash: !present, ttl: r.TTL}
+	a.key, a.bodyHash = key, !present
 	if r.TTLHeader != "" {
 		if v := req.headers.get(r.TTLHeader); v != nil {
-			ttl, err := parseTTL(v, r.MaxTTL)
-			if err != nil {
-				return admission{covered: true, problem: problemInvalidTTL}
+			if a.ttl, err = parseTTL(v, r.MaxTTL); err != nil {
+				return refuse(problemInvalidTTL)
 			}
-			a.ttl = ttl
 		}
 	}
 	if r.claims {
 		payload, ok := jwtPayload(req.jwtAuthn, r.JWTPayloadKey)
 		if !ok {
-			return admission{covered: true, problem: problemScopeAmbiguous}
+			return refuse(problemScopeAmbiguous)
 		}
 		a.jwt = payload
 		if !claimsExact(r.Route, payload) {
-			return admission{covered: true, problem: problemScopeClaimAmbiguous}
+			return refuse(problemScopeClaimAmbiguous)
 		}
 	}
 	if r.RequireScope && scopeEmpty(r.Route, req, a.jwt) {
-		return admission{covered: true, problem: problemScopeMissing}
+		return refuse(problemScopeMissing)
 	}
 	a.needsBody = a.bodyHash || r.bodyFingerprint || r.json != nil
 	return a
