@@ -864,3 +864,23 @@ func TestPolicyFieldsAtTheRequest(t *testing.T) {
 		require.Empty(t, res.header(replayed), "POST is no longer covered")
 	})
 }
+
+// An Envoy before 1.32 announces no protocol_config: the stream takes the shipped BUFFERED
+// modes, so the request is claimed at its body and the response captured whole and stored.
+func TestNoProtocolConfigIsBuffered(t *testing.T) {
+	h := newHarness(t, harnessOptions{})
+	s := h.open()
+	first := requestHeaders(post("/v1/payments", "k", `{}`))
+	first.ProtocolConfig = nil
+	require.NotNil(t, s.send(first).GetRequestHeaders(), "answered at once: Envoy sends a BUFFERED body only after")
+	require.NotNil(t, s.send(requestBody([]byte(`{}`))).GetRequestBody(), "claimed at the body")
+	res := s.send(responseHeaders(created))
+	require.NotNil(t, res.GetResponseHeaders())
+	require.Nil(t, res.GetModeOverride(), "the body phase stays on: the body is stored")
+	require.NotNil(t, s.send(responseBody(created.body, true)).GetResponseBody())
+	s.end()
+	dup := h.do(post("/v1/payments", "k", `{}`), created)
+	require.Equal(t, []string{"true"}, dup.header(replayed))
+	require.Equal(t, created.body, dup.body)
+	require.Zero(t, h.executions("k"), "the duplicate never went upstream")
+}
