@@ -121,7 +121,7 @@ func TestGrpcShippedBootstrapTrailersWithheld(t *testing.T) {
 		require.EqualValues(t, i+1, svc.calls.Load(), "no outcome was seen: the retry runs again")
 		// The count grows when the call's stream ends, which may follow the client's answer.
 		require.Eventually(t, func() bool {
-			return metricOf(t, s, "idempotency_grpc_trailers_missing_total") == float64(i+1)
+			return metricOf(t, s, `idempotency_grpc_trailers_missing_total{route="payments-charge"}`) == float64(i+1)
 		}, 10*time.Second, 10*time.Millisecond)
 	}
 	line := s.procs[0].waitLog("a covered gRPC call's response ended without trailers, so its grpc-status was not seen and its outcome is unknown; if every call does this, set response_trailer_mode: SEND on its Envoy route (Envoy Gateway: processingMode.response.body: FullDuplexStreamed); idempotency_grpc_trailers_missing_total counts them", 10*time.Second)

@@ -16,16 +16,16 @@ import (
 // grpcTrailerMetrics count the covered gRPC responses whose trailers never reached the
 // processor, and log the first of them once per process.
 type grpcTrailerMetrics struct {
-	missing prometheus.Counter
+	missing *prometheus.CounterVec // by route
 	logged  *sync.Once
 }
 
 func newGRPCTrailerMetrics() grpcTrailerMetrics {
 	return grpcTrailerMetrics{
-		missing: prometheus.NewCounter(prometheus.CounterOpts{
+		missing: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idempotency_grpc_trailers_missing_total",
-			Help: "Covered gRPC calls whose response ended without its trailers reaching the processor, so that its grpc-status, the call's outcome, was never seen (unknown_outcome decided): every call, when the route lacks response_trailer_mode SEND; a few, when calls are cut short.",
-		}),
+			Help: "Covered gRPC calls whose response ended without its trailers reaching the processor, so that its grpc-status, the call's outcome, was never seen (unknown_outcome decided), by route: every call, when the route lacks response_trailer_mode SEND; a few, when calls are cut short.",
+		}, []string{"route"}),
 		logged: new(sync.Once),
 	}
 }
@@ -39,9 +39,8 @@ func (m grpcTrailerMetrics) register(reg prometheus.Registerer) error {
 // proxyless call counts too: its client's processing_mode must send the response trailers as
 // well.
 func (st *stream) grpcTrailersMissing() {
-	m := st.s.metrics.grpcTrailers
-	m.missing.Inc()
-	m.logged.Do(func() {
+	st.req.route.trailersMissing.Inc()
+	st.s.metrics.grpcTrailers.logged.Do(func() {
 		st.s.log.Warn().Str("route", st.req.route.Name).
 			Msg("a covered gRPC call's response ended without trailers, so its grpc-status was not seen and its outcome is unknown; if every call does this, set response_trailer_mode: SEND on its Envoy route (Envoy Gateway: processingMode.response.body: FullDuplexStreamed); idempotency_grpc_trailers_missing_total counts them")
 	})

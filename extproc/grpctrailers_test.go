@@ -82,7 +82,7 @@ func TestGRPCTrailersMissingCounted(t *testing.T) {
 			require.True(t, exposed, "exposed from start-up")
 			c.run(t, h)
 			h.waitIdle(t)
-			require.Equal(t, c.want, h.counter(metric))
+			require.Equal(t, c.want, h.counter(metric, "route", "charge"))
 		})
 	}
 }

@@ -31,7 +31,9 @@ type route struct {
 	unknown    map[policy.UnknownOutcome]prometheus.Counter
 	unreadable prometheus.Counter // stored records this process could not open
 	retried    prometheus.Counter // covered requests the router sent upstream more than once
-	waitCalls  prometheus.Counter // store calls of duplicates waiting for a request in flight
+	// trailersMissing counts the covered gRPC calls whose response ended without trailers.
+	trailersMissing prometheus.Counter
+	waitCalls       prometheus.Counter // store calls of duplicates waiting for a request in flight
 	// shadowCounts counts what enforcement would have done, by outcome (shadow routes only).
 	shadowCounts map[Outcome]prometheus.Counter
 
@@ -71,6 +73,7 @@ func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error)
 		waitCalls:       m.waitCalls.WithLabelValues(r.Name),
 		unreadable:      m.unreadable.WithLabelValues(r.Name),
 		retried:         m.upstreamRetries.WithLabelValues(r.Name),
+		trailersMissing: m.grpcTrailers.missing.WithLabelValues(r.Name),
 		metadata:        metadataTemplates{namespace: namespace, route: r.Name},
 	}
 	c.json = compileJSON(r)

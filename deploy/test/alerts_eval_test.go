@@ -110,11 +110,12 @@ func (s fsample) FH() *histogram.FloatHistogram { return nil }
 func (s fsample) Type() chunkenc.ValueType      { return chunkenc.ValFloat }
 func (s fsample) Copy() chunks.Sample           { return s }
 
-// IdempotencyGrpcTrailersMissing fires on a sustained share of covered requests that are gRPC
-// calls without trailers (a route withholding them: every call on it counts), and not on the
-// trickle of calls that clients cancel or upstreams reset: its expression, evaluated by
-// Prometheus' engine after 30 minutes of 10 covered requests a second, has a sample only when
-// the counter grows with a large enough share of them.
+// IdempotencyGrpcTrailersMissing fires on a sustained share of a route's covered requests that
+// are gRPC calls without trailers (a route withholding them: every call on it counts, however
+// small its share of all the traffic), and not on the trickle of calls that clients cancel or
+// upstreams reset: its expression, evaluated by Prometheus' engine after 30 minutes of 10
+// covered requests a second on the gRPC route, has a sample only when the counter grows with a
+// large enough share of that route's requests.
 func TestGrpcTrailersMissingAlertNeedsASustainedShare(t *testing.T) {
 	expr := alertExpr(t, "IdempotencyGrpcTrailersMissing")
 	engine := promql.NewEngine(promql.EngineOpts{MaxSamples: 10_000, Timeout: time.Minute})
@@ -130,17 +131,22 @@ func TestGrpcTrailersMissingAlertNeedsASustainedShare(t *testing.T) {
 	for _, tc := range []struct {
 		name             string
 		missingPerMinute float64
-		fires            bool
+		// otherPerMinute are the covered requests of an HTTP route beside the gRPC one.
+		otherPerMinute float64
+		fires          bool
 	}{
-		{"none", 0, false},
-		{"a trickle of cancelled calls (1%)", 6, false},
-		{"every call of a gRPC route that is a fifth of the traffic", 120, true},
+		{"none", 0, coveredPerMinute, false},
+		{"a trickle of cancelled calls (1%)", 6, coveredPerMinute, false},
+		{"every call of the gRPC route", coveredPerMinute, coveredPerMinute, true},
+		{"every call of a gRPC route that is a hundredth of the covered traffic", coveredPerMinute, 99 * coveredPerMinute, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			db := queryable{
 				series("idempotency_requests_total", coveredPerMinute, "route", "charge", "outcome", "executed"),
+				series("idempotency_requests_total", tc.otherPerMinute, "route", "orders", "outcome", "executed"),
 				series("idempotency_requests_total", 6000, "route", "health", "outcome", "passthrough"),
-				series("idempotency_grpc_trailers_missing_total", tc.missingPerMinute),
+				series("idempotency_grpc_trailers_missing_total", tc.missingPerMinute, "route", "charge"),
+				series("idempotency_grpc_trailers_missing_total", 0, "route", "orders"),
 			}
 			q, err := engine.NewInstantQuery(t.Context(), db, nil, expr, time.UnixMilli(minutes*time.Minute.Milliseconds()))
 			require.NoError(t, err)
@@ -153,7 +159,8 @@ func TestGrpcTrailersMissingAlertNeedsASustainedShare(t *testing.T) {
 				return
 			}
 			require.Len(t, v, 1, "%s: %v", expr, v)
-			require.InDelta(t, 0.2, v[0].F, 0.01, "the share of covered requests")
+			require.InDelta(t, 1.0, v[0].F, 0.01, "the share of the route's covered requests")
+			require.Equal(t, "charge", v[0].Metric.Get("route"))
 		})
 	}
 }
