@@ -145,7 +145,8 @@ func (c *firstMessageContext) Value(key any) any {
 
 // arrived takes the stream off the watch: its first Recv returned, or the stream was refused.
 // It returns nil, or, when the deadline passed first, the DEADLINE_EXCEEDED error to end the
-// stream with, which it counts. Safe on nil (a server without the tap) and more than once.
+// stream with, which it counts: each time it is called, so a stream calls it once. Safe on nil (a
+// server without the tap).
 func (c *firstMessageContext) arrived() error {
 	if c == nil {
 		return nil
