@@ -737,6 +737,34 @@ func TestTLSServerNameFollowsTheNode(t *testing.T) {
 	_ = c.Close()
 }
 
+// The store's clients speak RESP2, which spares go-redis its look for push notifications before
+// every reply, unless the URL asks for RESP3.
+func TestClientsSpeakRESP2(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		url  string
+		want int
+	}{
+		{"default", "redis://localhost:6379/0", 2},
+		{"asked for RESP3", "redis://localhost:6379/0?protocol=3", 3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := newRedisClient(RedisOptions{URL: tc.url})
+			require.NoError(t, err)
+			require.Equal(t, tc.want, c.(*redis.Client).Options().Protocol, "standalone")
+			_ = c.Close()
+			c, err = newRedisClient(RedisOptions{URL: tc.url, ClusterAddrs: []string{"10.0.0.1:7000"}})
+			require.NoError(t, err)
+			require.Equal(t, tc.want, c.(*redis.ClusterClient).Options().Protocol, "cluster")
+			_ = c.Close()
+			c, err = newRedisClient(RedisOptions{URL: tc.url, SentinelAddrs: []string{"10.0.0.1:26379"}})
+			require.NoError(t, err)
+			require.Equal(t, tc.want, c.(*redis.Client).Options().Protocol, "sentinel")
+			_ = c.Close()
+		})
+	}
+}
+
 // layout2Record is a record as the version before layout 3 wrote it: no times.
 func layout2Record(state byte, token string, ttl time.Duration, fp string, resp *Response) string {
 	b := []byte{layout2, state}
