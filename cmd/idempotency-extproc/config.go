@@ -151,7 +151,7 @@ var allSettings = []setting{
 			c.store = v
 			return nil
 		}},
-	{name: "redis-url", def: "redis://localhost:6379/0", doc: "the Redis {url}: standalone `redis://` or TLS `rediss://`, user and password in the URL; for Cluster and Sentinel its user, password and TLS apply to the nodes, whose certificates are checked against the addresses they are dialled at (its host is ignored); a private CA is trusted through `SSL_CERT_FILE`; checked at start-up with `--store redis`, and its errors never show the password (percent-encode `#`, `/`, `@`, `:` and `%` in it)",
+	{name: "redis-url", def: "redis://localhost:6379/0", doc: "the Redis {url}: standalone `redis://` or TLS `rediss://`, user and password in the URL; for Cluster and Sentinel its user, password and TLS apply to the nodes, whose certificates are checked against the addresses they are dialled at (its host is ignored); a private CA is trusted through `SSL_CERT_FILE`; checked at start-up with `--store redis`, and its errors never show the password (percent-encode `#`, `/`, `@`, `:` and `%` in it); the store speaks RESP2 unless the URL asks for RESP3 (`?protocol=3`), which costs go-redis a look for push notifications before every reply",
 		apply: func(c *config, v string) error {
 			c.redisURL = v
 			return nil
