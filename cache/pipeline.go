@@ -38,7 +38,7 @@ const unbatchedBytes = 256 << 10
 // confirms every call of its batch, each against the replicas it asks for.
 //
 // Deadlines are the calls' own (call.deadline, set by Redis.boundCall): the batcher adds none. A
-// caller's own call, sent alone, runs under the caller's context; a batch, which serves callers
+// caller's own call, sent alone, runs under the caller's context (alone); a batch, which serves callers
 // that may each stop waiting, runs until the latest deadline among its calls.
 //
 // A caller may stop waiting (its context ends) before its call's reply is in. A call still
@@ -97,7 +97,7 @@ func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 	select {
 	case p.slots <- struct{}{}:
 		p.serve(ctx, c)
-		return c.cmd
+		return gaveUp(ctx, c.cmd)
 	default:
 	}
 	p.mu.Lock()
@@ -120,7 +120,7 @@ func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 		}
 		select {
 		case <-c.done:
-			return c.cmd
+			return gaveUp(ctx, c.cmd)
 		case slots <- struct{}{}:
 			// A slot freed while the call was queued: run the queue, which holds it.
 			p.serve(ctx, nil)
@@ -133,7 +133,7 @@ func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 		case c.cmd != nil:
 			// The reply came in meanwhile: the caller has it.
 			p.mu.Unlock()
-			return c.cmd
+			return gaveUp(ctx, c.cmd)
 		case !c.taken:
 			p.queue = slices.DeleteFunc(p.queue, func(q *call) bool { return q == c })
 		default:
@@ -145,7 +145,8 @@ func (p *pipeline) run(ctx context.Context, c *call) *redis.Cmd {
 }
 
 // serve runs own (if any) with the calls queued so far, then frees the slot the caller took. The
-// caller's own call, alone, runs under ctx; anything else (a batch, another caller's call) runs
+// caller's own call, alone, runs under ctx, or the caller's own context when it can be
+// cancelled (alone); anything else (a batch, another caller's call) runs
 // until the latest deadline of its calls, as it serves callers that may each stop waiting.
 func (p *pipeline) serve(ctx context.Context, own *call) {
 	defer func() { <-p.slots }()
@@ -165,7 +166,12 @@ func (p *pipeline) serve(ctx context.Context, own *call) {
 	if len(batch) == 0 {
 		return
 	}
-	if len(batch) > 1 || own == nil {
+	if len(batch) == 1 && own != nil {
+		// The caller's own call, alone: go-redis lets the caller go when it gives up.
+		var cancel context.CancelFunc
+		ctx, cancel = alone(ctx)
+		defer cancel()
+	} else {
 		latest := batch[0]
 		for _, c := range batch[1:] {
 			if c.deadline.After(latest.deadline) {

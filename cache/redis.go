@@ -432,7 +432,8 @@ func (r *Redis) bound(ctx context.Context) (context.Context, context.CancelFunc,
 // batch until the latest deadline among its calls). The deadline is a shared slot's
 // (deadlines), a little earlier than the timeout from now, and the context returned carries it
 // with the caller's values and ends at it (callCtx), without a timer of its own; the senders
-// watch the caller's own cancellation apart (callerDone, callerErr).
+// watch the caller's own cancellation apart (callerDone, callerErr), and a call that runs alone
+// on its caller's goroutine runs under the caller's own context (alone).
 func (r *Redis) boundCall(ctx context.Context, c *call) context.Context {
 	now := time.Now()
 	if d, ok := ctx.Deadline(); ok && !d.After(now.Add(r.timeout)) {
@@ -652,6 +653,7 @@ func (r *Redis) Close() error {
 	r.send.close()
 	r.durable.close()
 	err := r.client.Close()
+	r.deadlines.close()
 	if errors.Is(err, redis.ErrClosed) {
 		return nil
 	}

@@ -88,11 +88,13 @@ func (d direct) run(ctx context.Context, c *call) *redis.Cmd {
 	if err := callerErr(ctx); err != nil {
 		return errorCmd(ctx, err)
 	}
-	cmd := c.send(ctx, d.client)
+	sctx, cancel := alone(ctx)
+	cmd := c.send(sctx, d.client)
+	cancel()
 	if c.undo != nil && unanswered(cmd.Err()) {
 		go c.undo(cmd)
 	}
-	return cmd
+	return gaveUp(ctx, cmd)
 }
 
 func (direct) close() {}

@@ -2,9 +2,13 @@ package cache
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"net"
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
@@ -18,7 +22,8 @@ func TestDeadlineSlots(t *testing.T) {
 	const timeout = 50 * time.Millisecond
 	d := newDeadlines(timeout)
 	require.Equal(t, 500*time.Microsecond, d.step)
-	require.Equal(t, time.Millisecond, newDeadlines(time.Second).step, "at most a millisecond")
+	require.Equal(t, 10*time.Millisecond, newDeadlines(time.Second).step, "a hundredth of the timeout")
+	require.Equal(t, time.Microsecond, newDeadlines(50*time.Microsecond).step, "at least a microsecond")
 	base := time.Now()
 	for _, tc := range []struct {
 		name string
@@ -77,6 +82,143 @@ func TestCallCtx(t *testing.T) {
 		t.Fatal("callerDone did not end with the caller")
 	}
 	require.Nil(t, callerDone(t.Context()), "a context of the caller's own has no callerDone")
+
+	// Alone on the caller's goroutine, a call runs under the caller's own context, limited to
+	// the slot's deadline, when the caller can give up; under the call's context otherwise.
+	live, stop := context.WithCancel(context.WithValue(t.Context(), key{}, "v"))
+	own, release := alone(&callCtx{Context: live, slot: s})
+	defer release()
+	dl, ok = own.Deadline()
+	require.True(t, ok)
+	require.Equal(t, s.at, dl)
+	require.Equal(t, "v", own.Value(key{}))
+	stop()
+	require.ErrorIs(t, own.Err(), context.Canceled, "the caller's cancellation ends it")
+	forever := &callCtx{Context: context.WithoutCancel(live), slot: s}
+	same, release2 := alone(forever)
+	defer release2()
+	require.Same(t, forever, same, "a caller that cannot give up keeps the slot")
+	plain, release3 := alone(t.Context())
+	defer release3()
+	require.Equal(t, t.Context(), plain, "a caller's context with its own, earlier deadline is kept")
+}
+
+// withWall returns a reading of the monotonic clock at mono whose wall clock reads wall's: what
+// time.Now returns once the wall clock was stepped by wall-mono (NTP, a resumed VM). It writes
+// the monotonic reading into a copy of wall, both being readings of time.Now, which carry one.
+func withWall(mono, wall time.Time) time.Time {
+	type layout struct { // time.Time's
+		wall uint64
+		ext  int64
+		loc  *time.Location
+	}
+	t := wall
+	(*layout)(unsafe.Pointer(&t)).ext = (*layout)(unsafe.Pointer(&mono)).ext
+	return t
+}
+
+// TestDeadlineSlotAfterWallClockStepsBack checks that a slot is found by the monotonic clock:
+// after the wall clock steps back to where it read when an ended slot was made, a call starting
+// now gets a live slot, whose deadline is the timeout from now, less a step at most.
+func TestDeadlineSlotAfterWallClockStepsBack(t *testing.T) {
+	const timeout = 20 * time.Millisecond
+	d := newDeadlines(timeout)
+	before := time.Now()
+	ended := d.slot(before)
+	<-ended.ctx.Done()
+	now := time.Now()
+	stepped := withWall(now, before)
+	require.Equal(t, before.UnixNano(), stepped.UnixNano(), "the forged reading has the earlier wall clock")
+	require.Greater(t, stepped.Sub(before), timeout, "and the later monotonic one")
+	s := d.slot(stepped)
+	require.NotSame(t, ended, s)
+	require.NoError(t, s.ctx.Err(), "a call starting now got a slot that has ended")
+	require.LessOrEqual(t, s.at.Sub(stepped), timeout)
+	require.Greater(t, s.at.Sub(stepped), timeout-d.step)
+	require.Greater(t, time.Until(s.at), timeout-d.step-time.Since(now), "the deadline is on the monotonic clock")
+}
+
+// TestDeadlineSlotsLiveAtOnce checks that about a hundred slots live at once whatever the store
+// timeout: calls spread over one timeout (a slot made at its start lives to its end) get at most
+// 101 slots, not one each.
+func TestDeadlineSlotsLiveAtOnce(t *testing.T) {
+	const calls = 1000
+	for _, timeout := range []time.Duration{100 * time.Millisecond, 30 * time.Second, time.Hour, 10 * 365 * 24 * time.Hour} {
+		t.Run(timeout.String(), func(t *testing.T) {
+			d := newDeadlines(timeout)
+			base := time.Now()
+			slots := map[*deadlineSlot]bool{}
+			for i := range calls {
+				slots[d.slot(base.Add(timeout/calls*time.Duration(i)))] = true
+			}
+			require.LessOrEqual(t, len(slots), 101, "slots live at once over %v", timeout)
+			for s := range slots {
+				s.cancel()
+			}
+		})
+	}
+}
+
+// TestDeadlineSlotEndedByCloseIsNotShared checks that close ends the current slot and that a
+// call of the same step then gets a live one.
+func TestDeadlineSlotEndedByCloseIsNotShared(t *testing.T) {
+	d := newDeadlines(time.Hour)
+	now := time.Now()
+	s := d.slot(now)
+	d.close()
+	require.ErrorIs(t, s.ctx.Err(), context.Canceled)
+	n := d.slot(now)
+	require.NotSame(t, s, n)
+	require.NoError(t, n.ctx.Err())
+	require.Same(t, n, d.slot(now), "the new slot is shared")
+	n.cancel()
+}
+
+// TestRedisCancelledCallerIsLetGoDuringRetries checks that a caller that gives up while go-redis
+// waits between retries is let go then, with its own error, not at the store timeout: Redis here
+// drops every connection it accepts, go-redis retries after a backoff, the caller cancels during
+// the first one. Batched (the caller's call goes alone) and not.
+func TestRedisCancelledCallerIsLetGoDuringRetries(t *testing.T) {
+	const (
+		backoff = 200 * time.Millisecond
+		cancel  = backoff / 4
+		timeout = 10 * time.Second
+	)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}()
+	for _, tc := range []struct {
+		name     string
+		batching bool
+	}{{"batched", true}, {"direct", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, err := OpenRedis(RedisOptions{
+				URL:             fmt.Sprintf("redis://%s/0?max_retries=1000&min_retry_backoff=%v&max_retry_backoff=%v", ln.Addr(), backoff, backoff),
+				Timeout:         timeout,
+				DisableBatching: !tc.batching,
+			})
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = s.Close() })
+			ctx, stop := context.WithCancel(t.Context())
+			time.AfterFunc(cancel, stop)
+			start := time.Now()
+			_, _, err = s.Acquire(ctx, "k", Claim{LockTTL: time.Hour, TTL: time.Hour})
+			took := time.Since(start)
+			require.ErrorIs(t, err, context.Canceled)
+			// At most a few backoffs after the cancellation (an attempt or two under way), far
+			// from the store timeout.
+			require.Less(t, took, cancel+5*backoff, "Acquire returned %v after its caller gave up", took-cancel)
+		})
+	}
 }
 
 // pipelineOrder records the command names of each pipeline its client sends, but those that set
@@ -123,4 +265,30 @@ func TestBatchSendsAScriptFirst(t *testing.T) {
 	require.Zero(t, n, "nothing to release")
 	require.Equal(t, [][]string{{"evalsha", "set", "set"}}, hook.sends)
 	require.True(t, mr.Exists("free"))
+}
+
+// TestGaveUp checks the reply a caller gets when its call ends: the caller's own error in place
+// of one that leaves unknown what the call did, once the caller gave up; otherwise the reply.
+func TestGaveUp(t *testing.T) {
+	s := newDeadlines(time.Minute).slot(time.Now())
+	t.Cleanup(s.cancel)
+	gone, stop := context.WithCancel(t.Context())
+	stop()
+	broken := errorCmd(t.Context(), errors.New("read: connection reset"))
+	free := errorCmd(t.Context(), redis.Nil)
+	for _, tc := range []struct {
+		name string
+		ctx  context.Context
+		cmd  *redis.Cmd
+		want error
+	}{
+		{"caller gave up, connection broke", &callCtx{Context: gone, slot: s}, broken, context.Canceled},
+		{"caller gave up, its own context", gone, broken, context.Canceled},
+		{"caller gave up, server replied", &callCtx{Context: gone, slot: s}, free, redis.Nil},
+		{"caller waits", &callCtx{Context: t.Context(), slot: s}, broken, broken.Err()},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			require.ErrorIs(t, gaveUp(tc.ctx, tc.cmd).Err(), tc.want)
+		})
+	}
 }
