@@ -214,9 +214,9 @@ func TestRedisCancelledCallerIsLetGoDuringRetries(t *testing.T) {
 			_, _, err = s.Acquire(ctx, "k", Claim{LockTTL: time.Hour, TTL: time.Hour})
 			took := time.Since(start)
 			require.ErrorIs(t, err, context.Canceled)
-			// At most a few backoffs after the cancellation (an attempt or two under way), far
-			// from the store timeout.
-			require.Less(t, took, cancel+5*backoff, "Acquire returned %v after its caller gave up", took-cancel)
+			// Let go at the cancellation (a backoff or two later), not held to the store timeout:
+			// the bound is half of it, which a busy machine's delays stay far below.
+			require.Less(t, took, timeout/2, "Acquire returned %v after its caller gave up", took-cancel)
 		})
 	}
 }
