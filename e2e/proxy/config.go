@@ -207,7 +207,8 @@ type Behaviour struct {
 	// since Envoy 1.35 (envoyproxy/envoy#39994) a local reply with status_on_error unless
 	// failure_mode_allow, which closes the stream and sends the request upstream. The default
 	// branch was read in an ext_proc.cc without the streamed case (1.3x era, before #39994,
-	// where every spurious message continued the request); no 1.36 source was in reach.
+	// where every spurious message continued the request); what 1.35 and 1.36 do next is from
+	// #39994, not from their source.
 	NoStreamedImmediateResponse bool
 }
 
