@@ -253,7 +253,7 @@ func TestKeyHashOfAToolCall(t *testing.T) {
 	require.Equal(t, "mcp-tool-calls", route)
 	require.False(t, found, "another tool is another scope")
 	_, _, err := extproc.KeyHash(h.policy, extproc.KeyRequest{Path: "/mcp", Route: "mcp-tool-calls", Key: "k-1", Body: []byte("{")}, nil)
-	require.ErrorContains(t, err, "scopes by members of the request body")
+	require.ErrorContains(t, err, "invalid-json-body")
 }
 
 // A route match.json chooses at the body's end scopes by the caller's JWT even when the route

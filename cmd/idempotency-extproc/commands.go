@@ -121,13 +121,14 @@ type repeated []string
 func (r *repeated) String() string     { return strings.Join(*r, ", ") }
 func (r *repeated) Set(v string) error { *r = append(*r, v); return nil }
 
-const keyHashUsage = `usage: idempotency-extproc key-hash --config FILE (--route NAME | --path PATH) --key KEY [flags]
+const keyHashUsage = `usage: idempotency-extproc key-hash --config FILE (--route NAME | --path PATH) [--key KEY] [flags]
 
 Prints the key_hash of the record a request would get, alone on one line: the name the records
 API, the logs and Envoy's access log use for it, so that
   idempotency-extproc records get "$(idempotency-extproc key-hash ...)"
 works. Give the request as the client and Envoy send it: its scope headers, the claims jwt_authn
-verified, the mTLS peer, and the path for path parameters. The policy file's
+verified, the mTLS peer, the path for path parameters, and the body for a route that reads it
+(a key in the body's key_json members, missing_key: body-hash). The policy file's
 key_hash_secret_file (or --key-hash-secret-file) keys the hash as the server does. --verbose
 says on stderr which route was chosen and where its scope values come from.
 
@@ -140,10 +141,11 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 	configPath := fs.String("config", "", "the server's YAML policy `file` (env IDEMPOTENCY_CONFIG)")
 	route := fs.String("route", "", "the policy route's `name`, as x-idempotency-route gives it; without it --path chooses the route")
 	path := fs.String("path", "", "the request's `path`, with its query: chooses the route and gives its path parameters")
-	key := fs.String("key", "", "the idempotency `key` as the client sends it in Idempotency-Key")
+	key := fs.String("key", "", "the idempotency `key` as the client sends it in Idempotency-Key; none when the body or missing_key: body-hash gives it")
+	method := fs.String("method", "POST", "the request's `method`, for a key made under missing_key: body-hash")
 	secretFile := fs.String("key-hash-secret-file", "", "the server's key-hash secret `file` (env IDEMPOTENCY_KEY_HASH_SECRET_FILE), if it has one")
 	peer := fs.String("peer-identity", "", "the mTLS peer's URI SAN, a `uri`, for peer_identity scope")
-	body := fs.String("body", "", "the request's JSON `body`, for match.json and json scope entries")
+	body := fs.String("body", "", "the request's `body`, for match.json, key_json, json scope entries and missing_key: body-hash")
 	verbose := fs.Bool("verbose", false, "say on stderr which route was chosen and where each of its scope values comes from")
 	var headers, claims repeated
 	fs.Var(&headers, "header", "a request `header` 'name: value', for header scope (repeatable)")
@@ -154,8 +156,6 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 	switch {
 	case fs.NArg() > 0:
 		return fmt.Errorf("key-hash: unexpected arguments %q", fs.Args())
-	case *key == "":
-		return errors.New("key-hash: --key is required (the Idempotency-Key as the client sends it)")
 	case *route == "" && *path == "":
 		return errors.New("key-hash: give --route (the policy route name) or --path (the request's path), or both")
 	}
@@ -163,7 +163,7 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 	if err != nil {
 		return err
 	}
-	req, err := keyRequest(extproc.KeyRequest{Route: *route, Path: *path, Key: *key, PeerIdentity: *peer, Body: []byte(*body)}, headers, claims)
+	req, err := keyRequest(extproc.KeyRequest{Route: *route, Method: *method, Path: *path, Key: *key, PeerIdentity: *peer, Body: []byte(*body)}, headers, claims)
 	if err != nil {
 		return err
 	}

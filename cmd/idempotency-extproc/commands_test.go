@@ -92,6 +92,21 @@ scope: jwt_claim sub (not given)
 	require.NotContains(t, out.String(), logged, "another org is another record")
 }
 
+// key-hash reads a key the body carries, as the server does: the same record as the header key,
+// and a body-hash key from the method, the path and the body.
+func TestKeyHashFromTheBody(t *testing.T) {
+	policyFile := writeFile(t, "routes: [{name: api, match: {path_prefix: /api}, key_json: [/id]}, {name: hashed, match: {path_prefix: /h}, missing_key: body-hash}]\n")
+	hash := func(args ...string) string {
+		var out bytes.Buffer
+		require.NoError(t, dispatch(t.Context(), append([]string{"key-hash", "--config", policyFile}, args...), env(nil), &out, &bytes.Buffer{}))
+		return strings.TrimSpace(out.String())
+	}
+	require.Equal(t, hash("--path", "/api", "--key", "k-1", "--body", `{"id":"k-1","n":1}`), hash("--path", "/api", "--body", `{"id":"k-1","n":1}`))
+	require.NotEqual(t, hash("--path", "/h", "--body", "a=1"), hash("--path", "/h", "--body", "a=2"))
+	require.Equal(t, hash("--path", "/h", "--body", "a=1"), hash("--path", "/h", "--body", "a=1", "--method", "POST"))
+	require.NotEqual(t, hash("--path", "/h", "--body", "a=1"), hash("--path", "/h", "--body", "a=1", "--method", "PUT"))
+}
+
 // The subcommands' mistakes are answered with what to do.
 func TestCommandErrors(t *testing.T) {
 	policyFile := writeFile(t, "routes: [{name: pay, match: {path_prefix: /pay}}]\n")
@@ -99,7 +114,7 @@ func TestCommandErrors(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"key-hash", "--config", policyFile, "--path", "/pay"}, "--key is required"},
+		{[]string{"key-hash", "--config", policyFile, "--path", "/pay"}, `no key: route "pay" takes it from its key headers`},
 		{[]string{"key-hash", "--config", policyFile, "--key", "k"}, "give --route"},
 		{[]string{"key-hash", "--config", policyFile, "--route", "nope", "--key", "k"}, "nope"},
 		{[]string{"key-hash", "--config", policyFile, "--path", "/pay", "--key", "bad key"}, "not a valid idempotency key"},
@@ -191,7 +206,7 @@ func TestHelp(t *testing.T) {
 // placeholder, and a description that quotes code (`/metrics`, `memory`) showed that instead.
 func TestFlagPlaceholders(t *testing.T) {
 	allowed := []string{"", "file", "address", "addresses", "url", "kind", "name", "bool", "bytes", "level", "format",
-		"path", "key", "uri", "header", "claim", "number", "count", "body"}
+		"path", "key", "uri", "header", "claim", "number", "count", "body", "method"}
 	flagLine := regexp.MustCompile(`(?m)^  -([a-z-]+)(?: (.*))?$`)
 	for _, args := range [][]string{{"help"}, {"key-hash", "--help"}, {"records", "--help"}} {
 		var out bytes.Buffer
