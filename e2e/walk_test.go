@@ -62,6 +62,14 @@ func TestArchitectureWalk(t *testing.T) {
 	require.Equal(t, len(always), count, "the count docs/architecture.md gives is the walk's")
 }
 
+// The counts docs/architecture.md's walk gives are those of the names it lists: each step's
+// (N), the functions' total, the types' and the names'. (TestArchitectureWalk holds the names
+// to the program.)
+func TestArchitectureWalkCounts(t *testing.T) {
+	always, _, count := documentedWalk(t)
+	require.Equal(t, len(always), count, "That is N functions: the functions outside parentheses")
+}
+
 // blockCounts are a run's coverage counters: per file and block (its first line and column),
 // the times the block ran.
 type blockCounts map[string]int64
@@ -204,6 +212,7 @@ func documentedWalk(t *testing.T) (always, sometimes []string, count int) {
 		}
 		return out
 	}
+	stepCount := regexp.MustCompile(`\((\d+)\)`)
 	for _, s := range step.Split(doc[:end[0]], -1)[1:] {
 		// The files a step names are in its parenthesis, before the colon.
 		_, list, ok := strings.Cut(s, "):")
@@ -211,8 +220,17 @@ func documentedWalk(t *testing.T) (always, sometimes []string, count int) {
 		for _, o := range aside.FindAllString(list, -1) {
 			sometimes = append(sometimes, names(o)...)
 		}
-		always = append(always, names(aside.ReplaceAllString(list, ""))...)
+		own := names(aside.ReplaceAllString(list, ""))
+		n := stepCount.FindStringSubmatch(list)
+		require.NotNil(t, n, "a step gives its count, (N), after its functions: %q", s)
+		require.Equal(t, n[1], strconv.Itoa(len(own)), "the count a step gives is its functions outside parentheses: %q", s)
+		always = append(always, own...)
 	}
+	// The types follow, with their count, and the total of names.
+	types := regexp.MustCompile(`(?s)The types it passes: (.*?) \((\d+)\)\. In all (\d+) names`).FindStringSubmatch(doc[end[0]:])
+	require.NotNil(t, types, "the walk lists its types, their count (N), and In all N names")
+	require.Equal(t, types[2], strconv.Itoa(len(names(types[1]))), "the types' count is the types listed")
+	require.Equal(t, types[3], strconv.Itoa(count+len(names(types[1]))), "In all N names: the functions and the types")
 	slices.Sort(always)
 	return always, sometimes, count
 }
