@@ -207,36 +207,35 @@ func newDigest(keyHash func() hash.Hash) *digest {
 
 func (d *digest) reset() { d.h.Reset() }
 
-func (d *digest) length(h hash.Hash, n int) {
-	d.scratch = binary.AppendUvarint(d.scratch[:0], uint64(n))
-	h.Write(d.scratch)
-}
-
-func (d *digest) field(h hash.Hash, b []byte) {
-	d.length(h, len(b))
-	h.Write(b)
-}
-
-func (d *digest) fieldString(h hash.Hash, s string) {
-	d.scratch = binary.AppendUvarint(d.scratch[:0], uint64(len(s)))
-	d.scratch = append(d.scratch, s...)
+// field hashes v into h behind its length, a uvarint, so that no two sequences of fields
+// collide. A string is copied behind the length (a hash takes bytes); bytes, which may be a whole
+// body, are hashed where they are.
+func field[T string | []byte](d *digest, h hash.Hash, v T) {
+	d.scratch = binary.AppendUvarint(d.scratch[:0], uint64(len(v)))
+	if b, ok := any(v).([]byte); ok {
+		h.Write(d.scratch)
+		h.Write(b)
+		return
+	}
+	d.scratch = append(d.scratch, v...)
 	h.Write(d.scratch)
 }
 
 // headerValues hashes every value of name in order, preceded by their count, so that an absent
 // header, an empty one and several differ.
 func (d *digest) headerValues(w hash.Hash, h headers, name string) {
-	d.fieldString(w, name)
+	field(d, w, name)
 	count := 0
 	for _, v := range h {
 		if v.GetKey() == name {
 			count++
 		}
 	}
-	d.length(w, count)
+	d.scratch = binary.AppendUvarint(d.scratch[:0], uint64(count))
+	w.Write(d.scratch)
 	for _, v := range h {
 		if v.GetKey() == name {
-			d.field(w, headerValue(v))
+			field(d, w, headerValue(v))
 		}
 	}
 }
@@ -256,19 +255,19 @@ func (d *digest) fingerprint(dst []byte, r *policy.Route, method, path, body []b
 	w := d.key
 	w.Reset()
 	if len(r.Fingerprint) == 0 {
-		d.fieldString(w, "route")
-		d.fieldString(w, r.Name)
+		field(d, w, "route")
+		field(d, w, r.Name)
 		return append(dst, w.Sum(d.sum[:0])...)
 	}
 	for _, p := range r.Fingerprint {
-		d.fieldString(w, string(p))
+		field(d, w, string(p))
 		switch p {
 		case policy.PartMethod:
-			d.field(w, method)
+			field(d, w, method)
 		case policy.PartPath:
-			d.field(w, path)
+			field(d, w, path)
 		case policy.PartBody:
-			d.field(w, body)
+			field(d, w, body)
 		}
 	}
 	for _, name := range r.FingerprintHeaders {
@@ -281,9 +280,9 @@ func (d *digest) fingerprint(dst []byte, r *policy.Route, method, path, body []b
 // of its method, path (with query) and body.
 func (d *digest) bodyHashKey(method, path, body []byte) string {
 	d.reset()
-	d.field(d.h, method)
-	d.field(d.h, path)
-	d.field(d.h, body)
+	field(d, d.h, method)
+	field(d, d.h, path)
+	field(d, d.h, body)
 	return hex.EncodeToString(d.h.Sum(d.sum[:0]))
 }
 
@@ -314,28 +313,29 @@ func (d *digest) storeKey(r *policy.Route, req requestInfo, jwt *structpb.Struct
 		case policy.ScopeHeader:
 			d.headerValues(w, req.headers, src.Name)
 		case policy.ScopePathParam:
-			d.fieldString(w, src.Name)
-			d.fieldString(w, req.params[param])
+			field(d, w, src.Name)
+			field(d, w, req.params[param])
 			param++
 		case policy.ScopeJWTClaim:
-			d.fieldString(w, "jwt_claim:"+src.Name)
+			field(d, w, "jwt_claim:"+src.Name)
 			t, v := claim(jwt, src.Name)
-			d.length(w, int(t))
+			d.scratch = binary.AppendUvarint(d.scratch[:0], uint64(t))
+			w.Write(d.scratch)
 			if t != claimAbsent {
-				d.field(w, v)
+				field(d, w, v)
 			}
 		case policy.ScopePeerIdentity:
-			d.fieldString(w, "peer_identity:")
-			d.fieldString(w, req.peer)
+			field(d, w, "peer_identity:")
+			field(d, w, req.peer)
 		case policy.ScopeJSON:
 			// Behind a name no header, group or claim source has; the value's JSON text, so
 			// that 1 and "1" differ and a missing member is empty.
-			d.fieldString(w, "json:"+src.Name)
-			d.field(w, req.jsonValue(member))
+			field(d, w, "json:"+src.Name)
+			field(d, w, req.jsonValue(member))
 			member++
 		}
 	}
-	d.fieldString(w, key)
+	field(d, w, key)
 	var b strings.Builder
 	b.Grow(len(r.KeyPrefix) + 2*sha256.Size)
 	b.WriteString(r.KeyPrefix)
