@@ -61,8 +61,12 @@ func (w *Writer) loop(interval time.Duration) {
 	}
 }
 
-// Write implements [io.Writer]. After Close it writes through.
-func (w *Writer) Write(p []byte) (int, error) {
+// Write implements [io.Writer]: p is a line without a level, which waits for the batch.
+func (w *Writer) Write(p []byte) (int, error) { return w.WriteLevel(zerolog.NoLevel, p) }
+
+// WriteLevel implements [zerolog.LevelWriter]: a line at warn level or above is written at once,
+// after what came before it; the others wait for the batch. After Close it writes through.
+func (w *Writer) WriteLevel(l zerolog.Level, p []byte) (int, error) {
 	w.mu.Lock()
 	if w.closed {
 		w.mu.Unlock()
@@ -72,26 +76,13 @@ func (w *Writer) Write(p []byte) (int, error) {
 		return w.out.Write(p)
 	}
 	w.buf = append(w.buf, p...)
-	full := len(w.buf) >= MaxBatch
+	now := len(w.buf) >= MaxBatch || l >= zerolog.WarnLevel && l != zerolog.NoLevel
 	w.mu.Unlock()
-	if full {
+	if now {
 		w.Flush()
 	}
 	return len(p), nil
 }
-
-// WriteLevel implements [zerolog.LevelWriter]: a line at warn level or above is written at once,
-// after what came before it.
-func (w *Writer) WriteLevel(l zerolog.Level, p []byte) (int, error) {
-	n, err := w.Write(p)
-	if urgent(l) {
-		w.Flush()
-	}
-	return n, err
-}
-
-// urgent reports whether a line at level l is written at once: warn and above.
-func urgent(l zerolog.Level) bool { return l >= zerolog.WarnLevel && l != zerolog.NoLevel }
 
 // Formatted returns a writer for a zerolog logger that formats each line with f, which writes
 // the result to w (a zerolog.ConsoleWriter whose Out is w, say), and writes a line at warn or
@@ -105,11 +96,11 @@ type formatted struct {
 
 func (x formatted) Write(p []byte) (int, error) { return x.f.Write(p) }
 
+// WriteLevel has f write the line to w, then hands w no more bytes at the line's level, so that w
+// writes what it holds at once when the level asks for it.
 func (x formatted) WriteLevel(l zerolog.Level, p []byte) (int, error) {
 	n, err := x.f.Write(p)
-	if urgent(l) {
-		x.w.Flush()
-	}
+	_, _ = x.w.WriteLevel(l, nil)
 	return n, err
 }
 
