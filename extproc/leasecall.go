@@ -173,22 +173,37 @@ func (c *leaseCall) complete() bool {
 
 // completeHeld writes the hold's completed record. A lease the store let expire while it was
 // away is re-asserted first; one that was removed, or that another request took, is counted as
-// lost.
+// lost. A record written but not confirmed by enough replicas (durability) is done: it is
+// counted, logged, and nil is returned.
 func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error {
 	s, h := c.s, c.hold
 	h.writing.Lock()
 	defer h.writing.Unlock()
 	c.fate = leaseInStore
-	var sp trace.Span
-	if c.req.span != nil {
-		sp = c.storeSpan("complete")
+	write := func() error {
+		start, sp := time.Now(), trace.Span(nil)
+		if c.req.span != nil {
+			sp = c.storeSpan("complete")
+		}
+		err := s.store.Complete(ctx, h.lease, resp)
+		s.completeObs.Observe(time.Since(start).Seconds())
+		if err != nil || sp != nil {
+			s.storeDone("complete", sp, err)
+		}
+		if errors.Is(err, cache.ErrUnconfirmed) {
+			// The record is written and the lease spent: the completion is done. Only a
+			// failover before the replicas catch up could lose it.
+			c.event(s.log.Warn()).Err(err).Msg("completion not confirmed by the store's replicas; a failover before they catch up may lose the record")
+			return nil
+		}
+		return err
 	}
-	err := s.completeCall(ctx, sp, c.event, h.lease, resp)
+	err := write()
 	if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(s.clock.Now()) {
 		sent := s.clock.Now()
 		if err = s.reassert(ctx, nil, h, c.event); err == nil {
 			h.reachedAt(sent)
-			err = s.completeCall(ctx, c.storeSpan("complete"), c.event, h.lease, resp)
+			err = write()
 		}
 	}
 	c.fate = leaseHeld
@@ -244,25 +259,6 @@ func (c *leaseCall) failed(op string, err error) {
 		ev = c.s.log.Warn()
 	}
 	c.event(ev).Str("op", op).Err(err).Msg("store operation failed")
-}
-
-// completeCall writes l's record; sp is its span (or nil) and id adds the request's identity to a
-// log line. A record written but not confirmed by enough replicas (durability) is done: it is
-// counted, logged, and nil is returned.
-func (s *Server) completeCall(ctx context.Context, sp trace.Span, id func(*zerolog.Event) *zerolog.Event, l cache.Lease, r cache.Response) error {
-	start := time.Now()
-	err := s.store.Complete(ctx, l, r)
-	s.completeObs.Observe(time.Since(start).Seconds())
-	if err != nil || sp != nil {
-		s.storeDone("complete", sp, err)
-	}
-	if errors.Is(err, cache.ErrUnconfirmed) {
-		// The record is written and the lease spent: the completion is done. Only a failover
-		// before the replicas catch up could lose it.
-		id(s.log.Warn()).Err(err).Msg("completion not confirmed by the store's replicas; a failover before they catch up may lose the record")
-		return nil
-	}
-	return err
 }
 
 // renew runs on a renewal's timer goroutine, where a panic ends the process by itself; sp is its
