@@ -192,6 +192,40 @@ func TestClaimReassertedAfterAnOutage(t *testing.T) {
 	}
 }
 
+// A completion that reaches the store first after an outage longer than lock_ttl, before any
+// renewal could write the claim back, finds its lease gone: it re-asserts the claim itself and
+// then writes the record, which the client's retries replay, on this replica and another.
+func TestCompletionReassertsALapsedClaim(t *testing.T) {
+	h, other, store := twoReplicas(t, "defaults: {lock_ttl: 3s}")
+	const key = "lapsed"
+	stored := extproc.StoredKey(h.policy, "/v1/payments", key)
+	first := claimRunning(t, h, key)
+
+	store.down.Store(true)
+	h.advance(4 * time.Second) // past lock_ttl: the store lets the lease expire
+	_, err := store.Lookup(t.Context(), stored)
+	require.ErrorIs(t, err, cache.ErrNotFound, "the store let the lease expire during the outage")
+	// No renewal is under way: the next one waits on the clock, which stands still from here.
+	require.Eventually(t, func() bool { return h.clock.Pending() == 1 }, 10*time.Second, time.Millisecond,
+		"the renewal waits for its next try")
+
+	store.down.Store(false)
+	finishRunning(t, h, first)
+	rec, err := store.Lookup(t.Context(), stored)
+	require.NoError(t, err, "the completion wrote the record:\n%s", h.logs.String())
+	require.Equal(t, cache.Completed, rec.State)
+	require.Contains(t, h.logs.String(), "claim re-asserted")
+	require.Zero(t, h.counter("idempotency_completions_abandoned_total", "reason", "lease_lost"))
+	require.Equal(t, 1.0, h.counter("idempotency_requests_total", "route", "default", "outcome", "executed"))
+	for _, r := range []*harness{h, other} {
+		res := r.do(post("/v1/payments", key, `{}`), created)
+		require.Equal(t, []string{"true"}, res.header(replayed))
+		require.Equal(t, created.body, res.body)
+	}
+	require.Equal(t, 1, h.executions(key))
+	require.Zero(t, other.executions(key))
+}
+
 // A record removed while the holder's renewals reached the store (a purge, a flush, a failover
 // to a replica without it), or while the store was away for less than lock_ttl, was not let
 // expire: it is never written back. A duplicate elsewhere may run it again; the lost lease is
