@@ -70,6 +70,9 @@ func (w *Writer) WriteLevel(l zerolog.Level, p []byte) (int, error) {
 	w.mu.Lock()
 	if w.closed {
 		w.mu.Unlock()
+		if len(p) == 0 {
+			return 0, nil // nothing waits after Close
+		}
 		// After the last batch, in order.
 		w.flushMu.Lock()
 		defer w.flushMu.Unlock()
