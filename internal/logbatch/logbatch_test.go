@@ -88,6 +88,17 @@ func TestCloseWritesTheRestAndThenWritesThrough(t *testing.T) {
 	require.Equal(t, []string{"a\n", "b\n"}, out.all())
 }
 
+// A formatted warning after Close is written through once, with no write of nothing after it.
+func TestFormattedWarningAfterCloseIsOneWrite(t *testing.T) {
+	out := &sink{}
+	w := New(out, never)
+	require.NoError(t, w.Close())
+	log := zerolog.New(w.Formatted(zerolog.ConsoleWriter{Out: w, NoColor: true}))
+	log.Warn().Msg("late")
+	require.Len(t, out.all(), 1)
+	require.Contains(t, out.all()[0], "late")
+}
+
 // Lines written from many goroutines all arrive, whole and each once, every writer's in its own
 // order.
 func TestConcurrentLinesKeepTheirOrder(t *testing.T) {
