@@ -439,10 +439,10 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	a.start = time.Now()
 	id := h.get("x-request-id") // cut: a log line quotes it, escaping what is not UTF-8
 	a.id = string(id[:min(len(id), maxLoggedRequestID)])
-	attrs := req.GetAttributes()
+	// Envoy's attributes; a missing one, or one not a string, reads as "".
+	attrs := req.GetAttributes()[extProcAttributes].GetFields()
 	a.info = requestInfo{headers: h, method: h.get(":method"), path: h.get(":path")}
-	sel := policy.Selector{Path: string(splitPath(a.info.path))}
-	sel.RouteName, _ = stringAttribute(attrs, attrRouteName)
+	sel := policy.Selector{Path: string(splitPath(a.info.path)), RouteName: attrs[attrRouteName].GetStringValue()}
 	// ValueFromIncomingContext reads the one key; FromIncomingContext would copy the stream's
 	// whole metadata on every request.
 	if v := metadata.ValueFromIncomingContext(st.call.ctx, namedRouteHeader); len(v) > 0 {
@@ -454,7 +454,7 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 		return false
 	}
 	a.route, a.info.params = st.s.routes[r], params
-	a.info.peer, _ = stringAttribute(attrs, attrPeerIdentity)
+	a.info.peer = attrs[attrPeerIdentity].GetStringValue()
 	// A route match.json decides may hand the request to one that scopes by jwt_claim.
 	if a.route.claims || a.route.DecidedByBody() {
 		a.info.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
@@ -1099,26 +1099,14 @@ func (st *stream) logRequest() {
 	ev.Float64("duration_ms", float64(time.Since(st.req.start).Microseconds())/1000).Msg("request")
 }
 
-// stringAttribute returns the string attribute name, if Envoy sent it.
-func stringAttribute(attrs map[string]*structpb.Struct, name string) (string, bool) {
-	v, ok := attrs[extProcAttributes].GetFields()[name]
-	if !ok {
-		return "", false
-	}
-	s, ok := v.GetKind().(*structpb.Value_StringValue)
-	if !ok {
-		return "", false
-	}
-	return s.StringValue, true
-}
-
 // originOf reads where a response came from out of the response attributes Envoy sent with it.
 // Envoy sends the attempt count, a CEL integer, as a JSON number (ExtProcLoggingInfo and the
 // CEL conversion in matching_utils.cc); a decimal string is accepted too.
 func originOf(attrs map[string]*structpb.Struct) origin {
-	details, detailsKnown := stringAttribute(attrs, attrCodeDetails)
-	o := origin{detailsKnown: detailsKnown, envoyMade: detailsKnown && details != "via_upstream"}
-	switch k := attrs[extProcAttributes].GetFields()[attrAttemptCount].GetKind().(type) {
+	fields := attrs[extProcAttributes].GetFields()
+	details, detailsKnown := fields[attrCodeDetails].GetKind().(*structpb.Value_StringValue)
+	o := origin{detailsKnown: detailsKnown, envoyMade: detailsKnown && details.StringValue != "via_upstream"}
+	switch k := fields[attrAttemptCount].GetKind().(type) {
 	case *structpb.Value_NumberValue:
 		o.attempts, o.attemptsKnown = int64(k.NumberValue), true
 	case *structpb.Value_StringValue:
