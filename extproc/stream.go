@@ -113,16 +113,6 @@ var transitions = []struct {
 	{stateUnprotected, evSettle, stateSettled},
 }
 
-// next returns the state e moves from to, and whether the move is in the table.
-func next(from state, e event) (state, bool) {
-	for _, t := range transitions {
-		if t.from == from && t.on == e {
-			return t.to, true
-		}
-	}
-	return stateSettled, false
-}
-
 // bodyEnd is how far a covered request's body has come, as far as the stream needs to know.
 type bodyEnd uint8
 
@@ -265,8 +255,13 @@ func newStream(s *Server, ctx context.Context) *stream {
 // settled settles the request's outcome (settleOutcome), and a carries its dynamic metadata to
 // Envoy. A move not in the table is a bug: it is counted, logged, and settles the request.
 func (st *stream) move(e event, a answer) {
-	from := st.state
-	to, ok := next(from, e)
+	from, to, ok := st.state, stateSettled, false
+	for _, t := range transitions {
+		if t.from == from && t.on == e {
+			to, ok = t.to, true
+			break
+		}
+	}
 	if !ok {
 		st.s.metrics.internalErrors.WithLabelValues(internalIllegalTransition).Inc()
 		st.call.event(st.s.log.Error()).Stringer("state", from).Stringer("event", e).Msg("stream state machine: move not in the table; the request is settled")

@@ -151,11 +151,23 @@ func TestTransitionTable(t *testing.T) {
 	for _, row := range transitions {
 		require.True(t, walked[[2]state{row.from, row.to}], "row %v --%v--> %v is walked", row.from, row.on, row.to)
 	}
-	// Moves not in the table are refused.
-	_, ok := next(stateSettled, evRun)
-	require.False(t, ok)
-	_, ok = next(statePass, evStore)
-	require.False(t, ok)
+	// A move not in the table is counted, and settles the stream.
+	for _, bad := range []struct {
+		from state
+		on   event
+	}{{stateSettled, evRun}, {statePass, evStore}} {
+		m, err := NewMetrics(prometheus.NewRegistry())
+		require.NoError(t, err)
+		mem, err := cache.NewMemory(cache.MemoryOptions{})
+		require.NoError(t, err)
+		s, err := NewServer(Options{Store: mem, Metrics: m})
+		require.NoError(t, err)
+		st := newStream(s, t.Context())
+		st.req.route, st.state = s.routes[s.policy.Default], bad.from
+		st.move(bad.on, nil)
+		require.Equal(t, stateSettled, st.state, "%v --%v-->", bad.from, bad.on)
+		require.Equal(t, 1.0, testutil.ToFloat64(m.internalErrors.WithLabelValues(internalIllegalTransition)), "%v --%v--> is counted", bad.from, bad.on)
+	}
 }
 
 // Every row is needed: with any one of them removed from the table, the walk of that row asks
