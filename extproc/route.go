@@ -20,6 +20,8 @@ type route struct {
 	claims          bool // the scope reads jwt_authn's payload
 	bodyFingerprint bool // the fingerprint reads the request body
 	shadow          bool // mode: shadow
+	// decidedByBody: match.json decides the route at the body's end (policy.Route.DecidedByBody).
+	decidedByBody bool
 	// json is what the route reads of its request bodies' members; nil when nothing.
 	json *jsonRoute
 	// batches counts the JSON-RPC batches passed through (json_rpc routes).
@@ -63,6 +65,7 @@ func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error)
 		claims:          r.ReadsClaims(),
 		bodyFingerprint: r.FingerprintsBody(),
 		shadow:          r.Mode == policy.ModeShadow,
+		decidedByBody:   r.DecidedByBody(),
 		outcomes:        map[Outcome]prometheus.Counter{},
 		releases:        map[string]prometheus.Counter{},
 		unknown:         map[policy.UnknownOutcome]prometheus.Counter{},

@@ -451,10 +451,10 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	a.route, a.info.params = st.s.routes[r], params
 	a.info.peer = attrs[attrPeerIdentity].GetStringValue()
 	// A route match.json decides may hand the request to one that scopes by jwt_claim.
-	if a.route.claims || a.route.DecidedByBody() {
+	if a.route.claims || a.route.decidedByBody {
 		a.info.jwtAuthn = req.GetMetadataContext().GetFilterMetadata()[jwtAuthnNamespace]
 	}
-	if a.route.DecidedByBody() && !isGRPC(h) {
+	if a.route.decidedByBody && !isGRPC(h) {
 		// The body decides the route (match.json): readBody chooses it, by sel, and admits the
 		// request at the body's end.
 		st.json = &jsonState{deferred: true, sel: sel, maxBytes: st.s.policy.MaxRequestBytesBy(sel)}
