@@ -3,6 +3,7 @@ package extproc
 import (
 	"errors"
 	"net/http"
+	"slices"
 	"time"
 
 	"google.golang.org/protobuf/types/known/structpb"
@@ -63,7 +64,7 @@ func admit(r *route, req requestInfo) admission {
 		// grpc-go's ext_proc client sends the call's metadata only: a gRPC call is a POST.
 		method = []byte(http.MethodPost)
 	}
-	if !r.Enabled || !r.Covers(string(method)) {
+	if !r.Enabled || !slices.Contains(r.Methods, string(method)) {
 		return admission{}
 	}
 	// A request is gRPC when its content-type says so, or when its route says grpc: true and it

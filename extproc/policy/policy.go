@@ -171,6 +171,7 @@ type Route struct {
 	// one there.
 	JWTPayloadKey string
 
+	// Methods are the request methods the route covers; a request of another passes through.
 	Methods            []string
 	KeyHeaders         []string
 	MissingKey         MissingKey
@@ -336,9 +337,6 @@ func (p *Policy) MaxRequestBytes() int {
 	}
 	return n
 }
-
-// Covers reports whether method is one of the route's methods.
-func (r *Route) Covers(method string) bool { return slices.Contains(r.Methods, method) }
 
 // matchKind is which of a route's six matchers it has.
 type matchKind string
