@@ -250,3 +250,59 @@ func TestRPCReplay(t *testing.T) {
 		require.False(t, ok, name)
 	}
 }
+
+// A route match.json decides is chosen by readJSON, as the stream chooses it (chooseRoute) and
+// key-hash does: a body too deep to read whole still matches the route whose members it holds
+// (which then refuses it, invalid-json-body), and falls through no further.
+func TestSelectByBody(t *testing.T) {
+	p, err := policy.Parse([]byte(`
+defaults:
+  key_json: [/key]
+routes:
+  - name: mcp-tool-calls
+    match:
+      path_prefix: /mcp
+      json: { /method: tools/call, /params/name: send_mail, "/params/~1odd~0name": 9007199254740993 }
+    key_json: [/params/arguments/_idempotency_key, /params/_meta/idempotencyKey]
+    json_rpc: true
+  - name: mcp-other
+    match: {path_prefix: /mcp, json: {/flag: true, /none: null, /n: 1.50}}
+  - name: mcp
+    match: {path_prefix: /mcp}
+`))
+	require.NoError(t, err)
+	selectBody := func(s policy.Selector, body []byte) (*policy.Route, []string, error) {
+		return p.SelectBy(s, func(r *policy.Route) bool { return readJSON(compileJSON(r), body).matched })
+	}
+	call := `{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send_mail","/odd~name":9007199254740993}}`
+	cases := []struct {
+		name, path, body, want string
+	}{
+		{"every member equal", "/mcp", call, "mcp-tool-calls"},
+		{"whitespace and member order do not count", "/mcp", ` { "params" : {"/odd~name":9007199254740993.0, "name":"send\u005fmail"}, "method":"tools/call"}`, "mcp-tool-calls"},
+		{"a number beyond 2^53 keeps its digits", "/mcp", `{"method":"tools/call","params":{"name":"send_mail","/odd~name":9007199254740992}}`, "mcp"},
+		{"another method falls through to the next route", "/mcp", `{"method":"initialize","params":{"name":"send_mail","/odd~name":9007199254740993}}`, "mcp"},
+		{"a missing member falls through", "/mcp", `{"method":"tools/call"}`, "mcp"},
+		{"bool, null and a number written another way", "/mcp", `{"flag":true,"none":null,"n":15e-1}`, "mcp-other"},
+		{"a string is not the bool", "/mcp", `{"flag":"true","none":null,"n":1.5}`, "mcp"},
+		{"a body that is not JSON", "/mcp", `method=tools/call`, "mcp"},
+		{"an array (a batch)", "/mcp", `[` + call + `]`, "mcp"},
+		{"an empty body", "/mcp", ``, "mcp"},
+		{"too deep, its members there", "/mcp", `{"method":"tools/call","params":{"name":"send_mail","/odd~name":9007199254740993},"x":` + strings.Repeat("[", 70) + strings.Repeat("]", 70) + `}`, "mcp-tool-calls"},
+		{"too deep, a member missing", "/mcp", `{"method":"tools/call","x":` + strings.Repeat("[", 70) + strings.Repeat("]", 70) + `}`, "mcp"},
+		{"another path", "/other", call, "default"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			r, _, err := selectBody(policy.Selector{Path: c.path}, []byte(c.body))
+			require.NoError(t, err)
+			require.Equal(t, c.want, r.Name)
+		})
+	}
+	r, _, err := p.Select(policy.Selector{Path: "/mcp"})
+	require.NoError(t, err)
+	require.Equal(t, "mcp-tool-calls", r.Name, "at the headers, the first route whose path holds; its body decides")
+	r, _, err = selectBody(policy.Selector{Path: "/mcp", Named: "mcp-other"}, []byte(call))
+	require.NoError(t, err)
+	require.Equal(t, "mcp-other", r.Name, "a named route is taken whatever its match.json says")
+}

@@ -1,7 +1,6 @@
 package policy
 
 import (
-	"bytes"
 	"encoding/json"
 
 	"go.yaml.in/yaml/v3"
@@ -20,7 +19,7 @@ type JSONMatch struct {
 func (r *Route) MatchJSON() []JSONMatch { return r.match.json }
 
 // DecidedByBody reports whether the route's match reads the request body (match.json): a
-// request that Select gives this route is decided when its body arrives, by SelectBody.
+// request that Select gives this route is decided when its body arrives, by SelectBy.
 func (r *Route) DecidedByBody() bool { return len(r.match.json) > 0 }
 
 // ReadsJSON reports whether the route reads members of the request body: match.json, key_json,
@@ -30,17 +29,11 @@ func (r *Route) ReadsJSON() bool {
 		len(r.FingerprintIgnoreJSON) > 0 || r.JSONRPC
 }
 
-// SelectBody returns the route for a request whose body is body, as Select does, except that a
-// route with match.json holds only when body is a JSON object whose members at its pointers
-// equal its values; a body that is not JSON, or lacks one of them, does not match, and the next
-// route is tried. A route named by Selector.Named is taken whatever its match.json says.
-func (p *Policy) SelectBody(s Selector, body []byte) (*Route, []string, error) {
-	return p.SelectBy(s, func(r *Route) bool { return bodyMatches(r.match.json, body) })
-}
-
-// SelectBy is SelectBody with the body's test given: matches reports whether the body holds the
-// match.json of r, a route whose other matcher holds. It is called in file order, and not again
-// once it reports true.
+// SelectBy returns the route for a request whose body decides it, as Select does, except that a
+// route with match.json holds only when matches(r) reports that the body holds its members; a
+// route named by Selector.Named is taken whatever its match.json says. matches is given r, a
+// route whose other matcher holds; it is called in file order, and not again once it reports
+// true.
 func (p *Policy) SelectBy(s Selector, matches func(r *Route) bool) (*Route, []string, error) {
 	if s.Named != "" {
 		return p.Select(s)
@@ -75,28 +68,6 @@ func (p *Policy) MaxRequestBytesBy(s Selector) int {
 		}
 	}
 	return max(n, p.Default.MaxRequestBytes)
-}
-
-// bodyMatches reports whether body is a JSON object with every member of ms.
-func bodyMatches(ms []JSONMatch, body []byte) bool {
-	if b := bytes.TrimLeft(body, " \t\r\n"); len(b) == 0 || b[0] != '{' {
-		return false
-	}
-	var buf [4]jsonbody.Pointer
-	ptrs := buf[:0]
-	for _, m := range ms {
-		ptrs = append(ptrs, m.Pointer)
-	}
-	values, err := jsonbody.Values(body, ptrs)
-	if err != nil {
-		return false
-	}
-	for i, m := range ms {
-		if !bytes.Equal(values[i], m.Value) {
-			return false
-		}
-	}
-	return true
 }
 
 // pointer reads an RFC 6901 JSON Pointer that names a member (not the whole body).

@@ -69,51 +69,6 @@ func pointerTexts(ps []jsonbody.Pointer) []string {
 	return out
 }
 
-func TestSelectBody(t *testing.T) {
-	p := mustParse(t, mcpPolicy)
-	call := `{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"send_mail","/odd~name":9007199254740993}}`
-	cases := []struct {
-		name, path, body, want string
-	}{
-		{"every member equal", "/mcp", call, "mcp-tool-calls"},
-		{"whitespace and member order do not count", "/mcp", ` { "params" : {"/odd~name":9007199254740993.0, "name":"send\u005fmail"}, "method":"tools/call"}`, "mcp-tool-calls"},
-		{"a number beyond 2^53 keeps its digits", "/mcp", `{"method":"tools/call","params":{"name":"send_mail","/odd~name":9007199254740992}}`, "mcp"},
-		{"another method falls through to the next route", "/mcp", `{"method":"initialize","params":{"name":"send_mail","/odd~name":9007199254740993}}`, "mcp"},
-		{"a missing member falls through", "/mcp", `{"method":"tools/call"}`, "mcp"},
-		{"bool, null and a number written another way", "/mcp", `{"flag":true,"none":null,"n":15e-1}`, "mcp-other"},
-		{"a string is not the bool", "/mcp", `{"flag":"true","none":null,"n":1.5}`, "mcp"},
-		{"a body that is not JSON", "/mcp", `method=tools/call`, "mcp"},
-		{"an array (a batch)", "/mcp", `[` + call + `]`, "mcp"},
-		{"an empty body", "/mcp", ``, "mcp"},
-		{"too deep", "/mcp", `{"method":"tools/call","x":` + deep(10000) + `}`, "mcp"},
-		{"another path", "/other", call, "default"},
-	}
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			r, _, err := p.SelectBody(policy.Selector{Path: c.path}, []byte(c.body))
-			require.NoError(t, err)
-			require.Equal(t, c.want, r.Name)
-		})
-	}
-	r, _, err := p.Select(policy.Selector{Path: "/mcp"})
-	require.NoError(t, err)
-	require.Equal(t, "mcp-tool-calls", r.Name, "at the headers, the first route whose path holds; its body decides")
-	r, _, err = p.SelectBody(policy.Selector{Path: "/mcp", Named: "mcp-other"}, []byte(call))
-	require.NoError(t, err)
-	require.Equal(t, "mcp-other", r.Name, "a named route is taken whatever its match.json says")
-}
-
-func deep(n int) string {
-	b := make([]byte, 0, 2*n)
-	for range n {
-		b = append(b, '[')
-	}
-	for range n {
-		b = append(b, ']')
-	}
-	return string(b)
-}
-
 func TestInvalidJSONFields(t *testing.T) {
 	r := func(fields string) string {
 		return "routes: [{name: mcp, match: {path_prefix: /mcp}, " + fields + "}]\n"

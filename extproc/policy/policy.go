@@ -356,7 +356,7 @@ func matchKinds() []matchKind {
 }
 
 // matcher is a route's match: one test of the path or of Envoy's route name, and the body
-// members match.json asks for (tested by SelectBody).
+// members match.json asks for (tested by SelectBy).
 type matcher struct {
 	kind  matchKind
 	value string
