@@ -471,17 +471,20 @@ func TestFillRedis(t *testing.T) {
 // defaults, the null and naive Redis processors as child processes. It asserts what is counted:
 // every load ran without failures (a replay that ran upstream fails its cell, so the binary and
 // the naive processor both replay), every line of the report is printed, and each process' CPU
-// was read.
+// was read. A variant of the binary runs on each store and is printed against it.
 func TestUserBench(t *testing.T) {
 	srv := redistest.Start(t, redistest.Options{})
 	o := userOptions{duration: 300 * time.Millisecond, rounds: 2, streams: 4, sizes: []int{33}, growth: []int{33, 4096},
-		logs: "file", routes: "chart", headers: "envoy", redis: true, loads: []string{loadFirst, loadReplay}}
+		logs: "file", routes: "chart", headers: "envoy", redis: true, loads: []string{loadFirst, loadReplay},
+		variantEnv: []string{"GOGC=100"}}
 	var out bytes.Buffer
 	require.NoError(t, userBench(t.Context(), o, srv.Addr(), &out))
 	t.Log("\n" + out.String())
 	for _, want := range []string{
 		"memory, first execution, 33 B: ", "memory, replay, 33 B: ",
 		"redis, first execution, 33 B: ", "redis, replay, 33 B: ",
+		"memory variant (. GOGC=100), replay, 33 B: ",
+		"redis variant (. GOGC=100), first execution, 33 B: ", "redis variant (. GOGC=100), replay, 33 B: ", "× redis [",
 		"how cost grows", "4 KiB: ",
 	} {
 		require.Contains(t, out.String(), want)

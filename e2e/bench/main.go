@@ -79,7 +79,7 @@ func run(args []string) int {
 	userRoutes := fs.String("user-routes", "chart", "-mode user: the binary's policy: chart (the measured path matched by a third route, after a prefix and a path_regex route) or one (a single route)")
 	userHeaders := fs.String("user-headers", "envoy", "-mode user: the request headers: envoy (the set Envoy sends) or short (method, path and key)")
 	userLoads := fs.String("user-loads", loadFirst+","+loadReplay, "-mode user: the loads to run, comma-separated (first execution, replay)")
-	userVariant := fs.String("user-variant", "", "-mode user: also run this binary on the memory store, in the same rounds, printed against the null processor and the shipped binary")
+	userVariant := fs.String("user-variant", "", "-mode user: also run this binary on each store, in the same rounds, printed against the null processor (the naive one on Redis) and the shipped binary")
 	userVariantEnv := fs.String("user-variant-env", "", "-mode user: also run a variant of the shipped binary (or -user-variant's) with these variables added to its environment, space-separated K=V")
 	userRedis := fs.Bool("user-redis", true, "-mode user: run the Redis rows too (false: the memory store and the null processor only)")
 	if err := fs.Parse(args); err != nil {

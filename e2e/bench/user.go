@@ -44,9 +44,10 @@ const (
 	// The shipped binary, on each store.
 	targetShippedMemory = "memory"
 	targetShippedRedis  = "redis"
-	// A variant of the shipped binary on the memory store (-user-variant, -user-variant-env), to
+	// A variant of the shipped binary (-user-variant, -user-variant-env) on each store, to
 	// compare a change with the binary as built in the same rounds.
 	targetVariantMemory = "memory variant"
+	targetVariantRedis  = "redis variant"
 )
 
 // Loads of -mode user.
@@ -73,8 +74,8 @@ type userOptions struct {
 	// from the shipped binary's /debug/pprof/profile (--admin-pprof=true).
 	cpuprofile string
 	// variantBin and variantEnv, when either is set, add a variant of the shipped binary on the
-	// memory store: variantBin's binary (default the one built), with variantEnv added to its
-	// environment.
+	// memory store, and on Redis when the Redis rows run: variantBin's binary (default the one
+	// built), with variantEnv added to its environment.
 	variantBin string
 	variantEnv []string
 }
@@ -101,7 +102,7 @@ func userLoadList(s string) ([]string, error) {
 var userProfileSuffix = map[string]string{
 	targetPlainNull: ".null", targetNaiveRedis: ".naive-redis",
 	targetShippedMemory: ".shipped-memory", targetShippedRedis: ".shipped-redis",
-	targetVariantMemory: ".variant-memory",
+	targetVariantMemory: ".variant-memory", targetVariantRedis: ".variant-redis",
 }
 
 // userPolicy is the policy the shipped binary runs: the measured path (/v1/payments) is matched
@@ -737,11 +738,11 @@ func userBench(ctx context.Context, o userOptions, redisAddr string, w io.Writer
 		return err
 	}
 	names := []string{targetPlainNull, targetShippedMemory}
+	vbin := bin
+	if o.variantBin != "" {
+		vbin = o.variantBin
+	}
 	if o.variantBin != "" || len(o.variantEnv) > 0 {
-		vbin := bin
-		if o.variantBin != "" {
-			vbin = o.variantBin
-		}
 		if procs[targetVariantMemory], err = startShipped(vbin, dir, "memory", "", o.variantEnv, o); err != nil {
 			return err
 		}
@@ -755,6 +756,12 @@ func userBench(ctx context.Context, o userOptions, redisAddr string, w io.Writer
 			return err
 		}
 		names = append(names, targetNaiveRedis, targetShippedRedis)
+		if procs[targetVariantMemory] != nil {
+			if procs[targetVariantRedis], err = startShipped(vbin, dir, "redis", redisAddr, o.variantEnv, o); err != nil {
+				return err
+			}
+			names = append(names, targetVariantRedis)
+		}
 	}
 	res := userResult{o: o, rounds: map[userKey][]userCell{}, shaCopy: map[int]float64{}}
 	per := o.duration / time.Duration(o.rounds)
@@ -780,7 +787,7 @@ func userBench(ctx context.Context, o userOptions, redisAddr string, w io.Writer
 		for _, j := range jobs {
 			whole += per * time.Duration(len(j.names)*o.rounds)
 		}
-		for _, name := range []string{targetShippedMemory, targetVariantMemory, targetShippedRedis} {
+		for _, name := range []string{targetShippedMemory, targetVariantMemory, targetShippedRedis, targetVariantRedis} {
 			if p := procs[name]; p != nil {
 				wait := profileShipped(p, whole+time.Second, o.cpuprofile+userProfileSuffix[name])
 				defer func() {
@@ -797,7 +804,7 @@ func userBench(ctx context.Context, o userOptions, redisAddr string, w io.Writer
 			for i := range j.names {
 				name := j.names[(i+r)%len(j.names)]
 				var a *redis.Client
-				if name == targetNaiveRedis || name == targetShippedRedis {
+				if name == targetNaiveRedis || name == targetShippedRedis || name == targetVariantRedis {
 					a = admin
 				}
 				c, err := driveUser(ctx, procs[name], a, j.load, o.headers, j.size, o.streams, per)
@@ -903,6 +910,17 @@ func (r userResult) print(w io.Writer) {
 			ns, _, _ := paired(naive, naive, func(a, _ userCell) float64 { return a.redisPer() })
 			fmt.Fprintf(w, "redis, %s, %s: %.2f× null (naive %.2f×), %+.1f µs CPU over null [%+.1f, %+.1f]; %.2f× naive [%.2f, %.2f], %+.1f µs process CPU over naive [%+.1f, %+.1f]; redis-server %.1f µs/request, naive's %.1f µs: %.2f× [%.2f, %.2f]\n",
 				load, fmtBytes(size), rm, nm, rc, rclo, rchi, km, klo, khi, kc, kclo, kchi, rs, ns, rr, rrlo, rrhi)
+			if v := r.get(load, size, targetVariantRedis); len(v) > 0 {
+				km, klo, khi := paired(v, naive, ratio)
+				kc, kclo, kchi := paired(v, naive, cpuOver)
+				rr, rrlo, rrhi := paired(v, naive, redisRatio)
+				vm, vlo, vhi := paired(v, red, ratio)
+				vc, vclo, vchi := paired(v, red, cpuOver)
+				vr, vrlo, vrhi := paired(v, red, redisRatio)
+				vs, _, _ := paired(v, v, func(a, _ userCell) float64 { return a.redisPer() })
+				fmt.Fprintf(w, "redis variant (%s %s), %s, %s: %.2f× naive [%.2f, %.2f], %+.1f µs process CPU over naive [%+.1f, %+.1f], redis-server %.1f µs/request, %.2f× naive's [%.2f, %.2f]; %.2f× redis [%.2f, %.2f], %+.1f µs process CPU over redis [%+.1f, %+.1f], redis-server %.2f× redis' [%.2f, %.2f]\n",
+					filepath.Base(o.variantBin), strings.Join(o.variantEnv, " "), load, fmtBytes(size), km, klo, khi, kc, kclo, kchi, vs, rr, rrlo, rrhi, vm, vlo, vhi, vc, vclo, vchi, vr, vrlo, vrhi)
+			}
 		}
 	}
 	if len(o.growth) == 0 {
