@@ -35,8 +35,12 @@ const pipelineSlots = 1
 // commands. Below a few KiB the two cost about the same (BenchmarkRedisFirstExecutionCPU).
 const stagedRecordBytes = 4 << 10
 
-// stagingTTL bounds how long the staged bytes of a completion whose script never ran (the round
-// trip broke between the two commands) linger.
+// stagingTTL is the least TTL a completed record is staged with: the staging key then holds the
+// record's own TTL, which RENAME carries onto the record, so that the script sets none (no
+// PEXPIRE). A record with a shorter TTL is staged for stagingTTL, long enough for its script to
+// find it, and the script sets its TTL. So the staged bytes of a completion whose script never
+// ran (the round trip broke between the two commands) linger for the record's TTL, or
+// stagingTTL when that is shorter.
 const stagingTTL = time.Minute
 
 // luaOwned starts every owner-checked script below: it reads the first bytes of the record at
@@ -101,13 +105,14 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1
 `)
 	// completeStagedScript: KEYS[1] key, KEYS[2] the staging key holding the completed record;
-	// ARGV token, TTL ms. Returns 1 when completed, or 2, as completeScript; the staged bytes are
-	// gone either way.
+	// ARGV token, then the TTL in ms when the staging key does not hold it already (see
+	// stagingTTL). Returns 1 when completed, or 2, as completeScript; the staged bytes are gone
+	// either way. RENAME, the script's first write, fails on a missing staging key, and that
+	// failure is the script's answer: no EXISTS before it.
 	completeStagedScript = redis.NewScript(luaOwned + luaCompletedAgain + `
 if owned and st == 'p' then
-  if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('ERR idempotency: staged record missing') end
-  redis.call('RENAME', KEYS[2], KEYS[1])
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if redis.pcall('RENAME', KEYS[2], KEYS[1])['err'] then return redis.error_reply('ERR idempotency: staged record missing') end
+  if ARGV[2] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
   return 1
 end
 redis.call('DEL', KEYS[2])
@@ -523,9 +528,10 @@ func (r *Redis) Reassert(ctx context.Context, l Lease, c Claim) (bool, error) {
 // Complete implements [Store.Complete]. The record is built whole here, from the lease, so that
 // Redis stores the bytes it is sent without splicing them in Lua; one of at least
 // stagedRecordBytes goes to a staging key in a plain SET, pipelined with the script that checks
-// the owner and renames it onto the record's key, so that its bytes never pass through Lua. The
-// staging key's name holds the lease's token, so that two leases never share one, and is in the
-// record's slot (stagingKey).
+// the owner and renames it onto the record's key, so that its bytes never pass through Lua; the
+// staging key holds the record's TTL, which the rename carries, when that is at least stagingTTL.
+// The staging key's name holds the lease's token, so that two leases never share one, and is in
+// the record's slot (stagingKey).
 func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 	if l.token == "" {
 		return ErrLeaseLost
@@ -538,8 +544,11 @@ func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 	if len(rec) >= stagedRecordBytes {
 		if staging, ok := stagingKey(l.key, l.token); ok {
 			c = &call{
-				script: completeStagedScript, keys: []string{l.key, staging}, args: []any{l.token, ttl},
-				stage: []any{"set", staging, rec, "px", stagingTTL.Milliseconds()}, stagedBytes: len(rec),
+				script: completeStagedScript, keys: []string{l.key, staging}, args: []any{l.token},
+				stage: []any{"set", staging, rec, "px", ttl}, stagedBytes: len(rec),
+			}
+			if l.ttl < stagingTTL {
+				c.args, c.stage[4] = append(c.args, ttl), stagingTTL.Milliseconds()
 			}
 		}
 	}

@@ -985,6 +985,56 @@ func TestRedisLargeCompletionIsStaged(t *testing.T) {
 	require.Len(t, mr.Keys(), 3, "no staged bytes left")
 }
 
+// A staged completion leaves the record with its own TTL, long or short: a TTL of at least
+// stagingTTL is staged with the record and carried by RENAME, a shorter one set by the script.
+// A script that finds nothing staged fails and leaves the pending record as it was. On miniredis
+// and on a real redis-server.
+func TestRedisStagedCompletionTTL(t *testing.T) {
+	servers := map[string]func(t *testing.T) redis.UniversalClient{
+		"miniredis": func(t *testing.T) redis.UniversalClient {
+			return redis.NewClient(&redis.Options{Addr: miniredis.RunT(t).Addr()})
+		},
+		"redis-server": func(t *testing.T) redis.UniversalClient {
+			srv := redistest.Start(t, redistest.Options{})
+			return redis.NewClient(&redis.Options{Addr: srv.Addr(), DisableIdentity: true})
+		},
+	}
+	for name, open := range servers {
+		t.Run(name, func(t *testing.T) {
+			client := open(t)
+			s := NewRedis(client, RedisOptions{Timeout: 5 * time.Second})
+			t.Cleanup(func() { _ = s.Close() })
+			ctx := t.Context()
+			body := bytes.Repeat([]byte("s"), 2*stagedRecordBytes)
+			for _, ttl := range []time.Duration{5 * time.Hour, 5 * time.Second, stagingTTL} {
+				key := "ttl-" + ttl.String()
+				l, _, err := s.Acquire(ctx, key, Claim{LockTTL: 30 * time.Second, TTL: ttl})
+				require.NoError(t, err)
+				require.NoError(t, s.Complete(ctx, l, Response{Status: 200, Body: body}))
+				left := client.PTTL(ctx, key).Val()
+				require.LessOrEqual(t, left, ttl, key)
+				require.Greater(t, left, ttl-2*time.Second, "%s: the record's own TTL", key)
+				_, rec, err := s.Acquire(ctx, key, internalClaim)
+				require.NoError(t, err)
+				require.Equal(t, body, rec.Response.Body)
+			}
+
+			l, _, err := s.Acquire(ctx, "unstaged", internalClaim)
+			require.NoError(t, err)
+			staging, ok := stagingKey(l.key, l.token)
+			require.True(t, ok)
+			err = completeStagedScript.Run(ctx, client, []string{l.key, staging}, l.token).Err()
+			require.ErrorContains(t, err, "staged record missing")
+			_, rec, err := s.Acquire(ctx, "unstaged", internalClaim)
+			require.NoError(t, err)
+			require.Equal(t, Pending, rec.State, "nothing staged, nothing completed")
+			keys, err := client.Keys(ctx, "*").Result()
+			require.NoError(t, err)
+			require.ElementsMatch(t, []string{"ttl-5h0m0s", "ttl-5s", "ttl-1m0s", "unstaged"}, keys, "no staged bytes left")
+		})
+	}
+}
+
 // A retried large completion (go-redis sends the pipeline again after a lost reply) stages its
 // bytes twice and succeeds, and leaves no staged bytes.
 func TestRedisRetriedLargeCompletion(t *testing.T) {
