@@ -32,8 +32,11 @@ const pipelineSlots = 1
 // the owner, renames that key onto the record's (see Complete). A script's arguments and writes
 // are copied in and out of Lua, which cost redis-server 4 to 7 times a plain SET of the bytes
 // from 64 KiB to 1 MiB; staged, a first execution costs 1.0 to 1.2 times a SET plus the small
-// commands. Below a few KiB the two cost about the same (BenchmarkRedisFirstExecutionCPU).
-const stagedRecordBytes = 4 << 10
+// commands (BenchmarkRedisFirstExecutionCPU). One completion sent alone, redis-server's CPU
+// (INFO cpu) staged against through the script, three rounds each: 17-19 against 18-28 µs at
+// 1 KiB, 21-24 against 26-36 at 2 KiB, 22-27 against 29-32 at 4 KiB; at 300 B the script's
+// 16-17 against 21-26 staged, the staging key's SET and RENAME costing more than the bytes.
+const stagedRecordBytes = 2 << 10
 
 // stagingTTL is the least TTL a completed record is staged with: the staging key then holds the
 // record's own TTL, which RENAME carries onto the record, so that the script sets none (no
