@@ -45,7 +45,7 @@ func (c naiveCost) per(d time.Duration) float64 {
 }
 
 // BenchmarkRedisAgainstNaive runs the store's Redis calls of a first execution (Acquire, then
-// Complete of a 33-byte response) and of a replay (Acquire of a completed key) against what the
+// Complete of a 33-byte response, and of a 4 KiB one, which is staged) and of a replay (Acquire of a completed key) against what the
 // naive processor of the user bench (e2e/bench) sends for the same requests on go-redis as it
 // is (SET NX, then a SET of status and body; SET NX, then GET of a taken key), in the same
 // process, on the same redis-server, in interleaved rounds, with 1 and 32 concurrent callers.
@@ -62,26 +62,32 @@ func BenchmarkRedisAgainstNaive(b *testing.B) {
 	ctx := context.Background()
 	claim := cache.Claim{Fingerprint: make([]byte, 32), LockTTL: 30 * time.Second, TTL: 24 * time.Hour, Route: "payments"}
 	body := make([]byte, 33)
-	resp := cache.Response{Status: 201, Headers: []cache.Header{{Name: "content-type", Value: []byte("application/json")}}, Body: body}
 	var seq atomic.Int64
 	key := func() string { return "k:" + strconv.FormatInt(seq.Add(1), 10) }
 
-	// Each side's request, on a key of its own.
-	productFirst := func(k string) error {
-		l, _, err := s.Acquire(ctx, "idempotency:"+k, claim)
-		if err != nil {
-			return err
+	// Each side's request, on a key of its own, with a response body of size bytes.
+	productFirstOf := func(size int) func(string) error {
+		resp := cache.Response{Status: 201, Headers: []cache.Header{{Name: "content-type", Value: []byte("application/json")}}, Body: make([]byte, size)}
+		return func(k string) error {
+			l, _, err := s.Acquire(ctx, "idempotency:"+k, claim)
+			if err != nil {
+				return err
+			}
+			return s.Complete(ctx, l, resp)
 		}
-		return s.Complete(ctx, l, resp)
 	}
-	naiveFirst := func(k string) error {
-		k = "naive:" + k
-		ok, err := naive.SetNX(ctx, k, "", 30*time.Second).Result()
-		if err != nil || !ok {
-			return fmt.Errorf("naive claim: %v, %w", ok, err)
+	naiveFirstOf := func(size int) func(string) error {
+		body := make([]byte, size)
+		return func(k string) error {
+			k = "naive:" + k
+			ok, err := naive.SetNX(ctx, k, "", 30*time.Second).Result()
+			if err != nil || !ok {
+				return fmt.Errorf("naive claim: %v, %w", ok, err)
+			}
+			return naive.Set(ctx, k, "201 "+string(body), 24*time.Hour).Err()
 		}
-		return naive.Set(ctx, k, "201 "+string(body), 24*time.Hour).Err()
 	}
+	productFirst, naiveFirst := productFirstOf(len(body)), naiveFirstOf(len(body))
 	require.NoError(b, productFirst("replayed"))
 	require.NoError(b, naiveFirst("replayed"))
 	productReplay := func(string) error {
@@ -103,7 +109,11 @@ func BenchmarkRedisAgainstNaive(b *testing.B) {
 	for _, load := range []struct {
 		name           string
 		product, naive func(string) error
-	}{{"first", productFirst, naiveFirst}, {"replay", productReplay, naiveReplay}} {
+	}{
+		{"first", productFirst, naiveFirst},
+		{"first-4KiB", productFirstOf(4 << 10), naiveFirstOf(4 << 10)},
+		{"replay", productReplay, naiveReplay},
+	} {
 		for _, workers := range []int{1, 4, 32} {
 			b.Run(fmt.Sprintf("%s/callers=%d", load.name, workers), func(b *testing.B) {
 				n := max(b.N, 2000)
