@@ -543,17 +543,22 @@ func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 	rec := appendCompleted(make([]byte, 0, completedSize(l, resp, r.ring)), l, r.clock.Now().Add(l.ttl), resp, r.ring)
 	ttl := l.ttl.Milliseconds()
 	c := &call{script: completeScript}
-	c.keys, c.args = append(c.keyv[:0], l.key), append(c.argv[:0], l.token, rec, ttl)
-	if len(rec) >= stagedRecordBytes {
-		if staging, ok := stagingKey(l.key, l.token); ok {
-			c = &call{
-				script: completeStagedScript, keys: []string{l.key, staging}, args: []any{l.token},
-				stage: []any{"set", staging, rec, "px", ttl}, stagedBytes: len(rec),
-			}
-			if l.ttl < stagingTTL {
-				c.args, c.stage[4] = append(c.args, ttl), stagingTTL.Milliseconds()
-			}
-		}
+	staging, staged := "", len(rec) >= stagedRecordBytes
+	if staged {
+		staging, staged = stagingKey(l.key, l.token)
+	}
+	switch {
+	case !staged:
+		c.keys, c.args = append(c.keyv[:0], l.key), append(c.argv[:0], l.token, rec, ttl)
+	case l.ttl >= stagingTTL:
+		// The stage takes argv[2:7], the script's arguments argv[:2].
+		c.script, c.stagedBytes = completeStagedScript, len(rec)
+		c.keys, c.args = append(c.keyv[:0], l.key, staging), append(c.argv[:0:2], l.token)
+		c.stage = append(c.argv[2:2], "set", staging, rec, "px", ttl)
+	default:
+		c.script, c.stagedBytes = completeStagedScript, len(rec)
+		c.keys, c.args = append(c.keyv[:0], l.key, staging), append(c.argv[:0:2], l.token, ttl)
+		c.stage = append(c.argv[2:2], "set", staging, rec, "px", stagingTTL.Milliseconds())
 	}
 	c.replicas, c.wait = l.replicas, l.replicaTimeout
 	return r.owned(ctx, "complete", c, l)

@@ -54,9 +54,9 @@ type call struct {
 	wait        time.Duration
 	unconfirmed error
 
-	// keyv and argv back keys and args where they fit (Acquire's and Complete's calls), so that
-	// such a call and its lists are one allocation.
-	keyv [1]string
+	// keyv and argv back keys, args and stage where they fit (Acquire's and Complete's calls), so
+	// that such a call and its lists are one allocation.
+	keyv [2]string
 	argv [7]any
 
 	// The batcher's bookkeeping, guarded by pipeline.mu.
