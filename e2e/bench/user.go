@@ -800,9 +800,15 @@ func userBench(ctx context.Context, o userOptions, redisAddr string, w io.Writer
 	}
 	for r := range o.rounds {
 		for _, j := range jobs {
-			// Each round starts the alternation at another process.
+			// Each round starts the alternation at another process, and every other round takes
+			// them in reverse, so that no process always runs right after another (the Redis
+			// keyspace grows along a round).
 			for i := range j.names {
-				name := j.names[(i+r)%len(j.names)]
+				at := (i + r) % len(j.names)
+				if r%2 == 1 {
+					at = len(j.names) - 1 - at
+				}
+				name := j.names[at]
 				var a *redis.Client
 				if name == targetNaiveRedis || name == targetShippedRedis || name == targetVariantRedis {
 					a = admin
