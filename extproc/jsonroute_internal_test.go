@@ -251,9 +251,10 @@ func TestRPCReplay(t *testing.T) {
 	}
 }
 
-// A route match.json decides is chosen by readJSON, as the stream chooses it (chooseRoute) and
-// key-hash does: a body too deep to read whole still matches the route whose members it holds
-// (which then refuses it, invalid-json-body), and falls through no further.
+// readJSON's match, as policy.SelectBy calls it for each route match.json decides (the stream's
+// chooseRoute and KeyHash both pass it so): a body nested too deep to read whole still matches
+// the route whose members it holds (which then refuses it, invalid-json-body), and falls through
+// no further.
 func TestSelectByBody(t *testing.T) {
 	p, err := policy.Parse([]byte(`
 defaults:

@@ -1,9 +1,11 @@
 package extproc
 
 import (
-	"errors"
+	"cmp"
 	"fmt"
 	"hash"
+	"net/http"
+	"slices"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	"google.golang.org/protobuf/types/known/structpb"
@@ -17,9 +19,10 @@ import (
 type KeyRequest struct {
 	// Route names the policy route, as x-idempotency-route would; "" chooses by Path.
 	Route string
-	// Method is the request's method; only a key made under missing_key: body-hash reads it.
+	// Method is the request's method; "" is POST.
 	Method string
-	// Path is the request's path, with its query; path parameters are read from it.
+	// Path is the request's path, with its query; path parameters are read from it, and a
+	// body-hash key hashes it. "" chooses the route as "/" does.
 	Path string
 	// Headers are the request's headers as name, value pairs (names lower-cased as Envoy sends
 	// them).
@@ -37,16 +40,25 @@ type KeyRequest struct {
 }
 
 // KeyHash returns the route a request would take and the key_hash of its record, as a stream
-// computes them, with the stream's own functions: the route match.json chooses (readJSON), the
-// key from the header or the body (keyFromBody), the json scope values, and a body-hash key.
-// keyHash is the hash factory of Options.KeyHash (nil for SHA-256). A request the stream would
-// refuse or pass through uncovered has no record, and KeyHash says why.
-func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (route *policy.Route, hashed string, err error) {
-	sel := policy.Selector{Path: string(splitPath([]byte(req.Path))), Named: req.Route}
+// computes them, with the stream's own functions: the route (match.json chosen by readJSON), the
+// admission (admit: methods, key headers, TTL header, claims), the key from the headers or the
+// body (keyFromBody), the json scope values, require_scope, and a body-hash key. keyHash is the
+// hash factory of Options.KeyHash (nil for SHA-256). A request the stream would refuse or pass
+// through uncovered has no record: KeyHash says why instead.
+func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (_ *policy.Route, hashed string, err error) {
+	method := cmp.Or(req.Method, http.MethodPost)
+	h := headers{{Key: ":method", RawValue: []byte(method)}}
+	if req.Path != "" {
+		h = append(h, &corev3.HeaderValue{Key: ":path", RawValue: []byte(req.Path)})
+	}
+	for _, kv := range req.Headers {
+		h = append(h, &corev3.HeaderValue{Key: kv[0], RawValue: []byte(kv[1])})
+	}
+	sel := policy.Selector{Path: string(splitPath([]byte(cmp.Or(req.Path, "/")))), Named: req.Route}
 	var read bodyRead
 	var readFor *policy.Route
 	r, params, err := p.Select(sel)
-	if err == nil && r.DecidedByBody() {
+	if err == nil && r.DecidedByBody() && !isGRPC(h) {
 		r, params, err = p.SelectBy(sel, func(c *policy.Route) bool {
 			readFor, read = c, readJSON(compileJSON(c), req.Body)
 			return read.matched
@@ -55,59 +67,59 @@ func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (route 
 	if err != nil {
 		return nil, "", err
 	}
-	j := compileJSON(r)
-	if j != nil && readFor != r {
-		read = readJSON(j, req.Body)
+	if req.Key != "" && len(r.KeyHeaders) > 0 {
+		h = append(h, &corev3.HeaderValue{Key: r.KeyHeaders[0], RawValue: []byte(req.Key)})
 	}
-	switch {
-	case read.batch:
-		return nil, "", fmt.Errorf("body: route %q passes a JSON-RPC batch through uncovered: it has no record", r.Name)
-	case read.problem != nil:
-		return nil, "", fmt.Errorf("body: route %q: %s (%s)", r.Name, read.problem.detail, read.problem.code)
-	}
-	a := admission{}
-	if req.Key != "" {
-		if a.key, _ = unquoteKey([]byte(req.Key)); a.key == "" {
-			return nil, "", errors.New("the key is not a valid idempotency key: 1 to 255 visible ASCII characters, or an sf-string of them")
-		}
-	}
-	if j != nil {
-		a, _ = keyFromBody(r, a, read.key)
-		if a.problem != nil {
-			return nil, "", fmt.Errorf("the key and the body's key_json member differ: the processor answers 400 %s", a.problem.code)
-		}
-	}
-	if a.key == "" && r.MissingKey != policy.MissingKeyBodyHash {
-		where := "its key headers"
-		if len(r.KeyJSON) > 0 {
-			where += " or the body's key_json members"
-		}
-		return nil, "", fmt.Errorf("no key: route %q takes it from %s, and the request carries none", r.Name, where)
-	}
-	var h headers
-	for _, kv := range req.Headers {
-		h = append(h, &corev3.HeaderValue{Key: kv[0], RawValue: []byte(kv[1])})
-	}
-	info, jwt := requestInfo{headers: h, params: params, peer: req.PeerIdentity, body: &jsonState{scope: read.scope}}, (*structpb.Struct)(nil)
+	info := requestInfo{headers: h, method: h.get(":method"), path: h.get(":path"), params: params, peer: req.PeerIdentity}
 	if req.Claims != nil {
 		payload, err := structpb.NewStruct(req.Claims)
 		if err != nil {
 			return nil, "", fmt.Errorf("claims: %w", err)
 		}
-		jwt = payload
-		if !claimsExact(r, payload) {
-			return nil, "", errors.New("claims: a claim the route scopes by is a number that is not a whole number below 2^53; the processor answers such a request 400 scope-claim-ambiguous and stores nothing")
+		info.jwtAuthn = &structpb.Struct{Fields: map[string]*structpb.Value{cmp.Or(r.JWTPayloadKey, "payload"): structpb.NewStructValue(payload)}}
+	}
+	rt := &route{Route: r, claims: r.ReadsClaims(), bodyFingerprint: r.FingerprintsBody(), json: compileJSON(r)}
+	a := admit(rt, info)
+	if rt.json != nil && a.covered && a.problem == nil {
+		if readFor != r {
+			read = readJSON(rt.json, req.Body)
 		}
+		if read.batch {
+			return nil, "", fmt.Errorf("route %q passes a JSON-RPC batch through uncovered: it has no record", r.Name)
+		}
+		a.problem = read.problem
+		if a.problem == nil {
+			a, a.covered = keyFromBody(r, a, read.key)
+			info.body = &jsonState{scope: read.scope}
+		}
+		if a.covered && a.problem == nil && r.RequireScope && scopeEmpty(r, info, a.jwt) {
+			a.problem = problemScopeMissing
+		}
+	}
+	switch {
+	case !a.covered:
+		why := "it carries no key, and the route's missing_key is optional"
+		if !r.Enabled {
+			why = "the route is off (enabled: false)"
+		} else if !slices.Contains(r.Methods, method) {
+			why = "the route's methods leave " + method + " out"
+		}
+		return nil, "", fmt.Errorf("route %q does not cover this request: %s; it passes through and has no record", r.Name, why)
+	case a.problem != nil:
+		return nil, "", fmt.Errorf("route %q: the processor answers %d %s: %s", r.Name, a.problem.status, a.problem.code, a.problem.detail)
 	}
 	d := newDigest(keyHash)
-	if a.key == "" {
+	if a.bodyHash {
+		if req.Path == "" {
+			return nil, "", fmt.Errorf("route %q makes the key of a request without one from its method, path and body (missing_key: body-hash): give the request's path, with its query", r.Name)
+		}
 		body := req.Body
-		if j != nil {
+		if rt.json != nil {
 			body = read.fingerprint // as the stream's keys: what the fingerprint hashes
 		}
-		a.key = d.bodyHashKey([]byte(req.Method), []byte(req.Path), body)
+		a.key = d.bodyHashKey(info.method, info.path, body)
 	}
-	_, hashed = d.storeKey(r, info, jwt, a.key)
+	_, hashed = d.storeKey(r, info, a.jwt, a.key)
 	return r, hashed, nil
 }
 

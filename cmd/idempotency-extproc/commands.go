@@ -127,7 +127,7 @@ Prints the key_hash of the record a request would get, alone on one line: the na
 API, the logs and Envoy's access log use for it, so that
   idempotency-extproc records get "$(idempotency-extproc key-hash ...)"
 works. Give the request as the client and Envoy send it: its scope headers, the claims jwt_authn
-verified, the mTLS peer, the path for path parameters, and the body for a route that reads it
+verified, the mTLS peer, the path (path parameters, body-hash keys), and the body for a route that reads it
 (a key in the body's key_json members, missing_key: body-hash). The policy file's
 key_hash_secret_file (or --key-hash-secret-file) keys the hash as the server does. --verbose
 says on stderr which route was chosen and where its scope values come from.
@@ -197,13 +197,13 @@ func keyHashConfig(configPath, secretFile string, getenv func(string) string) (*
 	return cfg, nil
 }
 
-// keyRequest is req with the --header and --jwt-claim values read into it, and the path "/"
-// when none was given.
+// keyRequest is req with the --header and --jwt-claim values read into it.
 func keyRequest(req extproc.KeyRequest, headers, claims []string) (extproc.KeyRequest, error) {
 	for _, h := range headers {
 		name, value, ok := strings.Cut(h, ":")
 		if !ok {
-			return req, fmt.Errorf("key-hash: --header %q: write it as 'name: value'", h)
+			// Not echoed: a header written without its colon may be a credential.
+			return req, fmt.Errorf("key-hash: a --header has no colon: write it as 'name: value'")
 		}
 		req.Headers = append(req.Headers, [2]string{strings.ToLower(strings.TrimSpace(name)), strings.TrimSpace(value)})
 	}
@@ -220,9 +220,6 @@ func keyRequest(req extproc.KeyRequest, headers, claims []string) (extproc.KeyRe
 			v = value // not JSON: a string claim, as written
 		}
 		req.Claims[name] = v
-	}
-	if req.Path == "" {
-		req.Path = "/"
 	}
 	return req, nil
 }
