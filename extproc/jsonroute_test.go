@@ -155,6 +155,20 @@ func TestJSONRPCBatchPassesUncovered(t *testing.T) {
 	h.waitIdle(t)
 	require.Equal(t, 2.0, h.counter("idempotency_not_covered_total", "route", "mcp-tool-calls", "reason", "json-rpc-batch"))
 	require.Equal(t, 2.0, h.counter("idempotency_requests_total", "route", "mcp-tool-calls", "outcome", "passthrough"))
+	// Only a json_rpc route has the series.
+	families, err := h.registry.Gather()
+	require.NoError(t, err)
+	for _, f := range families {
+		if f.GetName() == "idempotency_not_covered_total" {
+			for _, m := range f.GetMetric() {
+				for _, l := range m.GetLabel() {
+					if l.GetName() == "route" {
+						require.Equal(t, "mcp-tool-calls", l.GetValue(), "a route without json_rpc has no json-rpc-batch series")
+					}
+				}
+			}
+		}
+	}
 }
 
 // A body key and a different header key on one request are refused; the same key in both is one

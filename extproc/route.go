@@ -24,7 +24,7 @@ type route struct {
 	decidedByBody bool
 	// json is what the route reads of its request bodies' members; nil when nothing.
 	json *jsonRoute
-	// batches counts the JSON-RPC batches passed through (json_rpc routes).
+	// batches counts the JSON-RPC batches passed through; nil unless json_rpc.
 	batches prometheus.Counter
 
 	// The metric series.
@@ -80,7 +80,10 @@ func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error)
 		metadata:        metadataTemplates{namespace: namespace, route: r.Name},
 	}
 	c.json = compileJSON(r)
-	c.batches = m.notCovered.WithLabelValues(r.Name, notCoveredBatch)
+	if r.JSONRPC {
+		// Only a json_rpc route passes batches through: no zero series for the others.
+		c.batches = m.notCovered.WithLabelValues(r.Name, notCoveredBatch)
+	}
 	if c.shadow {
 		c.shadowCounts = map[Outcome]prometheus.Counter{}
 		for _, o := range Outcomes {
