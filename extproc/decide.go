@@ -70,7 +70,7 @@ func admit(r *route, req requestInfo) admission {
 	// A request is gRPC when its content-type says so, or when its route says grpc: true and it
 	// has no :path (grpc-go's ext_proc client, which sends no content-type either). A plain HTTP
 	// request on a grpc: true route stays HTTP: its outcome is its :status, its answers HTTP.
-	hasPath := req.headers.get(":path") != nil
+	hasPath := req.path != nil
 	a := admission{covered: true, ttl: r.TTL, grpc: isGRPC(req.headers) || (r.GRPC && !hasPath)}
 	a.proxyless = a.grpc && !hasPath
 	refuse := func(p *problem) admission {

@@ -38,6 +38,13 @@ func compiled(t *testing.T, r *policy.Route) *route {
 	return c
 }
 
+// proxyless is what grpc-go's ext_proc client sends: the call's metadata, no :method or :path.
+func proxyless(pairs ...string) requestInfo {
+	r := info("", pairs...)
+	r.method, r.path = nil, nil
+	return r
+}
+
 func info(method string, pairs ...string) requestInfo {
 	var h headers
 	for i := 0; i+1 < len(pairs); i += 2 {
@@ -64,8 +71,10 @@ func TestAdmit(t *testing.T) {
 		{"a disabled route", "defaults: {enabled: false}", info("POST", "idempotency-key", "k"), admission{}},
 		{"gRPC by its content-type", "", info("POST", "idempotency-key", "k", "content-type", "application/grpc+proto"),
 			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true, grpc: true}},
-		{"gRPC by its route, without content-type", "routes: [{name: charge, match: {path_prefix: /}, grpc: true}]", info("POST", "idempotency-key", "k"),
+		{"gRPC by its route, without :path or content-type (proxyless)", "routes: [{name: charge, match: {path_prefix: /}, grpc: true}]", proxyless("idempotency-key", "k"),
 			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true, grpc: true}},
+		{"HTTP on a gRPC route stays HTTP", "routes: [{name: charge, match: {path_prefix: /}, grpc: true}]", info("POST", "idempotency-key", "k"),
+			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true}},
 		{"grpc-web is not gRPC", "", info("POST", "idempotency-key", "k", "content-type", "application/grpc-web"),
 			admission{covered: true, key: "k", ttl: 24 * time.Hour, needsBody: true}},
 		{"a gRPC call without a key under optional", "", info("POST", "content-type", "application/grpc"), admission{}},

@@ -391,6 +391,5 @@ func (st *stream) grpcTrailers(m *extprocv3.HttpTrailers) {
 // grpc-go 1.85's internal/xds/httpfilter/extproc/ext_proc.go reads one): the processor sends it
 // none, as a phase it then sends is no sign of a misconfigured Envoy.
 func (st *stream) noPath() bool {
-	ok := st.req.info.headers.get(":path") != nil
-	return !ok
+	return st.req.info.path == nil
 }
