@@ -3,7 +3,9 @@ package cache_test
 import (
 	"bytes"
 	"context"
+	"os"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -170,30 +172,64 @@ func TestRedisTLSAndACL(t *testing.T) {
 	}
 }
 
-// An ACL user limited to the records' key prefix can do everything the store does, a large
-// completion's staging included: its staging key starts with the record's.
+// documentedACL returns the arguments of the ACL SETUSER line docs/deploying.md gives, its
+// password replaced by password.
+func documentedACL(t *testing.T, password string) []any {
+	t.Helper()
+	doc, err := os.ReadFile("../docs/deploying.md")
+	require.NoError(t, err)
+	_, line, ok := strings.Cut(string(doc), "\nACL SETUSER ")
+	require.True(t, ok, "docs/deploying.md gives an ACL SETUSER line")
+	line, _, _ = strings.Cut(line, "\n")
+	var args []any
+	for _, f := range strings.Fields(line) {
+		if f == ">PASSWORD" {
+			f = ">" + password
+		}
+		args = append(args, f)
+	}
+	return args
+}
+
+// The ACL user docs/deploying.md gives, limited to the records' key prefix, can do everything the
+// store does: claim, renew, re-assert, complete small and staged records (under stagingTTL and
+// over it), a retried completion, look up, list, purge and release.
 func TestRedisACLKeyPrefix(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t, redistest.Options{})
 	admin := srv.Client(t)
-	require.NoError(t, admin.Do(t.Context(), "ACL", "SETUSER", "records", "on", ">s3cret-pass", "~idempotency:*", "+@all").Err())
-	s, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://records:s3cret-pass@" + srv.Addr() + "/0", Timeout: 2 * time.Second})
+	acl := documentedACL(t, "s3cret-pass")
+	require.NoError(t, admin.Do(t.Context(), append([]any{"ACL", "SETUSER"}, acl...)...).Err())
+	user := acl[0].(string)
+	s, err := cache.OpenRedis(cache.RedisOptions{URL: "redis://" + user + ":s3cret-pass@" + srv.Addr() + "/0", Timeout: 2 * time.Second})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = s.Close() })
 	ctx := t.Context()
 	_, _, err = s.Acquire(ctx, "other:k", testClaim)
 	require.ErrorContains(t, err, "NOPERM", "the user is limited to the prefix")
-	for i, body := range [][]byte{[]byte("small"), bytes.Repeat([]byte("l"), 256<<10)} {
+	short := testClaim
+	short.TTL = 5 * time.Second
+	for i, c := range []struct {
+		body  []byte
+		claim cache.Claim
+	}{{[]byte("small"), testClaim}, {bytes.Repeat([]byte("l"), 256<<10), testClaim}, {bytes.Repeat([]byte("s"), 4<<10), short}} {
 		key := "idempotency:" + strconv.Itoa(i)
-		l, _, err := s.Acquire(ctx, key, testClaim)
+		l, _, err := s.Acquire(ctx, key, c.claim)
 		require.NoError(t, err)
 		require.NoError(t, s.Renew(ctx, l, time.Minute))
-		require.NoError(t, s.Complete(ctx, l, cache.Response{Status: 200, Body: body}))
+		_, err = s.Reassert(ctx, l, c.claim)
+		require.NoError(t, err)
+		resp := cache.Response{Status: 200, Body: c.body}
+		require.NoError(t, s.Complete(ctx, l, resp))
+		require.NoError(t, s.Complete(ctx, l, resp), "a retried completion")
 		rec, err := s.Lookup(ctx, key)
 		require.NoError(t, err)
-		require.Equal(t, body, rec.Response.Body)
+		require.Equal(t, c.body, rec.Response.Body)
+		keys, _, err := s.Keys(ctx, "idempotency:", "", 10)
+		require.NoError(t, err)
+		require.Contains(t, keys, key)
 		require.NoError(t, s.Purge(ctx, key))
-		l, _, err = s.Acquire(ctx, key, testClaim)
+		l, _, err = s.Acquire(ctx, key, c.claim)
 		require.NoError(t, err)
 		require.NoError(t, s.Release(ctx, l))
 	}
