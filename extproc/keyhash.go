@@ -21,8 +21,9 @@ type KeyRequest struct {
 	Route string
 	// Method is the request's method; "" is POST.
 	Method string
-	// Path is the request's path, with its query; path parameters are read from it, and a
-	// body-hash key hashes it. "" chooses the route as "/" does.
+	// Path is the request's path, with its query: it chooses the route, path parameters are
+	// read from it, and a body-hash key hashes it. "" is a request without one (grpc-go's
+	// ext_proc client sends none).
 	Path string
 	// Headers are the request's headers as name, value pairs (names lower-cased as Envoy sends
 	// them).
@@ -54,7 +55,7 @@ func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (_ *pol
 	for _, kv := range req.Headers {
 		h = append(h, &corev3.HeaderValue{Key: kv[0], RawValue: []byte(kv[1])})
 	}
-	sel := policy.Selector{Path: string(splitPath([]byte(cmp.Or(req.Path, "/")))), Named: req.Route}
+	sel := policy.Selector{Path: string(splitPath([]byte(req.Path))), Named: req.Route}
 	var read bodyRead
 	var readFor *policy.Route
 	r, params, err := p.Select(sel)
@@ -109,6 +110,9 @@ func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (_ *pol
 		return nil, "", fmt.Errorf("route %q: the processor answers %d %s: %s", r.Name, a.problem.status, a.problem.code, a.problem.detail)
 	}
 	d := newDigest(keyHash)
+	if a.bodyHash && a.grpc {
+		return nil, "", fmt.Errorf("route %q makes a gRPC call's key from its framed message (missing_key: body-hash), which key-hash cannot take: give the call's key", r.Name)
+	}
 	if a.bodyHash {
 		if req.Path == "" {
 			return nil, "", fmt.Errorf("route %q makes the key of a request without one from its method, path and body (missing_key: body-hash): give the request's path, with its query", r.Name)

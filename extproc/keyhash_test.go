@@ -38,6 +38,10 @@ func TestKeyHashTakesTheKeyAsTheStreamDoes(t *testing.T) {
   - name: off
     match: {path_prefix: /off}
     enabled: false
+  - name: grpc-hashed
+    match: {path_prefix: /pay.Payments/}
+    grpc: true
+    missing_key: body-hash
 `})
 	stored := func(req extproc.KeyRequest) bool {
 		t.Helper()
@@ -91,6 +95,7 @@ func TestKeyHashTakesTheKeyAsTheStreamDoes(t *testing.T) {
 		{"require_scope and no scope", extproc.KeyRequest{Path: "/scoped", Key: "k"}, "401 scope-missing"},
 		{"a method the route does not cover", extproc.KeyRequest{Path: "/post", Method: "PUT", Key: "k"}, "does not cover"},
 		{"a route that is off", extproc.KeyRequest{Path: "/off", Key: "k"}, "does not cover"},
+		{"a gRPC call's body-hash key", extproc.KeyRequest{Path: "/pay.Payments/Charge", Headers: [][2]string{{"content-type", "application/grpc"}}, Body: []byte("x")}, "framed message"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, _, err := extproc.KeyHash(h.policy, c.req, nil)

@@ -142,7 +142,7 @@ func keyHashCommand(args []string, getenv func(string) string, stdout, stderr io
 	route := fs.String("route", "", "the policy route's `name`, as x-idempotency-route gives it; without it --path chooses the route")
 	path := fs.String("path", "", "the request's `path`, with its query: chooses the route and gives its path parameters")
 	key := fs.String("key", "", "the idempotency `key` as the client sends it in Idempotency-Key; none when the body or missing_key: body-hash gives it")
-	method := fs.String("method", "POST", "the request's `method`, for a key made under missing_key: body-hash")
+	method := fs.String("method", "POST", "the request's `method`, as the client sends it: the route's methods decide whether it is covered, and a body-hash key hashes it")
 	secretFile := fs.String("key-hash-secret-file", "", "the server's key-hash secret `file` (env IDEMPOTENCY_KEY_HASH_SECRET_FILE), if it has one")
 	peer := fs.String("peer-identity", "", "the mTLS peer's URI SAN, a `uri`, for peer_identity scope")
 	body := fs.String("body", "", "the request's `body`, for match.json, key_json, json scope entries and missing_key: body-hash")
