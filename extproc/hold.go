@@ -41,11 +41,13 @@ type hold struct {
 	// zero otherwise.
 	contested time.Time
 
-	// writing serialises the completion's writes with the renewals' calls: a renewal never runs
-	// beside a completion, which would find the key completed by it and take the lease for lost.
-	// completed (under writing): the record was written; a renewal due after it does nothing.
-	writing   sync.Mutex
-	completed bool
+	// writing serialises the completion's writes and the release with the renewals' calls: a
+	// renewal never runs beside a completion, which would find the key completed by it and take
+	// the lease for lost, nor lands after a release, which its re-assertion would undo.
+	// spent (under writing): the record was written, or the lease released; a renewal due after
+	// it does nothing.
+	writing sync.Mutex
+	spent   bool
 }
 
 // errContested means a re-assertion found the key held by another owner, and the holder goes on

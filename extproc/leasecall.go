@@ -210,13 +210,19 @@ func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error
 	if errors.Is(err, cache.ErrLeaseLost) {
 		s.leaseLost(h, c.event, "completion")
 	}
-	h.completed = err == nil
+	h.spent = err == nil
 	return err
 }
 
-// release frees the key so that a retry runs again.
+// release frees the key so that a retry runs again. A renewal under way is let finish first, not
+// cut short: its re-assertion, already sent, could land after the release and write the claim
+// back, and duplicates would get 409 until lock_ttl passed. It waits at most one store call.
 func (c *leaseCall) release(reason string) {
-	c.hold.renewal.stop()
+	h := c.hold
+	h.writing.Lock()
+	h.spent = true
+	h.writing.Unlock()
+	h.renewal.stop()
 	s := c.s
 	start, sp := time.Now(), c.storeSpan("release")
 	c.fate = leaseInStore

@@ -3,6 +3,7 @@ package extproc_test
 import (
 	"context"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -309,4 +310,99 @@ func TestReassertWaitsOutAnAbandonedClaim(t *testing.T) {
 			finishRunning(t, h, first)
 		})
 	}
+}
+
+// sentReassert is an unreachable store whose next re-assertion, once armed, is held up as a
+// command already sent to the store: it waits for the test to let it go, and if its caller stops
+// waiting first (its context ends), the caller gets the context's error at once and the command
+// still lands, as late as it can, after the store's next release.
+type sentReassert struct {
+	*unreachable
+	armed    atomic.Bool
+	entered  chan struct{} // closed when the armed re-assertion reaches the store
+	proceed  chan struct{} // closed by the test: the re-assertion lands and is answered
+	cutShort chan struct{} // closed when its caller stopped waiting first
+	mu       sync.Mutex
+	late     func() // the command still on the wire, if any
+}
+
+func (s *sentReassert) Reassert(ctx context.Context, l cache.Lease, c cache.Claim) (bool, error) {
+	if !s.armed.CompareAndSwap(true, false) {
+		return s.unreachable.Reassert(ctx, l, c)
+	}
+	close(s.entered)
+	select {
+	case <-s.proceed:
+		return s.unreachable.Reassert(context.WithoutCancel(ctx), l, c)
+	case <-ctx.Done():
+		s.mu.Lock()
+		s.late = func() { _, _ = s.unreachable.Reassert(context.Background(), l, c) }
+		s.mu.Unlock()
+		close(s.cutShort)
+		return false, ctx.Err()
+	}
+}
+
+func (s *sentReassert) Release(ctx context.Context, l cache.Lease) error {
+	err := s.unreachable.Release(ctx, l)
+	s.mu.Lock()
+	late := s.late
+	s.late = nil
+	s.mu.Unlock()
+	if late != nil {
+		late()
+	}
+	return err
+}
+
+// A lease released while a renewal's re-assertion of it is under way (the store came back after
+// an outage longer than lock_ttl, and the stream ended before the response) stays released: the
+// re-assertion lands before the release, never after it, so that a retry runs at once instead of
+// getting 409 until lock_ttl passes. The release waits for the re-assertion's answer, which the
+// stream's end does not cut short.
+func TestReleaseOutlastsAReassertionUnderWay(t *testing.T) {
+	clk := clock.NewFake(time.Unix(1_700_000_000, 0))
+	m, err := cache.NewMemory(cache.MemoryOptions{Clock: clk})
+	require.NoError(t, err)
+	store := &sentReassert{unreachable: &unreachable{Store: m},
+		entered: make(chan struct{}), proceed: make(chan struct{}), cutShort: make(chan struct{})}
+	const policy = "defaults: {lock_ttl: 3s}"
+	h := newHarness(t, harnessOptions{store: store, clock: clk, policy: policy})
+	other := newHarness(t, harnessOptions{store: m, clock: clk, policy: policy})
+	const key = "released"
+	stored := extproc.StoredKey(h.policy, "/v1/payments", key)
+	first := claimRunning(t, h, key)
+
+	store.down.Store(true)
+	h.advance(4 * time.Second) // past lock_ttl: the store lets the lease expire
+	require.Eventually(t, func() bool { return h.clock.Pending() == 1 }, 10*time.Second, time.Millisecond,
+		"the renewal waits for its next try")
+	store.armed.Store(true)
+	store.down.Store(false)
+	// The next try re-asserts the lapsed claim; the fake clock runs it on this goroutine.
+	advanced := make(chan struct{})
+	go func() {
+		defer close(advanced)
+		h.advance(50 * time.Millisecond)
+	}()
+	<-store.entered
+
+	// The client goes away before the response: unknown_outcome release (the default).
+	first.end()
+	// A release that cuts the re-assertion short does so at once, and its command then lands
+	// after the release. One that waits for the answer never cuts it short: the second is only
+	// how long the test gives it to, before the re-assertion is answered.
+	select {
+	case <-store.cutShort:
+	case <-time.After(time.Second):
+	}
+	close(store.proceed)
+	<-advanced
+	h.waitIdle(t)
+
+	_, err = m.Lookup(t.Context(), stored)
+	require.ErrorIs(t, err, cache.ErrNotFound, "the released key holds no record")
+	require.True(t, other.do(post("/v1/payments", key, `{}`), created).executed, "a retry runs at once")
+	require.Equal(t, 1.0, h.counter("idempotency_releases_total", "route", "default", "reason", "unknown_outcome"))
+	require.Zero(t, extproc.HeldKeys(h.server))
 }

@@ -84,8 +84,10 @@ func (s *Server) renewAfter(d time.Duration, r *renewal, o *leaseCall, h *hold) 
 // goroutine of its own, started by the queue when r is due.
 func (r *renewal) tick() {
 	s, o, h := r.s, r.o, r.h
-	// The context exists only while a renewal runs: most requests end before their first.
-	ctx, cancel := context.WithCancel(o.ctx)
+	// The context exists only while a renewal runs: most requests end before their first. Only
+	// stop ends it, not the stream's end: a release waits for the renewal's answer (hold.writing),
+	// and a call cut short may still land later. The store bounds the call by its timeout.
+	ctx, cancel := context.WithCancel(context.WithoutCancel(o.ctx))
 	defer cancel()
 	r.mu.Lock()
 	if r.stopped {
@@ -94,14 +96,15 @@ func (r *renewal) tick() {
 	}
 	r.cancel = cancel
 	r.mu.Unlock()
-	// Outside the lock, so that stop never waits for a store call: a renewal that lands
-	// after the completion or release is refused by the store (the record is no longer
-	// pending), and one cut short by stop changes nothing. The completion's retries renew
-	// beside their writes without stopping: a renewal waits for a write under way, and does
-	// nothing once the record is written (hold.writing).
+	// Outside the lock, so that stop never waits for a store call: a renewal cut short by the
+	// completion's stop that lands after it is refused by the store (a completed record is never
+	// renewed nor overwritten), and one cut short by leave only keeps the lease it was to keep.
+	// A release waits for it instead (leaseCall.release). The completion's retries renew beside
+	// their writes without stopping: a renewal waits for a write under way, and does nothing once
+	// the record is written (hold.writing).
 	h.writing.Lock()
 	defer h.writing.Unlock()
-	if h.completed {
+	if h.spent {
 		return
 	}
 	err := s.keep(ctx, o.storeSpan("renew"), h, o.event)
@@ -123,8 +126,8 @@ func (r *renewal) tick() {
 }
 
 // stop prevents further renewals and cuts short one in flight, without waiting for it: the
-// owner's next store call is its only one in the phase. It is safe on a nil renewal and on one
-// never started.
+// owner's next store call is its only one in the phase (a release waits for it first: see
+// leaseCall.release). It is safe on a nil renewal and on one never started.
 func (r *renewal) stop() {
 	if r == nil {
 		return
