@@ -216,7 +216,8 @@ func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error
 
 // release frees the key so that a retry runs again. A renewal under way is let finish first, not
 // cut short: its re-assertion, already sent, could land after the release and write the claim
-// back, and duplicates would get 409 until lock_ttl passed. It waits at most one store call.
+// back, and duplicates would get 409 until lock_ttl passed. It waits at most for that renewal's
+// store calls, each bounded by store_timeout.
 func (c *leaseCall) release(reason string) {
 	h := c.hold
 	h.writing.Lock()
