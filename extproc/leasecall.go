@@ -219,13 +219,13 @@ func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error
 // back, and duplicates would get 409 until lock_ttl passed. It waits at most for that renewal's
 // store calls, each bounded by store_timeout.
 func (c *leaseCall) release(reason string) {
-	h := c.hold
+	s, h := c.s, c.hold
+	// The wait for the renewal is the release's: timed and traced with it.
+	start, sp := time.Now(), c.storeSpan("release")
 	h.writing.Lock()
 	h.spent = true
 	h.writing.Unlock()
 	h.renewal.stop()
-	s := c.s
-	start, sp := time.Now(), c.storeSpan("release")
 	c.fate = leaseInStore
 	err := s.store.Release(context.WithoutCancel(c.ctx), c.hold.lease)
 	c.fate = leaseHeld

@@ -322,6 +322,7 @@ type sentReassert struct {
 	entered  chan struct{} // closed when the armed re-assertion reaches the store
 	proceed  chan struct{} // closed by the test: the re-assertion lands and is answered
 	cutShort chan struct{} // closed when its caller stopped waiting first
+	returned chan struct{} // closed when it returned to its caller, either way
 	mu       sync.Mutex
 	late     func() // the command still on the wire, if any
 }
@@ -331,6 +332,7 @@ func (s *sentReassert) Reassert(ctx context.Context, l cache.Lease, c cache.Clai
 		return s.unreachable.Reassert(ctx, l, c)
 	}
 	close(s.entered)
+	defer close(s.returned)
 	select {
 	case <-s.proceed:
 		return s.unreachable.Reassert(context.WithoutCancel(ctx), l, c)
@@ -344,6 +346,13 @@ func (s *sentReassert) Reassert(ctx context.Context, l cache.Lease, c cache.Clai
 }
 
 func (s *sentReassert) Release(ctx context.Context, l cache.Lease) error {
+	select {
+	case <-s.entered:
+		// A release that cut the re-assertion short finds its command on the wire, not one
+		// still being sent.
+		<-s.returned
+	default:
+	}
 	err := s.unreachable.Release(ctx, l)
 	s.mu.Lock()
 	late := s.late
@@ -365,7 +374,7 @@ func TestReleaseOutlastsAReassertionUnderWay(t *testing.T) {
 	m, err := cache.NewMemory(cache.MemoryOptions{Clock: clk})
 	require.NoError(t, err)
 	store := &sentReassert{unreachable: &unreachable{Store: m},
-		entered: make(chan struct{}), proceed: make(chan struct{}), cutShort: make(chan struct{})}
+		entered: make(chan struct{}), proceed: make(chan struct{}), cutShort: make(chan struct{}), returned: make(chan struct{})}
 	const policy = "defaults: {lock_ttl: 3s}"
 	h := newHarness(t, harnessOptions{store: store, clock: clk, policy: policy})
 	other := newHarness(t, harnessOptions{store: m, clock: clk, policy: policy})

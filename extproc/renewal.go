@@ -47,8 +47,8 @@ func awayRetry(lockTTL time.Duration) time.Duration {
 
 // renewAfter queues r to renew h's lease d from now, and from then on every lock_ttl/3, until
 // stop is called or the context of o, the store calls it renews for, ends; it returns r. Each
-// renewal is one of o's calls: bounded by its context, traced as its span, logged with its
-// identity. A renewal waits in the server's queue, which gives its place back when it is
+// renewal is one of o's calls, traced as its span and logged with its identity; its store call
+// is bounded by the store's timeout and by stop, not by o's context (see tick). A renewal waits in the server's queue, which gives its place back when it is
 // stopped: most requests end before their first renewal. A renewal stopped already is not
 // queued.
 func (s *Server) renewAfter(d time.Duration, r *renewal, o *leaseCall, h *hold) *renewal {
@@ -121,6 +121,11 @@ func (r *renewal) tick() {
 	case err != nil:
 		o.event(s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
 		next = awayRetry(h.claim.LockTTL)
+	}
+	if o.ctx.Err() != nil {
+		// The owner is gone: its stream's finish (or the completions' Shutdown) ends the lease,
+		// and no renewal is queued behind it, whatever path ends it.
+		return
 	}
 	s.renewAfter(next, r, o, h)
 }
