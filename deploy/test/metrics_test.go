@@ -304,7 +304,7 @@ func exposedNames(fams map[string]*dto.MetricFamily) map[string]bool {
 }
 
 // exercised starts the binary with the arguments and the policy the chart renders for the memory
-// store (whose policy has an enforced and a shadow-mode route) and the records API on, sends it
+// store (whose policy has an enforced, a shadow-mode and a json_rpc route) and the records API on, sends it
 // traffic through the Envoy emulator configured with the chart's Istio filter, and returns its
 // /metrics. Every labelled family then has a series.
 func exercised(t *testing.T) map[string]*dto.MetricFamily {
@@ -316,6 +316,7 @@ func exercised(t *testing.T) map[string]*dto.MetricFamily {
 		policyYAML = cm.Data["policy.yaml"]
 	}
 	require.Contains(t, policyYAML, "mode: shadow", "idempotency_shadow_total exists only with a shadow-mode route")
+	require.Contains(t, policyYAML, "json_rpc: true", "idempotency_not_covered_total exists only with a json_rpc route")
 	// The records API's series exist once it is on (the chart turns it on with an admin token
 	// Secret, which the memory set leaves off).
 	token := filepath.Join(t.TempDir(), "admin-token")
