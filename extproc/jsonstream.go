@@ -73,7 +73,7 @@ func (st *stream) readBody(body []byte) ([]byte, bool) {
 		read = readJSON(r.json, body)
 	}
 	if read.batch {
-		r.batches.Inc()
+		r.batches.Inc() // made for every json_rpc route, and readJSON finds batches only on those
 		st.settleAtBody(nil)
 		return nil, false
 	}
@@ -85,11 +85,8 @@ func (st *stream) readBody(body []byte) ([]byte, bool) {
 		st.settleAtBody(read.problem)
 		return nil, false
 	}
-	adm, covered := keyFromBody(r.Route, a.adm, read.key)
 	a.info.body = st.json
-	if covered && adm.problem == nil && r.RequireScope && scopeEmpty(r.Route, a.info, adm.jwt) {
-		adm.problem = problemScopeMissing
-	}
+	adm, covered := admitBody(r.Route, a.adm, a.info, read.key)
 	a.adm = adm
 	if !covered || adm.problem != nil {
 		st.settleAtBody(adm.problem)
@@ -143,4 +140,16 @@ func (st *stream) settleAtBody(p *problem) {
 		return
 	}
 	st.flush(evPass)
+}
+
+// admitBody settles the admission of a request whose route reads its body's members, once its
+// body key is known and its json scope values are in info.body: the key (keyFromBody), then
+// require_scope over every scope value. covered is false when the request passes through.
+// stream.readBody and KeyHash both admit a body by it.
+func admitBody(r *policy.Route, adm admission, info requestInfo, bodyKey string) (admission, bool) {
+	adm, covered := keyFromBody(r, adm, bodyKey)
+	if covered && adm.problem == nil && r.RequireScope && scopeEmpty(r, info, adm.jwt) {
+		adm.problem = problemScopeMissing
+	}
+	return adm, covered
 }

@@ -90,11 +90,8 @@ func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (_ *pol
 		}
 		a.problem = read.problem
 		if a.problem == nil {
-			a, a.covered = keyFromBody(r, a, read.key)
 			info.body = &jsonState{scope: read.scope}
-		}
-		if a.covered && a.problem == nil && r.RequireScope && scopeEmpty(r, info, a.jwt) {
-			a.problem = problemScopeMissing
+			a, a.covered = admitBody(r, a, info, read.key)
 		}
 	}
 	switch {
