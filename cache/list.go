@@ -40,7 +40,7 @@ const maxKeysPage = 10000
 // cursor says which one and where.
 func (r *Redis) Keys(ctx context.Context, prefix, cursor string, count int) ([]string, string, error) {
 	count = min(max(count, 1), maxKeysPage)
-	ctx, cancel, _ := r.bound(ctx)
+	ctx, cancel := r.bound(ctx)
 	defer cancel()
 	match := globEscape(prefix) + "*"
 	cc, ok := r.client.(*redis.ClusterClient)

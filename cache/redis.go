@@ -423,16 +423,15 @@ func newToken() string {
 	return t
 }
 
-// bound limits ctx to the store's timeout from now, unless it ends earlier, and returns that
-// deadline too. Deadlines are on the wall clock, as contexts are. It is for the calls that go to
-// go-redis directly (Lookup, Ping, Keys); the calls of the senders are bounded by boundCall.
-func (r *Redis) bound(ctx context.Context) (context.Context, context.CancelFunc, time.Time) {
+// bound limits ctx to the store's timeout from now, unless it ends earlier. It is for the calls
+// that go to go-redis directly (Lookup, Ping, Keys, Replicas); the calls of the senders are
+// bounded by boundCall.
+func (r *Redis) bound(ctx context.Context) (context.Context, context.CancelFunc) {
 	deadline := time.Now().Add(r.timeout)
 	if d, ok := ctx.Deadline(); ok && !d.After(deadline) {
-		return ctx, noCancel, d
+		return ctx, noCancel
 	}
-	ctx, cancel := context.WithDeadline(ctx, deadline)
-	return ctx, cancel, deadline
+	return context.WithDeadline(ctx, deadline)
 }
 
 // boundCall limits ctx to the store's timeout from now, unless it ends earlier, for c, which a
@@ -465,7 +464,7 @@ func (r *Redis) run(ctx context.Context, c *call) *redis.Cmd {
 // (MULTI GET PTTL EXEC), one round trip; the expiry fills ExpiresAt for a record of layout 2,
 // which does not carry it.
 func (r *Redis) Lookup(ctx context.Context, key string) (*Record, error) {
-	ctx, cancel, _ := r.bound(ctx)
+	ctx, cancel := r.bound(ctx)
 	defer cancel()
 	var get *redis.StringCmd
 	var pttl *redis.DurationCmd
@@ -649,7 +648,7 @@ func (r *Redis) releaseOrphans(ls []Lease) []error {
 // Ping implements [Store.Ping]. For Cluster it pings every known master and, when one does not
 // answer, reloads the slot map so that a failover is noticed without waiting for a MOVED reply.
 func (r *Redis) Ping(ctx context.Context) error {
-	ctx, cancel, _ := r.bound(ctx)
+	ctx, cancel := r.bound(ctx)
 	defer cancel()
 	cc, ok := r.client.(*redis.ClusterClient)
 	if !ok {

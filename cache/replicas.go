@@ -23,7 +23,7 @@ var _ Replicated = (*Redis)(nil)
 // Replicas implements [Replicated]: INFO replication's replicas in state online (the ones WAIT
 // counts), or, where INFO is not allowed, what WAIT 0 0 counts.
 func (r *Redis) Replicas(ctx context.Context) (int, error) {
-	ctx, cancel, _ := r.bound(ctx)
+	ctx, cancel := r.bound(ctx)
 	defer cancel()
 	cc, ok := r.client.(*redis.ClusterClient)
 	if !ok {

@@ -10,11 +10,10 @@ import (
 
 // gcHeadroom is how far the server lets its Go heap grow beyond its live data before it
 // collects, at the least. The server's live heap is small (the memory store keeps its records
-// outside the Go heap): some 12 MiB under 32 streams of first executions. With GOGC's default
-// of 100 the collector then runs every 12 MiB allocated, about every 550 first executions, and
-// each cycle also shrinks the idle stream workers' stacks, which the next streams grow again:
-// 8.6–16.6 µs of CPU per request in CPU profiles of the memory store's first executions, and
-// 3.9–21.0 µs of the process' whole CPU in paired runs (docs/performance.md). 64 MiB of
+// outside the Go heap), so with GOGC's default of 100 the collector runs often, and each cycle
+// also shrinks the idle stream workers' stacks, which the next streams grow again: what that
+// cost per request, and the command that measures it, is in docs/performance.md (the
+// collector's pace at GOGC=100, in the reconciliation of the user bench). 64 MiB of
 // headroom makes the cycles several times rarer for that much more heap at most; once the live
 // heap exceeds 64 MiB, the collector runs as with GOGC=100.
 const gcHeadroom = 64 << 20
