@@ -41,11 +41,11 @@ func TestArchitectureWalk(t *testing.T) {
 	require.NoError(t, err, "%s", out)
 
 	one, two := requestCounters(t, bin, 1), requestCounters(t, bin, 2)
-	walk, store := walkOf(t, one, two)
+	walk, store, ran := walkOf(t, one, two)
 	t.Logf("the walk of one request: %d functions\n%s", len(walk), strings.Join(walk, "\n"))
 	t.Logf("and in the store's own code (package cache): %d functions\n%s", len(store), strings.Join(store, "\n"))
 
-	always, sometimes, count := documentedWalk(t)
+	always, sometimes, count, documentedTypes := documentedWalk(t)
 	var missing, extra []string
 	for _, n := range always {
 		if !slices.Contains(walk, n) {
@@ -60,18 +60,23 @@ func TestArchitectureWalk(t *testing.T) {
 	require.Empty(t, missing, "functions docs/architecture.md's walk lists that the request did not pass")
 	require.Empty(t, extra, "functions the request passed that docs/architecture.md's walk does not list")
 	require.Equal(t, len(always), count, "the count docs/architecture.md gives is the walk's")
+
+	types := walkTypes(t, always, ran)
+	t.Logf("the types it passes: %d\n%s", len(types), strings.Join(types, "\n"))
+	slices.Sort(documentedTypes)
+	require.Equal(t, types, documentedTypes, "the types docs/architecture.md's walk lists are those the walk's code that ran passes")
 }
 
 // The counts docs/architecture.md's walk gives are those of the names it lists: each step's
 // (N), the functions' total, the types' and the names'. (TestArchitectureWalk holds the names
 // to the program.)
 func TestArchitectureWalkCounts(t *testing.T) {
-	always, _, count := documentedWalk(t)
+	always, _, count, _ := documentedWalk(t)
 	require.Equal(t, len(always), count, "That is N functions: the functions outside parentheses")
 }
 
-// blockCounts are a run's coverage counters: per file and block (its first line and column),
-// the times the block ran.
+// blockCounts are a run's coverage counters: per file and block (its first and last line and
+// column, "file:l.c,l.c"), the times the block ran.
 type blockCounts map[string]int64
 
 // requestCounters runs the covered program for n first executions and returns its counters.
@@ -97,13 +102,13 @@ func requestCounters(t *testing.T, bin string, n int) blockCounts {
 	require.NoError(t, err)
 	counts := blockCounts{}
 	// file.go:line.col,line.col statements count
-	block := regexp.MustCompile(`^(\S+\.go):(\d+\.\d+),\S+ \d+ (\d+)$`)
+	block := regexp.MustCompile(`^(\S+\.go:\d+\.\d+,\d+\.\d+) \d+ (\d+)$`)
 	sc := bufio.NewScanner(bytes.NewReader(f))
 	for sc.Scan() {
 		if m := block.FindStringSubmatch(sc.Text()); m != nil {
-			c, err := strconv.ParseInt(m[3], 10, 64)
+			c, err := strconv.ParseInt(m[2], 10, 64)
 			require.NoError(t, err)
-			counts[m[1]+":"+m[2]] += c
+			counts[m[1]] += c
 		}
 	}
 	require.NotEmpty(t, counts, "the covered program wrote its counters")
@@ -125,18 +130,21 @@ func waitRequestLines(t *testing.T, p *processor, n int) {
 }
 
 // walkOf names the functions whose blocks ran more in two than in one: those outside package
-// cache (the walk), and those inside it (the store's own code), each sorted.
-func walkOf(t *testing.T, one, two blockCounts) (walk, store []string) {
+// cache (the walk), and those inside it (the store's own code), each sorted. It returns the
+// blocks outside package cache that ran more too.
+func walkOf(t *testing.T, one, two blockCounts) (walk, store []string, ran []block) {
 	t.Helper()
 	names := map[string]bool{}
 	for pos, c := range two {
 		if c <= one[pos] {
 			continue
 		}
-		file, lineCol, _ := strings.Cut(strings.TrimPrefix(pos, module), ":")
-		line, err := strconv.Atoi(strings.Split(lineCol, ".")[0])
-		require.NoError(t, err)
-		names[file+"\x00"+enclosingFunc(t, filepath.Join("..", file), line)] = true
+		b := parseBlock(t, pos)
+		name := enclosingFunc(t, filepath.Join("..", b.file), b.from.line)
+		names[b.file+"\x00"+name] = true
+		if !strings.HasPrefix(b.file, "cache/") {
+			ran = append(ran, b)
+		}
 	}
 	for k := range names {
 		file, name, _ := strings.Cut(k, "\x00")
@@ -148,7 +156,34 @@ func walkOf(t *testing.T, one, two blockCounts) (walk, store []string) {
 	}
 	slices.Sort(walk)
 	slices.Sort(store)
-	return slices.Compact(walk), slices.Compact(store)
+	return slices.Compact(walk), slices.Compact(store), ran
+}
+
+// A block is a coverage block: a file of the module, by its path in the repository, and the
+// positions its statements span.
+type block struct {
+	file     string
+	from, to lineCol
+}
+
+type lineCol struct{ line, col int }
+
+func (p lineCol) after(q lineCol) bool {
+	return p.line > q.line || p.line == q.line && p.col > q.col
+}
+
+// parseBlock reads a blockCounts key.
+func parseBlock(t *testing.T, pos string) block {
+	t.Helper()
+	m := regexp.MustCompile(`^(\S+\.go):(\d+)\.(\d+),(\d+)\.(\d+)$`).FindStringSubmatch(strings.TrimPrefix(pos, module))
+	require.NotNil(t, m, "a coverage block: %s", pos)
+	n := make([]int, 4)
+	for i := range n {
+		var err error
+		n[i], err = strconv.Atoi(m[i+2])
+		require.NoError(t, err)
+	}
+	return block{file: m[1], from: lineCol{n[0], n[1]}, to: lineCol{n[2], n[3]}}
 }
 
 // enclosingFunc names the function declared in file around line as the walk writes it:
@@ -159,28 +194,17 @@ func enclosingFunc(t *testing.T, file string, line int) string {
 	fset := token.NewFileSet()
 	f, err := parser.ParseFile(fset, file, nil, parser.SkipObjectResolution)
 	require.NoError(t, err)
+	for _, d := range f.Decls {
+		fd, ok := d.(*ast.FuncDecl)
+		if ok && fset.Position(fd.Pos()).Line <= line && fset.Position(fd.End()).Line >= line {
+			return funcName(f.Name.Name, fd)
+		}
+	}
+	// A package-level value's function literal (a table's entry).
 	prefix := f.Name.Name + "."
 	if f.Name.Name == "extproc" {
 		prefix = ""
 	}
-	for _, d := range f.Decls {
-		fd, ok := d.(*ast.FuncDecl)
-		if !ok || fset.Position(fd.Pos()).Line > line || fset.Position(fd.End()).Line < line {
-			continue
-		}
-		if fd.Recv == nil {
-			return prefix + fd.Name.Name
-		}
-		recv := fd.Recv.List[0].Type
-		if s, ok := recv.(*ast.StarExpr); ok {
-			recv = s.X
-		}
-		if g, ok := recv.(*ast.IndexExpr); ok {
-			recv = g.X
-		}
-		return prefix + recv.(*ast.Ident).Name + "." + fd.Name.Name
-	}
-	// A package-level value's function literal (a table's entry).
 	return fmt.Sprintf("%s(%s:%d)", prefix, filepath.Base(file), line)
 }
 
@@ -188,8 +212,8 @@ func enclosingFunc(t *testing.T, file string, line int) string {
 // names of its numbered steps, but the store's calls, which it prints in bold): those every
 // request passes, and those in parentheses, which only some requests do (the first of a process,
 // one a second, one a background ticker meets). It returns the count the walk states ("That is N
-// functions") too.
-func documentedWalk(t *testing.T) (always, sometimes []string, count int) {
+// functions") and the types it lists too.
+func documentedWalk(t *testing.T) (always, sometimes []string, count int, types []string) {
 	t.Helper()
 	b, err := os.ReadFile("../docs/architecture.md")
 	require.NoError(t, err)
@@ -227,10 +251,11 @@ func documentedWalk(t *testing.T) (always, sometimes []string, count int) {
 		always = append(always, own...)
 	}
 	// The types follow, with their count, and the total of names.
-	types := regexp.MustCompile(`(?s)The types it passes: (.*?) \((\d+)\)\. In all (\d+) names`).FindStringSubmatch(doc[end[0]:])
-	require.NotNil(t, types, "the walk lists its types, their count (N), and In all N names")
-	require.Equal(t, types[2], strconv.Itoa(len(names(types[1]))), "the types' count is the types listed")
-	require.Equal(t, types[3], strconv.Itoa(count+len(names(types[1]))), "In all N names: the functions and the types")
+	listed := regexp.MustCompile(`(?s)The types it passes:\s+(.*?)\s+\((\d+)\)\.\s+In all (\d+) names`).FindStringSubmatch(doc[end[0]:])
+	require.NotNil(t, listed, "the walk lists its types, their count (N), and In all N names")
+	types = names(listed[1])
+	require.Equal(t, listed[2], strconv.Itoa(len(types)), "the types' count is the types listed")
+	require.Equal(t, listed[3], strconv.Itoa(count+len(types)), "In all N names: the functions and the types")
 	slices.Sort(always)
-	return always, sometimes, count
+	return always, sometimes, count, types
 }
