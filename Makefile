@@ -48,7 +48,7 @@ bench: ## every benchmark once, so they keep compiling and running
 deploy-test: ## deploy/test, a module of its own: the Helm chart, dashboard, alerts, Dockerfile and CI workflow
 	cd deploy/test && $(GO) vet ./... && $(STATICCHECK) ./... && $(GO) test -count=1 -timeout 15m ./...
 
-walk: ## the product functions one covered request passes, from the program itself: docs/architecture.md's walk
+walk: ## the product functions and types one covered request passes, from the program itself: docs/architecture.md's walk
 	$(GO) test -count=1 -run '^TestArchitectureWalk$$' -v ./e2e/ | sed -n '/the walk of one request/,/^---/p'
 
 demo: ## try it without Docker: the processor, the Envoy emulator and a demo upstream on loopback (e2e/demo/README.md)
