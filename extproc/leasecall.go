@@ -152,10 +152,13 @@ func (c *leaseCall) complete() bool {
 	// The client may already be gone; the record must still be written.
 	ctx := context.WithoutCancel(c.ctx)
 	err := c.completeHeld(ctx, resp)
-	retried := err != nil && retryable(err) && c.s.completions.retry(pendingCompletion{
-		hold: c.hold, resp: resp, until: c.s.clock.Now().Add(c.req.adm.ttl),
-		requestID: c.req.id, route: c.req.route, keyHash: c.keyHash,
-	})
+	retried := false
+	if err != nil && retryable(err) {
+		retried = c.s.completions.retry(pendingCompletion{
+			hold: c.hold, resp: resp, until: c.s.clock.Now().Add(c.req.adm.ttl),
+			requestID: c.req.id, route: c.req.route, keyHash: c.keyHash,
+		})
+	}
 	if retried {
 		c.hold = nil // the retries hold the key now
 	}
