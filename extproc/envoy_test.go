@@ -60,6 +60,8 @@ type harnessOptions struct {
 	// advance moves the store's time when it does not run on the harness clock.
 	advance func(time.Duration)
 	clock   *clock.Fake
+	// tap installs the server's TapHandle, as the binary does.
+	tap bool
 }
 
 func newHarness(t *testing.T, o harnessOptions) *harness {
@@ -84,7 +86,11 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 
 	lis := bufconn.Listen(4 << 20)
 	answers, ib := &ledger{}, &inbox{}
-	gs := grpc.NewServer(grpc.ChainStreamInterceptor(answers.interceptor, ib.interceptor, srv.StreamInterceptor()))
+	serverOpts := []grpc.ServerOption{grpc.ChainStreamInterceptor(answers.interceptor, ib.interceptor, srv.StreamInterceptor())}
+	if o.tap {
+		serverOpts = append(serverOpts, grpc.InTapHandle(srv.TapHandle()))
+	}
+	gs := grpc.NewServer(serverOpts...)
 	extprocv3.RegisterExternalProcessorServer(gs, srv)
 	go func() { _ = gs.Serve(lis) }()
 	conn, err := grpc.NewClient("passthrough:///bufconn",

@@ -107,6 +107,9 @@ func (s *Server) TapHandle() tap.ServerInHandle {
 		}
 		ctx, cancel := context.WithCancelCause(ctx)
 		c := &firstMessageContext{Context: ctx, cancel: cancel, watch: w}
+		if v := info.Header[namedRouteHeader]; len(v) > 0 {
+			c.named = v[0]
+		}
 		w.add(c)
 		return c, nil
 	}
@@ -122,6 +125,12 @@ type firstMessageContext struct {
 	context.Context
 	cancel context.CancelCauseFunc
 	watch  *firstMessageWatch
+	// named is the stream's x-idempotency-route ("" for none), read from its headers with one map
+	// lookup: HTTP/2 header names are lowercase (golang.org/x/net/http2's framer refuses any
+	// other), and grpc-go's metadata keeps them as they came. metadata.ValueFromIncomingContext
+	// would compare every other header's name case-insensitively when the stream has none (0.6 µs
+	// per request in the binary's profile).
+	named string
 	// Guarded by watch.mu: when the message is due, and the stream's place in the watch's ring
 	// while it waits (nil otherwise).
 	due        time.Time

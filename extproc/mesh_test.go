@@ -50,8 +50,18 @@ func (r result) namespace(ns string) map[string]any {
 	return s.AsMap()
 }
 
-func TestRoutesChosenByEnvoy(t *testing.T) {
-	h := newHarness(t, harnessOptions{policy: meshPolicy})
+// withTap runs f on a server without TapHandle and on one with it, as the binary serves: the
+// tap reads the route the stream's metadata names.
+func withTap(t *testing.T, f func(t *testing.T, tap bool)) {
+	for _, tap := range []bool{false, true} {
+		t.Run(map[bool]string{false: "no tap", true: "tap"}[tap], func(t *testing.T) { f(t, tap) })
+	}
+}
+
+func TestRoutesChosenByEnvoy(t *testing.T) { withTap(t, testRoutesChosenByEnvoy) }
+
+func testRoutesChosenByEnvoy(t *testing.T, tap bool) {
+	h := newHarness(t, harnessOptions{policy: meshPolicy, tap: tap})
 	for _, tc := range []struct {
 		name string
 		req  request
@@ -76,8 +86,10 @@ func TestRoutesChosenByEnvoy(t *testing.T) {
 
 // A route Envoy names that the policy file lacks is 500 unknown-idempotency-route, logged once
 // per name at error: never the defaults, whose scope and settings are another route's.
-func TestUnknownNamedRoute(t *testing.T) {
-	h := newHarness(t, harnessOptions{policy: meshPolicy})
+func TestUnknownNamedRoute(t *testing.T) { withTap(t, testUnknownNamedRoute) }
+
+func testUnknownNamedRoute(t *testing.T, tap bool) {
+	h := newHarness(t, harnessOptions{policy: meshPolicy, tap: tap})
 	for range 2 {
 		res := h.do(named(post("/v1/payments", "k", `{}`), "missing"), created)
 		requireProblem(t, res, 500, "unknown-idempotency-route")

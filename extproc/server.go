@@ -247,6 +247,7 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	defer s.streams.Done()
 	defer s.leave()
 	st := newStream(s, srv.Context())
+	st.tapped = first
 	// Runs on a panic too (see StreamInterceptor): the lease is released or kept as for any
 	// stream cut short.
 	defer st.finish()

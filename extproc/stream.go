@@ -236,6 +236,9 @@ type stream struct {
 	// json is what a route that reads its body's members keeps of the request (jsonstream.go);
 	// nil on other routes.
 	json *jsonState
+	// tapped is the stream's first-message context, which holds the route its metadata names;
+	// nil on a server without TapHandle (limits.go).
+	tapped *firstMessageContext
 }
 
 func newStream(s *Server, ctx context.Context) *stream {
@@ -438,11 +441,7 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	attrs := req.GetAttributes()[extProcAttributes].GetFields()
 	a.info = requestInfo{headers: h, method: h.get(":method"), path: h.get(":path")}
 	sel := policy.Selector{Path: string(splitPath(a.info.path)), RouteName: attrs[attrRouteName].GetStringValue()}
-	// ValueFromIncomingContext reads the one key; FromIncomingContext would copy the stream's
-	// whole metadata on every request.
-	if v := metadata.ValueFromIncomingContext(st.call.ctx, namedRouteHeader); len(v) > 0 {
-		sel.Named = v[0]
-	}
+	sel.Named = st.namedRoute()
 	r, params, err := st.s.policy.Select(sel)
 	if err != nil {
 		st.unknownRoute(sel.Named, err)
@@ -476,6 +475,20 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 		return false
 	}
 	return true
+}
+
+// namedRoute returns the policy route the stream's initial metadata names (x-idempotency-route),
+// "" for none: as the tap read it, or, on a server without the tap, from the context.
+// ValueFromIncomingContext reads the one key; FromIncomingContext would copy the stream's whole
+// metadata on every request.
+func (st *stream) namedRoute() string {
+	if st.tapped != nil {
+		return st.tapped.named
+	}
+	if v := metadata.ValueFromIncomingContext(st.call.ctx, namedRouteHeader); len(v) > 0 {
+		return v[0]
+	}
+	return ""
 }
 
 // unknownRoute answers a request whose Envoy route names a policy route that does not exist, or
