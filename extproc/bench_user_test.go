@@ -208,7 +208,7 @@ func BenchmarkProcessUserGRPC(b *testing.B) {
 		impl extprocv3.ExternalProcessorServer
 	}{
 		{"null-plain", grpc.NewServer(), extproctest.NullProcessor{}},
-		{"shipped", grpc.NewServer(grpc.ChainStreamInterceptor(shipped.StreamInterceptor()), grpc.InTapHandle(shipped.TapHandle()), grpc.NumStreamWorkers(extproc.StreamWorkers)), shipped},
+		{"shipped", grpc.NewServer(grpc.ChainStreamInterceptor(shipped.StreamInterceptor()), grpc.InTapHandle(shipped.TapHandle()), grpc.ForceServerCodecV2(shipped.Codec()), grpc.NumStreamWorkers(extproc.StreamWorkers)), shipped},
 	}
 	for _, t := range targets {
 		lis, err := net.Listen("tcp", "127.0.0.1:0")

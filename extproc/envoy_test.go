@@ -86,7 +86,8 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 
 	lis := bufconn.Listen(4 << 20)
 	answers, ib := &ledger{}, &inbox{}
-	serverOpts := []grpc.ServerOption{grpc.ChainStreamInterceptor(answers.interceptor, ib.interceptor, srv.StreamInterceptor())}
+	// The binary's codec, so that what the tests read is the bytes it sends.
+	serverOpts := []grpc.ServerOption{grpc.ChainStreamInterceptor(answers.interceptor, ib.interceptor, srv.StreamInterceptor()), grpc.ForceServerCodecV2(srv.Codec())}
 	if o.tap {
 		serverOpts = append(serverOpts, grpc.InTapHandle(srv.TapHandle()))
 	}

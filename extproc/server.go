@@ -26,6 +26,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -72,6 +73,8 @@ type Server struct {
 	clock   clock.Clock
 	// routes are the policy's routes, compiled.
 	routes map[*policy.Route]*route
+	// fixed are the encodings of the answers that never vary (codec.go).
+	fixed map[*extprocv3.ProcessingResponse]mem.Buffer
 	// digests are the hashes of stored keys and fingerprints, reused across requests.
 	digests sync.Pool
 	// The store-duration series of each operation.
@@ -141,6 +144,9 @@ func NewServer(opts Options) (*Server, error) {
 			return nil, err
 		}
 		s.routes[r] = c
+	}
+	if s.fixed, err = fixedAnswers(s.routes); err != nil {
+		return nil, err
 	}
 	s.digests.New = func() any { return newDigest(s.keyHash) }
 	d := s.metrics.storeDuration

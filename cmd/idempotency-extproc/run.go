@@ -262,6 +262,8 @@ func newGRPCServer(cfg *config, opts runOptions, srv *extproc.Server) *grpc.Serv
 		grpc.ChainStreamInterceptor(srv.StreamInterceptor()),
 		// An ext_proc stream has 10 s to send its first message.
 		grpc.InTapHandle(srv.TapHandle()),
+		// The answers that never vary go out as their encoding, made once.
+		grpc.ForceServerCodecV2(srv.Codec()),
 		// A BUFFERED body arrives in one message (Filter::sendBufferedData in Envoy's
 		// source/extensions/filters/http/ext_proc/ext_proc.cc): the limit must exceed the
 		// largest body Envoy may send.
