@@ -1,6 +1,8 @@
 package extproc
 
 import (
+	"sync"
+
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc/encoding"
 	grpcproto "google.golang.org/grpc/encoding/proto"
@@ -11,7 +13,8 @@ import (
 )
 
 // The answers that never vary (answer.go: the CONTINUE answers, the pass-through, and each route's
-// answers to response headers and its problems, built at load) are encoded once too. gRPC's
+// answers to response headers and its problems, built at load) are encoded once too, and so are
+// the answers to a stored response's headers with its expiry, built once a second. gRPC's
 // protobuf codec encodes every message it sends, sizes first, 0.5–0.9 µs for an empty CONTINUE
 // on a loaded 2-core VM, and three of a first execution's four answers are such answers.
 
@@ -20,20 +23,44 @@ import (
 type codec struct {
 	proto encoding.CodecV2
 	fixed map[*extprocv3.ProcessingResponse]mem.Buffer
+	fresh *encodings
+}
+
+// encodings holds the encodings of the answers that are built once a second (route.freshHeaders)
+// while they are current.
+type encodings struct{ m sync.Map } // *extprocv3.ProcessingResponse → mem.Buffer
+
+// add encodes resps and holds their encodings; an answer it cannot encode is left to the codec.
+func (e *encodings) add(resps ...*extprocv3.ProcessingResponse) {
+	for _, resp := range resps {
+		if b, err := proto.Marshal(resp); err == nil {
+			e.m.Store(resp, mem.SliceBuffer(b))
+		}
+	}
+}
+
+// remove forgets the encodings of resps, which are no longer current.
+func (e *encodings) remove(resps ...*extprocv3.ProcessingResponse) {
+	for _, resp := range resps {
+		e.m.Delete(resp)
+	}
 }
 
 // Codec returns the gRPC codec to serve s with (grpc.ForceServerCodecV2): gRPC's protobuf codec,
 // sending the answers s built at load as their encoding, made once, instead of encoding them
 // again for each request. What Envoy receives is the same bytes.
 func (s *Server) Codec() encoding.CodecV2 {
-	return codec{proto: encoding.GetCodecV2(grpcproto.Name), fixed: s.fixed}
+	return codec{proto: encoding.GetCodecV2(grpcproto.Name), fixed: s.fixed, fresh: &s.fresh}
 }
 
 func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 	if m, ok := v.(*extprocv3.ProcessingResponse); ok {
+		// A SliceBuffer is never written to or given back to a pool: its Free does nothing.
 		if b, ok := c.fixed[m]; ok {
-			// A SliceBuffer is never written to or given back to a pool: its Free does nothing.
 			return mem.BufferSlice{b}, nil
+		}
+		if b, ok := c.fresh.m.Load(m); ok {
+			return mem.BufferSlice{b.(mem.Buffer)}, nil
 		}
 	}
 	return c.proto.Marshal(v)

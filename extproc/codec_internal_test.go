@@ -2,6 +2,7 @@ package extproc
 
 import (
 	"testing"
+	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/stretchr/testify/require"
@@ -60,6 +61,29 @@ func TestCodecSendsTheAnswers(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, out.Materialize(), again.Materialize(), "the same bytes on every send")
 	}
+	// The answers to a stored response's headers with its expiry: encoded once while their
+	// second is current, then forgotten, and still sent right.
+	r := s.routes[s.policy.Routes[0]]
+	at := s.clock.Now()
+	first := []*extprocv3.ProcessingResponse{r.freshHeaders(at, false), r.freshHeaders(at, true)}
+	for _, a := range first {
+		_, held := s.fresh.m.Load(a)
+		require.True(t, held, "the second's answers are encoded once")
+	}
+	later := r.freshHeaders(at.Add(time.Second), false)
+	_, held := s.fresh.m.Load(later)
+	require.True(t, held)
+	for _, a := range append(first, later) {
+		if a != later {
+			_, held := s.fresh.m.Load(a)
+			require.False(t, held, "a past second's answers are forgotten")
+		}
+		out, err := c.Marshal(a)
+		require.NoError(t, err)
+		want, err := encoding.GetCodecV2(grpcproto.Name).Marshal(a)
+		require.NoError(t, err)
+		require.Equal(t, want.Materialize(), out.Materialize())
+	}
 	// An answer built for one request: encoded as gRPC's codec does.
 	fresh := markResponseHeaders(s.policy.Routes[0], nil, s.clock.Now())
 	out, err := c.Marshal(fresh)
@@ -70,14 +94,15 @@ func TestCodecSendsTheAnswers(t *testing.T) {
 	require.NotContains(t, s.fixed, fresh)
 }
 
-// What encoding a first execution's four answers costs: gRPC's protobuf codec against the
-// server's codec, which sends the three built at load from their encoding.
+// What encoding a first execution's four answers costs, on a route with the default
+// expires_header: gRPC's protobuf codec against the server's codec, which sends the two
+// CONTINUEs and the second's answer to the response headers from their encoding.
 func BenchmarkAnswerEncoding(b *testing.B) {
 	s := codecServer(b)
 	r := s.routes[s.policy.Routes[0]]
 	md := r.metadata.encode(Executed, "", string(make([]byte, 64)))
 	answers := []*extprocv3.ProcessingResponse{
-		continues[kindRequestHeaders], continues[kindRequestBody], r.stored,
+		continues[kindRequestHeaders], continues[kindRequestBody], r.freshHeaders(s.clock.Now().Add(time.Hour), false),
 		withMetadata(continues[kindResponseBody], false, md),
 	}
 	for _, tc := range []struct {

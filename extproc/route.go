@@ -48,6 +48,9 @@ type route struct {
 	// fresh is the answer to a stored response's headers with the expiry of the second it
 	// holds: every response stored within one second carries the same HTTP-date.
 	fresh atomic.Pointer[freshAnswer]
+	// encodings holds the encodings of the current second's answers (codec.go); nil: none are
+	// kept.
+	encodings *encodings
 
 	metadata metadataTemplates
 }
@@ -118,8 +121,16 @@ func (r *route) freshHeaders(expires time.Time, noBody bool) *extprocv3.Processi
 	f := r.fresh.Load()
 	if f == nil || f.second != sec {
 		at := time.Unix(sec, 0)
-		f = &freshAnswer{second: sec, resp: markResponseHeaders(r.Route, nil, at), noStore: markResponseHeaders(r.Route, noStoreMode, at)}
-		r.fresh.Store(f)
+		next := &freshAnswer{second: sec, resp: markResponseHeaders(r.Route, nil, at), noStore: markResponseHeaders(r.Route, noStoreMode, at)}
+		// The request that makes a second's answers current has them encoded (codec.go); one
+		// that loses the race sends its own, encoded as they go.
+		if r.fresh.CompareAndSwap(f, next) && r.encodings != nil {
+			r.encodings.add(next.resp, next.noStore)
+			if f != nil {
+				r.encodings.remove(f.resp, f.noStore)
+			}
+		}
+		f = next
 	}
 	if noBody {
 		return f.noStore

@@ -73,8 +73,10 @@ type Server struct {
 	clock   clock.Clock
 	// routes are the policy's routes, compiled.
 	routes map[*policy.Route]*route
-	// fixed are the encodings of the answers that never vary (codec.go).
+	// fixed are the encodings of the answers that never vary, fresh those of the routes' answers
+	// of the current second (codec.go).
 	fixed map[*extprocv3.ProcessingResponse]mem.Buffer
+	fresh encodings
 	// digests are the hashes of stored keys and fingerprints, reused across requests.
 	digests sync.Pool
 	// The store-duration series of each operation.
@@ -143,6 +145,7 @@ func NewServer(opts Options) (*Server, error) {
 		if err != nil {
 			return nil, err
 		}
+		c.encodings = &s.fresh
 		s.routes[r] = c
 	}
 	if s.fixed, err = fixedAnswers(s.routes); err != nil {
