@@ -242,14 +242,16 @@ type stream struct {
 }
 
 func newStream(s *Server, ctx context.Context) *stream {
-	// One allocation for the stream, its store calls and its request.
+	// One allocation for the stream, its store calls, its request and room for the answers to
+	// one message (more grow out of it).
 	b := &struct {
 		st   stream
 		call leaseCall
 		req  admitted
+		out  [2]*extprocv3.ProcessingResponse
 	}{}
 	b.call = leaseCall{s: s, req: &b.req, ctx: ctx}
-	b.st = stream{s: s, call: &b.call, req: &b.req}
+	b.st = stream{s: s, call: &b.call, req: &b.req, out: b.out[:0]}
 	return &b.st
 }
 
