@@ -21,7 +21,7 @@ COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
 RUN CGO_ENABLED=0 GOOS=$TARGETOS GOARCH=$TARGETARCH \
-    go build -trimpath -ldflags="-s -w -X main.version=${VERSION} -X main.revision=${REVISION}" \
+    go build -trimpath -tags vtprotobuf -ldflags="-s -w -X main.version=${VERSION} -X main.revision=${REVISION}" \
       -o /out/idempotency-extproc ./cmd/idempotency-extproc
 
 FROM gcr.io/distroless/static-debian12:nonroot

@@ -21,7 +21,7 @@ help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 build: ## the binary at BIN (bin/idempotency-extproc), with its version and revision from git
-	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/idempotency-extproc
+	$(GO) build -tags vtprotobuf -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/idempotency-extproc
 
 test: lint unit allocs bench fuzz deploy-test ## the whole suite, as CI runs it: lint, race tests, allocation tests, benchmarks once, short fuzzing, deploy/
 

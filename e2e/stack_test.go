@@ -45,7 +45,8 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	binaryPath = filepath.Join(dir, "idempotency-extproc")
-	args := []string{"build", "-o", binaryPath}
+	// As the Dockerfile builds it: with go-control-plane's generated encoders (extproc/codec.go).
+	args := []string{"build", "-tags", "vtprotobuf", "-o", binaryPath}
 	if raceEnabled {
 		args = append(args, "-race")
 	}

@@ -63,7 +63,38 @@ func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 			return mem.BufferSlice{b.(mem.Buffer)}, nil
 		}
 	}
+	if m, ok := v.(vtMessage); ok {
+		return marshalVT(m)
+	}
 	return c.proto.Marshal(v)
+}
+
+// vtMessage is a message with the encoder go-control-plane generates beside protobuf's
+// (vtprotobuf): it sizes and writes the message without protobuf's reflection, unknown fields
+// included, in the same order of fields.
+type vtMessage interface {
+	SizeVT() int
+	MarshalToSizedBufferVTStrict(dAtA []byte) (int, error)
+}
+
+// marshalVT encodes m as gRPC's protobuf codec places a message: in a buffer of its own when it
+// is small, else in one of gRPC's pool.
+func marshalVT(m vtMessage) (mem.BufferSlice, error) {
+	size := m.SizeVT()
+	if mem.IsBelowBufferPoolingThreshold(size) {
+		buf := make([]byte, size)
+		if _, err := m.MarshalToSizedBufferVTStrict(buf); err != nil {
+			return nil, err
+		}
+		return mem.BufferSlice{mem.SliceBuffer(buf)}, nil
+	}
+	pool := mem.DefaultBufferPool()
+	buf := pool.Get(size)
+	if _, err := m.MarshalToSizedBufferVTStrict((*buf)[:size]); err != nil {
+		pool.Put(buf)
+		return nil, err
+	}
+	return mem.BufferSlice{mem.NewBuffer(buf, pool)}, nil
 }
 
 func (c codec) Unmarshal(data mem.BufferSlice, v any) error { return c.proto.Unmarshal(data, v) }

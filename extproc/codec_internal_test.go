@@ -78,48 +78,90 @@ func TestCodecSendsTheAnswers(t *testing.T) {
 			_, held := s.fresh.m.Load(a)
 			require.False(t, held, "a past second's answers are forgotten")
 		}
-		out, err := c.Marshal(a)
-		require.NoError(t, err)
-		want, err := encoding.GetCodecV2(grpcproto.Name).Marshal(a)
-		require.NoError(t, err)
-		require.Equal(t, want.Materialize(), out.Materialize())
+		requireSameMessage(t, c, a)
 	}
-	// An answer built for one request: encoded as gRPC's codec does.
-	fresh := markResponseHeaders(s.policy.Routes[0], nil, s.clock.Now())
-	out, err := c.Marshal(fresh)
-	require.NoError(t, err)
-	want, err := encoding.GetCodecV2(grpcproto.Name).Marshal(fresh)
-	require.NoError(t, err)
-	require.Equal(t, want.Materialize(), out.Materialize())
-	require.NotContains(t, s.fixed, fresh)
+	// Answers built for one request: what Envoy decodes is what gRPC's codec would have sent.
+	at = at.Truncate(time.Second)
+	rec := &cache.Record{CreatedAt: at, ExpiresAt: at.Add(time.Hour), Response: cache.Response{
+		Status: 201, Body: []byte(`{"id":"p_1"}`),
+		Headers:  []cache.Header{{Name: "content-type", Value: []byte("application/json")}, {Name: "set-cookie", Value: []byte("a=1")}, {Name: "set-cookie", Value: []byte("b=2")}},
+		Trailers: []cache.Header{{Name: "grpc-status", Value: []byte("0")}},
+	}}
+	md := r.metadata.encode(Replayed, "", string(make([]byte, 64)))
+	perRequest := []*extprocv3.ProcessingResponse{
+		replayResponse(rec, r.Route, "wait=5"),
+		withMetadata(replayResponse(rec, r.Route, ""), true, md),
+		withMetadata(continues[kindResponseBody], false, md),
+		withMetadata(r.problems[problemInProgress], false, md),
+		withMetadata(passThroughRequestHeaders, false, md),
+		grpcReplayRefused(rec, r.Route),
+		streamedBody(kindRequestBody, []byte("chunk"), true),
+	}
+	perRequest = append(perRequest, streamedReplay(rec, r.Route, "")...)
+	perRequest = append(perRequest, markResponseHeaders(s.policy.Routes[0], nil, s.clock.Now()))
+	for _, a := range perRequest {
+		require.NotContains(t, s.fixed, a)
+		requireSameMessage(t, c, a)
+	}
 }
 
-// What encoding a first execution's four answers costs, on a route with the default
-// expires_header: gRPC's protobuf codec against the server's codec, which sends the two
-// CONTINUEs and the second's answer to the response headers from their encoding.
+// requireSameMessage requires that c's encoding of a decodes as gRPC's protobuf codec's does. The
+// bytes may differ in the order of the fields: protobuf-go writes a oneof after the other fields,
+// go-control-plane's generated encoder (built with -tags vtprotobuf) in field-number order.
+func requireSameMessage(t *testing.T, c encoding.CodecV2, a *extprocv3.ProcessingResponse) {
+	t.Helper()
+	out, err := c.Marshal(a)
+	require.NoError(t, err)
+	want, err := encoding.GetCodecV2(grpcproto.Name).Marshal(a)
+	require.NoError(t, err)
+	var got, wanted extprocv3.ProcessingResponse
+	require.NoError(t, proto.Unmarshal(out.Materialize(), &got))
+	require.NoError(t, proto.Unmarshal(want.Materialize(), &wanted))
+	require.True(t, proto.Equal(&wanted, &got), "%v decodes as %v", &wanted, &got)
+	require.Len(t, out.Materialize(), len(want.Materialize()))
+}
+
+// What encoding a request's answers costs, on a route with the default expires_header: a first
+// execution's four and a replay's one (a stored 201 with two headers and a 33-byte body), through
+// gRPC's protobuf codec and through the server's codec.
 func BenchmarkAnswerEncoding(b *testing.B) {
 	s := codecServer(b)
 	r := s.routes[s.policy.Routes[0]]
 	md := r.metadata.encode(Executed, "", string(make([]byte, 64)))
-	answers := []*extprocv3.ProcessingResponse{
-		continues[kindRequestHeaders], continues[kindRequestBody], r.freshHeaders(s.clock.Now().Add(time.Hour), false),
-		withMetadata(continues[kindResponseBody], false, md),
+	now := s.clock.Now()
+	rec := &cache.Record{CreatedAt: now, ExpiresAt: now.Add(time.Hour), Response: cache.Response{
+		Status: 201, Body: []byte(`{"amount":100,"currency":"EUR"}xx`),
+		Headers: []cache.Header{{Name: "content-type", Value: []byte("application/json")}, {Name: "location", Value: []byte("/v1/payments/p_1")}},
+	}}
+	loads := []struct {
+		name    string
+		answers []*extprocv3.ProcessingResponse
+	}{
+		{"first", []*extprocv3.ProcessingResponse{
+			continues[kindRequestHeaders], continues[kindRequestBody], r.freshHeaders(now.Add(time.Hour), false),
+			withMetadata(continues[kindResponseBody], false, md),
+		}},
+		{"replay", []*extprocv3.ProcessingResponse{
+			withMetadata(replayResponse(rec, r.Route, ""), true, r.metadata.encode(Replayed, "", string(make([]byte, 64)))),
+		}},
 	}
-	for _, tc := range []struct {
-		name  string
-		codec encoding.CodecV2
-	}{{"grpc", encoding.GetCodecV2(grpcproto.Name)}, {"server", s.Codec()}} {
-		b.Run(tc.name, func(b *testing.B) {
-			b.ReportAllocs()
-			for b.Loop() {
-				for _, a := range answers {
-					out, err := tc.codec.Marshal(a)
-					if err != nil {
-						b.Fatal(err)
+	for _, l := range loads {
+		for _, tc := range []struct {
+			name  string
+			codec encoding.CodecV2
+		}{{"grpc", encoding.GetCodecV2(grpcproto.Name)}, {"server", s.Codec()}} {
+			b.Run(l.name+"/"+tc.name, func(b *testing.B) {
+				b.ReportAllocs()
+				for b.Loop() {
+					for _, a := range l.answers {
+						out, err := tc.codec.Marshal(a)
+						if err != nil {
+							b.Fatal(err)
+						}
+						out.Free()
 					}
-					out.Free()
 				}
-			}
-		})
+			})
+		}
 	}
 }

@@ -75,7 +75,7 @@ func TestDockerfile(t *testing.T) {
 		}
 	}
 	require.True(t, args["TARGETOS"] && args["TARGETARCH"], "the build stage declares TARGETOS and TARGETARCH")
-	for _, want := range []string{"CGO_ENABLED=0", "GOOS=$TARGETOS", "GOARCH=$TARGETARCH", "./cmd/idempotency-extproc", "-trimpath"} {
+	for _, want := range []string{"CGO_ENABLED=0", "GOOS=$TARGETOS", "GOARCH=$TARGETARCH", "./cmd/idempotency-extproc", "-trimpath", "-tags vtprotobuf"} {
 		require.Contains(t, goBuild, want)
 	}
 	// The image's version reaches the binary's --version: a build argument is seen only by the
@@ -135,7 +135,7 @@ func TestBinaryBuildsForBothPlatforms(t *testing.T) {
 	for arch, machine := range map[string]elf.Machine{"amd64": elf.EM_X86_64, "arm64": elf.EM_AARCH64} {
 		t.Run(arch, func(t *testing.T) {
 			out := filepath.Join(t.TempDir(), "idempotency-extproc")
-			cmd := exec.Command("go", "build", "-trimpath", "-ldflags="+ldflags, "-o", out, "./cmd/idempotency-extproc")
+			cmd := exec.Command("go", "build", "-trimpath", "-tags", "vtprotobuf", "-ldflags="+ldflags, "-o", out, "./cmd/idempotency-extproc")
 			cmd.Dir = repoRoot
 			cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH="+arch)
 			b, err := cmd.CombinedOutput()

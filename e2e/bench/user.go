@@ -176,7 +176,7 @@ func buildShipped(dir string) (string, error) {
 		return "", fmt.Errorf("bench: go env GOMOD: %w", err)
 	}
 	bin := filepath.Join(dir, "idempotency-extproc")
-	cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin, "./cmd/idempotency-extproc")
+	cmd := exec.Command("go", "build", "-trimpath", "-tags", "vtprotobuf", "-ldflags=-s -w", "-o", bin, "./cmd/idempotency-extproc")
 	cmd.Dir = filepath.Dir(strings.TrimSpace(string(root)))
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	cmd.Stderr = os.Stderr
@@ -878,7 +878,7 @@ func (r userResult) get(load string, size int, name string) []userCell {
 
 func (r userResult) print(w io.Writer) {
 	o := r.o
-	fmt.Fprintf(w, "idempotency-extproc as shipped (go build -trimpath -ldflags='-s -w', CGO_ENABLED=0), chart defaults (info logs, json, to %s; admin and metrics on), policy routes %q, headers %q\n",
+	fmt.Fprintf(w, "idempotency-extproc as shipped (go build -trimpath -tags vtprotobuf -ldflags='-s -w', CGO_ENABLED=0), chart defaults (info logs, json, to %s; admin and metrics on), policy routes %q, headers %q\n",
 		map[string]string{"file": "a file", "discard": "/dev/null"}[o.logs], o.routes, o.headers)
 	fmt.Fprintf(w, "%d CPUs, %s, %d streams, BUFFERED both ways, %d interleaved rounds of %s per cell; medians [min, max] of the rounds\n\n",
 		runtime.NumCPU(), runtime.Version(), o.streams, o.rounds, (o.duration / time.Duration(o.rounds)).Round(time.Millisecond))
