@@ -48,7 +48,9 @@ func (e *encodings) remove(resps ...*extprocv3.ProcessingResponse) {
 
 // Codec returns the gRPC codec to serve s with (grpc.ForceServerCodecV2): gRPC's protobuf codec,
 // sending the answers s built at load as their encoding, made once, instead of encoding them
-// again for each request. What Envoy receives is the same bytes.
+// again for each request (the same bytes), and the others through go-control-plane's generated
+// encoder when the binary is built with -tags vtprotobuf (the same message; a oneof may come
+// first). It decodes as gRPC's protobuf codec does.
 func (s *Server) Codec() encoding.CodecV2 {
 	return codec{proto: encoding.GetCodecV2(grpcproto.Name), fixed: s.fixed, fresh: &s.fresh}
 }
