@@ -61,7 +61,7 @@ func withMetadataOf(resp *extprocv3.ProcessingResponse) *extprocv3.ProcessingRes
 func LogRequestLines(log *zerolog.Logger, n int) {
 	s := &Server{log: *log}
 	r := &route{Route: &policy.Route{Name: "default"}}
-	st := newStream(s, context.Background())
+	st := newStream(s, context.Background(), nil)
 	st.req.route, st.req.id, st.req.info.method = r, "0f6b6a4e-6c1e-4a3c-9a55-2f0c8a7f1d21", []byte("POST")
 	st.call.keyHash, st.call.fate, st.call.resp.Status = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef", leaseRecorded, 201
 	st.outcome = Executed

@@ -255,8 +255,7 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	s.streams.Add(1)
 	defer s.streams.Done()
 	defer s.leave()
-	st := newStream(s, srv.Context())
-	st.tapped = first
+	st := newStream(s, srv.Context(), first)
 	// Runs on a panic too (see StreamInterceptor): the lease is released or kept as for any
 	// stream cut short.
 	defer st.finish()

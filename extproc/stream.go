@@ -202,6 +202,9 @@ type admitted struct {
 	start time.Time
 	// span is the request's trace span; nil without a tracer, or for a request not covered.
 	span trace.Span
+	// named is the policy route the stream's initial metadata names (x-idempotency-route), ""
+	// for none.
+	named string
 }
 
 // stream is one HTTP request: what it needs to answer Envoy's next message. Its methods run on
@@ -236,12 +239,11 @@ type stream struct {
 	// json is what a route that reads its body's members keeps of the request (jsonstream.go);
 	// nil on other routes.
 	json *jsonState
-	// tapped is the stream's first-message context, which holds the route its metadata names;
-	// nil on a server without TapHandle (limits.go).
-	tapped *firstMessageContext
 }
 
-func newStream(s *Server, ctx context.Context) *stream {
+// newStream returns the stream of a request whose context is ctx, and whose first-message
+// context is first (nil on a server without TapHandle, limits.go).
+func newStream(s *Server, ctx context.Context, first *firstMessageContext) *stream {
 	// One allocation for the stream, its store calls, its request and room for the answers to
 	// one message (more grow out of it).
 	b := &struct {
@@ -252,6 +254,14 @@ func newStream(s *Server, ctx context.Context) *stream {
 	}{}
 	b.call = leaseCall{s: s, req: &b.req, ctx: ctx}
 	b.st = stream{s: s, call: &b.call, req: &b.req, out: b.out[:0]}
+	// The route the stream's metadata names: as the tap read it, or from the context, where
+	// ValueFromIncomingContext reads the one key (FromIncomingContext would copy the stream's
+	// whole metadata).
+	if first != nil {
+		b.req.named = first.named
+	} else if v := metadata.ValueFromIncomingContext(ctx, namedRouteHeader); len(v) > 0 {
+		b.req.named = v[0]
+	}
 	return &b.st
 }
 
@@ -443,7 +453,7 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	attrs := req.GetAttributes()[extProcAttributes].GetFields()
 	a.info = requestInfo{headers: h, method: h.get(":method"), path: h.get(":path")}
 	sel := policy.Selector{Path: string(splitPath(a.info.path)), RouteName: attrs[attrRouteName].GetStringValue()}
-	sel.Named = st.namedRoute()
+	sel.Named = a.named
 	r, params, err := st.s.policy.Select(sel)
 	if err != nil {
 		st.unknownRoute(sel.Named, err)
@@ -477,20 +487,6 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 		return false
 	}
 	return true
-}
-
-// namedRoute returns the policy route the stream's initial metadata names (x-idempotency-route),
-// "" for none: as the tap read it, or, on a server without the tap, from the context.
-// ValueFromIncomingContext reads the one key; FromIncomingContext would copy the stream's whole
-// metadata on every request.
-func (st *stream) namedRoute() string {
-	if st.tapped != nil {
-		return st.tapped.named
-	}
-	if v := metadata.ValueFromIncomingContext(st.call.ctx, namedRouteHeader); len(v) > 0 {
-		return v[0]
-	}
-	return ""
 }
 
 // unknownRoute answers a request whose Envoy route names a policy route that does not exist, or

@@ -109,14 +109,14 @@ func (sc transitionScenario) walk(t *testing.T) (from, to state, illegal float64
 	s, err := NewServer(Options{Store: store, Policy: p, Clock: clk, Metrics: m})
 	require.NoError(t, err)
 	if sc.prior != nil {
-		first := newStream(s, t.Context())
+		first := newStream(s, t.Context(), nil)
 		defer first.finish()
 		for _, msg := range sc.prior {
 			_, ok := first.handle(msg)
 			require.True(t, ok)
 		}
 	}
-	st := newStream(s, t.Context())
+	st := newStream(s, t.Context(), nil)
 	defer st.finish()
 	for _, msg := range sc.setup {
 		_, ok := st.handle(msg)
@@ -162,7 +162,7 @@ func TestTransitionTable(t *testing.T) {
 		require.NoError(t, err)
 		s, err := NewServer(Options{Store: mem, Metrics: m})
 		require.NoError(t, err)
-		st := newStream(s, t.Context())
+		st := newStream(s, t.Context(), nil)
 		st.req.route, st.state = s.routes[s.policy.Default], bad.from
 		st.move(bad.on, nil)
 		require.Equal(t, stateSettled, st.state, "%v --%v-->", bad.from, bad.on)
