@@ -35,7 +35,7 @@ const module = "github.com/idempotency-extproc/idempotency-extproc/"
 // prints the list.
 func TestArchitectureWalk(t *testing.T) {
 	bin := filepath.Join(t.TempDir(), "idempotency-extproc")
-	build := exec.Command("go", "build", "-cover", "-covermode=atomic",
+	build := exec.Command("go", "build", "-tags", "vtprotobuf", "-cover", "-covermode=atomic",
 		"-coverpkg=../cmd/...,../extproc/...,../cache/...,../internal/...", "-o", bin, "../cmd/idempotency-extproc")
 	out, err := build.CombinedOutput()
 	require.NoError(t, err, "%s", out)

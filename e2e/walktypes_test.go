@@ -19,7 +19,7 @@ import (
 // generic type's instances as the generic type.
 func walkTypes(t *testing.T, fns []string, ran []block) []string {
 	t.Helper()
-	cfg := &packages.Config{Mode: packages.NeedName | packages.NeedSyntax | packages.NeedTypes | packages.NeedTypesInfo, Dir: ".."}
+	cfg := &packages.Config{BuildFlags: []string{"-tags=vtprotobuf"}, Mode: packages.NeedName | packages.NeedSyntax | packages.NeedTypes | packages.NeedTypesInfo, Dir: ".."}
 	pkgs, err := packages.Load(cfg, "./cmd/...", "./extproc/...", "./internal/...")
 	require.NoError(t, err)
 	root, err := filepath.Abs("..")

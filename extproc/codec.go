@@ -19,9 +19,10 @@ import (
 // on a loaded 2-core VM, and three of a first execution's four answers are such answers.
 
 // codec is gRPC's protobuf codec, except that an answer built once is sent as its encoding, made
-// once. It tells those answers by their address: a shared answer is never changed.
+// once. It tells those answers by their address: a shared answer is never changed. It decodes,
+// and names itself, as the codec it embeds.
 type codec struct {
-	proto encoding.CodecV2
+	encoding.CodecV2
 	fixed map[*extprocv3.ProcessingResponse]mem.Buffer
 	fresh *encodings
 }
@@ -52,7 +53,7 @@ func (e *encodings) remove(resps ...*extprocv3.ProcessingResponse) {
 // encoder when the binary is built with -tags vtprotobuf (the same message; a oneof may come
 // first). It decodes as gRPC's protobuf codec does.
 func (s *Server) Codec() encoding.CodecV2 {
-	return codec{proto: encoding.GetCodecV2(grpcproto.Name), fixed: s.fixed, fresh: &s.fresh}
+	return codec{CodecV2: encoding.GetCodecV2(grpcproto.Name), fixed: s.fixed, fresh: &s.fresh}
 }
 
 func (c codec) Marshal(v any) (mem.BufferSlice, error) {
@@ -65,23 +66,12 @@ func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 			return mem.BufferSlice{b.(mem.Buffer)}, nil
 		}
 	}
-	if m, ok := v.(vtMessage); ok {
-		return marshalVT(m)
+	m, ok := v.(vtMessage)
+	if !ok {
+		return c.CodecV2.Marshal(v)
 	}
-	return c.proto.Marshal(v)
-}
-
-// vtMessage is a message with the encoder go-control-plane generates beside protobuf's
-// (vtprotobuf): it sizes and writes the message without protobuf's reflection, unknown fields
-// included, in the same order of fields.
-type vtMessage interface {
-	SizeVT() int
-	MarshalToSizedBufferVTStrict(dAtA []byte) (int, error)
-}
-
-// marshalVT encodes m as gRPC's protobuf codec places a message: in a buffer of its own when it
-// is small, else in one of gRPC's pool.
-func marshalVT(m vtMessage) (mem.BufferSlice, error) {
+	// As gRPC's protobuf codec places a message: in a buffer of its own when it is small, else in
+	// one of gRPC's pool.
 	size := m.SizeVT()
 	if mem.IsBelowBufferPoolingThreshold(size) {
 		buf := make([]byte, size)
@@ -99,9 +89,14 @@ func marshalVT(m vtMessage) (mem.BufferSlice, error) {
 	return mem.BufferSlice{mem.NewBuffer(buf, pool)}, nil
 }
 
-func (c codec) Unmarshal(data mem.BufferSlice, v any) error { return c.proto.Unmarshal(data, v) }
-
-func (c codec) Name() string { return c.proto.Name() }
+// vtMessage is a message with the encoder go-control-plane generates beside protobuf's
+// (vtprotobuf, built with -tags vtprotobuf): it sizes and writes the message without protobuf's
+// reflection, unknown fields included; a oneof may come before other fields, where protobuf-go
+// writes it after them.
+type vtMessage interface {
+	SizeVT() int
+	MarshalToSizedBufferVTStrict(dAtA []byte) (int, error)
+}
 
 // fixedAnswers encodes the answers that never vary: the shared ones of answer.go and those of
 // each route.
