@@ -5,7 +5,6 @@ import (
 	"runtime/debug"
 	"runtime/metrics"
 	"sync"
-	"sync/atomic"
 )
 
 // gcHeadroom is how far the server lets its Go heap grow beyond its live data before it
@@ -46,8 +45,8 @@ type gcSentinel struct{ _ [64]byte }
 // wins.
 type gcTuner struct {
 	headroom uint64
-	stopped  atomic.Bool
 	mu       sync.Mutex // serialises the cycles' reads and settings with stop
+	stopped  bool       // guarded by mu
 	sample   []metrics.Sample
 	percent  int // what the tuner last set
 	restore  int // GOGC before the tuner started
@@ -99,7 +98,7 @@ func gcBaseSample() []metrics.Sample {
 func (t *gcTuner) cycle() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.stopped.Load() {
+	if t.stopped {
 		return
 	}
 	metrics.Read(t.sample)
@@ -119,7 +118,8 @@ func (t *gcTuner) cycle() {
 func (t *gcTuner) stop() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if !t.stopped.Swap(true) {
+	if !t.stopped {
+		t.stopped = true
 		debug.SetGCPercent(t.restore)
 	}
 }
