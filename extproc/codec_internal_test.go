@@ -1,6 +1,7 @@
 package extproc
 
 import (
+	"sync"
 	"testing"
 	"time"
 
@@ -8,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/encoding"
 	grpcproto "google.golang.org/grpc/encoding/proto"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -164,4 +166,46 @@ func BenchmarkAnswerEncoding(b *testing.B) {
 			})
 		}
 	}
+}
+
+// Concurrent requests whose expiries fall in different seconds, some behind the latest: each
+// gets the answer of its own second, and once they stop the codec holds the encodings of the
+// latest second's two answers only, each its own answer's.
+func TestFreshEncodingsFollowTheLatestSecond(t *testing.T) {
+	s := codecServer(t)
+	r := s.routes[s.policy.Routes[0]]
+	base := s.clock.Now().Truncate(time.Second)
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 3000 {
+				at := base.Add(time.Duration((i+g)%3+i/1000) * time.Second)
+				resp := r.freshHeaders(at, i%2 == 0)
+				var date string
+				for _, h := range resp.GetResponseHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+					if h.GetHeader().GetKey() == r.ExpiresHeader {
+						date = string(h.GetHeader().GetRawValue())
+					}
+				}
+				if date != string(httpDate(at)) {
+					t.Errorf("an expiry of %s answered with %q", at, date)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	latest := r.fresh.Load()
+	require.Equal(t, base.Add(4*time.Second).Unix(), latest.second)
+	held := map[*extprocv3.ProcessingResponse]bool{}
+	s.fresh.m.Range(func(k, v any) bool {
+		resp := k.(*extprocv3.ProcessingResponse)
+		held[resp] = true
+		var got extprocv3.ProcessingResponse
+		require.NoError(t, proto.Unmarshal(v.(mem.Buffer).ReadOnlyData(), &got))
+		require.True(t, proto.Equal(resp, &got), "an encoding held is its own answer's")
+		return true
+	})
+	require.Equal(t, map[*extprocv3.ProcessingResponse]bool{latest.resp: true, latest.noStore: true}, held,
+		"the encodings held are the latest second's two answers'")
 }

@@ -1,6 +1,7 @@
 package extproc
 
 import (
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -47,7 +48,8 @@ type route struct {
 	grpcProblems map[*problem]*extprocv3.ProcessingResponse
 	// fresh is the answer to a stored response's headers with the expiry of the second it
 	// holds: every response stored within one second carries the same HTTP-date.
-	fresh atomic.Pointer[freshAnswer]
+	fresh   atomic.Pointer[freshAnswer]
+	freshMu sync.Mutex // serialises replacing fresh, and its encodings, with another second's
 	// encodings holds the encodings of the current second's answers (codec.go); nil: none are
 	// kept.
 	encodings *encodings
@@ -114,26 +116,40 @@ func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error)
 }
 
 // freshHeaders returns the answer to the headers of a response that will be stored until
-// expires, with the body phase turned off when noBody is set. The answers of one second are
-// built once and shared.
+// expires, with the body phase turned off when noBody is set. The answers of the latest second
+// are built once, encoded once (codec.go) and shared; an expiry before that second (a shorter
+// ttl_header) gets answers of its own, so that mixed TTLs do not make the shared ones churn.
 func (r *route) freshHeaders(expires time.Time, noBody bool) *extprocv3.ProcessingResponse {
 	sec := expires.Unix()
 	f := r.fresh.Load()
-	if f == nil || f.second != sec {
-		at := time.Unix(sec, 0)
-		next := &freshAnswer{second: sec, resp: markResponseHeaders(r.Route, nil, at), noStore: markResponseHeaders(r.Route, noStoreMode, at)}
-		// The request that makes a second's answers current has them encoded (codec.go); one
-		// that loses the race sends its own, encoded as they go.
-		if r.fresh.CompareAndSwap(f, next) && r.encodings != nil {
-			r.encodings.add(next.resp, next.noStore)
-			if f != nil {
+	if f == nil || f.second < sec {
+		r.freshMu.Lock()
+		// Under the lock, a second's encodings are added before its answers are shared and
+		// removed after they are replaced: none is left behind.
+		if f = r.fresh.Load(); f == nil || f.second < sec {
+			next := newFreshAnswer(r.Route, sec)
+			if r.encodings != nil {
+				r.encodings.add(next.resp, next.noStore)
+			}
+			r.fresh.Store(next)
+			if r.encodings != nil && f != nil {
 				r.encodings.remove(f.resp, f.noStore)
 			}
 		}
-		f = next
+		f = r.fresh.Load()
+		r.freshMu.Unlock()
+	}
+	if f.second != sec {
+		f = newFreshAnswer(r.Route, sec)
 	}
 	if noBody {
 		return f.noStore
 	}
 	return f.resp
+}
+
+// newFreshAnswer builds the answers to a stored response's headers with the expiry sec.
+func newFreshAnswer(r *policy.Route, sec int64) *freshAnswer {
+	at := time.Unix(sec, 0)
+	return &freshAnswer{second: sec, resp: markResponseHeaders(r, nil, at), noStore: markResponseHeaders(r, noStoreMode, at)}
 }
