@@ -36,8 +36,9 @@ lint: ## gofmt, go vet and staticcheck must be clean
 	$(GO) vet $(PKGS)
 	$(STATICCHECK) $(PKGS)
 
-unit: ## every test with the race detector
+unit: ## every test with the race detector, and the answers' encoding as the image builds it (-tags vtprotobuf)
 	$(GO) test -race -count=1 -timeout 15m $(PKGS)
+	$(GO) test -race -count=1 -tags vtprotobuf -run 'Codec|FreshEncodings|EveryRequestBodyMode|RoutesChosenByEnvoy' ./extproc/
 
 allocs: ## the tests that count allocations, without the race detector, which adds its own
 	$(GO) test -count=1 -run 'CopiesOnce|ReusesItsBuffer' ./cache/

@@ -1,6 +1,7 @@
 package extproc
 
 import (
+	"bytes"
 	"sync"
 	"testing"
 	"time"
@@ -99,6 +100,12 @@ func TestCodecSendsTheAnswers(t *testing.T) {
 		grpcReplayRefused(rec, r.Route),
 		streamedBody(kindRequestBody, []byte("chunk"), true),
 	}
+	// A replay of 4 KiB: its encoding goes in a buffer of gRPC's pool.
+	big := *rec
+	big.Response.Body = bytes.Repeat([]byte("x"), 4<<10)
+	pooled := replayResponse(&big, r.Route, "")
+	require.False(t, mem.IsBelowBufferPoolingThreshold(proto.Size(pooled)))
+	perRequest = append(perRequest, pooled)
 	perRequest = append(perRequest, streamedReplay(rec, r.Route, "")...)
 	perRequest = append(perRequest, markResponseHeaders(s.policy.Routes[0], nil, s.clock.Now()))
 	for _, a := range perRequest {
