@@ -59,10 +59,10 @@ bench-compare: ## the shipped binary, as the chart starts it, against a null and
 	$(GO) run ./e2e/bench -mode user -duration 9s -rounds 3
 
 bench-inside: ## where the processor's cost goes: store calls, Redis commands and latency per workload and body mode, served by the benchmark itself (needs redis-server, redis-benchmark)
-	$(GO) run ./e2e/bench -duration 10s -rounds 5
+	$(GO) run -tags vtprotobuf ./e2e/bench -duration 10s -rounds 5
 
 bench-costs: ## what features, body sizes and streams cost over the null processor, docs/performance.md (needs redis-server, redis-benchmark)
-	$(GO) run ./e2e/bench -mode costs -duration 10s -rounds 5
+	$(GO) run -tags vtprotobuf ./e2e/bench -mode costs -duration 10s -rounds 5
 
 run: ## the server on the embedded memory store with envoy/policy.yaml: ext_proc gRPC on :9002, admin HTTP on :9003
 	$(GO) run -ldflags "$(LDFLAGS)" ./cmd/idempotency-extproc --store memory --config envoy/policy.yaml --log-format console

@@ -243,8 +243,9 @@ func serveTarget(name, redisAddr string, memoryBytes int64, stdin io.Reader, std
 	sopts := []grpc.ServerOption{grpc.MaxRecvMsgSize(64 << 20), grpc.NumStreamWorkers(extproc.StreamWorkers)}
 	if processor, ok := p.(*extproc.Server); ok {
 		// As the binary serves it (cmd/idempotency-extproc/run.go): a stream's panic ends that
-		// stream, and its first message has a deadline.
-		sopts = append(sopts, grpc.ChainStreamInterceptor(processor.StreamInterceptor()), grpc.InTapHandle(processor.TapHandle()))
+		// stream, its first message has a deadline, and its answers go through the server's codec.
+		sopts = append(sopts, grpc.ChainStreamInterceptor(processor.StreamInterceptor()), grpc.InTapHandle(processor.TapHandle()),
+			grpc.ForceServerCodecV2(processor.Codec()))
 	}
 	gs := grpc.NewServer(sopts...)
 	extprocv3.RegisterExternalProcessorServer(gs, p)
