@@ -94,11 +94,11 @@ func (s *chargeService) UnaryCall(_ context.Context, req *testgrpc.SimpleRequest
 }
 
 // serve serves register on a loopback port until the test ends, and returns the address.
-func serve(t *testing.T, register func(*grpc.Server)) string {
+func serve(t *testing.T, register func(*grpc.Server), opts ...grpc.ServerOption) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	gs := grpc.NewServer()
+	gs := grpc.NewServer(opts...)
 	register(gs)
 	done := make(chan struct{})
 	go func() {
@@ -143,7 +143,9 @@ type proc struct {
 // keeps the key, and a retry is refused instead of running again.
 func processor(t *testing.T) *proc {
 	t.Helper()
-	p, err := policy.Parse([]byte("routes: [{name: charge, match: {path_prefix: /payments.v1.Payments/}, grpc: true, unknown_outcome: record}]\n"))
+	// The route matches no call's path: only the name the filter's initial_metadata gives
+	// chooses it, as the first-message tap reads it.
+	p, err := policy.Parse([]byte("routes: [{name: charge, match: {path_prefix: /no-call-has-this-path/}, grpc: true, unknown_outcome: record}]\n"))
 	require.NoError(t, err)
 	store, err := cache.NewMemory(cache.MemoryOptions{})
 	require.NoError(t, err)
@@ -154,9 +156,10 @@ func processor(t *testing.T) *proc {
 	srv, err := extproc.NewServer(extproc.Options{Store: store, Policy: p, Logger: &log, Metrics: metrics})
 	require.NoError(t, err)
 	pr := &proc{policy: p, store: store, metrics: reg}
+	// Served as the binary serves it (cmd/idempotency-extproc/run.go): the tap and the codec.
 	pr.addr = serve(t, func(gs *grpc.Server) {
 		extprocv3.RegisterExternalProcessorServer(gs, endRecorder{next: srv, proc: pr})
-	})
+	}, grpc.InTapHandle(srv.TapHandle()), grpc.ForceServerCodecV2(srv.Codec()))
 	return pr
 }
 
