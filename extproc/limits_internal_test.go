@@ -14,15 +14,7 @@ import (
 // What the first-message deadline costs a stream: the tap's context and timer as a stream opens,
 // and stopping the timer at its first message. No goroutine is started.
 func BenchmarkFirstMessageTimer(b *testing.B) {
-	store, err := cache.NewMemory(cache.MemoryOptions{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer store.Close()
-	s, err := NewServer(Options{Store: store})
-	if err != nil {
-		b.Fatal(err)
-	}
+	s := benchServer(b)
 	handle, info := s.TapHandle(), &tap.Info{FullMethodName: processMethod}
 	b.ReportAllocs()
 	for b.Loop() {
@@ -38,18 +30,10 @@ func BenchmarkFirstMessageTimer(b *testing.B) {
 
 // What a new stream costs with the route its metadata names read, when it names none (the
 // common case): from the tap's context, where TapHandle read it, and from the stream's context,
-// as a server without the tap reads it. The metadata is what grpc-go's transport gives a stream of Envoy's
-// ext_proc client (its gRPC headers, not the HTTP request's).
+// as a server without the tap reads it. The metadata is what grpc-go's transport gives a stream
+// of Envoy's ext_proc client (its gRPC headers, not the HTTP request's).
 func BenchmarkNamedRoute(b *testing.B) {
-	store, err := cache.NewMemory(cache.MemoryOptions{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer store.Close()
-	s, err := NewServer(Options{Store: store})
-	if err != nil {
-		b.Fatal(err)
-	}
+	s := benchServer(b)
 	md := metadata.Pairs(":authority", "idempotency-extproc", "content-type", "application/grpc",
 		"user-agent", "envoy/1.36.0", "x-envoy-internal", "true", "x-forwarded-for", "10.0.0.1",
 		"x-request-id", "6f1c2b1e-9a4d-4c1e-8b1a-100000000001", "x-envoy-expected-rq-timeout-ms", "200")
@@ -77,4 +61,18 @@ func BenchmarkNamedRoute(b *testing.B) {
 			}
 		})
 	}
+}
+
+// benchServer is a Server on a memory store of its own, closed when b ends.
+func benchServer(b *testing.B) *Server {
+	store, err := cache.NewMemory(cache.MemoryOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = store.Close() })
+	s, err := NewServer(Options{Store: store})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return s
 }
