@@ -15,8 +15,8 @@ import (
 // The answers that never vary (answer.go: the CONTINUE answers, the pass-through, and each route's
 // answers to response headers and its problems, built at load) are encoded once too, and so are
 // the answers to a stored response's headers with its expiry, built once a second. gRPC's
-// protobuf codec encodes every message it sends, sizes first, 0.5–0.9 µs for an empty CONTINUE
-// on a loaded 2-core VM, and three of a first execution's four answers are such answers.
+// protobuf codec sizes and encodes every message it sends, and three of a first execution's four
+// answers are such answers (what it saves: docs/performance.md, the answers' encoding).
 
 // codec is gRPC's protobuf codec, except that an answer built once is sent as its encoding, made
 // once. It tells those answers by their address: a shared answer is never changed. It decodes,
