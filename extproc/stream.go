@@ -244,16 +244,16 @@ type stream struct {
 // newStream returns the stream of a request whose context is ctx, and whose first-message
 // context is first (nil on a server without TapHandle, limits.go).
 func newStream(s *Server, ctx context.Context, first *firstMessageContext) *stream {
-	// One allocation for the stream, its store calls, its request and room for the answers to
-	// one message (more grow out of it).
+	// One allocation for the stream, its store calls and its request. The answers' slice is not
+	// in it: a slice that grew out of an array there would leave the array holding the first
+	// answers, a FULL_DUPLEX_STREAMED body's included, for the stream's life.
 	b := &struct {
 		st   stream
 		call leaseCall
 		req  admitted
-		out  [2]*extprocv3.ProcessingResponse
 	}{}
 	b.call = leaseCall{s: s, req: &b.req, ctx: ctx}
-	b.st = stream{s: s, call: &b.call, req: &b.req, out: b.out[:0]}
+	b.st = stream{s: s, call: &b.call, req: &b.req}
 	// The route the stream's metadata names: as the tap read it, or from the context, where
 	// ValueFromIncomingContext reads the one key (FromIncomingContext would copy the stream's
 	// whole metadata).
