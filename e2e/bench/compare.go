@@ -125,6 +125,8 @@ type cell struct {
 	replicaCPU       time.Duration   // the Redis replica's CPU time, where the section has one
 	logLines         float64         // lines the processor logged per request
 	failures         int64           // requests settled otherwise than a clean run does (counters.Failures)
+	leasesLost       int64           // of the failures, leases found gone (counters.LeasesLost)
+	evicted          int64           // keys Redis evicted during the cell's rounds
 	roundRPS         []float64       // each round's requests/s, for the paired ratios
 	cpu              time.Duration   // the target process' CPU time
 	clientCPU        time.Duration   // the benchmark's CPU time: the client, as Envoy's share
@@ -334,6 +336,11 @@ func redisServerCPU(ctx context.Context, c *redis.Client) time.Duration {
 	return time.Duration(total * float64(time.Second))
 }
 
+// redisEvicted is the keys Redis has evicted since it started (INFO stats' evicted_keys).
+func redisEvicted(ctx context.Context, c *redis.Client) (int64, error) {
+	return strconv.ParseInt(c.InfoMap(ctx, "stats").Item("Stats", "evicted_keys"), 10, 64)
+}
+
 func fmtDur(d time.Duration) string {
 	return fmt.Sprintf("%.2fms", float64(d)/float64(time.Millisecond))
 }
@@ -462,8 +469,12 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 				c.memoryBytes, c.records, c.sealOverhead = before.MemoryBytes, before.Records, before.SealOverhead
 			}
 			var redis0 time.Duration
+			var evicted0 int64
 			if c.hasRedis() {
 				redis0 = redisServerCPU(ctx, admin)
+				if evicted0, err = redisEvicted(ctx, admin); err != nil {
+					return nil, fmt.Errorf("%s, %s: redis INFO stats: %w", w, t.name, err)
+				}
 			}
 			cpu0 := processCPU()
 			got, lat, err := run(i)
@@ -483,6 +494,11 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 			c.peakRSS = after.PeakRSS
 			if c.hasRedis() {
 				c.redisCPU += redisServerCPU(ctx, admin) - redis0
+				evicted, err := redisEvicted(ctx, admin)
+				if err != nil {
+					return nil, fmt.Errorf("%s, %s: redis INFO stats: %w", w, t.name, err)
+				}
+				c.evicted += evicted - evicted0
 			}
 			c.requests += got.requests
 			c.elapsed += got.elapsed
@@ -502,6 +518,7 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 			c.unconfirmed += after.Unconfirmed - before.Unconfirmed
 			c.logLines += float64(after.LogLines - before.LogLines)
 			c.failures += after.Failures - before.Failures
+			c.leasesLost += after.LeasesLost - before.LeasesLost
 		}
 	}
 	for i := range cells {

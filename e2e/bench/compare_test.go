@@ -243,7 +243,10 @@ func TestCosts(t *testing.T) {
 				require.Positive(t, c.requests, where)
 				require.Len(t, c.roundCPU, 2, "%s: a CPU per request per round", where)
 				require.Positive(t, c.cpu, where)
-				require.Zero(t, c.failures, "%s: every request settled as a clean run settles it", where)
+				// Redis here evicts beyond its bound (allkeys-lru), a pending record among them:
+				// the only unclean settlements are the leases its evictions took.
+				require.Equal(t, c.leasesLost, c.failures, "%s: every request settled as a clean run settles it, but those whose lease was evicted", where)
+				require.LessOrEqual(t, c.leasesLost, c.evicted, "%s: a lease lost for each key evicted at most", where)
 				switch target {
 				case targetMemoryTraced:
 					// A span per request and one per store call at least.
@@ -567,4 +570,43 @@ func TestUserLoadList(t *testing.T) {
 			require.Equal(t, tc.want, got)
 		})
 	}
+}
+
+// TestLeaseLostCounted: a request whose pending record Redis drops while it runs upstream (as
+// the costs mode's allkeys-lru bound may evict it) is counted among the failures and as a lease
+// lost, which the costs mode reports apart; a clean request is neither.
+func TestLeaseLostCounted(t *testing.T) {
+	srv := redistest.Start(t, redistest.Options{})
+	admin := srv.Client(t)
+	ctx := t.Context()
+	tp, err := startTarget(targetRedis, srv.Addr(), 0)
+	require.NoError(t, err)
+	t.Cleanup(tp.stop)
+	conn, err := grpc.NewClient("passthrough:///"+tp.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	client := extprocv3.NewExternalProcessorClient(conn)
+
+	before, err := tp.counters(ctx)
+	require.NoError(t, err)
+	require.NoError(t, requestShaped(ctx, client, workloadFirst, seq.Add(1), sized(1<<10), "", nil))
+	clean, err := tp.counters(ctx)
+	require.NoError(t, err)
+	require.Zero(t, clean.Failures-before.Failures)
+	require.Zero(t, clean.LeasesLost-before.LeasesLost)
+
+	require.NoError(t, requestShaped(ctx, client, workloadFirst, seq.Add(1), sized(1<<10), "", func() {
+		keys, err := admin.Keys(ctx, recordKeys).Result()
+		require.NoError(t, err)
+		require.Len(t, keys, 2, "the clean request's record and this one's pending record")
+		for _, k := range keys {
+			if v, _ := admin.Get(ctx, k).Result(); len(v) > 1 && v[1] == 'p' {
+				require.NoError(t, admin.Del(ctx, k).Err(), "evicted")
+			}
+		}
+	}))
+	lost, err := tp.counters(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), lost.Failures-clean.Failures, "its outcome is store_error")
+	require.Equal(t, int64(1), lost.LeasesLost-clean.LeasesLost)
 }

@@ -72,6 +72,10 @@ type counters struct {
 	// Failures are the requests the processor settled otherwise than a clean run does: the
 	// store_error outcome, and every lease released (a first execution that did not complete).
 	Failures int64
+	// LeasesLost are the leases the processor found gone at completion or renewal (their
+	// requests are among the Failures, as store_error): a Redis that evicts, as the costs mode's
+	// does, can evict a pending record.
+	LeasesLost int64
 	// MemoryBytes is what the memory store holds (cache.Memory.Bytes), 0 for other targets.
 	MemoryBytes int64
 	// PeakRSS is the most memory the process has held resident so far, in bytes.
@@ -475,6 +479,15 @@ func storeCalls(g prometheus.Gatherer, c *counters) error {
 		case "idempotency_releases_total":
 			for _, m := range f.GetMetric() {
 				c.Failures += int64(m.GetCounter().GetValue())
+			}
+			continue
+		case "idempotency_completions_abandoned_total":
+			for _, m := range f.GetMetric() {
+				for _, l := range m.GetLabel() {
+					if l.GetName() == "reason" && l.GetValue() == "lease_lost" {
+						c.LeasesLost += int64(m.GetCounter().GetValue())
+					}
+				}
 			}
 			continue
 		case "idempotency_wait_store_calls_total":
