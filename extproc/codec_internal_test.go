@@ -176,7 +176,7 @@ func BenchmarkAnswerEncoding(b *testing.B) {
 }
 
 // Concurrent requests whose expiries fall in different seconds, some behind the latest: each
-// gets the answer of its own second, and once they stop the codec holds the encodings of the
+// gets the answer of its own second, with the body phase as asked, and once they stop the codec holds the encodings of the
 // latest second's two answers only, each its own answer's.
 func TestFreshEncodingsFollowTheLatestSecond(t *testing.T) {
 	s := codecServer(t)
@@ -196,6 +196,10 @@ func TestFreshEncodingsFollowTheLatestSecond(t *testing.T) {
 				}
 				if date != string(httpDate(at)) {
 					t.Errorf("an expiry of %s answered with %q", at, date)
+					return
+				}
+				if noBody := resp.GetModeOverride() != nil; noBody != (i%2 == 0) {
+					t.Errorf("an expiry of %s, body phase off %v, answered with the body phase off %v", at, i%2 == 0, noBody)
 					return
 				}
 			}

@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -118,7 +119,7 @@ func compileRoute(r *policy.Route, m *Metrics, namespace string) (*route, error)
 // freshHeaders returns the answer to the headers of a response that will be stored until
 // expires, with the body phase turned off when noBody is set. The answers of the latest second
 // are built once, encoded once (codec.go) and shared; an expiry before that second (a shorter
-// ttl_header) gets answers of its own, so that mixed TTLs do not make the shared ones churn.
+// ttl_header) gets an answer of its own, so that mixed TTLs do not make the shared ones churn.
 func (r *route) freshHeaders(expires time.Time, noBody bool) *extprocv3.ProcessingResponse {
 	sec := expires.Unix()
 	f := r.fresh.Load()
@@ -140,7 +141,12 @@ func (r *route) freshHeaders(expires time.Time, noBody bool) *extprocv3.Processi
 		r.freshMu.Unlock()
 	}
 	if f.second != sec {
-		f = newFreshAnswer(r.Route, sec)
+		// Only the answer this request sends: it is built for it alone.
+		var mode *filterextproc.ProcessingMode
+		if noBody {
+			mode = noStoreMode
+		}
+		return markResponseHeaders(r.Route, mode, time.Unix(sec, 0))
 	}
 	if noBody {
 		return f.noStore
