@@ -495,12 +495,18 @@ func naiveAnswer(stored string) *extprocv3.ProcessingResponse {
 	}}}
 }
 
-// The attributes Envoy sends with the shipped configuration (envoy/envoy.yaml): the route's name
-// with the request headers, and with the response headers the response's origin and the
-// attempts upstream.
+// The attributes Envoy sends with the shipped configuration (envoy/envoy.yaml): with the request
+// headers the request's id (the same one each time here, of the length Envoy's have) and the
+// route's name (connection.uri_san_peer_certificate fails without mTLS, and Envoy omits a failing
+// expression), and with the response headers the response's code, origin and flags and the
+// attempts upstream. Envoy sends the code, the flags and the count as numbers. And the metadata
+// Envoy sends with every message, empty when the filter forwards no namespace
+// (Filter::addDynamicMetadata in source/extensions/filters/http/ext_proc/ext_proc.cc sets
+// metadata_context unconditionally).
 var (
-	userRequestAttributes = mustStruct(map[string]any{"xds.route_name": "payments"})
-	userResponseAttrs     = mustStruct(map[string]any{"response.code_details": "via_upstream", "upstream.request_attempt_count": 1})
+	userRequestAttributes = mustStruct(map[string]any{"request.id": "6f1c2b1e-9a4d-4c1e-8b1a-4d3c2b1a0f9e", "xds.route_name": "payments"})
+	userResponseAttrs     = mustStruct(map[string]any{"response.code": 201, "response.code_details": "via_upstream", "response.flags": 0, "upstream.request_attempt_count": 1})
+	userMetadata          = &corev3.Metadata{}
 )
 
 // userHeaders is the request header set Envoy sends for a POST with a body (short: the least a
@@ -547,7 +553,8 @@ func userRequest(ctx context.Context, client extprocv3.ExternalProcessorClient, 
 		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
 			Headers: &corev3.HeaderMap{Headers: userHeaders(headers, key, n, len(body))},
 		}},
-		Attributes: userRequestAttributes,
+		Attributes:      userRequestAttributes,
+		MetadataContext: userMetadata,
 		ProtocolConfig: &extprocv3.ProtocolConfiguration{
 			RequestBodyMode: filterextproc.ProcessingMode_BUFFERED, ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED,
 		},
@@ -563,7 +570,7 @@ func userRequest(ctx context.Context, client extprocv3.ExternalProcessorClient, 
 	}
 	if resp, err = exchange(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
 		RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true},
-	}}); err != nil {
+	}, MetadataContext: userMetadata}); err != nil {
 		return false, err
 	}
 	if ir := resp.GetImmediateResponse(); ir != nil {
@@ -582,7 +589,8 @@ func userRequest(ctx context.Context, client extprocv3.ExternalProcessorClient, 
 				{Key: "x-envoy-upstream-service-time", RawValue: []byte("3")},
 			}},
 		}},
-		Attributes: userResponseAttrs,
+		Attributes:      userResponseAttrs,
+		MetadataContext: userMetadata,
 	}); err != nil {
 		return false, err
 	}
@@ -591,7 +599,7 @@ func userRequest(ctx context.Context, client extprocv3.ExternalProcessorClient, 
 	}
 	_, err = exchange(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
 		ResponseBody: &extprocv3.HttpBody{Body: body, EndOfStream: true},
-	}})
+	}, MetadataContext: userMetadata})
 	return false, err
 }
 
