@@ -74,6 +74,7 @@ run: ## the server on the embedded memory store with envoy/policy.yaml: ext_proc
 fuzz: ## each fuzz target for FUZZTIME (seed corpora in each package's testdata/fuzz)
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeResponse$$' -fuzztime $(FUZZTIME) ./cache/
 	$(GO) test -run '^$$' -fuzz '^FuzzParseKey$$' -fuzztime $(FUZZTIME) ./extproc/
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeRequest$$' -fuzztime $(FUZZTIME) ./extproc/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzStreamMessages$$' -fuzztime $(FUZZTIME) ./extproc/
 	$(GO) test -run '^$$' -fuzz '^FuzzJSONStreamMessages$$' -fuzztime $(FUZZTIME) ./extproc/
 	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./extproc/policy/

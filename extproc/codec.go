@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/idempotency-extproc/idempotency-extproc/extproc/policy"
+	"github.com/idempotency-extproc/idempotency-extproc/extproc/wire"
 )
 
 // The answers that never vary (answer.go: the CONTINUE answers, the pass-through, and each route's
@@ -19,8 +20,8 @@ import (
 // answers are such answers (what it saves: docs/performance.md, the answers' encoding).
 
 // codec is gRPC's protobuf codec, except that an answer built once is sent as its encoding, made
-// once. It tells those answers by their address: a shared answer is never changed. It decodes,
-// and names itself, as the codec it embeds.
+// once, and that Envoy's messages are decoded by package wire. It tells those answers by their
+// address: a shared answer is never changed. It names itself as the codec it embeds.
 type codec struct {
 	encoding.CodecV2
 	fixed map[*extprocv3.ProcessingResponse]mem.Buffer
@@ -51,9 +52,21 @@ func (e *encodings) remove(resps ...*extprocv3.ProcessingResponse) {
 // sending the answers s built at load as their encoding, made once, instead of encoding them
 // again for each request (the same bytes), and the others through go-control-plane's generated
 // encoder when the binary is built with -tags vtprotobuf (the same message; a oneof may come
-// first). It decodes as gRPC's protobuf codec does.
+// first). It decodes Envoy's messages with package wire (the same message), others as gRPC's
+// protobuf codec does.
 func (s *Server) Codec() encoding.CodecV2 {
 	return codec{CodecV2: encoding.GetCodecV2(grpcproto.Name), fixed: s.fixed, fresh: &s.fresh}
+}
+
+// Unmarshal decodes v, an ext_proc request, with package wire, from a copy of data (gRPC gives
+// data's buffers back to its pool once Unmarshal returns, and the request keeps its bytes);
+// anything else as gRPC's protobuf codec does.
+func (c codec) Unmarshal(data mem.BufferSlice, v any) error {
+	m, ok := v.(*extprocv3.ProcessingRequest)
+	if !ok {
+		return c.CodecV2.Unmarshal(data, v)
+	}
+	return wire.DecodeRequest(data.Materialize(), m)
 }
 
 func (c codec) Marshal(v any) (mem.BufferSlice, error) {

@@ -6,10 +6,12 @@ import (
 	"testing"
 	"time"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/encoding"
 	grpcproto "google.golang.org/grpc/encoding/proto"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
 
@@ -219,4 +221,34 @@ func TestFreshEncodingsFollowTheLatestSecond(t *testing.T) {
 	})
 	require.Equal(t, map[*extprocv3.ProcessingResponse]bool{latest.resp: true, latest.noStore: true}, held,
 		"the encodings held are the latest second's two answers'")
+}
+
+// TestCodecDecodesRequests: the codec decodes an ext_proc request from buffers gRPC may take
+// back once it returns (the request keeps none of them), as protobuf does; other messages as
+// gRPC's protobuf codec does.
+func TestCodecDecodesRequests(t *testing.T) {
+	c := codecServer(t).Codec()
+	req := &extprocv3.ProcessingRequest{
+		Request:         &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(`{"amount":1}`), EndOfStream: true}},
+		MetadataContext: &corev3.Metadata{},
+	}
+	raw, err := proto.Marshal(req)
+	require.NoError(t, err)
+	for _, data := range []mem.BufferSlice{
+		{mem.SliceBuffer(bytes.Clone(raw))},
+		{mem.SliceBuffer(bytes.Clone(raw[:5])), mem.SliceBuffer(bytes.Clone(raw[5:]))},
+	} {
+		var got extprocv3.ProcessingRequest
+		require.NoError(t, c.Unmarshal(data, &got))
+		for _, b := range data {
+			clear(b.ReadOnlyData()) // as if the pool gave the buffers to another message
+		}
+		require.True(t, proto.Equal(req, &got), "decoded from %d buffers: %v", len(data), &got)
+	}
+
+	health, err := proto.Marshal(&healthpb.HealthCheckRequest{Service: "x"})
+	require.NoError(t, err)
+	var h healthpb.HealthCheckRequest
+	require.NoError(t, c.Unmarshal(mem.BufferSlice{mem.SliceBuffer(health)}, &h))
+	require.Equal(t, "x", h.GetService())
 }

@@ -1,0 +1,226 @@
+package wire
+
+import (
+	"testing"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterextproc "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+	"google.golang.org/protobuf/types/known/structpb"
+)
+
+// envoyHeaders is the request header set Envoy sends for a POST with a body.
+func envoyHeaders() *corev3.HeaderMap {
+	return &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
+		{Key: ":authority", RawValue: []byte("api.example.com")},
+		{Key: ":path", RawValue: []byte("/v1/payments")},
+		{Key: ":method", RawValue: []byte("POST")},
+		{Key: ":scheme", RawValue: []byte("https")},
+		{Key: "user-agent", RawValue: []byte("okhttp/4.12.0")},
+		{Key: "content-type", RawValue: []byte("application/json")},
+		{Key: "content-length", RawValue: []byte("33")},
+		{Key: "idempotency-key", RawValue: []byte("k-000000000001")},
+		{Key: "x-forwarded-proto", RawValue: []byte("https")},
+		{Key: "x-request-id", RawValue: []byte("6f1c2b1e-9a4d-4c1e-8b1a-000000000001")},
+	}}
+}
+
+func mustStruct(t testing.TB, m map[string]any) *structpb.Struct {
+	s, err := structpb.NewStruct(m)
+	require.NoError(t, err)
+	return s
+}
+
+// envoyMessages are a BUFFERED request's four messages as Envoy sends them with the shipped
+// configuration's attributes, then the other phases, fields and values the hand decoder reads.
+func envoyMessages(t testing.TB) []*extprocv3.ProcessingRequest {
+	attrs := func(m map[string]any) map[string]*structpb.Struct {
+		return map[string]*structpb.Struct{"envoy.filters.http.ext_proc": mustStruct(t, m)}
+	}
+	msgs := []*extprocv3.ProcessingRequest{
+		{
+			Request:    &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: envoyHeaders()}},
+			Attributes: attrs(map[string]any{"request.id": "6f1c", "xds.route_name": "payments", "connection.uri_san_peer_certificate": "spiffe://a/b"}),
+			ProtocolConfig: &extprocv3.ProtocolConfiguration{
+				RequestBodyMode: filterextproc.ProcessingMode_BUFFERED, ResponseBodyMode: filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED,
+				SendBodyWithoutWaitingForHeaderResponse: true,
+			},
+		},
+		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(`{"amount":100,"currency":"EUR"}`), EndOfStream: true}}},
+		{
+			Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
+				{Key: ":status", RawValue: []byte("201")}, {Key: "x-old", Value: "plain value"}, {Key: "empty"},
+			}}}},
+			Attributes: attrs(map[string]any{"response.code": 201, "response.code_details": "via_upstream", "response.flags": "-", "upstream.request_attempt_count": 1}),
+		},
+		{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte("ok")}}},
+		{
+			Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{}},
+			Attributes: attrs(map[string]any{
+				"nested": map[string]any{"list": []any{1.5, "two", true, nil, map[string]any{}, []any{}}, "off": false},
+			}),
+		},
+		{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{Trailers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: "grpc-status", RawValue: []byte("0")}}}}}},
+		{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{}}},
+		{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{EndOfStream: true}}, ObservabilityMode: true},
+		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{}}},
+		{
+			Request:         &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte("x")}},
+			MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{"envoy.filters.http.jwt_authn": mustStruct(t, map[string]any{"sub": "u-1"})}},
+		},
+	}
+	// Envoy sends the forwarded metadata with every message, empty when it forwards none.
+	for _, m := range msgs {
+		if m.MetadataContext == nil {
+			m.MetadataContext = &corev3.Metadata{}
+		}
+	}
+	return msgs
+}
+
+// sameMessage fails unless a and b encode the same (deterministically: map keys sorted), which
+// holds for messages that proto.Equal holds for, and for those with the same NaNs.
+func sameMessage(t testing.TB, want, got proto.Message, msgAndArgs ...any) {
+	t.Helper()
+	opts := proto.MarshalOptions{Deterministic: true}
+	w, err := opts.Marshal(want)
+	require.NoError(t, err)
+	g, err := opts.Marshal(got)
+	require.NoError(t, err)
+	require.Equal(t, w, g, msgAndArgs...)
+}
+
+// TestDecodeRequest: Envoy's messages decode by hand (no fallback) to what proto.Unmarshal
+// gives.
+func TestDecodeRequest(t *testing.T) {
+	for i, m := range envoyMessages(t) {
+		raw, err := proto.Marshal(m)
+		require.NoError(t, err)
+		var want extprocv3.ProcessingRequest
+		require.NoError(t, proto.Unmarshal(raw, &want))
+
+		var got extprocv3.ProcessingRequest
+		require.True(t, (&decoder{buf: raw}).request(&got), "message %d: decoded by hand", i)
+		sameMessage(t, &want, &got, "message %d", i)
+	}
+}
+
+// TestDecodeRequestFallsBack: what the hand decoder does not read goes to proto.Unmarshal, with
+// the same message or the same failure.
+func TestDecodeRequestFallsBack(t *testing.T) {
+	headers, err := proto.Marshal(envoyMessages(t)[0])
+	require.NoError(t, err)
+	body, err := proto.Marshal(envoyMessages(t)[1])
+	require.NoError(t, err)
+	withTyped, err := proto.Marshal(&extprocv3.ProcessingRequest{
+		Request:         &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte("x")}},
+		MetadataContext: &corev3.Metadata{TypedFilterMetadata: map[string]*anypb.Any{"f": {TypeUrl: "type.googleapis.com/x"}}},
+	})
+	require.NoError(t, err)
+	badKey, err := proto.Marshal(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
+		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: "ok"}}},
+	}}})
+	require.NoError(t, err)
+	badKey[len(badKey)-1] = 0xff // the key's last byte: not UTF-8
+	for name, raw := range map[string][]byte{
+		"typed metadata":          withTyped,
+		"an unknown field":        protowire.AppendVarint(protowire.AppendTag(append([]byte(nil), body...), 99, protowire.VarintType), 7),
+		"the oneof twice":         append(append([]byte(nil), body...), body...),
+		"the headers and a body":  append(append([]byte(nil), headers...), body...),
+		"a key that is not UTF-8": badKey,
+		"cut short":               headers[:len(headers)-3],
+		"a group":                 protowire.AppendTag(nil, 2, protowire.StartGroupType),
+	} {
+		var got extprocv3.ProcessingRequest
+		require.False(t, (&decoder{buf: raw}).request(&got), "%s: left to proto.Unmarshal", name)
+		var want extprocv3.ProcessingRequest
+		wantErr := proto.Unmarshal(raw, &want)
+		got.Reset()
+		gotErr := DecodeRequest(raw, &got)
+		if wantErr != nil {
+			require.EqualError(t, gotErr, wantErr.Error(), name)
+			continue
+		}
+		require.NoError(t, gotErr, name)
+		sameMessage(t, &want, &got, name)
+	}
+}
+
+// TestDecodedBytesCapped: a body or raw header value points into the message's copy, and an
+// append to it reallocates instead of writing over the fields that follow it.
+func TestDecodedBytesCapped(t *testing.T) {
+	det := proto.MarshalOptions{Deterministic: true}
+	raw, err := det.Marshal(envoyMessages(t)[0])
+	require.NoError(t, err)
+	var m extprocv3.ProcessingRequest
+	require.NoError(t, DecodeRequest(raw, &m))
+	hs := m.GetRequestHeaders().GetHeaders().GetHeaders()
+	first := hs[0].RawValue
+	require.Equal(t, len(first), cap(first))
+	_ = append(first, "xxxxxxxx"...)
+	require.Equal(t, ":path", hs[1].Key)
+	require.Equal(t, "/v1/payments", string(hs[1].RawValue))
+	want, err := det.Marshal(envoyMessages(t)[0])
+	require.NoError(t, err)
+	require.Equal(t, want, raw, "the message's bytes are unchanged")
+}
+
+// FuzzDecodeRequest: on any bytes, the codec's decoding gives what proto.Unmarshal gives: the
+// same message, or a failure where it fails.
+func FuzzDecodeRequest(f *testing.F) {
+	for _, m := range envoyMessages(f) {
+		raw, err := proto.Marshal(m)
+		require.NoError(f, err)
+		f.Add(raw)
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		var want, got extprocv3.ProcessingRequest
+		wantErr := proto.Unmarshal(raw, &want)
+		gotErr := DecodeRequest(append([]byte(nil), raw...), &got)
+		if wantErr != nil {
+			require.Error(t, gotErr)
+			return
+		}
+		require.NoError(t, gotErr)
+		sameMessage(t, &want, &got)
+	})
+}
+
+// BenchmarkRequestDecoding decodes a BUFFERED request's four messages as Envoy sends them with
+// the shipped configuration's attributes: protobuf's decoder, as gRPC's codec runs it, against
+// DecodeRequest after the copy the server's codec makes of each message.
+func BenchmarkRequestDecoding(b *testing.B) {
+	msgs := envoyMessages(b)[:4]
+	raws := make([][]byte, len(msgs))
+	for i, m := range msgs {
+		var err error
+		raws[i], err = proto.Marshal(m)
+		require.NoError(b, err)
+	}
+	for _, c := range []struct {
+		name   string
+		decode func([]byte, *extprocv3.ProcessingRequest) error
+	}{
+		{"protobuf", func(raw []byte, m *extprocv3.ProcessingRequest) error { return proto.Unmarshal(raw, m) }},
+		{"wire", func(raw []byte, m *extprocv3.ProcessingRequest) error {
+			return DecodeRequest(append([]byte(nil), raw...), m)
+		}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				for _, raw := range raws {
+					var m extprocv3.ProcessingRequest
+					if err := c.decode(raw, &m); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/1000, "µs/request")
+		})
+	}
+}
