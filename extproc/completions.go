@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"time"
 
@@ -106,9 +107,38 @@ func (c *completions) retry(p pendingCompletion) bool {
 	c.bodyBytes += len(p.resp.Body)
 	c.wg.Add(1)
 	c.mu.Unlock()
+	// The headers point into Envoy's whole message (wire.DecodeRequest), which they would keep
+	// for as long as the retries last: they take copies of their own.
+	p.resp.Headers, p.resp.Trailers = ownHeaders(p.resp.Headers), ownHeaders(p.resp.Trailers)
 	m.completionsPending.Inc()
 	go c.run(p)
 	return true
+}
+
+// ownHeaders copies hs, names and values, into memory of their own: three allocations.
+func ownHeaders(hs []cache.Header) []cache.Header {
+	if hs == nil {
+		return nil
+	}
+	nameLen, valueLen := 0, 0
+	for _, h := range hs {
+		nameLen, valueLen = nameLen+len(h.Name), valueLen+len(h.Value)
+	}
+	var names strings.Builder
+	names.Grow(nameLen)
+	values := make([]byte, 0, valueLen)
+	for _, h := range hs {
+		names.WriteString(h.Name)
+		values = append(values, h.Value...)
+	}
+	all, out := names.String(), make([]cache.Header, len(hs))
+	for i, h := range hs {
+		out[i].Name, all = all[:len(h.Name)], all[len(h.Name):]
+		if h.Value != nil {
+			out[i].Value, values = values[:len(h.Value):len(h.Value)], values[len(h.Value):]
+		}
+	}
+	return out
 }
 
 // run retries p's write until it lands or is given up.

@@ -1,6 +1,7 @@
 package wire
 
 import (
+	"bytes"
 	"testing"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -36,7 +37,9 @@ func mustStruct(t testing.TB, m map[string]any) *structpb.Struct {
 }
 
 // envoyMessages are a BUFFERED request's four messages as Envoy sends them with the shipped
-// configuration's attributes, then the other phases, fields and values the hand decoder reads.
+// configuration (envoy/envoy.yaml: its attributes, those it yields without mTLS; the empty
+// metadata_context it sends with every message), then the other phases, fields and values the
+// hand decoder reads.
 func envoyMessages(t testing.TB) []*extprocv3.ProcessingRequest {
 	attrs := func(m map[string]any) map[string]*structpb.Struct {
 		return map[string]*structpb.Struct{"envoy.filters.http.ext_proc": mustStruct(t, m)}
@@ -44,20 +47,31 @@ func envoyMessages(t testing.TB) []*extprocv3.ProcessingRequest {
 	msgs := []*extprocv3.ProcessingRequest{
 		{
 			Request:    &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: envoyHeaders()}},
-			Attributes: attrs(map[string]any{"request.id": "6f1c", "xds.route_name": "payments", "connection.uri_san_peer_certificate": "spiffe://a/b"}),
+			Attributes: attrs(map[string]any{"request.id": "6f1c2b1e-9a4d-4c1e-8b1a-000000000001", "xds.route_name": "default"}),
 			ProtocolConfig: &extprocv3.ProtocolConfiguration{
-				RequestBodyMode: filterextproc.ProcessingMode_BUFFERED, ResponseBodyMode: filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED,
-				SendBodyWithoutWaitingForHeaderResponse: true,
+				RequestBodyMode: filterextproc.ProcessingMode_BUFFERED, ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED,
 			},
 		},
 		{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte(`{"amount":100,"currency":"EUR"}`), EndOfStream: true}}},
 		{
 			Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
-				{Key: ":status", RawValue: []byte("201")}, {Key: "x-old", Value: "plain value"}, {Key: "empty"},
+				{Key: ":status", RawValue: []byte("201")}, {Key: "content-type", RawValue: []byte("application/json")},
+				{Key: "content-length", RawValue: []byte("2")}, {Key: "date", RawValue: []byte("Mon, 07 Dec 2026 10:00:00 GMT")},
 			}}}},
-			Attributes: attrs(map[string]any{"response.code": 201, "response.code_details": "via_upstream", "response.flags": "-", "upstream.request_attempt_count": 1}),
+			Attributes: attrs(map[string]any{"response.code": 201, "response.code_details": "via_upstream", "response.flags": 0, "upstream.request_attempt_count": 1}),
 		},
-		{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte("ok")}}},
+		{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte("ok"), EndOfStream: true}}},
+		// The other phases, fields and values.
+		{
+			Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
+				{Key: "x-old", Value: "plain value"}, {Key: "empty"},
+			}}}},
+			ProtocolConfig: &extprocv3.ProtocolConfiguration{
+				RequestBodyMode: filterextproc.ProcessingMode_FULL_DUPLEX_STREAMED, ResponseBodyMode: filterextproc.ProcessingMode_STREAMED,
+				SendBodyWithoutWaitingForHeaderResponse: true,
+			},
+		},
+		{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{}}}},
 		{
 			Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{}},
 			Attributes: attrs(map[string]any{
@@ -126,14 +140,44 @@ func TestDecodeRequestFallsBack(t *testing.T) {
 	}}})
 	require.NoError(t, err)
 	badKey[len(badKey)-1] = 0xff // the key's last byte: not UTF-8
+	// corrupt encodes m and makes the string "zz" in it not UTF-8.
+	corrupt := func(m *extprocv3.ProcessingRequest) []byte {
+		raw, err := proto.Marshal(m)
+		require.NoError(t, err)
+		i := bytes.Index(raw, []byte("zz"))
+		require.GreaterOrEqual(t, i, 0)
+		raw[i] = 0xff
+		return raw
+	}
+	withAttrs := func(v map[string]any) *extprocv3.ProcessingRequest {
+		return &extprocv3.ProcessingRequest{Attributes: map[string]*structpb.Struct{"envoy.filters.http.ext_proc": mustStruct(t, v)}}
+	}
+	deep := map[string]any{"leaf": 1}
+	for range maxStructDepth + 2 {
+		deep = map[string]any{"in": deep}
+	}
+	kindTwice := protowire.AppendTag(nil, 9, protowire.BytesType)
+	entry := protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), []byte("k"))
+	twice := protowire.AppendVarint(protowire.AppendTag(nil, 4, protowire.VarintType), 1)
+	twice = protowire.AppendVarint(protowire.AppendTag(twice, 1, protowire.VarintType), 0)
+	field := protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), protowire.AppendBytes(protowire.AppendTag(append([]byte(nil), protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), []byte("f"))...), 2, protowire.BytesType), twice))
+	entry = protowire.AppendBytes(protowire.AppendTag(entry, 2, protowire.BytesType), field)
+	kindTwice = protowire.AppendBytes(kindTwice, entry)
 	for name, raw := range map[string][]byte{
-		"typed metadata":          withTyped,
-		"an unknown field":        protowire.AppendVarint(protowire.AppendTag(append([]byte(nil), body...), 99, protowire.VarintType), 7),
-		"the oneof twice":         append(append([]byte(nil), body...), body...),
-		"the headers and a body":  append(append([]byte(nil), headers...), body...),
-		"a key that is not UTF-8": badKey,
-		"cut short":               headers[:len(headers)-3],
-		"a group":                 protowire.AppendTag(nil, 2, protowire.StartGroupType),
+		"an attribute's name that is not UTF-8":   corrupt(withAttrs(map[string]any{"zz": 1})),
+		"an attribute's string that is not UTF-8": corrupt(withAttrs(map[string]any{"a": "zz"})),
+		"an attributes' key that is not UTF-8":    corrupt(&extprocv3.ProcessingRequest{Attributes: map[string]*structpb.Struct{"zz": {}}}),
+		"a header's value that is not UTF-8":      corrupt(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: "k", Value: "zz"}}}}}}),
+		"a metadata namespace that is not UTF-8":  corrupt(&extprocv3.ProcessingRequest{MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{"zz": {}}}}),
+		"attributes nested deeper than the bound": mustMarshal(t, withAttrs(deep)),
+		"a Value's kind twice":                    kindTwice,
+		"typed metadata":                          withTyped,
+		"an unknown field":                        protowire.AppendVarint(protowire.AppendTag(append([]byte(nil), body...), 99, protowire.VarintType), 7),
+		"the oneof twice":                         append(append([]byte(nil), body...), body...),
+		"the headers and a body":                  append(append([]byte(nil), headers...), body...),
+		"a key that is not UTF-8":                 badKey,
+		"cut short":                               headers[:len(headers)-3],
+		"a group":                                 protowire.AppendTag(nil, 2, protowire.StartGroupType),
 	} {
 		var got extprocv3.ProcessingRequest
 		require.False(t, (&decoder{buf: raw}).request(&got), "%s: left to proto.Unmarshal", name)
@@ -147,6 +191,42 @@ func TestDecodeRequestFallsBack(t *testing.T) {
 		}
 		require.NoError(t, gotErr, name)
 		sameMessage(t, &want, &got, name)
+	}
+}
+
+func mustMarshal(t testing.TB, m proto.Message) []byte {
+	raw, err := proto.Marshal(m)
+	require.NoError(t, err)
+	return raw
+}
+
+// TestDecodeRequestLikeProtobuf: what the hand decoder reads where protobuf has a rule of its
+// own: a scalar repeated (the last one counts), an enum or a null beyond its values (kept as
+// the number, cut to 32 bits), a header map with no header (nil headers, not an empty slice).
+func TestDecodeRequestLikeProtobuf(t *testing.T) {
+	varint := func(b []byte, num protowire.Number, v uint64) []byte {
+		return protowire.AppendVarint(protowire.AppendTag(b, num, protowire.VarintType), v)
+	}
+	message := func(b []byte, num protowire.Number, v []byte) []byte {
+		return protowire.AppendBytes(protowire.AppendTag(b, num, protowire.BytesType), v)
+	}
+	null := message(nil, 1, []byte("k"))
+	null = message(null, 2, varint(nil, 1, 1<<33+7))
+	for name, raw := range map[string][]byte{
+		"observability_mode twice":    varint(varint(nil, 10, 1), 10, 0),
+		"end_of_stream twice":         message(nil, 4, varint(varint(nil, 2, 0), 2, 1)),
+		"a body mode beyond its enum": message(nil, 11, varint(varint(nil, 1, 1<<40+3), 2, 99)),
+		"a null beyond its enum":      message(nil, 9, message(message(nil, 1, []byte("a")), 2, message(nil, 1, null))),
+		"no header":                   message(nil, 2, message(nil, 1, nil)),
+	} {
+		var want, got extprocv3.ProcessingRequest
+		require.NoError(t, proto.Unmarshal(raw, &want), name)
+		require.True(t, (&decoder{buf: raw}).request(&got), "%s: decoded by hand", name)
+		sameMessage(t, &want, &got, name)
+		if name == "no header" {
+			require.NotNil(t, got.GetRequestHeaders().GetHeaders())
+			require.Nil(t, got.GetRequestHeaders().GetHeaders().Headers, "as protobuf decodes it")
+		}
 	}
 }
 
