@@ -67,18 +67,7 @@ func userMessages(short bool, key string, n int64) []*extprocv3.ProcessingReques
 		{Key: "idempotency-key", RawValue: []byte(key)},
 	}
 	if !short {
-		hs = []*corev3.HeaderValue{
-			{Key: ":authority", RawValue: []byte("api.example.com")},
-			{Key: ":path", RawValue: []byte("/v1/payments")},
-			{Key: ":method", RawValue: []byte("POST")},
-			{Key: ":scheme", RawValue: []byte("https")},
-			{Key: "user-agent", RawValue: []byte("okhttp/4.12.0")},
-			{Key: "content-type", RawValue: []byte("application/json")},
-			{Key: "content-length", RawValue: []byte(strconv.Itoa(len(body)))},
-			{Key: "idempotency-key", RawValue: []byte(key)},
-			{Key: "x-forwarded-proto", RawValue: []byte("https")},
-			{Key: "x-request-id", RawValue: []byte("6f1c2b1e-9a4d-4c1e-8b1a-" + strconv.FormatInt(1e11+n, 10))},
-		}
+		hs = extproctest.EnvoyRequestHeaders(key, "6f1c2b1e-9a4d-4c1e-8b1a-"+strconv.FormatInt(1e11+n, 10), len(body))
 	}
 	var reqAttrs, respAttrs map[string]*structpb.Struct
 	if !short {

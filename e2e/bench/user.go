@@ -35,6 +35,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/extproctest"
 )
 
 // The afternoon processors, served by this executable in a child process (serveFromEnv).
@@ -519,18 +521,7 @@ func userHeaders(headers, key string, n int64, size int) []*corev3.HeaderValue {
 			{Key: "idempotency-key", RawValue: []byte(key)},
 		}
 	}
-	return []*corev3.HeaderValue{
-		{Key: ":authority", RawValue: []byte("api.example.com")},
-		{Key: ":path", RawValue: []byte("/v1/payments")},
-		{Key: ":method", RawValue: []byte("POST")},
-		{Key: ":scheme", RawValue: []byte("https")},
-		{Key: "user-agent", RawValue: []byte("okhttp/4.12.0")},
-		{Key: "content-type", RawValue: []byte("application/json")},
-		{Key: "content-length", RawValue: []byte(strconv.Itoa(size))},
-		{Key: "idempotency-key", RawValue: []byte(key)},
-		{Key: "x-forwarded-proto", RawValue: []byte("https")},
-		{Key: "x-request-id", RawValue: []byte("6f1c2b1e-9a4d-4c1e-8b1a-" + fmt.Sprintf("%012d", n))},
-	}
+	return extproctest.EnvoyRequestHeaders(key, "6f1c2b1e-9a4d-4c1e-8b1a-"+fmt.Sprintf("%012d", n), size)
 }
 
 // userRequest plays one request's ext_proc exchange as Envoy does under BUFFERED both ways, and

@@ -12,23 +12,9 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/structpb"
-)
 
-// envoyHeaders is the request header set Envoy sends for a POST with a body.
-func envoyHeaders() *corev3.HeaderMap {
-	return &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
-		{Key: ":authority", RawValue: []byte("api.example.com")},
-		{Key: ":path", RawValue: []byte("/v1/payments")},
-		{Key: ":method", RawValue: []byte("POST")},
-		{Key: ":scheme", RawValue: []byte("https")},
-		{Key: "user-agent", RawValue: []byte("okhttp/4.12.0")},
-		{Key: "content-type", RawValue: []byte("application/json")},
-		{Key: "content-length", RawValue: []byte("33")},
-		{Key: "idempotency-key", RawValue: []byte("k-000000000001")},
-		{Key: "x-forwarded-proto", RawValue: []byte("https")},
-		{Key: "x-request-id", RawValue: []byte("6f1c2b1e-9a4d-4c1e-8b1a-000000000001")},
-	}}
-}
+	"github.com/idempotency-extproc/idempotency-extproc/internal/extproctest"
+)
 
 func mustStruct(t testing.TB, m map[string]any) *structpb.Struct {
 	s, err := structpb.NewStruct(m)
@@ -46,7 +32,7 @@ func envoyMessages(t testing.TB) []*extprocv3.ProcessingRequest {
 	}
 	msgs := []*extprocv3.ProcessingRequest{
 		{
-			Request:    &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: envoyHeaders()}},
+			Request:    &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: extproctest.EnvoyRequestHeaders("k-000000000001", "6f1c2b1e-9a4d-4c1e-8b1a-000000000001", 33)}}},
 			Attributes: attrs(map[string]any{"request.id": "6f1c2b1e-9a4d-4c1e-8b1a-000000000001", "xds.route_name": "default"}),
 			ProtocolConfig: &extprocv3.ProtocolConfiguration{
 				RequestBodyMode: filterextproc.ProcessingMode_BUFFERED, ResponseBodyMode: filterextproc.ProcessingMode_BUFFERED,
