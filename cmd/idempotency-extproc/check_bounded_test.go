@@ -33,6 +33,20 @@ var plainBinary = sync.OnceValues(func() (string, error) {
 	return path, nil
 })
 
+// peakRSS is a command that runs another and writes the most memory that one held resident
+// (testdata/peakrss): the test process's own peak would otherwise be read as the child's.
+var peakRSS = sync.OnceValues(func() (string, error) {
+	dir, err := os.MkdirTemp("", "idempotency-extproc-peakrss")
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, "peakrss")
+	if out, err := exec.Command("go", "build", "-o", path, "./testdata/peakrss").CombinedOutput(); err != nil {
+		return "", &buildError{out: string(out), err: err}
+	}
+	return path, nil
+})
+
 // maxCheckRSS is the most memory check may hold, whatever it is fed: the default bounds and the
 // heap's soft limit keep the worst input measured (flow pairs at the value bound) near 75 MB.
 const maxCheckRSS = 100 << 20
@@ -44,6 +58,8 @@ const maxCheckRSS = 100 << 20
 // second took 1.8 GB and the third 330 MB.
 func TestCheckHostileInputIsBounded(t *testing.T) {
 	bin, err := plainBinary()
+	require.NoError(t, err)
+	wrap, err := peakRSS()
 	require.NoError(t, err)
 	policy := shipped("policy.yaml")
 	large := filepath.Join(t.TempDir(), "large.yaml")
@@ -78,7 +94,8 @@ func TestCheckHostileInputIsBounded(t *testing.T) {
 			want: "pairs.yaml:1:1: the document is a sequence"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			cmd := exec.Command(bin, "check", "--config", policy, tc.file)
+			peak := filepath.Join(t.TempDir(), "peak")
+			cmd := exec.Command(wrap, peak, bin, "check", "--config", policy, tc.file)
 			var stdout, stderr bytes.Buffer
 			cmd.Stdout, cmd.Stderr = &stdout, &stderr
 			var fed sync.WaitGroup
@@ -97,7 +114,10 @@ func TestCheckHostileInputIsBounded(t *testing.T) {
 			msg := stderr.String()
 			require.Equal(t, 1, strings.Count(msg, "\n"), "one line: %q", msg)
 			require.Contains(t, msg, tc.want)
-			rss := int64(cmd.ProcessState.SysUsage().(*syscall.Rusage).Maxrss) << 10 // Linux reports KiB
+			b, err := os.ReadFile(peak)
+			require.NoError(t, err)
+			rss, err := strconv.ParseInt(string(b), 10, 64)
+			require.NoError(t, err)
 			require.Less(t, rss, int64(maxCheckRSS), "peak RSS %d MiB", rss>>20)
 		})
 	}

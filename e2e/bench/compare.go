@@ -313,11 +313,36 @@ func processUsage() (time.Duration, int64) {
 	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
 		return 0, 0
 	}
+	cpu := time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	if rss, ok := ownPeakRSS(); ok {
+		return cpu, rss
+	}
 	rss := int64(ru.Maxrss)
 	if runtime.GOOS != "darwin" { // darwin counts bytes, Linux and the BSDs KiB
 		rss <<= 10
 	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), rss
+	return cpu, rss
+}
+
+// ownPeakRSS is Linux's VmHWM: the peak of this process's own memory. getrusage's maxrss is not:
+// a process the Go runtime starts shares its parent's memory until it execs, and Linux counts
+// the parent's peak into the child's at exec (fs/exec.c, exec_mmap), so a processor started by
+// a larger bench would read the bench's peak.
+func ownPeakRSS() (int64, bool) {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return 0, false
+	}
+	_, rest, ok := bytes.Cut(b, []byte("\nVmHWM:"))
+	if !ok {
+		return 0, false
+	}
+	line, _, _ := bytes.Cut(rest, []byte("\n"))
+	kb, err := strconv.ParseInt(string(bytes.TrimSpace(bytes.TrimSuffix(bytes.TrimSpace(line), []byte("kB")))), 10, 64)
+	if err != nil {
+		return 0, false
+	}
+	return kb << 10, true
 }
 
 var redisCPURE = regexp.MustCompile(`used_cpu_(?:user|sys):([0-9.]+)`)

@@ -7,9 +7,11 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -609,4 +611,29 @@ func TestLeaseLostCounted(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, int64(1), lost.Failures-clean.Failures, "its outcome is store_error")
 	require.Equal(t, int64(1), lost.LeasesLost-clean.LeasesLost)
+}
+
+// The processor's peak RSS is its own, not that of the larger process that started it: Linux
+// counts the parent's peak into getrusage's maxrss of a child started as the Go runtime does.
+func TestPeakRSSIsTheProcessOwn(t *testing.T) {
+	const envChild = "IDEMPOTENCY_BENCH_TEST_PEAK"
+	if os.Getenv(envChild) != "" {
+		_, rss := processUsage()
+		fmt.Printf("peak %d\n", rss)
+		return
+	}
+	hog := make([]byte, 256<<20)
+	for i := 0; i < len(hog); i += os.Getpagesize() {
+		hog[i] = 1 // resident
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestPeakRSSIsTheProcessOwn$")
+	cmd.Env = append(os.Environ(), envChild+"=1")
+	out, err := cmd.Output()
+	require.NoError(t, err)
+	var rss int64
+	_, err = fmt.Sscanf(string(out), "peak %d", &rss)
+	require.NoError(t, err, "%s", out)
+	require.Positive(t, rss)
+	require.Less(t, rss, int64(len(hog)), "the child read its parent's peak")
+	t.Logf("the child's own peak %d MiB; getrusage's maxrss says %d MiB", rss>>20, cmd.ProcessState.SysUsage().(*syscall.Rusage).Maxrss>>10)
 }
