@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 
@@ -109,16 +111,22 @@ routes:
 }
 
 // failingCompletions is a store whose Complete fails (with err) while failing is set; every other
-// call works.
+// call works. It keeps the responses it was given.
 type failingCompletions struct {
 	cache.Store
 	failing atomic.Bool
 	err     error
 	calls   atomic.Int32
+
+	mu        sync.Mutex
+	responses []cache.Response
 }
 
 func (f *failingCompletions) Complete(ctx context.Context, l cache.Lease, r cache.Response) error {
 	f.calls.Add(1)
+	f.mu.Lock()
+	f.responses = append(f.responses, r)
+	f.mu.Unlock()
 	if f.failing.Load() {
 		return f.err
 	}
@@ -181,6 +189,12 @@ func TestCompletionIsRetriedNotRunAgain(t *testing.T) {
 		return h.counter("idempotency_completions_pending") == 0
 	}, 10*time.Second, 10*time.Millisecond, "the retry lands once the store takes writes again")
 	require.Equal(t, 1.0, h.counter("idempotency_completion_retries_total", "result", "landed"))
+	store.mu.Lock()
+	first, last := store.responses[0], store.responses[len(store.responses)-1]
+	store.mu.Unlock()
+	require.Equal(t, "content-type", last.Headers[0].Name)
+	require.NotSame(t, unsafe.SliceData(first.Headers[0].Value), unsafe.SliceData(last.Headers[0].Value),
+		"the retries write copies of the headers, not the memory of Envoy's message")
 	res := h.do(post("/v1/payments", "k", `{}`), created)
 	require.Equal(t, []string{"true"}, res.header(replayed))
 	require.Equal(t, created.body, res.body)

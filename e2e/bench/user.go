@@ -506,7 +506,7 @@ func naiveAnswer(stored string) *extprocv3.ProcessingResponse {
 // (Filter::addDynamicMetadata in source/extensions/filters/http/ext_proc/ext_proc.cc sets
 // metadata_context unconditionally).
 var (
-	userRequestAttributes = mustStruct(map[string]any{"request.id": "6f1c2b1e-9a4d-4c1e-8b1a-4d3c2b1a0f9e", "xds.route_name": "payments"})
+	userRequestAttributes = mustStruct(map[string]any{"request.id": "6f1c2b1e-9a4d-4c1e-8b1a-4d3c2b1a0f9e", "xds.route_name": "default"})
 	userResponseAttrs     = mustStruct(map[string]any{"response.code": 201, "response.code_details": "via_upstream", "response.flags": 0, "upstream.request_attempt_count": 1})
 	userMetadata          = &corev3.Metadata{}
 )
