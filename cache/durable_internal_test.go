@@ -256,3 +256,61 @@ func TestDurableCallsSentAgain(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, Completed, rec.State)
 }
+
+// waitHook makes each round trip that carries a WAIT last pause longer, as replicas that do not
+// answer do, and records the deadline of every round trip's context by its first command.
+type waitHook struct {
+	passHook
+	pause time.Duration
+
+	mu        sync.Mutex
+	deadlines map[string]time.Time
+}
+
+func (h *waitHook) trip(ctx context.Context, cmds []redis.Cmder) {
+	d, _ := ctx.Deadline()
+	h.mu.Lock()
+	h.deadlines[cmds[0].Name()] = d
+	h.mu.Unlock()
+	if slices.ContainsFunc(cmds, func(c redis.Cmder) bool { return c.Name() == "wait" }) {
+		time.Sleep(h.pause)
+	}
+}
+
+func (h *waitHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.trip(ctx, []redis.Cmder{cmd})
+		return next(ctx, cmd)
+	}
+}
+
+func (h *waitHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		h.trip(ctx, cmds)
+		return next(ctx, cmds)
+	}
+}
+
+// An unconfirmed claim is withdrawn within the claim's own deadline, not a second store timeout
+// from the end of its WAIT: Acquire takes no longer than the store's timeout.
+func TestWithdrawalWithinTheClaimsDeadline(t *testing.T) {
+	const timeout = time.Second
+	hook := &waitHook{pause: 100 * time.Millisecond, deadlines: map[string]time.Time{}}
+	mr := miniredis.RunT(t)
+	client := redis.NewClient(&redis.Options{Addr: mr.Addr(), Protocol: 2})
+	client.AddHook(hook)
+	client.AddHook(&replicaHook{acked: func(int) int64 { return 0 }})
+	s := NewRedis(client, RedisOptions{Timeout: timeout})
+	t.Cleanup(func() { _ = s.Close() })
+
+	start := time.Now()
+	_, _, err := s.Acquire(t.Context(), "k", durableClaim(1, time.Millisecond))
+	require.ErrorIs(t, err, ErrUnconfirmed)
+	require.False(t, mr.Exists("k"), "withdrawn")
+	hook.mu.Lock()
+	defer hook.mu.Unlock()
+	claimed, withdrawn := hook.deadlines["set"], hook.deadlines["evalsha"]
+	require.False(t, claimed.IsZero() || withdrawn.IsZero(), "%v", hook.deadlines)
+	require.False(t, claimed.After(start.Add(timeout)))
+	require.Equal(t, claimed, withdrawn, "the withdrawal ends when the claim would have")
+}

@@ -368,7 +368,7 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	found, err := r.run(ctx, set).Text()
 	switch {
 	case errors.Is(err, redis.Nil) && set.unconfirmed != nil:
-		return r.withdraw(ctx, lease, c.LockTTL, set.unconfirmed)
+		return r.withdraw(ctx, set.deadline, lease, c.LockTTL, set.unconfirmed)
 	case errors.Is(err, redis.Nil):
 		return lease, nil, nil
 	case err == nil:
@@ -389,7 +389,7 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 		if c.Replicas > 0 {
 			// It was written by the lost attempt, on a connection whose WAIT never came back,
 			// and this WAIT, after a SET that wrote nothing, does not cover it.
-			return r.withdraw(ctx, lease, c.LockTTL, fmt.Errorf("%w: the claim was written by an attempt whose reply was lost", ErrUnconfirmed))
+			return r.withdraw(ctx, set.deadline, lease, c.LockTTL, fmt.Errorf("%w: the claim was written by an attempt whose reply was lost", ErrUnconfirmed))
 		}
 		return lease, nil, nil
 	}
@@ -397,9 +397,12 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 }
 
 // withdraw releases the pending record of a durable claim that replicas did not confirm and
-// returns Acquire's answer: why, and no lease. A release that fails is retried in the background
-// as an orphan's; the record expires after lockTTL otherwise.
-func (r *Redis) withdraw(ctx context.Context, l Lease, lockTTL time.Duration, why error) (Lease, *Record, error) {
+// returns Acquire's answer: why, and no lease. The release runs until the claim's own deadline,
+// so that Acquire takes no longer than the store's timeout; one that fails or does not fit is
+// retried in the background as an orphan's, and the record expires after lockTTL otherwise.
+func (r *Redis) withdraw(ctx context.Context, deadline time.Time, l Lease, lockTTL time.Duration, why error) (Lease, *Record, error) {
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
 	if err := r.Release(ctx, l); err != nil && !errors.Is(err, ErrLeaseLost) {
 		r.orphans.add(l, lockTTL)
 	}
