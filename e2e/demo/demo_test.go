@@ -19,17 +19,17 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"go.uber.org/goleak"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/leakcheck"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
 
 // Every goroutine the demo starts has ended once run returns.
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m)
+	leakcheck.Main(m)
 }
 
 // The shipped files, from this directory.

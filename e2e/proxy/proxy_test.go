@@ -22,7 +22,6 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	"github.com/stretchr/testify/require"
-	"go.uber.org/goleak"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -31,10 +30,11 @@ import (
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/upstream"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/leakcheck"
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m)
+	leakcheck.Main(m)
 }
 
 const (

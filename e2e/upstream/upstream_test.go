@@ -13,13 +13,13 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"go.uber.org/goleak"
 
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/upstream"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/leakcheck"
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m)
+	leakcheck.Main(m)
 }
 
 func client(t *testing.T) *http.Client {
