@@ -97,8 +97,9 @@ func TestFullRedisUnderNoeviction(t *testing.T) {
 	for i := range keys {
 		keys[i] = "full-" + strconv.Itoa(i)
 		go func() {
-			// Claimed at once; the upstream answers 1.5 s later, by when Redis is full.
-			r, err := s.try(call{key: keys[i], body: `{"amount":1}`, headers: map[string]string{"X-Test-Delay": "1500ms"}})
+			// Claimed at once; the upstream answers 4 s later, by when Redis is full, even on
+			// a loaded machine.
+			r, err := s.try(call{key: keys[i], body: `{"amount":1}`, headers: map[string]string{"X-Test-Delay": "4s"}})
 			require.NoError(t, err)
 			done <- r
 		}()

@@ -388,7 +388,7 @@ func TestHarmCodeDetailsMissing(t *testing.T) {
 	const stores503 = "defaults:\n  store_statuses: [2xx, 503]\n" + "routes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
 	s := harmStack(t, check.Kind("code-details-missing"), stores503, extProcEdit(func(f *filterextproc.ExternalProcessor) {
 		f.ResponseAttributes = slices.DeleteFunc(f.ResponseAttributes, func(a string) bool { return a == "response.code_details" })
-	}), stackOptions{upstream: "http://127.0.0.1:" + strconv.Itoa(freePort(t)), localReplies: true})
+	}), stackOptions{upstream: "http://127.0.0.1:1", localReplies: true})
 	c := call{path: "/v1/documents", key: "cd-1", body: `{}`}
 	first := s.do(c)
 	require.Equal(t, http.StatusServiceUnavailable, first.status, "Envoy answers: the upstream is not there")
@@ -670,7 +670,9 @@ func TestHarmMessageTimeoutBelowInFlightWait(t *testing.T) {
 	t.Parallel()
 	const waits = "defaults:\n  in_flight_wait: 3s\nroutes:\n  - name: documents\n    match: { path_prefix: /v1/documents }\n"
 	s := harmStack(t, check.Kind("message-timeout-in-flight-wait"), waits, extProcEdit(func(f *filterextproc.ExternalProcessor) {
-		f.MessageTimeout = durationpb.New(500 * time.Millisecond)
+		// 2 s: below in_flight_wait, and above what a message of the first request may wait
+		// on a loaded machine.
+		f.MessageTimeout = durationpb.New(2 * time.Second)
 	}), stackOptions{})
 	c := call{path: "/v1/documents", key: "mt-1", body: `{}`, headers: map[string]string{"x-test-delay": "6s"}}
 	done := make(chan reply, 1)

@@ -113,7 +113,7 @@ routes:
 			t.Run("same key while the first is in flight", func(t *testing.T) {
 				done := make(chan reply)
 				go func() {
-					r, _ := s.try(call{key: "slow-1", headers: map[string]string{"X-Test-Delay": "1500ms"}, body: `{}`})
+					r, _ := s.try(call{key: "slow-1", headers: map[string]string{"X-Test-Delay": "5s"}, body: `{}`})
 					done <- r
 				}()
 				require.Eventually(t, func() bool { return up.Count("slow-1") == 1 }, 5*time.Second, 5*time.Millisecond)
@@ -213,8 +213,8 @@ func TestEnvoyMadeResponsesRelease(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			t.Run("upstream timeout 504", func(t *testing.T) {
-				s := newStack(t, stackOptions{envoy: withRouteTimeout(300 * time.Millisecond), localReplies: local})
-				r := s.do(call{key: "to-1", headers: map[string]string{"X-Test-Delay": "2s"}, body: `{}`})
+				s := newStack(t, stackOptions{envoy: withRouteTimeout(time.Second), localReplies: local})
+				r := s.do(call{key: "to-1", headers: map[string]string{"X-Test-Delay": "3s"}, body: `{}`})
 				require.Equal(t, 504, r.status)
 				// Without local replies the processor learns of the 504 only when Envoy ends the
 				// stream, which may be just after the client has it: until the release, a retry
@@ -228,7 +228,7 @@ func TestEnvoyMadeResponsesRelease(t *testing.T) {
 				require.Equal(t, 2, s.up.Count("to-1"))
 			})
 			t.Run("connection refused 503", func(t *testing.T) {
-				s := newStack(t, stackOptions{upstream: "http://127.0.0.1:" + itoa(freePort(t)), localReplies: local})
+				s := newStack(t, stackOptions{upstream: "http://127.0.0.1:1", localReplies: local})
 				for range 2 {
 					r := s.do(call{key: "refused-1", body: `{}`})
 					require.Equal(t, 503, r.status, "each attempt reaches the (absent) upstream: nothing was stored")

@@ -306,7 +306,9 @@ func TestSIGTERMDuringTraffic(t *testing.T) {
 func TestRedisRestartUnderLoad(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t, redistest.Options{})
-	s := newStack(t, stackOptions{replicas: 2, args: redisArgs(srv)})
+	// store_timeout 1s: after the restart, a loaded machine may take longer than the default
+	// 100 ms for a store call, which the requests sent then must not fail on.
+	s := newStack(t, stackOptions{replicas: 2, args: redisArgs(srv), policy: "store_timeout: 1s"})
 
 	out, after := s.disruptTraffic(t, disruption{
 		workers: 6, prefix: "restart", headers: map[string]string{"X-Test-Delay": "20ms"}, lead: 700 * time.Millisecond,
