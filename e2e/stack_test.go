@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -93,13 +94,21 @@ func startListening(t *testing.T, env []string, args ...string) *processor {
 	return startBinary(t, binaryPath, env, args...)
 }
 
+// ownEnviron is this process's environment without what configures the program (IDEMPOTENCY_*,
+// OTEL_*): a processor a test starts runs as the test says, whatever the shell that runs it sets.
+func ownEnviron() []string {
+	return slices.DeleteFunc(os.Environ(), func(kv string) bool {
+		return strings.HasPrefix(kv, "IDEMPOTENCY_") || strings.HasPrefix(kv, "OTEL_")
+	})
+}
+
 // startBinary is startListening with another build of the program.
 func startBinary(t *testing.T, bin string, env []string, args ...string) *processor {
 	t.Helper()
 	full := append([]string{"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"}, args...)
 	logs := &logBuffer{}
 	cmd := exec.Command(bin, full...)
-	cmd.Env = append(os.Environ(), env...)
+	cmd.Env = append(ownEnviron(), env...)
 	cmd.SysProcAttr = childAttr()
 	cmd.Stderr = logs
 	cmd.Stdout = logs
