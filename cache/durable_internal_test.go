@@ -257,37 +257,44 @@ func TestDurableCallsSentAgain(t *testing.T) {
 	require.Equal(t, Completed, rec.State)
 }
 
-// waitHook makes each round trip that carries a WAIT last pause longer, as replicas that do not
-// answer do, and records the deadline of every round trip's context by its first command.
+// waitHook hands over the reply of each round trip that carries a WAIT pause late, as replicas
+// that answer late make it, and records the deadline of every round trip's context by its first
+// command.
 type waitHook struct {
 	passHook
-	pause time.Duration
 
 	mu        sync.Mutex
+	pause     time.Duration
 	deadlines map[string]time.Time
 }
 
-func (h *waitHook) trip(ctx context.Context, cmds []redis.Cmder) {
+// trip records the deadline of cmds' round trip and returns how long to hold its reply.
+func (h *waitHook) trip(ctx context.Context, cmds []redis.Cmder) time.Duration {
 	d, _ := ctx.Deadline()
 	h.mu.Lock()
+	defer h.mu.Unlock()
 	h.deadlines[cmds[0].Name()] = d
-	h.mu.Unlock()
 	if slices.ContainsFunc(cmds, func(c redis.Cmder) bool { return c.Name() == "wait" }) {
-		time.Sleep(h.pause)
+		return h.pause
 	}
+	return 0
 }
 
 func (h *waitHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		h.trip(ctx, []redis.Cmder{cmd})
-		return next(ctx, cmd)
+		pause := h.trip(ctx, []redis.Cmder{cmd})
+		err := next(ctx, cmd)
+		time.Sleep(pause)
+		return err
 	}
 }
 
 func (h *waitHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
-		h.trip(ctx, cmds)
-		return next(ctx, cmds)
+		pause := h.trip(ctx, cmds)
+		err := next(ctx, cmds)
+		time.Sleep(pause)
+		return err
 	}
 }
 
@@ -308,9 +315,18 @@ func TestWithdrawalWithinTheClaimsDeadline(t *testing.T) {
 	require.ErrorIs(t, err, ErrUnconfirmed)
 	require.False(t, mr.Exists("k"), "withdrawn")
 	hook.mu.Lock()
-	defer hook.mu.Unlock()
 	claimed, withdrawn := hook.deadlines["set"], hook.deadlines["evalsha"]
+	hook.mu.Unlock()
 	require.False(t, claimed.IsZero() || withdrawn.IsZero(), "%v", hook.deadlines)
 	require.False(t, claimed.After(start.Add(timeout)))
-	require.Equal(t, claimed, withdrawn, "the withdrawal ends when the claim would have")
+	require.True(t, claimed.Equal(withdrawn), "the withdrawal ends when the claim would have: %v, %v", claimed, withdrawn)
+
+	// A WAIT whose reply comes as the claim's deadline passes leaves the withdrawal no time: it
+	// goes on in the background, and the caller still learns that the claim was not confirmed.
+	hook.mu.Lock()
+	hook.pause = timeout + 100*time.Millisecond
+	hook.mu.Unlock()
+	_, _, err = s.Acquire(t.Context(), "late", durableClaim(1, time.Millisecond))
+	require.ErrorIs(t, err, ErrUnconfirmed)
+	require.Eventually(t, func() bool { return !mr.Exists("late") }, 10*time.Second, 10*time.Millisecond, "withdrawn in the background")
 }

@@ -326,8 +326,8 @@ func processUsage() (time.Duration, int64) {
 
 // ownPeakRSS is Linux's VmHWM: the peak of this process's own memory. getrusage's maxrss is not:
 // a process the Go runtime starts shares its parent's memory until it execs, and Linux counts
-// the parent's peak into the child's at exec (fs/exec.c, exec_mmap), so a processor started by
-// a larger bench would read the bench's peak.
+// the parent's peak into the child's at exec, so a processor started by a larger bench would
+// read the bench's peak.
 func ownPeakRSS() (int64, bool) {
 	b, err := os.ReadFile("/proc/self/status")
 	if err != nil {

@@ -11,8 +11,8 @@ import (
 )
 
 // settle is how long Main waits for goroutines to end. goleak's own wait, about 0.4 s, is short
-// for a goroutine that has been told to end but not yet run, on a loaded 2-core machine under the
-// race detector: a gRPC transport after Stop, a handler after its stream.
+// for a goroutine that has been told to end but not yet run, on a loaded machine under the race
+// detector: a gRPC transport after Stop, a handler after its stream.
 const settle = 10 * time.Second
 
 // Main runs the tests and, when they pass, fails the binary if a goroutine they started still
@@ -21,7 +21,7 @@ func Main(m *testing.M) {
 	code := m.Run()
 	if code == 0 {
 		if err := wait(goleak.Find, settle, 100*time.Millisecond); err != nil {
-			fmt.Fprintf(os.Stderr, "goleak: errors on a successful test run: %v\n", err)
+			fmt.Fprintf(os.Stderr, "goleak: Errors on successful test run: %v\n", err)
 			code = 1
 		}
 	}

@@ -1,0 +1,22 @@
+package main
+
+import (
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
+)
+
+// TestMain runs the tests without the shell's IDEMPOTENCY_* and OTEL_* variables, but the one the
+// tests read (redistest.RequireEnv): the program reads them, in this process and in the ones the
+// tests start, which run as each test says, whatever the shell sets.
+func TestMain(m *testing.M) {
+	for _, kv := range os.Environ() {
+		name, _, _ := strings.Cut(kv, "=")
+		if strings.HasPrefix(name, "OTEL_") || strings.HasPrefix(name, "IDEMPOTENCY_") && name != redistest.RequireEnv {
+			_ = os.Unsetenv(name)
+		}
+	}
+	os.Exit(m.Run())
+}
