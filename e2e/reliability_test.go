@@ -164,7 +164,9 @@ func TestRacesAcrossReplicas(t *testing.T) {
 	t.Run("200 duplicates", func(t *testing.T) {
 		const n = 200
 		statuses := s.burst(n, func(int) call {
-			return call{key: "dup-200", headers: map[string]string{"X-Test-Delay": "300ms"}, body: `{"a":1}`}
+			// In flight for 1 s: long enough that each replica meets duplicates while it runs,
+			// however slowly a loaded machine sends the burst.
+			return call{key: "dup-200", headers: map[string]string{"X-Test-Delay": "1s"}, body: `{"a":1}`}
 		})
 		counts := map[int]int{}
 		for _, st := range statuses {

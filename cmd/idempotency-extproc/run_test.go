@@ -308,14 +308,14 @@ func runOnMiniredis(t *testing.T, mr *miniredis.Miniredis, opts runOptions, args
 // (unknown_outcome: release, the default), so that a retry on another replica runs.
 func TestRunCutStreamsReleaseTheirLeases(t *testing.T) {
 	mr := miniredis.RunT(t)
-	logs, ready, cancel, done := runOnMiniredis(t, mr, runOptions{drainTimeout: 2 * time.Second})
+	logs, ready, cancel, done := runOnMiniredis(t, mr, runOptions{drainTimeout: 4 * time.Second})
 	openClaim(t, ready["grpc_addr"].(string), "k")
 	require.Len(t, mr.Keys(), 1, "the lease")
 
 	readyz := "http://" + ready["admin_addr"].(string) + "/readyz"
 	require.Equal(t, http.StatusOK, get(t, readyz))
 	cancel() // as SIGTERM does; the stream never ends by itself
-	require.Eventually(t, func() bool { return get(t, readyz) == http.StatusServiceUnavailable }, time.Second, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return get(t, readyz) == http.StatusServiceUnavailable }, 3*time.Second, 10*time.Millisecond,
 		"/readyz says unready during the drain, as gRPC health does")
 	require.NoError(t, <-done)
 	logs.wait(t, "drain timeout: cutting the streams still open", time.Second)

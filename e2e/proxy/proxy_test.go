@@ -1193,11 +1193,11 @@ func TestEmptyBodyWithTrailersDuringHeadersStalls(t *testing.T) {
 		for e.up.Active() > 0 {
 			time.Sleep(time.Millisecond)
 		}
-		time.Sleep(50 * time.Millisecond) // the proxy reads what the upstream wrote
+		time.Sleep(300 * time.Millisecond) // the proxy reads what the upstream wrote, on a loaded machine too
 		return st.Send(cont(req))
 	})
 	e = newEnv(t, f, afterUpstream, func(c *proxy.Config) { c.UpstreamTrailers, c.DownstreamTrailers = true, true })
-	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.proxy.URL()+"/grpcish", bytes.NewReader([]byte("x")))
 	require.NoError(t, err)
