@@ -19,33 +19,30 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/internal/check"
 )
 
-// plainBinary is the binary built without the race detector, whose shadow memory would
-// multiply the heap: the tests that measure the process's memory run it.
-var plainBinary = sync.OnceValues(func() (string, error) {
-	dir, err := os.MkdirTemp("", "idempotency-extproc-plain")
-	if err != nil {
-		return "", err
-	}
-	path := filepath.Join(dir, "idempotency-extproc")
-	if out, err := exec.Command("go", "build", "-o", path, ".").CombinedOutput(); err != nil {
-		return "", &buildError{out: string(out), err: err}
-	}
-	return path, nil
-})
+var (
+	// plainBinary is the binary built without the race detector, whose shadow memory would
+	// multiply the heap: the tests that measure the process's memory run it.
+	plainBinary = buildOnce(".", "idempotency-extproc")
+	// peakRSS is a command that runs another and writes the most memory that one held resident
+	// (testdata/peakrss): the test process's own peak would otherwise be read as the child's.
+	peakRSS = buildOnce("./testdata/peakrss", "peakrss")
+)
 
-// peakRSS is a command that runs another and writes the most memory that one held resident
-// (testdata/peakrss): the test process's own peak would otherwise be read as the child's.
-var peakRSS = sync.OnceValues(func() (string, error) {
-	dir, err := os.MkdirTemp("", "idempotency-extproc-peakrss")
-	if err != nil {
-		return "", err
-	}
-	path := filepath.Join(dir, "peakrss")
-	if out, err := exec.Command("go", "build", "-o", path, "./testdata/peakrss").CombinedOutput(); err != nil {
-		return "", &buildError{out: string(out), err: err}
-	}
-	return path, nil
-})
+// buildOnce returns the path of pkg's command, named name, built without the race detector into
+// a directory of its own the first time it is called.
+func buildOnce(pkg, name string) func() (string, error) {
+	return sync.OnceValues(func() (string, error) {
+		dir, err := os.MkdirTemp("", "idempotency-extproc-"+name)
+		if err != nil {
+			return "", err
+		}
+		path := filepath.Join(dir, name)
+		if out, err := exec.Command("go", "build", "-o", path, pkg).CombinedOutput(); err != nil {
+			return "", &buildError{out: string(out), err: err}
+		}
+		return path, nil
+	})
+}
 
 // maxCheckRSS is the most memory check may hold, whatever it is fed: the default bounds and the
 // heap's soft limit keep the worst input measured (flow pairs at the value bound) near 75 MB.
