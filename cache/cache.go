@@ -75,9 +75,10 @@ type Store interface {
 	// the request, which a failover could then run a second time. The withdrawal counts within
 	// the claim's deadline (the store's timeout, or ctx's deadline when that is earlier): if it
 	// fails too, or that deadline has passed, the store retries it in the background, best
-	// effort, and otherwise the pending record expires after c.LockTTL. An Acquire that finds a record returns it whatever the replicas
-	// say: it wrote nothing. A store without replicas (Memory) returns ErrUnconfirmed for every
-	// durable claim it would create, and creates nothing.
+	// effort, and otherwise the pending record expires after c.LockTTL. An Acquire that finds a
+	// record returns it whatever the replicas say: it wrote nothing. A store without replicas
+	// (Memory) returns ErrUnconfirmed for every durable claim it would create, and creates
+	// nothing.
 	Acquire(ctx context.Context, key string, c Claim) (Lease, *Record, error)
 
 	// Lookup returns the live record for key, pending or completed, as Acquire would find it, and
