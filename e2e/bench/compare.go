@@ -496,10 +496,11 @@ func rounds(ctx context.Context, n int, w string, targets []*targetProcess, admi
 			var redis0 time.Duration
 			var evicted0 int64
 			if c.hasRedis() {
-				redis0 = redisServerCPU(ctx, admin)
+				// INFO stats first: its own CPU is then outside the cell's Redis CPU.
 				if evicted0, err = redisEvicted(ctx, admin); err != nil {
 					return nil, fmt.Errorf("%s, %s: redis INFO stats: %w", w, t.name, err)
 				}
+				redis0 = redisServerCPU(ctx, admin)
 			}
 			cpu0 := processCPU()
 			got, lat, err := run(i)
