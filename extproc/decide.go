@@ -27,7 +27,9 @@ type requestInfo struct {
 	peer string
 	// params are the route's path parameters, aligned with its path_param scope entries.
 	params []string
-	// body holds the body's json scope values (jsonstream.go); nil until the body is read.
+	// body is what a route that reads its body's members keeps of the request (jsonstream.go):
+	// the route's selector while match.json decides it, then the body's json scope values and
+	// JSON-RPC id. nil on other routes; its scope is nil until the body is read.
 	body *jsonState
 }
 
@@ -48,11 +50,9 @@ type admission struct {
 	// needsBody: the claim waits for the whole body (it is fingerprinted, or is the key).
 	needsBody bool
 	// grpc: the request is a gRPC call (its content-type, or its route's grpc: true): its
-	// answers are gRPC statuses and its outcome is its grpc-status (grpc.go).
+	// answers are gRPC statuses and its outcome is its grpc-status (grpc.go). A gRPC call without
+	// :path came through grpc-go's own ext_proc client (stream.proxyless).
 	grpc bool
-	// proxyless: the call came through grpc-go's own ext_proc client (gRFC A93), which sends no
-	// :path (Envoy always does): it takes no streamed immediate response.
-	proxyless bool
 }
 
 // admit decides what a request on route r is: not covered, answered at once, or to be claimed.
@@ -72,9 +72,8 @@ func admit(r *route, req requestInfo) admission {
 	// request on a grpc: true route stays HTTP: its outcome is its :status, its answers HTTP.
 	hasPath := req.path != nil
 	a := admission{covered: true, ttl: r.TTL, grpc: isGRPC(req.headers) || (r.GRPC && !hasPath)}
-	a.proxyless = a.grpc && !hasPath
 	refuse := func(p *problem) admission {
-		return admission{covered: true, problem: p, grpc: a.grpc, proxyless: a.proxyless}
+		return admission{covered: true, problem: p, grpc: a.grpc}
 	}
 	key, present, err := parseKey(req.headers, r.KeyHeaders)
 	switch {

@@ -271,7 +271,7 @@ func grpcAdmit(a admission, requestMode filterextproc.ProcessingMode_BodySendMod
 // moves the stream.
 func (st *stream) grpcReplayable(rec *cache.Record) bool {
 	headersOwed := st.state == stateStart || st.withholdsHeaders()
-	return !st.req.adm.proxyless && !rec.Response.BodyOmitted && canStreamReplay(st.pc.GetRequestBodyMode(), headersOwed)
+	return !st.proxyless() && !rec.Response.BodyOmitted && canStreamReplay(st.pc.GetRequestBodyMode(), headersOwed)
 }
 
 // sendGRPC sends a, an answer to a gRPC call, when it differs from the HTTP one, and reports
@@ -392,4 +392,10 @@ func (st *stream) grpcTrailers(m *extprocv3.HttpTrailers) {
 // none, as a phase it then sends is no sign of a misconfigured Envoy.
 func (st *stream) noPath() bool {
 	return st.req.info.path == nil
+}
+
+// proxyless reports whether the call came through grpc-go's own ext_proc client (gRFC A93),
+// which sends no :path (Envoy always does): it takes no streamed immediate response.
+func (st *stream) proxyless() bool {
+	return st.req.adm.grpc && st.noPath()
 }

@@ -8,8 +8,8 @@ import (
 // The stream's side of routes that read their request body's members (jsonroute.go): the hooks
 // the stream calls at the request headers, at the body's end, and to render an answer.
 
-// jsonState is what the stream keeps of a request whose route reads its body's members: only
-// such requests allocate it.
+// jsonState is what the stream keeps of a request whose route reads its body's members, in its
+// requestInfo: only such requests allocate it.
 type jsonState struct {
 	// deferred: the route is decided by the body (match.json), chosen again with sel at its end.
 	deferred bool
@@ -26,18 +26,18 @@ type jsonState struct {
 // maxRequestBytes bounds the request body the stream holds: its route's max_request_bytes, or,
 // while match.json has not chosen the route, the largest of the routes it may take.
 func (st *stream) maxRequestBytes() int {
-	if st.json != nil && st.json.deferred {
-		return st.json.maxBytes
+	if js := st.req.info.body; js != nil && js.deferred {
+		return js.maxBytes
 	}
 	return st.req.route.MaxRequestBytes
 }
 
 // rpcID is the JSON-RPC request's id; nil when none was read.
 func (st *stream) rpcID() []byte {
-	if st.json == nil {
-		return nil
+	if js := st.req.info.body; js != nil {
+		return js.rpcID
 	}
-	return st.json.rpcID
+	return nil
 }
 
 // rpcVerdict puts the request's JSON-RPC id in the record a replay answers with; the stream asks
@@ -77,15 +77,14 @@ func (st *stream) readBody(body []byte) ([]byte, bool) {
 		st.settleAtBody(nil)
 		return nil, false
 	}
-	if st.json == nil {
-		st.json = &jsonState{}
+	if a.info.body == nil {
+		a.info.body = &jsonState{}
 	}
-	st.json.rpcID, st.json.scope = read.id, read.scope
+	a.info.body.rpcID, a.info.body.scope = read.id, read.scope
 	if read.problem != nil {
 		st.settleAtBody(read.problem)
 		return nil, false
 	}
-	a.info.body = st.json
 	adm, covered := admitBody(r.Route, a.adm, a.info, read.key)
 	a.adm = adm
 	if !covered || adm.problem != nil {
@@ -100,12 +99,13 @@ func (st *stream) readBody(body []byte) ([]byte, bool) {
 // match.json was tested, so that the route that takes it reads the body once. ok is false when
 // it settled the request instead.
 func (st *stream) chooseRoute(body []byte) (read bodyRead, readFor *route, ok bool) {
-	if st.json == nil || !st.json.deferred {
+	a := st.req
+	js := a.info.body
+	if js == nil || !js.deferred {
 		return read, nil, true
 	}
-	st.json.deferred = false
-	a := st.req
-	r, params, _ := st.s.policy.SelectBy(st.json.sel, func(c *policy.Route) bool {
+	js.deferred = false
+	r, params, _ := st.s.policy.SelectBy(js.sel, func(c *policy.Route) bool {
 		readFor = st.s.routes[c]
 		read = readJSON(readFor.json, body)
 		return read.matched
@@ -119,7 +119,7 @@ func (st *stream) chooseRoute(body []byte) (read bodyRead, readFor *route, ok bo
 		// Held by the processor under the bound of every route it might take: now the chosen
 		// route's applies. (A body Envoy buffers is bounded by Envoy.)
 		if readFor == a.route {
-			st.json.rpcID = read.id // the refusal carries the request's id
+			js.rpcID = read.id // the refusal carries the request's id
 		}
 		st.settleAtBody(problemTooLarge)
 		return read, readFor, false

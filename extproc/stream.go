@@ -236,9 +236,6 @@ type stream struct {
 	outcome Outcome
 	// sentOverride is the mode_override this stream sent, to tell when Envoy refused it.
 	sentOverride *filterextproc.ProcessingMode
-	// json is what a route that reads its body's members keeps of the request (jsonstream.go);
-	// nil on other routes.
-	json *jsonState
 }
 
 // newStream returns the stream of a request whose context is ctx, and whose first-message
@@ -468,7 +465,7 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	if a.route.decidedByBody && !isGRPC(h) {
 		// The body decides the route (match.json): readBody chooses it, by sel, and admits the
 		// request at the body's end.
-		st.json = &jsonState{deferred: true, sel: sel, maxBytes: st.s.policy.MaxRequestBytesBy(sel)}
+		a.info.body = &jsonState{deferred: true, sel: sel, maxBytes: st.s.policy.MaxRequestBytesBy(sel)}
 		a.adm = admission{covered: true, needsBody: true}
 	} else if a.adm = admit(a.route, a.info); a.adm.grpc {
 		a.adm = grpcAdmit(a.adm, st.pc.GetRequestBodyMode())
@@ -683,7 +680,7 @@ func (st *stream) claim(body []byte) {
 		return
 	}
 	fpBody := body
-	if st.json != nil || st.req.route.json != nil {
+	if st.req.info.body != nil || st.req.route.json != nil {
 		// The route reads its body's members, or match.json chooses it (jsonstream.go).
 		var ok bool
 		if fpBody, ok = st.readBody(body); !ok {
@@ -847,7 +844,7 @@ func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.S
 	v := h.get(":status")
 	status, err := strconv.Atoi(string(v))
 	switch {
-	case v == nil && st.req.adm.proxyless:
+	case v == nil && st.proxyless():
 		// grpc-go's ext_proc client sends none: its response headers are the call's metadata.
 		status = http.StatusOK
 	case err != nil:
@@ -868,7 +865,7 @@ func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.S
 	case settleRelease:
 		c.release(reason)
 	case settleUnknown:
-		if !o.attemptsKnown && !st.req.adm.proxyless {
+		if !o.attemptsKnown && !st.proxyless() {
 			st.s.misconfigured(MisconfigAttemptCountMissing, func() {
 				c.event(st.s.log.Warn()).Msg("an Envoy-made response came without upstream.request_attempt_count; add it to the ext_proc filter's response_attributes, or every such response is treated as an unknown outcome")
 			})
@@ -892,7 +889,7 @@ func (st *stream) respond(m *extprocv3.HttpHeaders, attrs map[string]*structpb.S
 // response.code_details missing, or a request the router sent upstream more than once. respond
 // calls it only when one of them shows.
 func (st *stream) noteOrigin(o origin) {
-	if !o.detailsKnown && !st.req.adm.proxyless {
+	if !o.detailsKnown && !st.proxyless() {
 		st.s.misconfigured(MisconfigCodeDetailsMissing, func() {
 			st.call.event(st.s.log.Warn()).Msg("a response came without response.code_details; add it to the ext_proc filter's response_attributes, or responses that would release the key are treated as possibly Envoy's (unknown outcomes)")
 		})
