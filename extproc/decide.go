@@ -45,8 +45,6 @@ type admission struct {
 	jwt *structpb.Struct
 	// covered: the request is the processor's. A request that is not passes through untouched.
 	covered bool
-	// bodyHash: the key is the body's hash, known at the body's end.
-	bodyHash bool
 	// needsBody: the claim waits for the whole body (it is fingerprinted, or is the key).
 	needsBody bool
 	// grpc: the request is a gRPC call (its content-type, or its route's grpc: true): its
@@ -54,6 +52,11 @@ type admission struct {
 	// :path came through grpc-go's own ext_proc client (stream.proxyless).
 	grpc bool
 }
+
+// bodyHash reports whether the key of a request admitted for a claim is the body's hash, known at
+// the body's end: it has no key yet (a key is 1 to MaxKeyLength characters), as a route with
+// key_json settles at the body's end too (keyFromBody).
+func (a admission) bodyHash() bool { return a.key == "" }
 
 // admit decides what a request on route r is: not covered, answered at once, or to be claimed.
 // What depends on the route alone (whether its scope reads claims, whether its fingerprint
@@ -86,7 +89,7 @@ func admit(r *route, req requestInfo) admission {
 	case !present && r.MissingKey == policy.MissingKeyRequired:
 		return refuse(problemMissingKey)
 	}
-	a.key, a.bodyHash = key, !present
+	a.key = key
 	if r.TTLHeader != "" {
 		if v := req.headers.get(r.TTLHeader); v != nil {
 			if a.ttl, err = parseTTL(v, r.MaxTTL); err != nil {
@@ -107,7 +110,7 @@ func admit(r *route, req requestInfo) admission {
 	if r.RequireScope && scopeEmpty(r.Route, req, a.jwt) {
 		return refuse(problemScopeMissing)
 	}
-	a.needsBody = a.bodyHash || r.bodyFingerprint || r.json != nil
+	a.needsBody = a.bodyHash() || r.bodyFingerprint || r.json != nil
 	return a
 }
 

@@ -197,12 +197,12 @@ func isBatch(body []byte) bool {
 // is no key at all and the route passes such requests through.
 func keyFromBody(r *policy.Route, a admission, bodyKey string) (admission, bool) {
 	switch {
-	case a.key != "" && !a.bodyHash:
+	case a.key != "":
 		if bodyKey != "" && bodyKey != a.key {
 			a.problem = problemKeyConflict
 		}
 	case bodyKey != "":
-		a.key, a.bodyHash = bodyKey, false
+		a.key = bodyKey
 	case r.MissingKey == policy.MissingKeyOptional:
 		return a, false
 	case r.MissingKey == policy.MissingKeyRequired:

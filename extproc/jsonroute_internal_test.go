@@ -138,7 +138,7 @@ func TestReadJSON(t *testing.T) {
 func TestKeyFromBody(t *testing.T) {
 	r := &policy.Route{MissingKey: policy.MissingKeyOptional}
 	header := admission{covered: true, key: "h"}
-	none := admission{covered: true, bodyHash: true}
+	none := admission{covered: true}
 	for _, c := range []struct {
 		name       string
 		missing    policy.MissingKey
@@ -165,7 +165,7 @@ func TestKeyFromBody(t *testing.T) {
 				return
 			}
 			require.Equal(t, c.wantKey, a.key)
-			require.Equal(t, c.wantHash, a.bodyHash)
+			require.Equal(t, c.wantHash, a.bodyHash())
 			require.Same(t, c.wantProble, a.problem)
 		})
 	}
