@@ -4,6 +4,9 @@ STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 # A count, not a duration: with a duration Go's fuzzer can fail with "context deadline
 # exceeded" when a worker is slow to stop on a loaded machine.
 FUZZTIME ?= 10000x
+# How hard the fuzzer minimizes an input it keeps, also a count: Go's default is 60 seconds per
+# input, which a short run can spend on one new input alone.
+FUZZMINIMIZE ?= 1000x
 # test-busy: how many CPU-bound processes run beside the suite (two fill a two-core machine).
 HOGS ?= 2
 PKGS := ./...
@@ -72,17 +75,17 @@ run: ## the server on the embedded memory store with envoy/policy.yaml: ext_proc
 	$(GO) run -ldflags "$(LDFLAGS)" ./cmd/idempotency-extproc --store memory --config envoy/policy.yaml --log-format console
 
 fuzz: ## each fuzz target for FUZZTIME (seed corpora in each package's testdata/fuzz)
-	$(GO) test -run '^$$' -fuzz '^FuzzDecodeResponse$$' -fuzztime $(FUZZTIME) ./cache/
-	$(GO) test -run '^$$' -fuzz '^FuzzParseKey$$' -fuzztime $(FUZZTIME) ./extproc/
-	$(GO) test -run '^$$' -fuzz '^FuzzDecodeRequest$$' -fuzztime $(FUZZTIME) ./extproc/wire/
-	$(GO) test -run '^$$' -fuzz '^FuzzStreamMessages$$' -fuzztime $(FUZZTIME) ./extproc/
-	$(GO) test -run '^$$' -fuzz '^FuzzJSONStreamMessages$$' -fuzztime $(FUZZTIME) ./extproc/
-	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./extproc/policy/
-	$(GO) test -run '^$$' -fuzz '^FuzzOpen$$' -fuzztime $(FUZZTIME) ./cache/seal/
-	$(GO) test -run '^$$' -fuzz '^FuzzParseKeyring$$' -fuzztime $(FUZZTIME) ./cache/seal/
-	$(GO) test -run '^$$' -fuzz '^FuzzDecodeSealedResponse$$' -fuzztime $(FUZZTIME) ./cache/
-	$(GO) test -run '^$$' -fuzz '^FuzzReadBootstrap$$' -fuzztime $(FUZZTIME) ./internal/check/
-	$(GO) test -run '^$$' -fuzz '^FuzzReadKubernetes$$' -fuzztime $(FUZZTIME) ./internal/check/
-	$(GO) test -run '^$$' -fuzz '^FuzzParsePointer$$' -fuzztime $(FUZZTIME) ./extproc/jsonbody/
-	$(GO) test -run '^$$' -fuzz '^FuzzCanonical$$' -fuzztime $(FUZZTIME) ./extproc/jsonbody/
-	$(GO) test -run '^$$' -fuzz '^FuzzReplaceID$$' -fuzztime $(FUZZTIME) ./extproc/jsonbody/
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeResponse$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./cache/
+	$(GO) test -run '^$$' -fuzz '^FuzzParseKey$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./extproc/
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeRequest$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./extproc/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzStreamMessages$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./extproc/
+	$(GO) test -run '^$$' -fuzz '^FuzzJSONStreamMessages$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./extproc/
+	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./extproc/policy/
+	$(GO) test -run '^$$' -fuzz '^FuzzOpen$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./cache/seal/
+	$(GO) test -run '^$$' -fuzz '^FuzzParseKeyring$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./cache/seal/
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeSealedResponse$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./cache/
+	$(GO) test -run '^$$' -fuzz '^FuzzReadBootstrap$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./internal/check/
+	$(GO) test -run '^$$' -fuzz '^FuzzReadKubernetes$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./internal/check/
+	$(GO) test -run '^$$' -fuzz '^FuzzParsePointer$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./extproc/jsonbody/
+	$(GO) test -run '^$$' -fuzz '^FuzzCanonical$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./extproc/jsonbody/
+	$(GO) test -run '^$$' -fuzz '^FuzzReplaceID$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZE) ./extproc/jsonbody/
