@@ -2,6 +2,8 @@ package e2e_test
 
 import (
 	"fmt"
+	"go/ast"
+	"go/token"
 	"go/types"
 	"os"
 	"regexp"
@@ -87,4 +89,73 @@ func qualified(n *types.Named) string {
 		return n.Obj().Name()
 	}
 	return n.Obj().Pkg().Name() + "." + n.Obj().Name()
+}
+
+// TestOutcomeSettledInOnePlace holds the stream to what docs/architecture.md says of its outcome:
+// in the product's code, stream.outcome is assigned in stream.settleOutcome alone (no other
+// assignment, composite literal or address taken), and settleOutcome is called from stream.move
+// alone, once.
+func TestOutcomeSettledInOnePlace(t *testing.T) {
+	cfg := &packages.Config{BuildFlags: []string{"-tags=vtprotobuf"}, Mode: packages.NeedName | packages.NeedSyntax | packages.NeedTypes | packages.NeedTypesInfo, Dir: ".."}
+	pkgs, err := packages.Load(cfg, "./extproc")
+	require.NoError(t, err)
+	require.Len(t, pkgs, 1)
+	p := pkgs[0]
+	require.Empty(t, p.Errors)
+	st := p.Types.Scope().Lookup("stream").Type().(*types.Named)
+	var outcome *types.Var
+	for f := range st.Underlying().(*types.Struct).Fields() {
+		if f.Name() == "outcome" {
+			outcome = f
+		}
+	}
+	require.NotNil(t, outcome, "stream has an outcome field")
+	settleOutcome, _, _ := types.LookupFieldOrMethod(types.NewPointer(st), false, p.Types, "settleOutcome")
+	require.NotNil(t, settleOutcome, "stream has settleOutcome")
+
+	var writes, calls []string
+	for _, f := range p.Syntax {
+		for _, d := range f.Decls {
+			fd, ok := d.(*ast.FuncDecl)
+			if !ok || fd.Body == nil {
+				continue
+			}
+			in := funcName(p.Name, fd)
+			isOutcome := func(e ast.Expr) bool {
+				if s, ok := ast.Unparen(e).(*ast.SelectorExpr); ok {
+					return p.TypesInfo.ObjectOf(s.Sel) == outcome
+				}
+				return false
+			}
+			ast.Inspect(fd.Body, func(n ast.Node) bool {
+				switch n := n.(type) {
+				case *ast.AssignStmt:
+					for _, l := range n.Lhs {
+						if isOutcome(l) {
+							writes = append(writes, in)
+						}
+					}
+				case *ast.IncDecStmt:
+					if isOutcome(n.X) {
+						writes = append(writes, in)
+					}
+				case *ast.UnaryExpr:
+					if n.Op == token.AND && isOutcome(n.X) {
+						writes = append(writes, in+" (its address)")
+					}
+				case *ast.KeyValueExpr:
+					if id, ok := n.Key.(*ast.Ident); ok && p.TypesInfo.ObjectOf(id) == outcome {
+						writes = append(writes, in+" (a literal)")
+					}
+				case *ast.SelectorExpr:
+					if p.TypesInfo.ObjectOf(n.Sel) == settleOutcome {
+						calls = append(calls, in)
+					}
+				}
+				return true
+			})
+		}
+	}
+	require.Equal(t, []string{"stream.settleOutcome"}, writes, "the functions that assign stream.outcome")
+	require.Equal(t, []string{"stream.move"}, calls, "the functions that call stream.settleOutcome")
 }
