@@ -1,9 +1,11 @@
 package extproc
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -115,28 +117,16 @@ func (c *completions) retry(p pendingCompletion) bool {
 	return true
 }
 
-// ownHeaders copies hs, names and values, into memory of their own: three allocations.
+// ownHeaders copies hs, names and values, into memory of their own. A value's capacity is its
+// length, so that an append to it reallocates. It runs only for a completion retried in the
+// background.
 func ownHeaders(hs []cache.Header) []cache.Header {
 	if hs == nil {
 		return nil
 	}
-	nameLen, valueLen := 0, 0
-	for _, h := range hs {
-		nameLen, valueLen = nameLen+len(h.Name), valueLen+len(h.Value)
-	}
-	var names strings.Builder
-	names.Grow(nameLen)
-	values := make([]byte, 0, valueLen)
-	for _, h := range hs {
-		names.WriteString(h.Name)
-		values = append(values, h.Value...)
-	}
-	all, out := names.String(), make([]cache.Header, len(hs))
+	out := make([]cache.Header, len(hs))
 	for i, h := range hs {
-		out[i].Name, all = all[:len(h.Name)], all[len(h.Name):]
-		if h.Value != nil {
-			out[i].Value, values = values[:len(h.Value):len(h.Value)], values[len(h.Value):]
-		}
+		out[i] = cache.Header{Name: strings.Clone(h.Name), Value: slices.Clip(bytes.Clone(h.Value))}
 	}
 	return out
 }
