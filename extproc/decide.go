@@ -37,7 +37,9 @@ type requestInfo struct {
 type admission struct {
 	// problem, when set, answers a covered request at once (400, 401, 500).
 	problem *problem
-	// What a claim needs.
+	// What a claim needs. key is "" (a key is 1 to MaxKeyLength characters) when it is not in
+	// the headers: the body's hash, known at the body's end (missing_key: body-hash), unless a
+	// route with key_json finds it in the body first (keyFromBody).
 	key string
 	ttl time.Duration
 	// jwt is the payload jwt_authn verified that the route's jwt_claim scope reads; nil when
@@ -52,11 +54,6 @@ type admission struct {
 	// :path came through grpc-go's own ext_proc client (stream.proxyless).
 	grpc bool
 }
-
-// bodyHash reports whether the key of a request admitted for a claim is the body's hash, known at
-// the body's end: it has no key yet (a key is 1 to MaxKeyLength characters), as a route with
-// key_json settles at the body's end too (keyFromBody).
-func (a admission) bodyHash() bool { return a.key == "" }
 
 // admit decides what a request on route r is: not covered, answered at once, or to be claimed.
 // What depends on the route alone (whether its scope reads claims, whether its fingerprint
@@ -110,7 +107,7 @@ func admit(r *route, req requestInfo) admission {
 	if r.RequireScope && scopeEmpty(r.Route, req, a.jwt) {
 		return refuse(problemScopeMissing)
 	}
-	a.needsBody = a.bodyHash() || r.bodyFingerprint || r.json != nil
+	a.needsBody = a.key == "" || r.bodyFingerprint || r.json != nil
 	return a
 }
 

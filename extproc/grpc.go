@@ -256,7 +256,7 @@ func grpcAdmit(a admission, requestMode filterextproc.ProcessingMode_BodySendMod
 	if !a.grpc || a.problem != nil || grpcClaimsAtBody(requestMode) {
 		return a
 	}
-	if a.bodyHash() {
+	if a.key == "" { // the body's hash
 		return admission{covered: true, grpc: true, problem: problemBodyNotAvailable}
 	}
 	a.needsBody = false

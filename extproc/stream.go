@@ -740,7 +740,7 @@ func (st *stream) keys(body, fpBody []byte) (key string, fp []byte) {
 	a, r := st.req, st.req.route
 	d := st.s.digests.Get().(*digest)
 	k := a.adm.key
-	if a.adm.bodyHash() {
+	if k == "" { // missing_key: body-hash
 		if r.json != nil {
 			body = fpBody // a JSON route's key hashes what its fingerprint does: /id left out
 		}
