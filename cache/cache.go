@@ -93,17 +93,17 @@ type Store interface {
 	// Reassert restores the caller's claim after the store may have let its lease expire: a
 	// holder whose renewals could not reach the store for a whole lease calls it once the store
 	// answers again. Where key holds no record, it writes back l's pending record as Acquire
-	// wrote it (l's token, fingerprint, route, TTL and CreatedAt) with a lease of c.LockTTL from
-	// now, and reports restored; where key holds l's own pending record, it renews it to
-	// c.LockTTL, as Renew does, and reports restored false. The check and the write are one atomic
-	// step on the one key (one slot under Redis Cluster): it returns ErrLeaseLost, and changes
-	// nothing, when key holds any other record (another owner's, or l's own completed one), so it
-	// never overwrites a record. c must be the Claim l was acquired with. Like Renew, it never
-	// waits for replicas.
+	// wrote it (l's token, its claim's fingerprint, route and TTL, and its CreatedAt) with a lease
+	// of the claim's LockTTL from now, and reports restored; where key holds l's own pending
+	// record, it renews it to that LockTTL, as Renew does, and reports restored false. The check
+	// and the write are one atomic step on the one key (one slot under Redis Cluster): it returns
+	// ErrLeaseLost, and changes nothing, when key holds any other record (another owner's, or l's
+	// own completed one), so it never overwrites a record. Like Renew, it never waits for
+	// replicas.
 	//
 	// It cannot tell a record that expired from one that was purged: whether to call it is the
 	// holder's decision (docs/guarantees.md#a-store-outage-longer-than-lock_ttl).
-	Reassert(ctx context.Context, l Lease, c Claim) (restored bool, err error)
+	Reassert(ctx context.Context, l Lease) (restored bool, err error)
 
 	// Complete turns the caller's pending record into a completed one holding resp, which lives
 	// for the TTL given to Acquire from now on. The owner check and the write are one atomic step:
@@ -179,19 +179,19 @@ const MaxTTL = 10 * 365 * 24 * time.Hour
 type Lease struct {
 	key   string
 	token string
-	// What the claim carried, so that a store can write the completed record whole without
-	// reading the pending one (Redis).
-	fingerprint string
-	route       string
-	ttl         time.Duration
-	created     time.Time
-	// The claim's durability, which Complete waits for too.
-	replicas       int
-	replicaTimeout time.Duration
+	// claim is the Claim the lease was acquired with, so that a store can write the completed
+	// record whole without reading the pending one (Redis), and write the pending one back
+	// (Reassert).
+	claim   Claim
+	created time.Time
 }
 
 // Key returns the stored key the lease is for, or "" for the zero Lease.
 func (l Lease) Key() string { return l.key }
+
+// Claim returns the Claim l was acquired with, its Route cut to MaxRouteBytes. Its Fingerprint
+// may be the one the caller gave Acquire, which the caller must not change while it holds l.
+func (l Lease) Claim() Claim { return l.claim }
 
 // Held reports whether l came from a successful Acquire.
 func (l Lease) Held() bool { return l.token != "" }

@@ -232,7 +232,9 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	token := m.tokens
 	m.insertPending(key, h, token, c, now, now)
 	m.mu.Unlock()
-	return Lease{key: key, token: strconv.FormatUint(token, 36), created: m.at(now)}, nil, nil
+	// The lease keeps the caller's fingerprint: the record holds a copy of its own.
+	c.Route = routeOf(c.Route)
+	return Lease{key: key, token: strconv.FormatUint(token, 36), claim: c, created: m.at(now)}, nil, nil
 }
 
 // insertPending creates the pending record of claim c for key (whose hash is h), owned by token,
@@ -367,10 +369,7 @@ func (m *Memory) Renew(ctx context.Context, l Lease, d time.Duration) error {
 }
 
 // Reassert implements [Store.Reassert].
-func (m *Memory) Reassert(ctx context.Context, l Lease, c Claim) (bool, error) {
-	if err := checkClaim(c); err != nil {
-		return false, err
-	}
+func (m *Memory) Reassert(ctx context.Context, l Lease) (bool, error) {
 	if err := ctx.Err(); err != nil {
 		return false, err
 	}
@@ -378,6 +377,7 @@ func (m *Memory) Reassert(ctx context.Context, l Lease, c Claim) (bool, error) {
 	if err != nil || l.key == "" {
 		return false, ErrLeaseLost
 	}
+	c := l.claim
 	if len(l.key)+len(c.Fingerprint) > m.maxRecord-128 {
 		return false, fmt.Errorf("cache: reassert: key and fingerprint of %d bytes, more than a record holds", len(l.key)+len(c.Fingerprint))
 	}

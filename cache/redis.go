@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/tls"
@@ -355,8 +356,11 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	token := newToken()
 	c.Route = routeOf(c.Route)
 	pending := appendPending(make([]byte, 0, headerLen+len(c.Fingerprint)+routeLenDigits+len(c.Route)), token, c, now)
-	lease := Lease{key: key, token: token, fingerprint: string(c.Fingerprint), route: c.Route, ttl: c.TTL, created: now,
-		replicas: c.Replicas, replicaTimeout: c.ReplicaTimeout}
+	// The lease keeps a fingerprint of its own: a lease left to the orphan releases outlives
+	// the caller's.
+	lc := c
+	lc.Fingerprint = bytes.Clone(c.Fingerprint)
+	lease := Lease{key: key, token: token, claim: lc, created: now}
 	set := &call{
 		// The SET may have run while this caller never learned it: free what it may have
 		// created rather than block the key for a whole lease.
@@ -507,16 +511,14 @@ func (r *Redis) Renew(ctx context.Context, l Lease, d time.Duration) error {
 // Reassert implements [Store.Reassert]: one script on the lease's key, which renews the caller's
 // pending record or, where the key holds none, writes back the one Acquire wrote (the lease
 // carries its token, fingerprint, route, TTL and CreatedAt), with a fresh lease.
-func (r *Redis) Reassert(ctx context.Context, l Lease, c Claim) (bool, error) {
-	if err := checkClaim(c); err != nil {
-		return false, err
-	}
+func (r *Redis) Reassert(ctx context.Context, l Lease) (bool, error) {
 	if l.token == "" {
 		return false, ErrLeaseLost
 	}
+	c := l.claim
 	end := r.clock.Now().Add(c.LockTTL)
-	pending := appendRecord(make([]byte, 0, headerLen+len(l.fingerprint)+routeLenDigits+len(l.route)),
-		'p', l.token, l.ttl, l.created, end, []byte(l.fingerprint), l.route)
+	pending := appendRecord(make([]byte, 0, headerLen+len(c.Fingerprint)+routeLenDigits+len(c.Route)),
+		'p', l.token, c.TTL, l.created, end, c.Fingerprint, c.Route)
 	n, err := r.run(ctx, &call{script: reassertScript, keys: []string{l.key},
 		args: []any{l.token, c.LockTTL.Milliseconds(), appendMillis(nil, end), pending}}).Int64()
 	switch {
@@ -542,8 +544,8 @@ func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 		return ErrLeaseLost
 	}
 	resp = resp.normalized()
-	rec := appendCompleted(make([]byte, 0, completedSize(l, resp, r.ring)), l, r.clock.Now().Add(l.ttl), resp, r.ring)
-	ttl := l.ttl.Milliseconds()
+	rec := appendCompleted(make([]byte, 0, completedSize(l, resp, r.ring)), l, r.clock.Now().Add(l.claim.TTL), resp, r.ring)
+	ttl := l.claim.TTL.Milliseconds()
 	c := &call{script: completeScript}
 	staging, staged := "", len(rec) >= stagedRecordBytes
 	if staged {
@@ -552,7 +554,7 @@ func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 	switch {
 	case !staged:
 		c.keys, c.args = append(c.keyv[:0], l.key), append(c.argv[:0], l.token, rec, ttl)
-	case l.ttl >= stagingTTL:
+	case l.claim.TTL >= stagingTTL:
 		// The stage takes argv[2:7], the script's arguments argv[:2].
 		c.script, c.stagedBytes = completeStagedScript, len(rec)
 		c.keys, c.args = append(c.keyv[:0], l.key, staging), append(c.argv[:0:2], l.token)
@@ -562,7 +564,7 @@ func (r *Redis) Complete(ctx context.Context, l Lease, resp Response) error {
 		c.keys, c.args = append(c.keyv[:0], l.key, staging), append(c.argv[:0:2], l.token, ttl)
 		c.stage = append(c.argv[2:2], "set", staging, rec, "px", stagingTTL.Milliseconds())
 	}
-	c.replicas, c.wait = l.replicas, l.replicaTimeout
+	c.replicas, c.wait = l.claim.Replicas, l.claim.ReplicaTimeout
 	return r.owned(ctx, "complete", c, l)
 }
 

@@ -826,7 +826,7 @@ func TestRedisLayout2RecordsStillWork(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, resp, rec.Response)
 			require.WithinDuration(t, time.Now().Add(time.Hour), rec.ExpiresAt, time.Minute, "Lookup reads the key's expiry")
-			old := Lease{key: "done", token: token, fingerprint: "fp", ttl: time.Hour}
+			old := Lease{key: "done", token: token, claim: Claim{Fingerprint: []byte("fp"), TTL: time.Hour}}
 			require.NoError(t, s.Complete(ctx, old, resp), "a retried Complete")
 			require.ErrorIs(t, s.Release(ctx, old), ErrLeaseLost)
 			require.Equal(t, layout2Record('c', token, time.Hour, "fp", &resp), get("done"), "left as it was")
@@ -845,7 +845,7 @@ func TestRedisLayout2RecordsStillWork(t *testing.T) {
 				require.Equal(t, Pending, rec.State, tc.key)
 				require.Equal(t, []byte("fp"), rec.Fingerprint)
 				require.True(t, rec.CreatedAt.IsZero())
-				l := Lease{key: tc.key, token: token, fingerprint: "fp", ttl: time.Hour}
+				l := Lease{key: tc.key, token: token, claim: Claim{Fingerprint: []byte("fp"), TTL: time.Hour}}
 				require.NoError(t, s.Renew(ctx, l, 2*time.Minute))
 				require.Equal(t, pending, get(tc.key), "a renewal of a layout 2 record changes its expiry only")
 				require.Greater(t, client.PTTL(ctx, tc.key).Val(), time.Minute)

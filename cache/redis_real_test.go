@@ -217,7 +217,7 @@ func TestRedisACLKeyPrefix(t *testing.T) {
 		l, _, err := s.Acquire(ctx, key, c.claim)
 		require.NoError(t, err)
 		require.NoError(t, s.Renew(ctx, l, time.Minute))
-		_, err = s.Reassert(ctx, l, c.claim)
+		_, err = s.Reassert(ctx, l)
 		require.NoError(t, err)
 		resp := cache.Response{Status: 200, Body: c.body}
 		require.NoError(t, s.Complete(ctx, l, resp))

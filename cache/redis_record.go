@@ -58,13 +58,13 @@ func appendPending(b []byte, token string, c Claim, now time.Time) []byte {
 // whole record, built from what the lease carries, so that Redis need not splice it together.
 // With a keyring the response is sealed, bound to the record's key (see sealed.go).
 func appendCompleted(b []byte, l Lease, expires time.Time, resp Response, ring *seal.Keyring) []byte {
-	b = appendRecord(b, 'c', l.token, l.ttl, l.created, expires, []byte(l.fingerprint), l.route)
+	b = appendRecord(b, 'c', l.token, l.claim.TTL, l.created, expires, l.claim.Fingerprint, l.claim.Route)
 	return appendStoredResponse(b, resp, ring, sealedAAD(ring, l.key))
 }
 
 // completedSize returns len(appendCompleted(nil, l, _, resp, ring)) without encoding.
 func completedSize(l Lease, resp Response, ring *seal.Keyring) int {
-	return headerLen + len(l.fingerprint) + routeLenDigits + len(l.route) + storedResponseSize(resp, ring)
+	return headerLen + len(l.claim.Fingerprint) + routeLenDigits + len(l.claim.Route) + storedResponseSize(resp, ring)
 }
 
 func appendRecord(b []byte, state byte, token string, ttl time.Duration, created, expires time.Time, fp []byte, route string) []byte {

@@ -25,9 +25,8 @@ import (
 //     (cache.Store.Reassert: written back where the key is absent, never over another record);
 //     the second stays removed, and is counted and logged as a lost lease.
 type hold struct {
+	// lease carries the claim Acquire was given (cache.Lease.Claim), which Reassert writes back.
 	lease cache.Lease
-	// claim is what Acquire was given: Reassert writes the same record back.
-	claim cache.Claim
 	// renewal is the stream's renewal of the lease (the completion's retries start their own).
 	renewal renewal
 
@@ -67,7 +66,7 @@ func (h *hold) contend(now time.Time) error {
 	if h.contested.IsZero() {
 		h.contested = now
 	}
-	if now.Sub(h.contested) < h.claim.LockTTL {
+	if now.Sub(h.contested) < h.lease.Claim().LockTTL {
 		return errContested
 	}
 	return cache.ErrLeaseLost
@@ -76,7 +75,8 @@ func (h *hold) contend(now time.Time) error {
 // record is how a duplicate on this replica sees a hold: a pending record of its
 // fingerprint and route, judged as the store's would be (judgeRecord).
 func (h *hold) record() *cache.Record {
-	return &cache.Record{State: cache.Pending, Fingerprint: h.claim.Fingerprint, Route: h.claim.Route[:min(len(h.claim.Route), cache.MaxRouteBytes)]}
+	c := h.lease.Claim()
+	return &cache.Record{State: cache.Pending, Fingerprint: c.Fingerprint, Route: c.Route}
 }
 
 // mayHaveLapsed reports whether the store may have let the lease expire by now: no call has
@@ -85,7 +85,7 @@ func (h *hold) record() *cache.Record {
 func (h *hold) mayHaveLapsed(now time.Time) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return !h.lost && now.Sub(h.reached) >= h.claim.LockTTL
+	return !h.lost && now.Sub(h.reached) >= h.lease.Claim().LockTTL
 }
 
 // reachedAt records that a call sent at t found the lease held.
@@ -193,7 +193,7 @@ func (s *Server) keep(ctx context.Context, sp trace.Span, h *hold, id func(*zero
 	if h.mayHaveLapsed(sent) {
 		err = s.reassert(ctx, sp, h, id)
 	} else {
-		err = s.renew(ctx, sp, h.lease, h.claim.LockTTL)
+		err = s.renew(ctx, sp, h.lease, h.lease.Claim().LockTTL)
 		if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(s.clock.Now()) {
 			// The renewal was answered after the lease could have expired: that may be all
 			// that happened to it.
@@ -211,7 +211,7 @@ func (s *Server) keep(ctx context.Context, sp trace.Span, h *hold, id func(*zero
 // metrics.
 func (s *Server) reassert(ctx context.Context, sp trace.Span, h *hold, id func(*zerolog.Event) *zerolog.Event) error {
 	start := time.Now()
-	restored, err := s.store.Reassert(ctx, h.lease, h.claim)
+	restored, err := s.store.Reassert(ctx, h.lease)
 	s.renewObs.Observe(time.Since(start).Seconds())
 	s.storeDone("renew", sp, err)
 	if errors.Is(err, cache.ErrLeaseLost) {

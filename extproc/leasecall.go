@@ -135,7 +135,7 @@ func (c *leaseCall) acquire(key string, cl cache.Claim) (*cache.Record, error) {
 	case err != nil:
 		c.failed("acquire", err)
 	case rec == nil:
-		c.fate, c.hold = leaseHeld, s.holds.add(&hold{lease: lease, claim: cl, reached: sent})
+		c.fate, c.hold = leaseHeld, s.holds.add(&hold{lease: lease, reached: sent})
 		s.metrics.inflight.Inc()
 		s.renewAfter(cl.LockTTL/3, &c.hold.renewal, c, c.hold)
 	}

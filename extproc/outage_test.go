@@ -48,11 +48,11 @@ func (u *unreachable) Renew(ctx context.Context, l cache.Lease, d time.Duration)
 	return u.Store.Renew(ctx, l, d)
 }
 
-func (u *unreachable) Reassert(ctx context.Context, l cache.Lease, c cache.Claim) (bool, error) {
+func (u *unreachable) Reassert(ctx context.Context, l cache.Lease) (bool, error) {
 	if u.down.Load() {
 		return false, u.err("reassert")
 	}
-	return u.Store.Reassert(ctx, l, c)
+	return u.Store.Reassert(ctx, l)
 }
 
 func (u *unreachable) Complete(ctx context.Context, l cache.Lease, r cache.Response) error {
@@ -327,18 +327,18 @@ type sentReassert struct {
 	late     func() // the command still on the wire, if any
 }
 
-func (s *sentReassert) Reassert(ctx context.Context, l cache.Lease, c cache.Claim) (bool, error) {
+func (s *sentReassert) Reassert(ctx context.Context, l cache.Lease) (bool, error) {
 	if !s.armed.CompareAndSwap(true, false) {
-		return s.unreachable.Reassert(ctx, l, c)
+		return s.unreachable.Reassert(ctx, l)
 	}
 	close(s.entered)
 	defer close(s.returned)
 	select {
 	case <-s.proceed:
-		return s.unreachable.Reassert(context.WithoutCancel(ctx), l, c)
+		return s.unreachable.Reassert(context.WithoutCancel(ctx), l)
 	case <-ctx.Done():
 		s.mu.Lock()
-		s.late = func() { _, _ = s.unreachable.Reassert(context.Background(), l, c) }
+		s.late = func() { _, _ = s.unreachable.Reassert(context.Background(), l) }
 		s.mu.Unlock()
 		close(s.cutShort)
 		return false, ctx.Err()

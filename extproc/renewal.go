@@ -108,7 +108,7 @@ func (r *renewal) tick() {
 		return
 	}
 	err := s.keep(ctx, o.storeSpan("renew"), h, o.event)
-	next := h.claim.LockTTL / 3
+	next := h.lease.Claim().LockTTL / 3
 	switch {
 	case ctx.Err() != nil:
 		return
@@ -117,10 +117,10 @@ func (r *renewal) tick() {
 		return
 	case errors.Is(err, errContested):
 		o.event(s.log.Warn()).Msg("re-asserting the claim found another owner's record; trying again until lock_ttl has passed")
-		next = awayRetry(h.claim.LockTTL)
+		next = awayRetry(h.lease.Claim().LockTTL)
 	case err != nil:
 		o.event(s.log.Warn()).Str("op", "renew").Err(err).Msg("store operation failed")
-		next = awayRetry(h.claim.LockTTL)
+		next = awayRetry(h.lease.Claim().LockTTL)
 	}
 	if o.ctx.Err() != nil {
 		// The owner is gone: its stream's finish (or the completions' Shutdown) ends the lease,

@@ -20,7 +20,9 @@ func TestStoppedRenewalIsNotQueued(t *testing.T) {
 	clk := clock.NewFake(time.Unix(1_700_000_000, 0))
 	s, err := NewServer(Options{Store: store, Clock: clk})
 	require.NoError(t, err)
-	h := &hold{claim: cache.Claim{LockTTL: 30 * time.Second}}
+	l, _, err := store.Acquire(t.Context(), "k", cache.Claim{LockTTL: 30 * time.Second, TTL: time.Hour})
+	require.NoError(t, err)
+	h := &hold{lease: l}
 	o := &leaseCall{s: s}
 
 	var queued renewal

@@ -92,6 +92,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) Harness) {
 		{"ReassertRenewsOwn", testReassertRenewsOwn},
 		{"ReassertNeverOverwrites", testReassertNeverOverwrites},
 		{"ReassertConcurrentAcquire", testReassertConcurrentAcquire},
+		{"LeaseCarriesItsClaim", testLeaseCarriesItsClaim},
 	}
 	run(t, newHarness, append(cases, durabilityCases...))
 }
@@ -768,7 +769,7 @@ func testReassertAfterExpiry(t *testing.T, h Harness) {
 	var restored bool
 	w := h.around(func() {
 		var err error
-		restored, err = s.Reassert(t.Context(), l, c)
+		restored, err = s.Reassert(t.Context(), l)
 		require.NoError(t, err)
 	})
 	require.True(t, restored, "the key held no record: the claim is written back")
@@ -784,7 +785,7 @@ func testReassertAfterExpiry(t *testing.T, h Harness) {
 
 	resp := cache.Response{Status: 201, Body: []byte("ok")}
 	require.NoError(t, s.Complete(t.Context(), l, resp), "the restored lease is the caller's own")
-	restored, err := s.Reassert(t.Context(), l, c)
+	restored, err := s.Reassert(t.Context(), l)
 	require.ErrorIs(t, err, cache.ErrLeaseLost, "a completed record is never made pending again")
 	require.False(t, restored)
 	got := lookup(t, s, "k")
@@ -799,7 +800,7 @@ func testReassertRenewsOwn(t *testing.T, h Harness) {
 	l := mustOwn(t, s, "k", c)
 	for range 3 {
 		h.Advance(h.lockTTL * 2 / 3)
-		restored, err := s.Reassert(t.Context(), l, c)
+		restored, err := s.Reassert(t.Context(), l)
 		require.NoError(t, err)
 		require.False(t, restored, "the record was there: renewed, not written back")
 	}
@@ -814,25 +815,35 @@ func testReassertNeverOverwrites(t *testing.T, h Harness) {
 	stale := mustOwn(t, s, "k", h.claim("a"))
 	h.Advance(h.lockTTL * 3 / 2)
 	owner := mustOwn(t, s, "k", h.claim("b"))
-	restored, err := s.Reassert(t.Context(), stale, h.claim("a"))
+	restored, err := s.Reassert(t.Context(), stale)
 	require.ErrorIs(t, err, cache.ErrLeaseLost)
 	require.False(t, restored)
 	require.Equal(t, []byte("b"), mustFind(t, s, "k").Fingerprint)
 	require.ErrorIs(t, s.Complete(t.Context(), stale, cache.Response{Status: 200, Body: []byte("stale")}), cache.ErrLeaseLost)
 
 	require.NoError(t, s.Complete(t.Context(), owner, cache.Response{Status: 200, Body: []byte("owner")}))
-	_, err = s.Reassert(t.Context(), stale, h.claim("a"))
+	_, err = s.Reassert(t.Context(), stale)
 	require.ErrorIs(t, err, cache.ErrLeaseLost)
 	rec := mustFind(t, s, "k")
 	require.Equal(t, cache.Completed, rec.State)
 	require.Equal(t, []byte("owner"), rec.Response.Body)
 
 	var zero cache.Lease
-	_, err = s.Reassert(t.Context(), zero, h.claim("a"))
+	_, err = s.Reassert(t.Context(), zero)
 	require.ErrorIs(t, err, cache.ErrLeaseLost)
-	_, err = s.Reassert(t.Context(), owner, cache.Claim{LockTTL: 0, TTL: h.ttl})
-	require.Error(t, err)
-	require.NotErrorIs(t, err, cache.ErrLeaseLost, "an invalid lease duration is refused as such")
+}
+
+// testLeaseCarriesItsClaim: a lease carries the claim it was acquired with, its route cut as the
+// record's, so that Reassert needs nothing else.
+func testLeaseCarriesItsClaim(t *testing.T, h Harness) {
+	c := h.claim("fp")
+	c.Route = strings.Repeat("r", cache.MaxRouteBytes+10)
+	l := mustOwn(t, h.Store, "k", c)
+	want := c
+	want.Route = c.Route[:cache.MaxRouteBytes]
+	require.Equal(t, want, l.Claim())
+	require.Equal(t, want.Route, lookup(t, h.Store, "k").Route)
+	require.Equal(t, cache.Claim{}, cache.Lease{}.Claim(), "the zero lease carries no claim")
 }
 
 // testReassertConcurrentAcquire: an expired holder reasserting while duplicates race to claim the
@@ -859,7 +870,7 @@ func testReassertConcurrentAcquire(t *testing.T, h Harness) {
 	wg.Go(func() {
 		<-start
 		var err error
-		restored, err = s.Reassert(t.Context(), l, c)
+		restored, err = s.Reassert(t.Context(), l)
 		if errors.Is(err, cache.ErrLeaseLost) {
 			err = nil
 		}
