@@ -145,7 +145,7 @@ func (c *completions) run(p pendingCompletion) {
 	s, m := c.s, c.s.metrics
 	// The writes' store calls, made as a request's are: renewed until Shutdown gives up (c.ctx).
 	call := &leaseCall{s: s, req: &admitted{id: p.requestID, route: p.route}, ctx: c.ctx, keyHash: p.keyHash, hold: p.hold}
-	ren := s.renewAfter(p.hold.lease.Claim().LockTTL/3, &renewal{}, call, p.hold)
+	ren := call.renewAfter(p.hold.lease.Claim().LockTTL/3, &renewal{}, p.hold)
 	defer ren.stop()
 	wait := retryFirst
 	for attempt := 1; ; attempt++ {

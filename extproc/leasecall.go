@@ -137,7 +137,7 @@ func (c *leaseCall) acquire(key string, cl cache.Claim) (*cache.Record, error) {
 	case rec == nil:
 		c.fate, c.hold = leaseHeld, s.holds.add(&hold{lease: lease, reached: sent})
 		s.metrics.inflight.Inc()
-		s.renewAfter(cl.LockTTL/3, &c.hold.renewal, c, c.hold)
+		c.renewAfter(cl.LockTTL/3, &c.hold.renewal, c.hold)
 	}
 	return rec, err
 }

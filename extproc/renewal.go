@@ -22,8 +22,7 @@ type renewal struct {
 	stopped bool
 	cancel  context.CancelFunc // ends the renewal in flight, if any
 
-	// Set by renewAfter, as the renewal is queued: who renews what.
-	s *Server
+	// Set by renewAfter, as the renewal is queued: who renews what (o's server keeps the queue).
 	o *leaseCall
 	h *hold
 
@@ -48,19 +47,19 @@ func awayRetry(lockTTL time.Duration) time.Duration {
 // renewAfter queues r to renew h's lease d from now, and from then on every lock_ttl/3, until
 // stop is called or the context of o, the store calls it renews for, ends; it returns r. Each
 // renewal is one of o's calls, traced as its span and logged with its identity; its store call
-// is bounded by the store's timeout and by stop, not by o's context (see tick). A renewal waits in the server's queue, which gives its place back when it is
-// stopped: most requests end before their first renewal. A renewal stopped already is not
-// queued.
-func (s *Server) renewAfter(d time.Duration, r *renewal, o *leaseCall, h *hold) *renewal {
+// is bounded by the store's timeout and by stop, not by o's context (see tick). A renewal waits
+// in the server's queue, which gives its place back when it is stopped: most requests end
+// before their first renewal. A renewal stopped already is not queued.
+func (o *leaseCall) renewAfter(d time.Duration, r *renewal, h *hold) *renewal {
 	// Under r.mu: stop then finds the renewal queued, or stopped before it runs. A clock that
 	// panics leaves r usable: its owner's finish stops it.
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.s, r.o, r.h, r.cancel = s, o, h, nil
+	r.o, r.h, r.cancel = o, h, nil
 	if r.stopped {
 		return r
 	}
-	q := &s.renewals
+	q := &o.s.renewals
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	now := q.clock.Now()
@@ -83,7 +82,7 @@ func (s *Server) renewAfter(d time.Duration, r *renewal, o *leaseCall, h *hold) 
 // tick renews once, then queues the next renewal unless r was stopped. It runs on a clock timer
 // goroutine of its own, started by the queue when r is due.
 func (r *renewal) tick() {
-	s, o, h := r.s, r.o, r.h
+	s, o, h := r.o.s, r.o, r.h
 	// The context exists only while a renewal runs: most requests end before their first. Only
 	// stop ends it, not the stream's end: a release waits for the renewal's answer (hold.writing),
 	// and a call cut short may still land later. The store bounds the call by its timeout.
@@ -127,7 +126,7 @@ func (r *renewal) tick() {
 		// and no renewal is queued behind it, whatever path ends it.
 		return
 	}
-	s.renewAfter(next, r, o, h)
+	o.renewAfter(next, r, h)
 }
 
 // stop prevents further renewals and cuts short one in flight, without waiting for it: the
@@ -139,9 +138,9 @@ func (r *renewal) stop() {
 	}
 	r.mu.Lock()
 	r.stopped = true
-	if r.s != nil {
+	if r.o != nil {
 		// Off the queue, if it waits there; the timer is stopped when no renewal waits.
-		q := &r.s.renewals
+		q := &r.o.s.renewals
 		q.mu.Lock()
 		if r.queued {
 			q.delete(r.index)

@@ -26,7 +26,7 @@ func TestStoppedRenewalIsNotQueued(t *testing.T) {
 	o := &leaseCall{s: s}
 
 	var queued renewal
-	s.renewAfter(10*time.Second, &queued, o, h)
+	o.renewAfter(10*time.Second, &queued, h)
 	require.Equal(t, 1, len(s.renewals.heap))
 	require.Equal(t, 1, clk.Pending(), "the queue's one timer is armed")
 	queued.stop()
@@ -35,7 +35,7 @@ func TestStoppedRenewalIsNotQueued(t *testing.T) {
 
 	var stopped renewal
 	stopped.stop()
-	s.renewAfter(10*time.Second, &stopped, o, h)
+	o.renewAfter(10*time.Second, &stopped, h)
 	require.Empty(t, s.renewals.heap, "a stopped renewal is not queued again")
 	require.Zero(t, clk.Pending())
 }
