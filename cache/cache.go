@@ -79,6 +79,10 @@ type Store interface {
 	// record returns it whatever the replicas say: it wrote nothing. A store without replicas
 	// (Memory) returns ErrUnconfirmed for every durable claim it would create, and creates
 	// nothing.
+	//
+	// The Lease carries c (Lease.Claim), which Complete and Reassert write. A store may keep
+	// c.Fingerprint itself rather than a copy (Memory does): the caller must not change it while
+	// it holds the Lease.
 	Acquire(ctx context.Context, key string, c Claim) (Lease, *Record, error)
 
 	// Lookup returns the live record for key, pending or completed, as Acquire would find it, and
@@ -190,7 +194,7 @@ type Lease struct {
 func (l Lease) Key() string { return l.key }
 
 // Claim returns the Claim l was acquired with, its Route cut to MaxRouteBytes. Its Fingerprint
-// may be the one the caller gave Acquire, which the caller must not change while it holds l.
+// may be the one the caller gave Acquire (Store.Acquire): neither is to be changed.
 func (l Lease) Claim() Claim { return l.claim }
 
 // Held reports whether l came from a successful Acquire.

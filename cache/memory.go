@@ -232,7 +232,8 @@ func (m *Memory) Acquire(ctx context.Context, key string, c Claim) (Lease, *Reco
 	token := m.tokens
 	m.insertPending(key, h, token, c, now, now)
 	m.mu.Unlock()
-	// The lease keeps the caller's fingerprint: the record holds a copy of its own.
+	// The lease keeps the caller's fingerprint, which the caller leaves unchanged while it holds
+	// the lease (Store.Acquire): a copy would cost every claim an allocation.
 	c.Route = routeOf(c.Route)
 	return Lease{key: key, token: strconv.FormatUint(token, 36), claim: c, created: m.at(now)}, nil, nil
 }
@@ -378,6 +379,9 @@ func (m *Memory) Reassert(ctx context.Context, l Lease) (bool, error) {
 		return false, ErrLeaseLost
 	}
 	c := l.claim
+	if err := checkClaim(c); err != nil {
+		return false, err
+	}
 	if len(l.key)+len(c.Fingerprint) > m.maxRecord-128 {
 		return false, fmt.Errorf("cache: reassert: key and fingerprint of %d bytes, more than a record holds", len(l.key)+len(c.Fingerprint))
 	}

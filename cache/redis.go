@@ -357,14 +357,14 @@ func (r *Redis) Acquire(ctx context.Context, key string, c Claim) (Lease, *Recor
 	c.Route = routeOf(c.Route)
 	pending := appendPending(make([]byte, 0, headerLen+len(c.Fingerprint)+routeLenDigits+len(c.Route)), token, c, now)
 	// The lease keeps a fingerprint of its own: a lease left to the orphan releases outlives
-	// the caller's.
+	// the caller.
 	lc := c
 	lc.Fingerprint = bytes.Clone(c.Fingerprint)
 	lease := Lease{key: key, token: token, claim: lc, created: now}
 	set := &call{
 		// The SET may have run while this caller never learned it: free what it may have
 		// created rather than block the key for a whole lease.
-		undo:     func(*redis.Cmd) { r.orphans.add(lease, c.LockTTL) },
+		undo:     func(*redis.Cmd) { r.orphans.add(lease, lease.claim.LockTTL) },
 		replicas: c.Replicas,
 		wait:     c.ReplicaTimeout,
 	}
@@ -516,6 +516,9 @@ func (r *Redis) Reassert(ctx context.Context, l Lease) (bool, error) {
 		return false, ErrLeaseLost
 	}
 	c := l.claim
+	if err := checkClaim(c); err != nil {
+		return false, err
+	}
 	end := r.clock.Now().Add(c.LockTTL)
 	pending := appendRecord(make([]byte, 0, headerLen+len(c.Fingerprint)+routeLenDigits+len(c.Route)),
 		'p', l.token, c.TTL, l.created, end, c.Fingerprint, c.Route)

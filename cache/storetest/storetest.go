@@ -836,14 +836,24 @@ func testReassertNeverOverwrites(t *testing.T, h Harness) {
 // testLeaseCarriesItsClaim: a lease carries the claim it was acquired with, its route cut as the
 // record's, so that Reassert needs nothing else.
 func testLeaseCarriesItsClaim(t *testing.T, h Harness) {
-	c := h.claim("fp")
+	s := h.Store
+	c := h.claim("fingerprint")
 	c.Route = strings.Repeat("r", cache.MaxRouteBytes+10)
-	l := mustOwn(t, h.Store, "k", c)
 	want := c
 	want.Route = c.Route[:cache.MaxRouteBytes]
+	l := mustOwn(t, s, "k", c)
 	require.Equal(t, want, l.Claim())
-	require.Equal(t, want.Route, lookup(t, h.Store, "k").Route)
+	require.Equal(t, want.Route, lookup(t, s, "k").Route)
 	require.Equal(t, cache.Claim{}, cache.Lease{}.Claim(), "the zero lease carries no claim")
+
+	h.Advance(h.lockTTL * 3 / 2)
+	requireAbsent(t, s, "k")
+	restored, err := s.Reassert(t.Context(), l)
+	require.NoError(t, err)
+	require.True(t, restored)
+	rec := lookup(t, s, "k")
+	require.Equal(t, want.Fingerprint, rec.Fingerprint, "the claim written back is the one acquired")
+	require.Equal(t, want.Route, rec.Route)
 }
 
 // testReassertConcurrentAcquire: an expired holder reasserting while duplicates race to claim the
