@@ -22,7 +22,8 @@ type renewal struct {
 	stopped bool
 	cancel  context.CancelFunc // ends the renewal in flight, if any
 
-	// Set by renewAfter, as the renewal is queued: who renews what (o's server keeps the queue).
+	// Set by renewAfter, as the renewal is queued, and let go by stop: who renews what (o's
+	// server keeps the queue).
 	o *leaseCall
 	h *hold
 
@@ -55,10 +56,10 @@ func (o *leaseCall) renewAfter(d time.Duration, r *renewal, h *hold) *renewal {
 	// panics leaves r usable: its owner's finish stops it.
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.o, r.h, r.cancel = o, h, nil
 	if r.stopped {
 		return r
 	}
+	r.o, r.h, r.cancel = o, h, nil
 	q := &o.s.renewals
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -82,17 +83,17 @@ func (o *leaseCall) renewAfter(d time.Duration, r *renewal, h *hold) *renewal {
 // tick renews once, then queues the next renewal unless r was stopped. It runs on a clock timer
 // goroutine of its own, started by the queue when r is due.
 func (r *renewal) tick() {
+	r.mu.Lock()
+	if r.stopped {
+		r.mu.Unlock()
+		return
+	}
 	s, o, h := r.o.s, r.o, r.h
 	// The context exists only while a renewal runs: most requests end before their first. Only
 	// stop ends it, not the stream's end: a release waits for the renewal's answer (hold.writing),
 	// and a call cut short may still land later. The store bounds the call by its timeout.
 	ctx, cancel := context.WithCancel(context.WithoutCancel(o.ctx))
 	defer cancel()
-	r.mu.Lock()
-	if r.stopped {
-		r.mu.Unlock()
-		return
-	}
 	r.cancel = cancel
 	r.mu.Unlock()
 	// Outside the lock, so that stop never waits for a store call: a renewal cut short by the
@@ -151,6 +152,9 @@ func (r *renewal) stop() {
 		}
 		q.mu.Unlock()
 	}
+	// A stopped renewal lets go of its owner: the hold the completions' retries keep must not
+	// keep the stream's call, and with it the request's headers and body, in memory.
+	r.o, r.h = nil, nil
 	cancel := r.cancel
 	r.mu.Unlock()
 	if cancel != nil {

@@ -1,8 +1,10 @@
 package extproc
 
 import (
+	"runtime"
 	"testing"
 	"time"
+	"weak"
 
 	"github.com/stretchr/testify/require"
 
@@ -38,4 +40,27 @@ func TestStoppedRenewalIsNotQueued(t *testing.T) {
 	o.renewAfter(10*time.Second, &stopped, h)
 	require.Empty(t, s.renewals.heap, "a stopped renewal is not queued again")
 	require.Zero(t, clk.Pending())
+}
+
+// A stopped renewal lets go of the call it renewed for: the hold that the completions' retries
+// keep after the stream ended must not keep the stream's call, and with it the request, in
+// memory.
+func TestStoppedRenewalLetsGoOfItsCall(t *testing.T) {
+	store, err := cache.NewMemory(cache.MemoryOptions{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = store.Close() })
+	s, err := NewServer(Options{Store: store, Clock: clock.NewFake(time.Unix(1_700_000_000, 0))})
+	require.NoError(t, err)
+	l, _, err := store.Acquire(t.Context(), "k", cache.Claim{LockTTL: 30 * time.Second, TTL: time.Hour})
+	require.NoError(t, err)
+	h := &hold{lease: l}
+	o := &leaseCall{s: s, hold: h}
+	o.renewAfter(10*time.Second, &h.renewal, h)
+	call := weak.Make(o)
+	h.renewal.stop()
+	o = nil
+	runtime.GC()
+	runtime.GC()
+	require.Nil(t, call.Value(), "the stopped renewal of a hold still kept keeps its call")
+	runtime.KeepAlive(h)
 }
