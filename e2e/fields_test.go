@@ -85,10 +85,7 @@ func TestStreamFields(t *testing.T) {
 
 // qualified names a product type as the walk does: extproc's bare, others with their package.
 func qualified(n *types.Named) string {
-	if n.Obj().Pkg().Name() == "extproc" {
-		return n.Obj().Name()
-	}
-	return n.Obj().Pkg().Name() + "." + n.Obj().Name()
+	return walkPrefix(n.Obj().Pkg().Name()) + n.Obj().Name()
 }
 
 // TestOutcomeSettledInOnePlace holds the stream to what docs/architecture.md says of its outcome:

@@ -219,11 +219,7 @@ func enclosingFunc(t *testing.T, file string, line int) string {
 		}
 	}
 	// A package-level value's function literal (a table's entry).
-	prefix := f.Name.Name + "."
-	if f.Name.Name == "extproc" {
-		prefix = ""
-	}
-	return fmt.Sprintf("%s(%s:%d)", prefix, filepath.Base(file), line)
+	return fmt.Sprintf("%s(%s:%d)", walkPrefix(f.Name.Name), filepath.Base(file), line)
 }
 
 // documentedWalk returns the function names docs/architecture.md's walk lists (the backquoted

@@ -50,11 +50,7 @@ func walkTypes(t *testing.T, fns []string, ran []block) []string {
 			if o.Pkg() == nil || !strings.HasPrefix(o.Pkg().Path()+"/", module) {
 				return
 			}
-			name := o.Pkg().Name() + "." + o.Name()
-			if o.Pkg().Name() == "extproc" {
-				name = o.Name()
-			}
-			seen[name] = true
+			seen[walkPrefix(o.Pkg().Name())+o.Name()] = true
 		}
 	}
 	for _, p := range pkgs {
@@ -133,10 +129,7 @@ func isPackage(o types.Object) bool {
 
 // funcName names fd, declared in package pkg, as the walk does (as enclosingFunc does).
 func funcName(pkg string, fd *ast.FuncDecl) string {
-	prefix := pkg + "."
-	if pkg == "extproc" {
-		prefix = ""
-	}
+	prefix := walkPrefix(pkg)
 	if fd.Recv == nil {
 		return prefix + fd.Name.Name
 	}
@@ -148,4 +141,13 @@ func funcName(pkg string, fd *ast.FuncDecl) string {
 		recv = g.X
 	}
 	return prefix + recv.(*ast.Ident).Name + "." + fd.Name.Name
+}
+
+// walkPrefix is what the walk writes before a name declared in package pkg: nothing in extproc,
+// the package's name and a dot elsewhere.
+func walkPrefix(pkg string) string {
+	if pkg == "extproc" {
+		return ""
+	}
+	return pkg + "."
 }
