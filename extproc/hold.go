@@ -6,7 +6,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/rs/zerolog"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idempotency-extproc/idempotency-extproc/cache"
@@ -171,7 +170,8 @@ func (hs *holdSet) len() int {
 // was pending: the record was removed while the store answered, or another request claimed the
 // key before the holder could re-assert it. Its response will not be recorded, and a retry of the
 // request may run again.
-func (s *Server) leaseLost(h *hold, id func(*zerolog.Event) *zerolog.Event, during string) {
+func (c *leaseCall) leaseLost(h *hold, during string) {
+	s := c.s
 	h.mu.Lock()
 	first := !h.lost
 	h.lost = true
@@ -180,24 +180,24 @@ func (s *Server) leaseLost(h *hold, id func(*zerolog.Event) *zerolog.Event, duri
 		return
 	}
 	s.metrics.completionsAbandoned.WithLabelValues(abandonedLeaseLost).Inc()
-	id(s.log.Error()).Str("reason", abandonedLeaseLost).Str("during", during).
+	c.event(s.log.Error()).Str("reason", abandonedLeaseLost).Str("during", during).
 		Msg("lease lost while the request ran or its completion was pending (the record was removed, or another request took the key after the store let it expire): its response will not be recorded, and a retry of the request may run again")
 }
 
 // keep renews h's lease, or re-asserts it when the store may have let it expire (see hold). It
 // returns cache.ErrLeaseLost when the lease is lost, errContested while another owner's record
 // may yet go away, and the store's error when it could not be reached.
-func (s *Server) keep(ctx context.Context, sp trace.Span, h *hold, id func(*zerolog.Event) *zerolog.Event) error {
-	sent := s.clock.Now()
+func (c *leaseCall) keep(ctx context.Context, sp trace.Span, h *hold) error {
+	sent := c.s.clock.Now()
 	var err error
 	if h.mayHaveLapsed(sent) {
-		err = s.reassert(ctx, sp, h, id)
+		err = c.reassert(ctx, sp, h)
 	} else {
-		err = s.renew(ctx, sp, h.lease, h.lease.Claim().LockTTL)
-		if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(s.clock.Now()) {
+		err = c.renew(ctx, sp, h.lease, h.lease.Claim().LockTTL)
+		if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(c.s.clock.Now()) {
 			// The renewal was answered after the lease could have expired: that may be all
 			// that happened to it.
-			err = s.reassert(ctx, nil, h, id)
+			err = c.reassert(ctx, nil, h)
 		}
 	}
 	if err == nil {
@@ -209,16 +209,17 @@ func (s *Server) keep(ctx context.Context, sp trace.Span, h *hold, id func(*zero
 // reassert writes h's claim back where its key is absent, or renews it (cache.Store.Reassert).
 // Another owner's record is contended (hold.contend). It is counted as a renewal in the store
 // metrics.
-func (s *Server) reassert(ctx context.Context, sp trace.Span, h *hold, id func(*zerolog.Event) *zerolog.Event) error {
+func (c *leaseCall) reassert(ctx context.Context, sp trace.Span, h *hold) error {
+	s := c.s
 	start := time.Now()
 	restored, err := s.store.Reassert(ctx, h.lease)
 	s.renewObs.Observe(time.Since(start).Seconds())
-	s.storeDone("renew", sp, err)
+	c.storeDone("renew", sp, err)
 	if errors.Is(err, cache.ErrLeaseLost) {
 		err = h.contend(s.clock.Now())
 	}
 	if restored {
-		id(s.log.Warn()).Msg("claim re-asserted: the store was unreachable for longer than lock_ttl and had let the lease expire; no other request had taken the key")
+		c.event(s.log.Warn()).Msg("claim re-asserted: the store was unreachable for longer than lock_ttl and had let the lease expire; no other request had taken the key")
 	}
 	return err
 }

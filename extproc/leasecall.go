@@ -120,7 +120,7 @@ func (c *leaseCall) acquire(key string, cl cache.Claim) (*cache.Record, error) {
 	// An unconfirmed claim is withdrawn: it is answered as any store failure, and the request
 	// does not run.
 	if err != nil || sp != nil {
-		s.storeDone("acquire", sp, err)
+		c.storeDone("acquire", sp, err)
 	}
 	switch {
 	case err != nil && c.ctx.Err() != nil:
@@ -191,7 +191,7 @@ func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error
 		err := s.store.Complete(ctx, h.lease, resp)
 		s.completeObs.Observe(time.Since(start).Seconds())
 		if err != nil || sp != nil {
-			s.storeDone("complete", sp, err)
+			c.storeDone("complete", sp, err)
 		}
 		if errors.Is(err, cache.ErrUnconfirmed) {
 			// The record is written and the lease spent: the completion is done. Only a
@@ -204,14 +204,14 @@ func (c *leaseCall) completeHeld(ctx context.Context, resp cache.Response) error
 	err := write()
 	if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(s.clock.Now()) {
 		sent := s.clock.Now()
-		if err = s.reassert(ctx, nil, h, c.event); err == nil {
+		if err = c.reassert(ctx, nil, h); err == nil {
 			h.reachedAt(sent)
 			err = write()
 		}
 	}
 	c.fate = leaseHeld
 	if errors.Is(err, cache.ErrLeaseLost) {
-		s.leaseLost(h, c.event, "completion")
+		c.leaseLost(h, "completion")
 	}
 	h.spent = err == nil
 	return err
@@ -233,7 +233,7 @@ func (c *leaseCall) release(reason string) {
 	err := s.store.Release(context.WithoutCancel(c.ctx), c.hold.lease)
 	c.fate = leaseHeld
 	s.releaseObs.Observe(time.Since(start).Seconds())
-	s.storeDone("release", sp, err)
+	c.storeDone("release", sp, err)
 	if err != nil {
 		c.drop(leaseLeft)
 		c.failed("release", err)
@@ -273,11 +273,11 @@ func (c *leaseCall) failed(op string, err error) {
 
 // renew runs on a renewal's timer goroutine, where a panic ends the process by itself; sp is its
 // span, or nil.
-func (s *Server) renew(ctx context.Context, sp trace.Span, l cache.Lease, d time.Duration) error {
+func (c *leaseCall) renew(ctx context.Context, sp trace.Span, l cache.Lease, d time.Duration) error {
 	start := time.Now()
-	err := s.store.Renew(ctx, l, d)
-	s.renewObs.Observe(time.Since(start).Seconds())
-	s.storeDone("renew", sp, err)
+	err := c.s.store.Renew(ctx, l, d)
+	c.s.renewObs.Observe(time.Since(start).Seconds())
+	c.storeDone("renew", sp, err)
 	return err
 }
 
@@ -286,7 +286,8 @@ func (s *Server) renew(ctx context.Context, sp trace.Span, l cache.Lease, d time
 // store's failure, nor is a call the stream's end cut short. A write the replicas did not confirm
 // (durability) is counted apart, in idempotency_durability_unconfirmed_total. With neither a span
 // nor an error there is nothing to do, and the request's own calls skip it.
-func (s *Server) storeDone(op string, sp trace.Span, err error) {
+func (c *leaseCall) storeDone(op string, sp trace.Span, err error) {
+	s := c.s
 	if sp != nil {
 		if err != nil {
 			sp.RecordError(err)

@@ -107,13 +107,13 @@ func (r *renewal) tick() {
 	if h.spent {
 		return
 	}
-	err := s.keep(ctx, o.storeSpan("renew"), h, o.event)
+	err := o.keep(ctx, o.storeSpan("renew"), h)
 	next := h.lease.Claim().LockTTL / 3
 	switch {
 	case ctx.Err() != nil:
 		return
 	case errors.Is(err, cache.ErrLeaseLost):
-		s.leaseLost(h, o.event, "renewal")
+		o.leaseLost(h, "renewal")
 		return
 	case errors.Is(err, errContested):
 		o.event(s.log.Warn()).Msg("re-asserting the claim found another owner's record; trying again until lock_ttl has passed")

@@ -310,9 +310,10 @@ func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 // the process: grpc-go does not recover handlers, and the whole process, with its memory store
 // and every other stream's lease, must not go down with one request. The stream ends with
 // codes.Internal, and its lease is released or kept as for any stream cut short. A panic inside a
-// store call (leaseCall.broken tells it) goes on and ends the process, and no further store call is made: the store may be
-// left locked (the memory store's mutex) or half changed, and a process that went on would hang
-// or serve from a broken store. Install it on the gRPC server that serves s.
+// store call (the stream's leaseCall is then leaseInStore, and stream.finish marks the store
+// broken) goes on and ends the process, and no further store call is made: the store may be left
+// locked (the memory store's mutex) or half changed, and a process that went on would hang or
+// serve from a broken store. Install it on the gRPC server that serves s.
 func (s *Server) StreamInterceptor() grpc.StreamServerInterceptor {
 	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) (err error) {
 		defer func() {
