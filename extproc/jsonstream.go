@@ -9,11 +9,11 @@ import (
 // the stream calls at the request headers, at the body's end, and to render an answer.
 
 // jsonState is what the stream keeps of a request whose route reads its body's members, in its
-// requestInfo: only such requests allocate it.
+// requestInfo: only such requests allocate it. Before the body's end only a request whose route
+// match.json decides has one (stream.admit), which readBody chooses the route with, by sel; the
+// others get theirs from readBody, at the body's end.
 type jsonState struct {
-	// deferred: the route is decided by the body (match.json), chosen again with sel at its end.
-	deferred bool
-	sel      policy.Selector
+	sel policy.Selector
 	// maxBytes bounds the body while its route is not chosen: the largest max_request_bytes of
 	// the routes it may take.
 	maxBytes int
@@ -23,10 +23,11 @@ type jsonState struct {
 	scope [][]byte
 }
 
-// maxRequestBytes bounds the request body the stream holds: its route's max_request_bytes, or,
-// while match.json has not chosen the route, the largest of the routes it may take.
+// maxRequestBytes bounds the request body the stream collects: its route's max_request_bytes, or,
+// while match.json has not chosen the route (a jsonState before the body's end), the largest of
+// the routes it may take.
 func (st *stream) maxRequestBytes() int {
-	if js := st.req.info.body; js != nil && js.deferred {
+	if js := st.req.info.body; js != nil {
 		return js.maxBytes
 	}
 	return st.req.route.MaxRequestBytes
@@ -101,10 +102,9 @@ func (st *stream) readBody(body []byte) ([]byte, bool) {
 func (st *stream) chooseRoute(body []byte) (read bodyRead, readFor *route, ok bool) {
 	a := st.req
 	js := a.info.body
-	if js == nil || !js.deferred {
+	if js == nil {
 		return read, nil, true
 	}
-	js.deferred = false
 	r, params, _ := st.s.policy.SelectBy(js.sel, func(c *policy.Route) bool {
 		readFor = st.s.routes[c]
 		read = readJSON(readFor.json, body)

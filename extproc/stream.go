@@ -465,7 +465,7 @@ func (st *stream) admit(req *extprocv3.ProcessingRequest, h headers) bool {
 	if a.route.decidedByBody && !isGRPC(h) {
 		// The body decides the route (match.json): readBody chooses it, by sel, and admits the
 		// request at the body's end.
-		a.info.body = &jsonState{deferred: true, sel: sel, maxBytes: st.s.policy.MaxRequestBytesBy(sel)}
+		a.info.body = &jsonState{sel: sel, maxBytes: st.s.policy.MaxRequestBytesBy(sel)}
 		a.adm = admission{covered: true, needsBody: true}
 	} else if a.adm = admit(a.route, a.info); a.adm.grpc {
 		a.adm = grpcAdmit(a.adm, st.pc.GetRequestBodyMode())
