@@ -1,6 +1,6 @@
 // Package wire decodes the messages Envoy sends an ext_proc server as protobuf's decoder does,
-// in less than half its time (BenchmarkRequestDecoding). go-control-plane
-// ships generated encoders (vtprotobuf) but no generated decoder.
+// faster and with fewer allocations (BenchmarkRequestDecoding). go-control-plane ships generated
+// encoders (vtprotobuf) but no generated decoder.
 package wire
 
 import (
@@ -15,9 +15,9 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 )
 
-// DecodeRequest takes less than half protobuf's time and allocations for a BUFFERED request's
-// four messages as Envoy sends them (BenchmarkRequestDecoding). DecodeRequest reads what Envoy
-// sends: the headers, bodies and trailers of either direction, the attributes, the forwarded
+// DecodeRequest takes less time and fewer allocations than protobuf's decoder for a BUFFERED
+// request's four messages as Envoy sends them (BenchmarkRequestDecoding). DecodeRequest reads what
+// Envoy sends: the headers, bodies and trailers of either direction, the attributes, the forwarded
 // metadata (untyped), the protocol configuration and observability_mode. It points the bytes fields
 // (bodies, raw header values) into the message, capped so that an append cannot reach past them,
 // and, in a message of at most sharedStrings bytes, cuts the strings (header names, the attributes)
