@@ -42,7 +42,10 @@ type leaseCall struct {
 	resp   cache.Response
 	origin origin
 	// fp backs the request's fingerprint (stream.keys), which its claim and hold keep: made
-	// once per request, it lives as long as they do.
+	// once per request, it lives as long as they do. The memory store's lease keeps it too
+	// (cache.Store.Acquire), so that a hold would keep the stream's allocation; but that store's
+	// writes never go to the completions' retries (it fails one only for a lost lease or a closed
+	// store), and Redis's lease keeps a copy.
 	fp [sha256.Size]byte
 }
 
