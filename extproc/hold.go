@@ -193,7 +193,7 @@ func (c *leaseCall) keep(ctx context.Context, sp trace.Span, h *hold) error {
 	if h.mayHaveLapsed(sent) {
 		err = c.reassert(ctx, sp, h)
 	} else {
-		err = c.renew(ctx, sp, h.lease, h.lease.Claim().LockTTL)
+		err = c.renew(ctx, sp, h)
 		if errors.Is(err, cache.ErrLeaseLost) && h.mayHaveLapsed(c.s.clock.Now()) {
 			// The renewal was answered after the lease could have expired: that may be all
 			// that happened to it.

@@ -107,10 +107,10 @@ func KeyHash(p *policy.Policy, req KeyRequest, keyHash func() hash.Hash) (_ *pol
 		return nil, "", fmt.Errorf("route %q: the processor answers %d %s: %s", r.Name, a.problem.status, a.problem.code, a.problem.detail)
 	}
 	d := newDigest(keyHash)
-	if a.key == "" && a.grpc {
-		return nil, "", fmt.Errorf("route %q makes a gRPC call's key from its framed message (missing_key: body-hash), which key-hash cannot take: give the call's key", r.Name)
-	}
 	if a.key == "" {
+		if a.grpc {
+			return nil, "", fmt.Errorf("route %q makes a gRPC call's key from its framed message (missing_key: body-hash), which key-hash cannot take: give the call's key", r.Name)
+		}
 		if req.Path == "" {
 			return nil, "", fmt.Errorf("route %q makes the key of a request without one from its method, path and body (missing_key: body-hash): give the request's path, with its query", r.Name)
 		}

@@ -274,11 +274,11 @@ func (c *leaseCall) failed(op string, err error) {
 	c.event(ev).Str("op", op).Err(err).Msg("store operation failed")
 }
 
-// renew runs on a renewal's timer goroutine, where a panic ends the process by itself; sp is its
-// span, or nil.
-func (c *leaseCall) renew(ctx context.Context, sp trace.Span, l cache.Lease, d time.Duration) error {
+// renew extends h's lease by its lock TTL. It runs on a renewal's timer goroutine, where a panic
+// ends the process by itself; sp is its span, or nil.
+func (c *leaseCall) renew(ctx context.Context, sp trace.Span, h *hold) error {
 	start := time.Now()
-	err := c.s.store.Renew(ctx, l, d)
+	err := c.s.store.Renew(ctx, h.lease, h.lease.Claim().LockTTL)
 	c.s.renewObs.Observe(time.Since(start).Seconds())
 	c.storeDone("renew", sp, err)
 	return err
