@@ -12,7 +12,6 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
-	"golang.org/x/tools/go/packages"
 )
 
 // sharedTypes are the structs a stream points to without owning them, and why: their fields are
@@ -29,11 +28,8 @@ var sharedTypes = map[string]string{
 // map, interface or channel counts as one field, whatever it holds; so does a struct of another
 // module.
 func TestStreamFields(t *testing.T) {
-	cfg := &packages.Config{BuildFlags: []string{"-tags=vtprotobuf"}, Mode: packages.NeedName | packages.NeedSyntax | packages.NeedTypes | packages.NeedTypesInfo, Dir: ".."}
-	pkgs, err := packages.Load(cfg, "./extproc")
-	require.NoError(t, err)
+	pkgs := loadTyped(t, "./extproc")
 	require.Len(t, pkgs, 1)
-	require.Empty(t, pkgs[0].Errors)
 	obj := pkgs[0].Types.Scope().Lookup("stream")
 	require.NotNil(t, obj, "extproc declares stream")
 
@@ -93,12 +89,9 @@ func qualified(n *types.Named) string {
 // assignment, composite literal or address taken), and settleOutcome is called from stream.move
 // alone, once.
 func TestOutcomeSettledInOnePlace(t *testing.T) {
-	cfg := &packages.Config{BuildFlags: []string{"-tags=vtprotobuf"}, Mode: packages.NeedName | packages.NeedSyntax | packages.NeedTypes | packages.NeedTypesInfo, Dir: ".."}
-	pkgs, err := packages.Load(cfg, "./extproc")
-	require.NoError(t, err)
+	pkgs := loadTyped(t, "./extproc")
 	require.Len(t, pkgs, 1)
 	p := pkgs[0]
-	require.Empty(t, p.Errors)
 	st := p.Types.Scope().Lookup("stream").Type().(*types.Named)
 	var outcome *types.Var
 	for f := range st.Underlying().(*types.Struct).Fields() {

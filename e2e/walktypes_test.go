@@ -19,9 +19,7 @@ import (
 // generic type's instances as the generic type.
 func walkTypes(t *testing.T, fns []string, ran []block) []string {
 	t.Helper()
-	cfg := &packages.Config{BuildFlags: []string{"-tags=vtprotobuf"}, Mode: packages.NeedName | packages.NeedSyntax | packages.NeedTypes | packages.NeedTypesInfo, Dir: ".."}
-	pkgs, err := packages.Load(cfg, "./cmd/...", "./extproc/...", "./internal/...")
-	require.NoError(t, err)
+	pkgs := loadTyped(t, "./cmd/...", "./extproc/...", "./internal/...")
 	root, err := filepath.Abs("..")
 	require.NoError(t, err)
 	want := map[string]bool{}
@@ -54,7 +52,6 @@ func walkTypes(t *testing.T, fns []string, ran []block) []string {
 		}
 	}
 	for _, p := range pkgs {
-		require.Empty(t, p.Errors, "%s loads", p.PkgPath)
 		for _, f := range p.Syntax {
 			file, err := filepath.Rel(root, p.Fset.Position(f.Pos()).Filename)
 			require.NoError(t, err)
@@ -150,4 +147,17 @@ func walkPrefix(pkg string) string {
 		return ""
 	}
 	return pkg + "."
+}
+
+// loadTyped loads the module's packages that patterns name, with their syntax and types, built as
+// the image builds them (-tags vtprotobuf), and fails t when one does not load.
+func loadTyped(t *testing.T, patterns ...string) []*packages.Package {
+	t.Helper()
+	cfg := &packages.Config{BuildFlags: []string{"-tags=vtprotobuf"}, Mode: packages.NeedName | packages.NeedSyntax | packages.NeedTypes | packages.NeedTypesInfo, Dir: ".."}
+	pkgs, err := packages.Load(cfg, patterns...)
+	require.NoError(t, err)
+	for _, p := range pkgs {
+		require.Empty(t, p.Errors, "%s loads", p.PkgPath)
+	}
+	return pkgs
 }
