@@ -29,14 +29,10 @@ var (
 )
 
 // buildOnce returns the path of pkg's command, named name, built without the race detector into
-// a directory of its own the first time it is called.
+// the tests' binDir the first time it is called.
 func buildOnce(pkg, name string) func() (string, error) {
 	return sync.OnceValues(func() (string, error) {
-		dir, err := os.MkdirTemp("", "idempotency-extproc-"+name)
-		if err != nil {
-			return "", err
-		}
-		path := filepath.Join(dir, name)
+		path := filepath.Join(binDir, name)
 		if out, err := exec.Command("go", "build", "-o", path, pkg).CombinedOutput(); err != nil {
 			return "", &buildError{out: string(out), err: err}
 		}

@@ -8,6 +8,9 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
 
+// binDir holds the commands the tests build (buildOnce), and goes when they end.
+var binDir string
+
 // TestMain runs the tests without the shell's IDEMPOTENCY_* and OTEL_* variables, but the one the
 // tests read (redistest.RequireEnv): the program reads them, in this process and in the ones the
 // tests start, which run as each test says, whatever the shell sets.
@@ -18,5 +21,11 @@ func TestMain(m *testing.M) {
 			_ = os.Unsetenv(name)
 		}
 	}
-	os.Exit(m.Run())
+	var err error
+	if binDir, err = os.MkdirTemp("", "idempotency-extproc-test"); err != nil {
+		panic(err)
+	}
+	code := m.Run()
+	_ = os.RemoveAll(binDir)
+	os.Exit(code)
 }
