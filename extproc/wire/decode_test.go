@@ -112,24 +112,15 @@ func TestDecodeRequest(t *testing.T) {
 // TestDecodeRequestFallsBack: what the hand decoder does not read goes to proto.Unmarshal, with
 // the same message or the same failure.
 func TestDecodeRequestFallsBack(t *testing.T) {
-	headers, err := proto.Marshal(envoyMessages(t)[0])
-	require.NoError(t, err)
-	body, err := proto.Marshal(envoyMessages(t)[1])
-	require.NoError(t, err)
-	withTyped, err := proto.Marshal(&extprocv3.ProcessingRequest{
+	headers := mustMarshal(t, envoyMessages(t)[0])
+	body := mustMarshal(t, envoyMessages(t)[1])
+	withTyped := mustMarshal(t, &extprocv3.ProcessingRequest{
 		Request:         &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: []byte("x")}},
 		MetadataContext: &corev3.Metadata{TypedFilterMetadata: map[string]*anypb.Any{"f": {TypeUrl: "type.googleapis.com/x"}}},
 	})
-	require.NoError(t, err)
-	badKey, err := proto.Marshal(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
-		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: "ok"}}},
-	}}})
-	require.NoError(t, err)
-	badKey[len(badKey)-1] = 0xff // the key's last byte: not UTF-8
 	// corrupt encodes m and makes the string "zz" in it not UTF-8.
 	corrupt := func(m *extprocv3.ProcessingRequest) []byte {
-		raw, err := proto.Marshal(m)
-		require.NoError(t, err)
+		raw := mustMarshal(t, m)
 		i := bytes.Index(raw, []byte("zz"))
 		require.GreaterOrEqual(t, i, 0)
 		raw[i] = 0xff
@@ -142,13 +133,11 @@ func TestDecodeRequestFallsBack(t *testing.T) {
 	for range maxStructDepth + 2 {
 		deep = map[string]any{"in": deep}
 	}
-	kindTwice := protowire.AppendTag(nil, 9, protowire.BytesType)
-	entry := protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), []byte("k"))
-	twice := protowire.AppendVarint(protowire.AppendTag(nil, 4, protowire.VarintType), 1)
-	twice = protowire.AppendVarint(protowire.AppendTag(twice, 1, protowire.VarintType), 0)
-	field := protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), protowire.AppendBytes(protowire.AppendTag(append([]byte(nil), protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), []byte("f"))...), 2, protowire.BytesType), twice))
-	entry = protowire.AppendBytes(protowire.AppendTag(entry, 2, protowire.BytesType), field)
-	kindTwice = protowire.AppendBytes(kindTwice, entry)
+	// An attributes entry "k" whose Struct's field "f" holds a Value with two kinds (bool, then
+	// null).
+	twice := varintField(varintField(nil, 4, 1), 1, 0)
+	field := bytesField(nil, 1, bytesField(bytesField(nil, 1, []byte("f")), 2, twice))
+	kindTwice := bytesField(nil, 9, bytesField(bytesField(nil, 1, []byte("k")), 2, field))
 	for name, raw := range map[string][]byte{
 		"an attribute's name that is not UTF-8":   corrupt(withAttrs(map[string]any{"zz": 1})),
 		"an attribute's string that is not UTF-8": corrupt(withAttrs(map[string]any{"a": "zz"})),
@@ -161,7 +150,7 @@ func TestDecodeRequestFallsBack(t *testing.T) {
 		"an unknown field":                        protowire.AppendVarint(protowire.AppendTag(append([]byte(nil), body...), 99, protowire.VarintType), 7),
 		"the oneof twice":                         append(append([]byte(nil), body...), body...),
 		"the headers and a body":                  append(append([]byte(nil), headers...), body...),
-		"a key that is not UTF-8":                 badKey,
+		"a key that is not UTF-8":                 corrupt(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: "zz"}}}}}}),
 		"cut short":                               headers[:len(headers)-3],
 		"a group":                                 protowire.AppendTag(nil, 2, protowire.StartGroupType),
 	} {
@@ -186,24 +175,27 @@ func mustMarshal(t testing.TB, m proto.Message) []byte {
 	return raw
 }
 
+// varintField and bytesField append field num, a varint or a length-delimited value, to b.
+func varintField(b []byte, num protowire.Number, v uint64) []byte {
+	return protowire.AppendVarint(protowire.AppendTag(b, num, protowire.VarintType), v)
+}
+
+func bytesField(b []byte, num protowire.Number, v []byte) []byte {
+	return protowire.AppendBytes(protowire.AppendTag(b, num, protowire.BytesType), v)
+}
+
 // TestDecodeRequestLikeProtobuf: what the hand decoder reads where protobuf has a rule of its
 // own: a scalar repeated (the last one counts), an enum or a null beyond its values (kept as
 // the number, cut to 32 bits), a header map with no header (nil headers, not an empty slice).
 func TestDecodeRequestLikeProtobuf(t *testing.T) {
-	varint := func(b []byte, num protowire.Number, v uint64) []byte {
-		return protowire.AppendVarint(protowire.AppendTag(b, num, protowire.VarintType), v)
-	}
-	message := func(b []byte, num protowire.Number, v []byte) []byte {
-		return protowire.AppendBytes(protowire.AppendTag(b, num, protowire.BytesType), v)
-	}
-	null := message(nil, 1, []byte("k"))
-	null = message(null, 2, varint(nil, 1, 1<<33+7))
+	null := bytesField(nil, 1, []byte("k"))
+	null = bytesField(null, 2, varintField(nil, 1, 1<<33+7))
 	for name, raw := range map[string][]byte{
-		"observability_mode twice":    varint(varint(nil, 10, 1), 10, 0),
-		"end_of_stream twice":         message(nil, 4, varint(varint(nil, 2, 0), 2, 1)),
-		"a body mode beyond its enum": message(nil, 11, varint(varint(nil, 1, 1<<40+3), 2, 99)),
-		"a null beyond its enum":      message(nil, 9, message(message(nil, 1, []byte("a")), 2, message(nil, 1, null))),
-		"no header":                   message(nil, 2, message(nil, 1, nil)),
+		"observability_mode twice":    varintField(varintField(nil, 10, 1), 10, 0),
+		"end_of_stream twice":         bytesField(nil, 4, varintField(varintField(nil, 2, 0), 2, 1)),
+		"a body mode beyond its enum": bytesField(nil, 11, varintField(varintField(nil, 1, 1<<40+3), 2, 99)),
+		"a null beyond its enum":      bytesField(nil, 9, bytesField(bytesField(nil, 1, []byte("a")), 2, bytesField(nil, 1, null))),
+		"no header":                   bytesField(nil, 2, bytesField(nil, 1, nil)),
 	} {
 		var want, got extprocv3.ProcessingRequest
 		require.NoError(t, proto.Unmarshal(raw, &want), name)
