@@ -28,6 +28,7 @@ import (
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/envoyconf"
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/proxy"
 	"github.com/idempotency-extproc/idempotency-extproc/e2e/upstream"
+	"github.com/idempotency-extproc/idempotency-extproc/internal/extproctest"
 )
 
 // The end-to-end tests run the built binary behind Envoy's ext_proc filter, configured by the
@@ -98,7 +99,8 @@ func startListening(t *testing.T, env []string, args ...string) *processor {
 // OTEL_*): a processor a test starts runs as the test says, whatever the shell that runs it sets.
 func ownEnviron() []string {
 	return slices.DeleteFunc(os.Environ(), func(kv string) bool {
-		return strings.HasPrefix(kv, "IDEMPOTENCY_") || strings.HasPrefix(kv, "OTEL_")
+		name, _, _ := strings.Cut(kv, "=")
+		return extproctest.ConfiguresProgram(name)
 	})
 }
 

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/idempotency-extproc/idempotency-extproc/internal/extproctest"
 	"github.com/idempotency-extproc/idempotency-extproc/internal/redistest"
 )
 
@@ -17,7 +18,7 @@ var binDir string
 func TestMain(m *testing.M) {
 	for _, kv := range os.Environ() {
 		name, _, _ := strings.Cut(kv, "=")
-		if strings.HasPrefix(name, "OTEL_") || strings.HasPrefix(name, "IDEMPOTENCY_") && name != redistest.RequireEnv {
+		if extproctest.ConfiguresProgram(name) && name != redistest.RequireEnv {
 			_ = os.Unsetenv(name)
 		}
 	}
